@@ -1,0 +1,35 @@
+# The two set-up commands: `make serve` and `make test`. Both bootstrap .venv idempotently.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_DIR ?= models/tiny-qwen3-moe
+PORT ?= 8000
+
+.PHONY: serve test venv model lint bench clean
+
+venv: $(STAMP)
+
+# Reinstall only when the project's dependency list changes.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(VENV)/bin/elasticmoe make-model --arch qwen3_moe --preset tiny --seed 0 --out $(MODEL_DIR)
+
+model: $(MODEL_DIR)/config.json
+
+serve: $(STAMP) $(MODEL_DIR)/config.json
+	$(VENV)/bin/elasticmoe serve --single --model $(MODEL_DIR) --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check elasticmoe hmm imm coordinator tests
+
+clean:
+	rm -rf $(VENV) models

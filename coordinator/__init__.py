@@ -1,0 +1,1 @@
+"""coordinator: see DESIGN.md. Populated by later issues."""

@@ -1,0 +1,1 @@
+"""ElasticMoE core: config, models, layers, engine, adapters, cli."""

@@ -1,0 +1,200 @@
+"""Internal configuration: the model (parsed from an HF `config.json`) and the engine.
+
+Both are frozen dataclasses validated in `__post_init__`; user-facing options
+(CLI, HTTP) are converted into these in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture facts the engine needs, normalised across the three families."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (DeepSeek dense layers)
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    moe_layer_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    # DeepSeek-V2 specifics (MLA + routing); zero/None elsewhere.
+    num_shared_experts: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    topk_method: str = "greedy"
+    num_groups: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"model_type: {self.arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_key_value_heads must divide num_attention_heads")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts], got {self.top_k}")
+        if self.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported")
+        if self.num_experts % self.num_groups:
+            raise ValueError("n_group must divide n_routed_experts")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.arch == "deepseek_v2"
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id in self.moe_layer_ids
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model: no config.json in {model_dir}")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, c: dict) -> ModelConfig:
+        arch = c.get("model_type", "")
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"model_type: {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"rope_scaling: only default RoPE is supported, got {rope}")
+        rope_theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        num_layers = c["num_hidden_layers"]
+        num_heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        common = dict(
+            arch=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=c.get("num_key_value_heads") or num_heads,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=c.get("bos_token_id"),
+            extra=c,
+        )
+        if arch == "qwen3_moe":
+            sparse_step = c.get("decoder_sparse_step", 1)
+            mlp_only = set(c.get("mlp_only_layers") or [])
+            num_experts = c.get("num_experts") or c["num_local_experts"]
+            moe_ids = tuple(
+                i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0
+            )
+            return cls(
+                **common,
+                head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+                intermediate_size=c["intermediate_size"],
+                moe_intermediate_size=c["moe_intermediate_size"],
+                num_experts=num_experts,
+                top_k=c["num_experts_per_tok"],
+                norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                moe_layer_ids=moe_ids,
+            )
+        if arch == "mixtral":
+            return cls(
+                **common,
+                head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+                intermediate_size=c["intermediate_size"],
+                moe_intermediate_size=c["intermediate_size"],
+                num_experts=c["num_local_experts"],
+                top_k=c["num_experts_per_tok"],
+                norm_topk_prob=True,
+                moe_layer_ids=tuple(range(num_layers)),
+            )
+        # deepseek_v2
+        first_dense = c.get("first_k_dense_replace", 0)
+        freq = c.get("moe_layer_freq", 1)
+        num_experts = c["n_routed_experts"]
+        return cls(
+            **common,
+            head_dim=c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
+            intermediate_size=c["intermediate_size"],
+            moe_intermediate_size=c["moe_intermediate_size"],
+            num_experts=num_experts,
+            top_k=c["num_experts_per_tok"],
+            norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            moe_layer_ids=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
+            num_shared_experts=c.get("n_shared_experts") or 0,
+            kv_lora_rank=c["kv_lora_rank"],
+            q_lora_rank=c.get("q_lora_rank"),
+            qk_nope_head_dim=c["qk_nope_head_dim"],
+            qk_rope_head_dim=c["qk_rope_head_dim"],
+            v_head_dim=c["v_head_dim"],
+            topk_method=c.get("topk_method", "greedy"),
+            num_groups=c.get("n_group") or 1,
+            topk_group=c.get("topk_group") or 1,
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How one engine instance runs: memory, batching and parallel layout."""
+
+    model: str
+    dtype: torch.dtype = torch.bfloat16
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank: must be in [0, ep_size), got {self.ep_rank} of {self.ep_size}")

@@ -1,0 +1,1 @@
+"""hmm: see DESIGN.md. Populated by later issues."""

@@ -1,0 +1,1 @@
+"""imm: see DESIGN.md. Populated by later issues."""

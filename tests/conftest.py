@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny checkpoints of each architecture, built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """arch -> directory of a tiny checkpoint made by `elasticmoe make-model`."""
+    from elasticmoe.tools.make_model import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(make_model(arch, "tiny", seed=0, out=str(root / arch))) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_dirs) -> str:
+    return tiny_model_dirs["qwen3_moe"]
