@@ -8,15 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elasticmoe.errors import InvalidRequestError
+
 _GREEDY_EPS = 1e-5
 
 
-class SamplingParamError(ValueError):
-    """A `ValueError` that carries the name of the invalid field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
+class SamplingParamError(InvalidRequestError):
+    """An invalid sampling value; `.param` names the field."""
 
 
 @dataclass

@@ -1,0 +1,278 @@
+"""`AsyncLLM`: an asyncio front end for one `LLMEngine`, stepped by a dedicated thread.
+
+Threading model (the engine is not thread-safe):
+
+- Only the loop thread calls the engine (`add_request`, `abort`, `step`). Other
+  threads talk to it through a command queue; when the engine has no work the
+  thread blocks on that queue, so an idle server does not spin.
+- Outputs travel back per request: the loop thread hands each step's outputs to
+  the event loop of the request's consumer with one `call_soon_threadsafe` per
+  loop and step, which puts them on that request's `asyncio.Queue`.
+- A request leaves `_streams` exactly once: when its finished output is
+  delivered, when `add_request` rejects it, when it is aborted, or when the
+  engine dies. A consumer that stops early (break, cancellation, disconnect)
+  aborts the request in the engine, so no engine memory outlives its consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore(Protocol):
+    """The part of `LLMEngine` that `AsyncLLM` drives."""
+
+    tokenizer: Any
+    max_model_len: int
+    num_running: int
+    num_waiting: int
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def abort(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, shut down, or crashed)."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException | None]  # None: aborted from outside
+
+
+class AsyncLLM:
+    """Serve one engine to many asyncio consumers. Lifecycle: `start` -> `generate`* -> `shutdown`."""
+
+    def __init__(self, engine: EngineCore, *, stall_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._has_work = False
+        self._last_tick = time.monotonic()
+        self.num_running = 0
+        self.num_waiting = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping and self._error is None
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` if the loop is not running or has not ticked recently while it has work."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop crashed: {self._error!r}")
+        if self._thread is None or not self._thread.is_alive() or self._stopping:
+            raise EngineDeadError("engine loop is not running")
+        stalled_s = time.monotonic() - self._last_tick
+        if self._has_work and stalled_s > self.stall_timeout_s:
+            raise EngineDeadError(f"engine loop has not stepped for {stalled_s:.1f}s while it has work")
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop thread; consumers still waiting get `EngineDeadError`. Idempotent."""
+        self._stopping = True
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._commands.put(_Stop())
+            thread.join(timeout_s)
+            if thread.is_alive():
+                logger.warning("engine loop did not stop within %.0fs", timeout_s)
+        self._fail_all(EngineDeadError("engine was shut down"))
+
+    # ------------------------------------------------------------ client API
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield this request's outputs until one has `finished=True`.
+
+        Input errors from `LLMEngine.add_request` (a `ValueError` with `.param`)
+        are raised here, before anything is yielded. If the request is aborted
+        from elsewhere (`abort`), the last item has `finish_reason="abort"`.
+        Leaving early aborts the request in the engine.
+        """
+        if not self.is_ready:
+            self.check_health()
+            raise EngineDeadError("engine loop is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt, params))
+        done = False
+        last: RequestOutput | None = None
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item is None:  # aborted via `abort()`
+                    done = True
+                    yield _aborted_output(request_id, last)
+                    return
+                last = item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self._forget(request_id)
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its `generate` consumer (if any) ends with `finish_reason="abort"`."""
+        stream = self._forget(request_id)
+        self._commands.put(_Abort(request_id))
+        if stream is not None:
+            _call_soon(stream.loop, stream.queue.put_nowait, None)
+
+    # ------------------------------------------------------------ loop thread
+
+    def _forget(self, request_id: str) -> _Stream | None:
+        with self._lock:
+            return self._streams.pop(request_id, None)
+
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        try:
+            while True:
+                # NOTE: block only when the engine is idle; otherwise drain without waiting and step.
+                if not self.engine.has_unfinished_requests():
+                    self._has_work = False
+                    command = self._commands.get()
+                    self._has_work, self._last_tick = True, time.monotonic()
+                    if not self._apply(command):
+                        return
+                while True:
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._apply(command):
+                        return
+                self._has_work = self.engine.has_unfinished_requests()
+                self._last_tick = time.monotonic()
+                if self._has_work:
+                    self._deliver(self.engine.step())
+                self.num_running = self.engine.num_running
+                self.num_waiting = self.engine.num_waiting
+        except BaseException as exc:  # noqa: BLE001 - any crash must reach the consumers
+            logger.exception("engine loop crashed")
+            self._error = exc
+            self._fail_all(EngineDeadError(f"engine loop crashed: {exc!r}"))
+        finally:
+            logger.info("engine loop stopped")
+
+    def _apply(self, command: _Add | _Abort | _Stop) -> bool:
+        """Run one command on the engine; False means stop the loop."""
+        if isinstance(command, _Stop):
+            return False
+        if isinstance(command, _Abort):
+            self.engine.abort(command.request_id)
+            return True
+        with self._lock:
+            stream = self._streams.get(command.request_id)
+        if stream is None:  # consumer already gone
+            return True
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except Exception as exc:  # input errors belong to the caller of generate()
+            self._forget(command.request_id)
+            _call_soon(stream.loop, stream.queue.put_nowait, exc)
+        return True
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Route outputs to their consumers' queues, one wake-up per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, batch in batches.items():
+            _call_soon(loop, _put_all, batch)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            _call_soon(stream.loop, stream.queue.put_nowait, exc)
+
+
+def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream.queue.put_nowait(out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the consumer's loop is closed; nobody is listening
+        pass
+
+
+def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=list(last.prompt_token_ids) if last else [],
+        new_token_ids=[],
+        new_text="",
+        output_token_ids=list(last.output_token_ids) if last else [],
+        text=last.text if last else "",
+        finished=True,
+        finish_reason="abort",
+    )

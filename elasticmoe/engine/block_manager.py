@@ -1,0 +1,70 @@
+"""Fixed-size KV blocks: a free list and reference counts over the pool's block ids."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from elasticmoe.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Hands out block ids of a pool of `num_blocks` blocks of `block_size` tokens.
+
+    An allocation that does not fit changes nothing and returns False; the
+    caller preempts and retries (or waits).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        total = request.num_computed_tokens + num_new_tokens
+        return max(0, cdiv(total, self.block_size) - len(request.block_ids))
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Grow `request.block_ids` to hold `num_new_tokens` more tokens; False if the pool is short."""
+        needed = self.num_blocks_needed(request, num_new_tokens)
+        if not self.can_allocate(needed):
+            return False
+        for _ in range(needed):
+            block_id = self.free_block_ids.popleft()
+            self.ref_counts[block_id] = 1
+            request.block_ids.append(block_id)
+        return True
+
+    def free(self, request: Request) -> None:
+        # Free in reverse so the tail blocks (least likely shared) return first.
+        for block_id in reversed(request.block_ids):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids.append(block_id)
+        request.block_ids = []
+
+    def check_integrity(self, requests: list[Request]) -> None:
+        """Every block is either free (ref 0) or held; held counts match the requests' tables."""
+        held: dict[int, int] = {}
+        for r in requests:
+            for b in r.block_ids:
+                held[b] = held.get(b, 0) + 1
+        free = set(self.free_block_ids)
+        assert len(free) == len(self.free_block_ids), "duplicate block in free list"
+        for b in range(self.num_blocks):
+            assert self.ref_counts[b] == held.get(b, 0), f"block {b}: ref {self.ref_counts[b]} != held {held.get(b, 0)}"
+            assert (b in free) == (self.ref_counts[b] == 0), f"block {b}: free-list membership disagrees with ref count"

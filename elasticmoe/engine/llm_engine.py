@@ -1,0 +1,173 @@
+"""The engine: requests in, token deltas out, one `step()` at a time.
+
+Not thread-safe: one thread calls `add_request`, `abort` and `step`.
+Under expert parallelism every rank of the group calls `step()` the same
+number of times (a rank with no work runs an empty forward), so the MoE
+collectives never hang.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.block_manager import BlockManager
+from elasticmoe.engine.kv_cache import KVCacheSpec, KVProvider, LocalKVProvider, num_blocks_for_budget
+from elasticmoe.engine.model_runner import ModelRunner
+from elasticmoe.engine.output_processor import OutputProcessor
+from elasticmoe.engine.request import Request
+from elasticmoe.engine.sampler import Sampler
+from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
+from elasticmoe.errors import InvalidRequestError
+from elasticmoe.models.registry import model_family
+from elasticmoe.models.weights import SafetensorsWeightProvider, WeightProvider, load_weights
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.parallel.dispatch import AllToAllDispatcher, LocalDispatcher
+from elasticmoe.parallel.expert_placement import ExpertPlacement
+from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        weight_provider: WeightProvider | None = None,
+        kv_provider: KVProvider | None = None,
+        placement: ExpertPlacement | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = cfg = ModelConfig.from_pretrained(config.model)
+        self.tokenizer = Tokenizer(config.model)
+        self.placement = placement or ExpertPlacement.balanced(cfg.num_experts, config.ep_size)
+        if self.placement.num_ranks != config.ep_size:
+            raise ValueError(f"placement: has {self.placement.num_ranks} ranks, ep_size is {config.ep_size}")
+
+        family = model_family(cfg.arch)
+        specs = family.param_specs(cfg, self.placement.local_expert_ids(config.ep_rank))
+        provider = weight_provider or SafetensorsWeightProvider(config.model)
+        self.weights = load_weights(specs, provider, config.dtype)
+        if config.ep_size == 1:
+            dispatcher = LocalDispatcher(self.placement)
+        else:
+            dispatcher = AllToAllDispatcher(self.placement, config.ep_rank, ep_group)
+        self.model = family.build(cfg, self.weights, dispatcher)
+
+        self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), config.dtype)
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
+        self.kv_pool = (kv_provider or LocalKVProvider()).allocate(self.kv_spec, num_blocks)
+        self.max_model_len = self._max_model_len(num_blocks)
+
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size)
+        self.sampler = Sampler(config.seed)
+        eos_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
+        self.output_processor = OutputProcessor(self.tokenizer, eos_ids)
+        self.requests: dict[str, Request] = {}
+        logger.info(
+            "engine ready: %s, %s, %d KV blocks x %d tokens, max_model_len %d, ep %d/%d",
+            cfg.arch, config.dtype, num_blocks, config.block_size, self.max_model_len, config.ep_rank, config.ep_size,
+        )
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        limit = self.config.max_model_len or self.model_config.max_position_embeddings
+        limit = min(limit, self.model_config.max_position_embeddings)
+        capacity = num_blocks * self.config.block_size
+        if capacity < limit:
+            # A request longer than the pool could never be scheduled; refuse it up front instead.
+            logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", capacity, limit)
+            limit = capacity
+        return limit
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises `InvalidRequestError` (a ValueError naming the field); nothing is kept then."""
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"request {request_id!r} is already running")
+        token_ids = self._prompt_token_ids(prompt)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be < vocab size {vocab}")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"prompt has {len(token_ids)} tokens; the maximum context length is {self.max_model_len}"
+            )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
+                f"context length {self.max_model_len}",
+            )
+        request = Request(request_id, token_ids, len(token_ids), params, self.max_model_len)
+        self.requests[request_id] = request
+        self.output_processor.add(request)
+        self.scheduler.add(request)
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            if any(not 0 <= t < self.model_config.vocab_size for t in token_ids):
+                raise InvalidRequestError("prompt", f"token ids must be in [0, {self.model_config.vocab_size})")
+        else:
+            raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+        if not token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its KV blocks; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request)
+            self.output_processor.remove(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> update. Returns outputs of requests that made progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty and self.config.ep_size == 1:
+            return []
+        logits, sample_indices = self.runner.execute(sched)
+        return self._update(sched, logits, sample_indices)
+
+    def _update(self, sched: SchedulerOutput, logits: torch.Tensor, sample_indices: list[int]) -> list[RequestOutput]:
+        sampling = [r for (r, _), i in zip(sched.scheduled, sample_indices, strict=True) if i >= 0]
+        for request, n in sched.scheduled:
+            request.num_computed_tokens += n
+        if not sampling:
+            return []
+        result = self.sampler(logits, sampling)
+        outputs = []
+        for request, token_id, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            request.token_ids.append(token_id)
+            finished = self.output_processor.append_token(request, token_id, logprob)
+            outputs.append(self.output_processor.make_output(request, finished))
+            if finished:
+                self.scheduler.finish(request)
+                self.requests.pop(request.request_id, None)
+                self.output_processor.remove(request.request_id)
+        return outputs

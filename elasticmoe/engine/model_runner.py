@@ -1,0 +1,83 @@
+"""Turns a scheduler output into model inputs, runs the model, returns logits.
+
+All per-step index tensors are built here once and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elasticmoe.engine.request import Request
+from elasticmoe.engine.scheduler import SchedulerOutput
+from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan
+from elasticmoe.models.common import CausalLM, ForwardContext
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = block_size
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _decode_metadata(self, decodes: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded cache slots [D, K_max] of each decoding sequence and its mask [D, 1, 1, K_max]."""
+        context_lens = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
+        max_blocks = max(len(r.block_ids) for r in decodes)
+        table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+        for row, r in enumerate(decodes):
+            table[row, : len(r.block_ids)] = torch.tensor(r.block_ids)
+        k_max = int(context_lens.max())
+        positions = torch.arange(k_max)
+        slots = table[:, positions // self.block_size] * self.block_size + positions % self.block_size
+        mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)  # [D, K_max]
+        return slots, mask[:, None, None, :]
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        """Returns input ids [T], positions [T], the forward context, and the token
+        index (into T) of each request that samples this step, in schedule order (-1: no sample)."""
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        sample_indices: list[int] = []
+        decodes: list[Request] = []
+        prefills: list[PrefillSpan] = []
+        for request, n in sched.scheduled:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + n
+            token_start = len(input_ids)
+            input_ids.extend(request.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            slot_mapping.append(self._slots(request.block_ids, start, end))
+            sample_indices.append(token_start + n - 1 if end == request.num_tokens else -1)
+            if n == 1:
+                decodes.append(request)
+            else:
+                span = PrefillSpan(token_start, n, end)
+                if start > 0:  # chunked prefill: attend to earlier chunks in the cache too
+                    span.slots = self._slots(request.block_ids, 0, end)
+                    q_pos = torch.arange(start, end).unsqueeze(1)
+                    span.mask = (torch.arange(end).unsqueeze(0) <= q_pos)[None, None]
+                prefills.append(span)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_mapping) if slot_mapping else torch.empty(0, dtype=torch.long),
+            num_decode_tokens=len(decodes),
+            prefills=prefills,
+        )
+        if decodes:
+            meta.decode_slots, meta.decode_mask = self._decode_metadata(decodes)
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        pos = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
+        return ids, pos, ForwardContext(attn=meta), sample_indices
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run one forward pass; returns logits [N_sample, V] (float32) and the sample indices."""
+        ids, pos, ctx, sample_indices = self.prepare(sched)
+        hidden = self.model.forward(ids, pos, ctx, self.kv_pool)
+        rows = [i for i in sample_indices if i >= 0]
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, 0)).float()
+        return logits, sample_indices

@@ -1,0 +1,103 @@
+"""Per-request text state: incremental detokenization, stop checks, output deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elasticmoe.engine.request import Request
+from elasticmoe.outputs import RequestOutput, TokenLogprob
+from elasticmoe.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestTextState:
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class OutputProcessor:
+    """Owns the text side of every live request.
+
+    Stop strings are excluded from the text (as the OpenAI API does). While a
+    request runs, the last `max_stop_len - 1` characters are held back from the
+    stream, since they may turn out to begin a stop string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.states: dict[str, RequestTextState] = {}
+
+    def add(self, request: Request) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
+        self.states[request.request_id] = RequestTextState(detok)
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def append_token(self, request: Request, token_id: int, logprob) -> bool:
+        """Record a sampled token (already appended to `request.token_ids`); True if the request is finished."""
+        state = self.states[request.request_id]
+        params = request.params
+        if logprob is not None:
+            chosen, top = logprob
+            text_of = self.tokenizer.token_text
+            state.pending_logprobs.append(
+                TokenLogprob(token_id, text_of(token_id), chosen, [(t, text_of(t), lp) for t, lp in top])
+            )
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if not is_eos:
+            state.text += state.detokenizer.add(token_id)
+        if is_eos:
+            state.finish_reason, state.stop_reason = "stop", None
+        elif token_id in params.stop_token_ids:
+            state.finish_reason, state.stop_reason = "stop", token_id
+        elif params.stop and self._truncate_at_stop(state, params.stop):
+            state.finish_reason = "stop"
+        elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            state.finish_reason = "length"
+        elif request.num_tokens >= request.max_total_tokens:
+            state.finish_reason = "length"
+        return state.finish_reason is not None
+
+    @staticmethod
+    def _truncate_at_stop(state: RequestTextState, stops: list[str]) -> bool:
+        # Only the tail can contain a new match: earlier text was already checked.
+        search_from = max(0, state.num_emitted_chars - max(len(s) for s in stops))
+        hits = [(state.text.find(s, search_from), s) for s in stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        state.text = state.text[:index]
+        state.stop_reason = stop
+        return True
+
+    def make_output(self, request: Request, finished: bool, finish_reason: str | None = None) -> RequestOutput:
+        """The delta since the last output for this request, plus cumulative fields."""
+        state = self.states[request.request_id]
+        reason = finish_reason or state.finish_reason
+        emit_upto = len(state.text)
+        if not finished and request.params.stop:
+            emit_upto = max(state.num_emitted_chars, emit_upto - (max(len(s) for s in request.params.stop) - 1))
+        output_ids = request.output_token_ids
+        out = RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            new_token_ids=output_ids[state.num_emitted_tokens :],
+            new_text=state.text[state.num_emitted_chars : emit_upto],
+            output_token_ids=output_ids,
+            text=state.text,
+            new_logprobs=state.pending_logprobs if request.params.logprobs is not None else None,
+            finished=finished,
+            finish_reason=reason if finished else None,
+            stop_reason=state.stop_reason if finished else None,
+        )
+        state.num_emitted_chars, state.num_emitted_tokens = emit_upto, len(output_ids)
+        state.pending_logprobs = []
+        return out

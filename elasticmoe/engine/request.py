@@ -1,0 +1,59 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from elasticmoe.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Tokens are `prompt + output` in one list; `num_computed_tokens` of them have KV in the cache.
+
+    Invariant: a running request always has at least one uncomputed token (the
+    last sampled one), and after preemption `num_computed_tokens` is 0 and its
+    blocks are freed; its output so far is kept and recomputed.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_total_tokens: int  # prompt + output may not exceed this
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]

@@ -1,0 +1,72 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Rows are processed together; only seeded rows draw from their own generator.
+Logprobs are those of the model's distribution (before temperature/top-k/top-p),
+as the OpenAI API reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elasticmoe.engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # per row: (chosen logprob, top n)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [N, V] outside each row's top-k / top-p nucleus with -inf."""
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Drop a token when the tokens before it already cover top_p (always keep the first).
+    drop |= (probs.cumsum(dim=-1) - probs) > top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        num_rows = logits.shape[0]
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            params = [requests[i].params for i in random_rows]
+            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+            scaled = logits[rows] / temps
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+                scaled = _apply_top_k_top_p(
+                    scaled, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params])
+                )
+            probs = scaled.softmax(dim=-1)
+            # Exponential race (Gumbel-max equivalent): argmax(p / E), E ~ Exp(1).
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                noise[j].exponential_(generator=requests[i].generator or self.generator)
+            token_ids[rows] = (probs / noise).argmax(dim=-1)
+
+        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * num_rows
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if wanted:
+            all_logprobs = logits[wanted].log_softmax(dim=-1)
+            max_top = max(requests[i].params.logprobs or 0 for i in wanted)
+            top_vals, top_ids = all_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+            for j, i in enumerate(wanted):
+                n = requests[i].params.logprobs or 0
+                chosen = float(all_logprobs[j, token_ids[i]])
+                top = [] if not n else list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
+                logprobs[i] = (chosen, top)
+        return SampleResult(token_ids.tolist(), logprobs)

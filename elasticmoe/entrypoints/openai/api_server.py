@@ -1,0 +1,179 @@
+"""Single-process OpenAI-compatible HTTP server around one `AsyncLLM`.
+
+`build_app` wires the framework-independent handlers of `serving.py` into
+FastAPI; `run_single_server` builds the engine and runs uvicorn until SIGINT or
+SIGTERM, then stops the engine loop.
+
+A client that disconnects cancels its request: streams via Starlette's
+disconnect listener (the SSE stream is closed, which aborts the engine
+request), non-streaming requests via `_cancel_on_disconnect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Coroutine
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from elasticmoe.engine.async_llm import AsyncLLM
+from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
+from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware, ServerMetrics
+from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
+
+logger = logging.getLogger(__name__)
+
+_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"})
+_CLIENT_CLOSED = 499  # nginx's "client closed request"; only ever seen in metrics
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always closes its `SSEStream` (aborting the engine request)."""
+
+    body_iterator: SSEStream
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(
+            stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _to_response(result: BaseModel | SSEStream) -> Response:
+    if isinstance(result, SSEStream):
+        return _SSEResponse(result)
+    return JSONResponse(result.model_dump(mode="json"))
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, handler: Coroutine[Any, Any, BaseModel | SSEStream]) -> Response:
+    """Run `handler`; if the client goes away first, cancel it (which aborts its engine request)."""
+    task = asyncio.ensure_future(handler)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return Response(status_code=_CLIENT_CLOSED)
+    return _to_response(task.result())
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
+    """The OpenAI-compatible app. The caller owns `async_llm` (starts and shuts it down)."""
+    app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible MoE serving (single process)")
+    metrics = ServerMetrics(lambda: async_llm.num_running, lambda: async_llm.num_waiting)
+    serving = OpenAIServing(async_llm, served_model_name, observer=metrics)
+    install_exception_handlers(app)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics, endpoints=_ENDPOINTS)
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await _cancel_on_disconnect(request, serving.create_completion(body))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _cancel_on_disconnect(request, serving.create_chat_completion(body))
+
+    @app.get("/v1/models")
+    async def show_models() -> Response:
+        return _to_response(serving.show_models())
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            async_llm.check_health()
+        except Exception as exc:
+            logger.warning("health check failed: %s", exc)
+            return error_json(OpenAIError("Engine is not healthy.", status_code=503))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if not async_llm.is_ready:
+            return error_json(OpenAIError("Engine is not ready.", status_code=503))
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated()
+
+
+def run_single_server(
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    dtype: str = "float32",
+    served_model_name: str | None = None,
+    max_model_len: int | None = None,
+    kv_cache_gb: float | None = None,
+    max_num_batched_tokens: int | None = None,
+    log_level: str = "info",
+) -> int:
+    """Load the model, serve it until SIGINT/SIGTERM, then stop the engine. Returns an exit code."""
+    import torch  # noqa: F401 - fail early and clearly if torch is missing
+    import uvicorn
+
+    from elasticmoe.config import EngineConfig, parse_dtype
+    from elasticmoe.engine.llm_engine import LLMEngine
+
+    options: dict[str, Any] = {}
+    if max_model_len is not None:
+        options["max_model_len"] = max_model_len
+    if kv_cache_gb is not None:
+        options["kv_cache_bytes"] = int(kv_cache_gb * (1 << 30))
+    if max_num_batched_tokens is not None:
+        options["max_num_batched_tokens"] = max_num_batched_tokens
+    config = EngineConfig(model=model_dir, dtype=parse_dtype(dtype), **options)
+    name = served_model_name or Path(model_dir).resolve().name
+    logger.info("loading %s as %r", model_dir, name)
+    async_llm = AsyncLLM(LLMEngine(config))
+    async_llm.start()
+    app = build_app(async_llm, name)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10))
+    # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal with the
+    # previous handler; make SIGTERM an exception here so that the engine is still stopped below.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        server.run()
+    except (KeyboardInterrupt, _Terminated):
+        logger.info("received shutdown signal")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        async_llm.shutdown()
+    return 0

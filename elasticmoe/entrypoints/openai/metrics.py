@@ -1,0 +1,91 @@
+"""Prometheus metrics for one API server, in a registry of its own.
+
+Each app gets a fresh `CollectorRegistry`, so several apps (tests, a coordinator
+hosting more than one) never collide on metric names in the global registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from elasticmoe.entrypoints.openai.serving import RequestStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    """HTTP request counts, TTFT/e2e histograms, token counters and engine queue gauges."""
+
+    def __init__(self, num_running: Callable[[], float], num_waiting: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "elasticmoe_http_requests", "HTTP requests by endpoint and status code.",
+            ["endpoint", "status"], registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "elasticmoe_time_to_first_token_seconds", "Time from request arrival to the first output token.",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "elasticmoe_e2e_request_latency_seconds", "Time from request arrival to its last token.",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "elasticmoe_prompt_tokens", "Prompt tokens of finished requests.", ["endpoint"], registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "elasticmoe_generation_tokens", "Generated tokens of finished requests.", ["endpoint"], registry=self.registry
+        )
+        Gauge("elasticmoe_num_requests_running", "Requests being processed by the engine.",
+              registry=self.registry).set_function(num_running)
+        Gauge("elasticmoe_num_requests_waiting", "Requests queued in the engine.",
+              registry=self.registry).set_function(num_waiting)
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        if stats.ttft_s is not None:
+            self.ttft.labels(stats.endpoint).observe(stats.ttft_s)
+        self.e2e.labels(stats.endpoint).observe(stats.e2e_s)
+        self.prompt_tokens.labels(stats.endpoint).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(stats.endpoint).inc(stats.num_output_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestCountMiddleware:
+    """Count HTTP responses by route and status; unknown paths share the label "other"."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, endpoints: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.endpoints = endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # if the app raises before answering
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        path = scope.get("path", "")
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            endpoint = path if path in self.endpoints else "other"
+            self.metrics.http_requests.labels(endpoint, str(status)).inc()

@@ -1,0 +1,350 @@
+"""OpenAI-compatible request and response models (pydantic v2).
+
+Requests validate everything they can on their own: an invalid field fails
+validation with the field's name in the error location, which the error
+handlers turn into a 400 whose `param` is that field. Cross-field checks raise
+`SamplingParamError` so they, too, name the field. `to_sampling_params()` is the
+only place an HTTP request becomes engine `SamplingParams`.
+
+Responses mirror the shapes of the OpenAI API (`cmpl-`/`chatcmpl-` ids,
+`object`, `created`, `usage`); extensions are marked as such in their description.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from elasticmoe.sampling_params import SamplingParamError, SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style id such as `cmpl-3f2a...` (32 hex chars after the prefix)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored (as vLLM does) so that SDKs sending newer options keep working.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(
+        default=False, description="Send one extra chunk before [DONE] with `usage` and empty `choices`."
+    )
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str = Field(description="Name of the served model (see GET /v1/models).")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling probability mass.")
+    top_k: int = Field(default=-1, ge=-1, description="Extension: sample from the k most likely tokens; -1 or 0 disables.")
+    seed: int | None = Field(default=None, description="Seed for reproducible sampling of this request.")
+    stop: str | list[str] | None = Field(
+        default=None, description="Up to 4 strings; generation stops before any of them (excluded from the output)."
+    )
+    stop_token_ids: list[int] | None = Field(default=None, description="Extension: token ids that end generation.")
+    n: int = Field(default=1, description="Number of choices; only 1 is supported.")
+    stream: bool = Field(default=False, description="Stream partial results as server-sent events.")
+    stream_options: StreamOptions | None = Field(default=None, description="Streaming options; only with stream=true.")
+    ignore_eos: bool = Field(default=False, description="Extension: keep generating past end-of-sequence tokens.")
+    user: str | None = Field(default=None, description="End-user identifier (accepted, not used).")
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise SamplingParamError("n", f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise SamplingParamError("stop", f"at most 4 stop sequences are allowed, got {len(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamError("stream_options", "is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises `SamplingParamError` (a `ValueError` with `.param`) on values the engine rejects."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. One prompt per request."""
+
+    prompt: str | list[str] | list[int] = Field(
+        description="The prompt: a string, a list holding exactly one string, or a list of token ids."
+    )
+    max_tokens: int | None = Field(default=16, ge=1, description="Maximum number of tokens to generate.")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="Return log-probabilities of this many top tokens per position."
+    )
+    echo: bool = Field(default=False, description="Echo the prompt in the completion; not supported (must be false).")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(v, list):
+            if not v:
+                raise SamplingParamError("prompt", "must not be empty")
+            if isinstance(v[0], str) and len(v) != 1:
+                raise SamplingParamError("prompt", f"only one prompt per request is supported, got {len(v)}")
+            if isinstance(v[0], int) and min(v) < 0:
+                raise SamplingParamError("prompt", "token ids must be >= 0")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise SamplingParamError("echo", "echo=true is not supported")
+        return v
+
+    @property
+    def engine_prompt(self) -> str | list[int]:
+        """The prompt in the form `LLMEngine.add_request` takes."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt  # type: ignore[return-value]
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The text of this part.")
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Author of the message.")
+    content: str | list[TextContentPart] | None = Field(
+        default=None, description="A string, or a list of {'type': 'text', 'text': ...} parts."
+    )
+    name: str | None = Field(default=None, description="Optional participant name (not used by the template).")
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="Maximum number of tokens to generate; default: up to the context length."
+    )
+    logprobs: bool = Field(default=False, description="Return log-probabilities of the output tokens.")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="Number of most likely alternatives per position (needs logprobs)."
+    )
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise SamplingParamError("top_logprobs", "requires logprobs=true")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template takes them: text content only."""
+        return [{"role": m.role, "content": m.text} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per output token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = Field(default=None, description="Extension: the stop string or token id that matched.")
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = Field(default=None, description="Extension: the stop string or token id that matched.")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A streamed message delta; unset fields are omitted (`{}` in the final chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "elasticmoe"
+    root: str | None = Field(default=None, description="Extension: the base model this id serves.")
+    max_model_len: int | None = Field(default=None, description="Extension: context length in tokens.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

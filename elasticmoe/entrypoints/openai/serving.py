@@ -1,0 +1,348 @@
+"""OpenAI request handlers over an engine client, independent of the web framework.
+
+`OpenAIServing` turns validated protocol requests into `generate()` calls and
+returns either a response model or an `SSEStream` of `data: ...` events. It
+needs only an object with `generate(prompt, params, request_id)` (an async
+iterator of `RequestOutput`), `tokenizer` and `max_model_len`: `AsyncLLM` here,
+a router over instances in the coordinator later.
+
+Invariants:
+- Input errors surface before a response starts: the first engine output is
+  awaited before a stream is returned, so a rejected request is a 400, not a
+  broken stream.
+- Closing (or cancelling) an `SSEStream` closes the engine stream, which aborts
+  the request in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from elasticmoe.entrypoints.openai.errors import OpenAIError, internal_error, model_not_found, to_openai_error
+from elasticmoe.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+    now,
+    random_id,
+)
+from elasticmoe.outputs import RequestOutput, TokenLogprob
+from elasticmoe.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event carrying `payload` as JSON."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class EngineClient(Protocol):
+    tokenizer: Any
+    max_model_len: int
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]: ...
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """What one finished request reports to the observer (metrics)."""
+
+    endpoint: str  # "completions" | "chat_completions"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    ttft_s: float | None
+    e2e_s: float
+    finish_reason: str | None
+
+
+class ServingObserver(Protocol):
+    def on_request_finished(self, stats: RequestStats) -> None: ...
+
+
+class SSEStream:
+    """Server-sent events for one request; `aclose()` also aborts the engine request."""
+
+    def __init__(self, events: AsyncGenerator[str, None], source: AsyncGenerator[RequestOutput, None]) -> None:
+        self._events = events
+        self._source = source
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._events
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        await self._source.aclose()
+
+
+@dataclass(slots=True)
+class _Started:
+    """A request the engine accepted, with its first output already received."""
+
+    request_id: str
+    created: int
+    start: float
+    first: RequestOutput
+    ttft_s: float
+    source: AsyncGenerator[RequestOutput, None]
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        yield self.first
+        if not self.first.finished:
+            async for out in self.source:
+                yield out
+
+
+class OpenAIServing:
+    """Handlers for /v1/completions, /v1/chat/completions and /v1/models."""
+
+    def __init__(
+        self, engine: EngineClient, served_model_name: str, observer: ServingObserver | None = None
+    ) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.observer = observer
+        self.created = now()
+
+    def check_model(self, model: str) -> None:
+        if model != self.served_model_name:
+            raise model_not_found(model)
+
+    def show_models(self) -> ModelList:
+        card = ModelCard(
+            id=self.served_model_name,
+            created=self.created,
+            root=self.served_model_name,
+            max_model_len=self.engine.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    # ------------------------------------------------------------ completions
+
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEStream:
+        self.check_model(request.model)
+        started = await self._start("cmpl", request.engine_prompt, request.to_sampling_params(), {})
+        if request.stream:
+            return SSEStream(self._completion_events(request, started), started.source)
+        last, logprobs = await self._collect(started, "completions")
+        choice = CompletionChoice(
+            text=last.text,
+            logprobs=_completion_logprobs(logprobs, 0) if request.logprobs is not None else None,
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+        )
+        return CompletionResponse(
+            id=started.request_id,
+            created=started.created,
+            model=request.model,
+            choices=[choice],
+            usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
+        )
+
+    async def _completion_events(self, request: CompletionRequest, started: _Started) -> AsyncGenerator[str, None]:
+        def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse_event(
+                CompletionStreamResponse(
+                    id=started.request_id, created=started.created, model=request.model, choices=choices, usage=usage
+                )
+            )
+
+        text_offset = 0
+        async for out in self._stream_outputs(started, "completions"):
+            if isinstance(out, str):  # an error event
+                yield out
+                break
+            if out.new_text or out.new_logprobs:
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = _completion_logprobs(out.new_logprobs or [], text_offset)
+                    text_offset += sum(len(t.token) for t in out.new_logprobs or [])
+                yield chunk([CompletionStreamChoice(text=out.new_text, logprobs=logprobs)])
+            if out.finished:
+                yield chunk([CompletionStreamChoice(text="", finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                if request.include_usage_chunk:
+                    yield chunk([], UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens))
+        yield SSE_DONE
+
+    # ------------------------------------------------------------ chat
+
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | SSEStream:
+        self.check_model(request.model)
+        params = request.to_sampling_params()
+        try:
+            prompt_ids = list(self.engine.tokenizer.apply_chat_template(request.template_messages()))
+        except Exception as exc:
+            logger.info("chat template failed: %r", exc)
+            raise OpenAIError("messages: could not be rendered with the model's chat template", param="messages") from exc
+        started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"})
+        if request.stream:
+            return SSEStream(self._chat_events(request, started), started.source)
+        last, logprobs = await self._collect(started, "chat_completions")
+        choice = ChatCompletionChoice(
+            message=ChatResponseMessage(content=last.text),
+            logprobs=ChatChoiceLogprobs(content=_chat_logprobs(logprobs)) if request.logprobs else None,
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+        )
+        return ChatCompletionResponse(
+            id=started.request_id,
+            created=started.created,
+            model=request.model,
+            choices=[choice],
+            usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
+        )
+
+    async def _chat_events(self, request: ChatCompletionRequest, started: _Started) -> AsyncGenerator[str, None]:
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse_event(
+                ChatCompletionStreamResponse(
+                    id=started.request_id, created=started.created, model=request.model, choices=choices, usage=usage
+                )
+            )
+
+        yield chunk([ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+        async for out in self._stream_outputs(started, "chat_completions"):
+            if isinstance(out, str):
+                yield out
+                break
+            if out.new_text or out.new_logprobs:
+                logprobs = ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or [])) if request.logprobs else None
+                yield chunk([ChatCompletionStreamChoice(delta=DeltaMessage(content=out.new_text), logprobs=logprobs)])
+            if out.finished:
+                yield chunk(
+                    [ChatCompletionStreamChoice(delta=DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason)]
+                )
+                if request.include_usage_chunk:
+                    yield chunk([], UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens))
+        yield SSE_DONE
+
+    # ------------------------------------------------------------ shared
+
+    async def _start(
+        self, prefix: str, prompt: str | list[int], params: SamplingParams, param_renames: dict[str, str]
+    ) -> _Started:
+        """Submit the request and wait for its first output, so input errors become 400s here."""
+        request_id = random_id(prefix)
+        start = time.perf_counter()
+        source = self.engine.generate(prompt, params, request_id)
+        try:
+            first = await anext(source)
+        except StopAsyncIteration:
+            raise internal_error() from None
+        except BaseException as exc:
+            await source.aclose()
+            param = getattr(exc, "param", None)
+            if isinstance(exc, ValueError) and param in param_renames:
+                raise OpenAIError(str(exc).replace(param, param_renames[param], 1), param=param_renames[param]) from exc
+            raise
+        return _Started(request_id, now(), start, first, time.perf_counter() - start, source)
+
+    async def _collect(self, started: _Started, endpoint: str) -> tuple[RequestOutput, list[TokenLogprob]]:
+        """Run a request to completion; returns the last output and all token logprobs."""
+        logprobs: list[TokenLogprob] = []
+        last = started.first
+        try:
+            async for out in started.outputs():
+                logprobs.extend(out.new_logprobs or [])
+                last = out
+        finally:
+            await started.source.aclose()
+        if last.finish_reason == "error":
+            logger.error("request %s failed in the engine: %s", started.request_id, last.error)
+            raise internal_error()
+        self._report(started, last, endpoint)
+        return last, logprobs
+
+    async def _stream_outputs(self, started: _Started, endpoint: str) -> AsyncIterator[RequestOutput | str]:
+        """Engine outputs for a stream; an engine failure becomes one final error event (a str)."""
+        try:
+            async for out in started.outputs():
+                if out.finish_reason == "error":
+                    logger.error("request %s failed in the engine: %s", started.request_id, out.error)
+                    yield sse_event(internal_error().to_response())
+                    return
+                yield out
+                if out.finished:
+                    self._report(started, out, endpoint)
+        except Exception as exc:
+            err = to_openai_error(exc)
+            if err.status_code >= 500:
+                logger.exception("request %s failed while streaming", started.request_id)
+            yield sse_event(err.to_response())
+
+    def _report(self, started: _Started, last: RequestOutput, endpoint: str) -> None:
+        if self.observer is None:
+            return
+        ttft = started.ttft_s if last.num_output_tokens else None
+        stats = RequestStats(
+            endpoint=endpoint,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_output_tokens=last.num_output_tokens,
+            ttft_s=ttft,
+            e2e_s=time.perf_counter() - started.start,
+            finish_reason=last.finish_reason,
+        )
+        try:
+            self.observer.on_request_finished(stats)
+        except Exception:  # metrics must never fail a request
+            logger.exception("observer failed")
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+    """Legacy format; each `top_logprobs` dict holds the alternatives plus the sampled token."""
+    result = CompletionLogprobs()
+    for t in logprobs:
+        result.tokens.append(t.token)
+        result.token_logprobs.append(t.logprob)
+        top = {text: lp for _, text, lp in t.top_logprobs}
+        top.setdefault(t.token, t.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(text_offset)
+        text_offset += len(t.token)
+    return result
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob]) -> list[ChatTokenLogprob]:
+    return [
+        ChatTokenLogprob(
+            token=t.token,
+            logprob=t.logprob,
+            bytes=_utf8(t.token),
+            top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=_utf8(text)) for _, text, lp in t.top_logprobs],
+        )
+        for t in logprobs
+    ]
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+

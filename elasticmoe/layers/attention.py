@@ -1,0 +1,81 @@
+"""Paged attention over a block pool, with one metadata object per step.
+
+Tokens of a step are laid out decode-first: the first `num_decode_tokens`
+tokens each belong to a different sequence decoding one token; then each
+prefill span (a prompt chunk of one sequence) follows. Decodes run as one
+batched attention call over padded slot lists; each prefill span runs on its
+own (causal, and over earlier context when the prefill is chunked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first token of the span in the step's token list
+    num_tokens: int
+    context_len: int  # tokens attended to, including this span
+    slots: torch.Tensor | None = None  # [context_len] cache slots; None when the span is the whole context
+    mask: torch.Tensor | None = None  # [1, 1, num_tokens, context_len] bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    num_decode_tokens: int = 0
+    decode_slots: torch.Tensor | None = None  # [D, K_max] cache slots, padded
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, K_max] bool, True = attend
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.numel())
+
+
+# attend(q [B, Q, H, Dq], kv [B, K, *token_shape], mask [B|1, 1, Q, K] | None, is_causal) -> [B, Q, H, Dv]
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
+
+
+def paged_attention(
+    q: torch.Tensor, new_kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, attend: AttendFn
+) -> torch.Tensor:
+    """Write the step's new KV into `cache` ([num_slots, *token_shape]) and attend.
+
+    q: [T, H, Dq]; new_kv: [T, *token_shape]. Returns [T, H, Dv] in token order.
+    """
+    if meta.num_tokens == 0:
+        return q.new_empty((0, *q.shape[1:]))
+    cache.index_copy_(0, meta.slot_mapping, new_kv)
+    outs = []
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        kv = cache[meta.decode_slots]  # [D, K_max, *token_shape]
+        outs.append(attend(q[:num_decodes].unsqueeze(1), kv, meta.decode_mask, False).squeeze(1))
+    for span in meta.prefills:
+        end = span.start + span.num_tokens
+        qs = q[span.start : end].unsqueeze(0)
+        if span.slots is None:
+            outs.append(attend(qs, new_kv[span.start : end].unsqueeze(0), None, True).squeeze(0))
+        else:
+            outs.append(attend(qs, cache[span.slots].unsqueeze(0), span.mask, False).squeeze(0))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def gqa_attend(scale: float) -> AttendFn:
+    """Attention for caches holding K and V per token: token_shape (2, num_kv_heads, head_dim)."""
+
+    def attend(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        k = kv[:, :, 0].transpose(1, 2)  # [B, Hkv, K, D]
+        v = kv[:, :, 1].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+
+    return attend
