@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from elasticmoe.errors import InvalidRequestError
+
 # Tokens of the prompt tail decoded together with the first output tokens, so
 # that tokenizers which merge across token boundaries (SentencePiece spaces)
 # produce the right first characters.
@@ -42,7 +44,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Render messages with the model's chat template, opening the assistant turn."""
         if not self.hf.chat_template:
-            raise ValueError("messages: this model has no chat template; use /v1/completions")
+            raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template already contains any special tokens it wants.
         return list(self.hf.encode(text, add_special_tokens=False))

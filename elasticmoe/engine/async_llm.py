@@ -34,10 +34,14 @@ logger = logging.getLogger(__name__)
 class EngineCore(Protocol):
     """The part of `LLMEngine` that `AsyncLLM` drives."""
 
-    tokenizer: Any
-    max_model_len: int
-    num_running: int
-    num_waiting: int
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
     def step(self) -> list[RequestOutput]: ...
@@ -106,7 +110,12 @@ class AsyncLLM:
 
     @property
     def is_ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping and self._error is None
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._stopping
+            and self._error is None
+        )
 
     def check_health(self) -> None:
         """Raise `EngineDeadError` if the loop is not running or has not ticked recently while it has work."""
@@ -239,7 +248,11 @@ class AsyncLLM:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:
             for out in outputs:
-                stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+                stream = (
+                    self._streams.pop(out.request_id, None)
+                    if out.finished
+                    else self._streams.get(out.request_id)
+                )
                 if stream is not None:
                     batches.setdefault(stream.loop, []).append((stream, out))
         for loop, batch in batches.items():

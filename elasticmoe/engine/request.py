@@ -39,6 +39,7 @@ class Request:
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
+        self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # shared by every output, never copied
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
@@ -52,7 +53,7 @@ class Request:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        return self._prompt_token_ids
 
     @property
     def output_token_ids(self) -> list[int]:

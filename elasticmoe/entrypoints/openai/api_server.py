@@ -33,7 +33,9 @@ from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
 
 logger = logging.getLogger(__name__)
 
-_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"})
+_ENDPOINTS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"}
+)
 _CLIENT_CLOSED = 499  # nginx's "client closed request"; only ever seen in metrics
 
 
@@ -44,7 +46,9 @@ class _SSEResponse(StreamingResponse):
 
     def __init__(self, stream: SSEStream) -> None:
         super().__init__(
-            stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            stream,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -65,7 +69,9 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _cancel_on_disconnect(request: Request, handler: Coroutine[Any, Any, BaseModel | SSEStream]) -> Response:
+async def _cancel_on_disconnect(
+    request: Request, handler: Coroutine[Any, Any, BaseModel | SSEStream]
+) -> Response:
     """Run `handler`; if the client goes away first, cancel it (which aborts its engine request)."""
     task = asyncio.ensure_future(handler)
     listener = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -165,7 +171,9 @@ def run_single_server(
     async_llm = AsyncLLM(LLMEngine(config))
     async_llm.start()
     app = build_app(async_llm, name)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    )
     # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal with the
     # previous handler; make SIGTERM an exception here so that the engine is still stopped below.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)

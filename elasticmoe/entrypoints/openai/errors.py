@@ -49,7 +49,9 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.message = message
         self.status_code = int(status_code)
-        self.type = type or _TYPES.get(self.status_code, HTTPStatus(self.status_code).phrase.replace(" ", "") + "Error")
+        self.type = type or _TYPES.get(
+            self.status_code, HTTPStatus(self.status_code).phrase.replace(" ", "") + "Error"
+        )
         self.param = param
 
     def to_response(self) -> ErrorResponse:

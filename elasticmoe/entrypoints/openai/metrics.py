@@ -29,27 +29,45 @@ class ServerMetrics:
     def __init__(self, num_running: Callable[[], float], num_waiting: Callable[[], float]) -> None:
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
-            "elasticmoe_http_requests", "HTTP requests by endpoint and status code.",
-            ["endpoint", "status"], registry=self.registry,
+            "elasticmoe_http_requests",
+            "HTTP requests by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
         )
         self.ttft = Histogram(
-            "elasticmoe_time_to_first_token_seconds", "Time from request arrival to the first output token.",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "elasticmoe_time_to_first_token_seconds",
+            "Time from request arrival to the first output token.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.e2e = Histogram(
-            "elasticmoe_e2e_request_latency_seconds", "Time from request arrival to its last token.",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "elasticmoe_e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.prompt_tokens = Counter(
-            "elasticmoe_prompt_tokens", "Prompt tokens of finished requests.", ["endpoint"], registry=self.registry
+            "elasticmoe_prompt_tokens",
+            "Prompt tokens of finished requests.",
+            ["endpoint"],
+            registry=self.registry,
         )
         self.generation_tokens = Counter(
-            "elasticmoe_generation_tokens", "Generated tokens of finished requests.", ["endpoint"], registry=self.registry
+            "elasticmoe_generation_tokens",
+            "Generated tokens of finished requests.",
+            ["endpoint"],
+            registry=self.registry,
         )
-        Gauge("elasticmoe_num_requests_running", "Requests being processed by the engine.",
-              registry=self.registry).set_function(num_running)
-        Gauge("elasticmoe_num_requests_waiting", "Requests queued in the engine.",
-              registry=self.registry).set_function(num_waiting)
+        Gauge(
+            "elasticmoe_num_requests_running",
+            "Requests being processed by the engine.",
+            registry=self.registry,
+        ).set_function(num_running)
+        Gauge(
+            "elasticmoe_num_requests_waiting", "Requests queued in the engine.", registry=self.registry
+        ).set_function(num_waiting)
 
     def on_request_finished(self, stats: RequestStats) -> None:
         if stats.ttft_s is not None:

@@ -49,16 +49,25 @@ class _SamplingFields(_Request):
     model: str = Field(description="Name of the served model (see GET /v1/models).")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling probability mass.")
-    top_k: int = Field(default=-1, ge=-1, description="Extension: sample from the k most likely tokens; -1 or 0 disables.")
+    top_k: int = Field(
+        default=-1, ge=-1, description="Extension: sample from the k most likely tokens; -1 or 0 disables."
+    )
     seed: int | None = Field(default=None, description="Seed for reproducible sampling of this request.")
     stop: str | list[str] | None = Field(
-        default=None, description="Up to 4 strings; generation stops before any of them (excluded from the output)."
+        default=None,
+        description="Up to 4 strings; generation stops before any of them (excluded from the output).",
     )
-    stop_token_ids: list[int] | None = Field(default=None, description="Extension: token ids that end generation.")
+    stop_token_ids: list[int] | None = Field(
+        default=None, description="Extension: token ids that end generation."
+    )
     n: int = Field(default=1, description="Number of choices; only 1 is supported.")
     stream: bool = Field(default=False, description="Stream partial results as server-sent events.")
-    stream_options: StreamOptions | None = Field(default=None, description="Streaming options; only with stream=true.")
-    ignore_eos: bool = Field(default=False, description="Extension: keep generating past end-of-sequence tokens.")
+    stream_options: StreamOptions | None = Field(
+        default=None, description="Streaming options; only with stream=true."
+    )
+    ignore_eos: bool = Field(
+        default=False, description="Extension: keep generating past end-of-sequence tokens."
+    )
     user: str | None = Field(default=None, description="End-user identifier (accepted, not used).")
 
     @field_validator("n")
@@ -108,9 +117,14 @@ class CompletionRequest(_SamplingFields):
     )
     max_tokens: int | None = Field(default=16, ge=1, description="Maximum number of tokens to generate.")
     logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS, description="Return log-probabilities of this many top tokens per position."
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return log-probabilities of this many top tokens per position.",
     )
-    echo: bool = Field(default=False, description="Echo the prompt in the completion; not supported (must be false).")
+    echo: bool = Field(
+        default=False, description="Echo the prompt in the completion; not supported (must be false)."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -148,11 +162,15 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Author of the message.")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="Author of the message."
+    )
     content: str | list[TextContentPart] | None = Field(
         default=None, description="A string, or a list of {'type': 'text', 'text': ...} parts."
     )
-    name: str | None = Field(default=None, description="Optional participant name (not used by the template).")
+    name: str | None = Field(
+        default=None, description="Optional participant name (not used by the template)."
+    )
 
     @property
     def text(self) -> str:
@@ -167,13 +185,20 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Deprecated alias of max_completion_tokens."
+    )
     max_completion_tokens: int | None = Field(
-        default=None, ge=1, description="Maximum number of tokens to generate; default: up to the context length."
+        default=None,
+        ge=1,
+        description="Maximum number of tokens to generate; default: up to the context length.",
     )
     logprobs: bool = Field(default=False, description="Return log-probabilities of the output tokens.")
     top_logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS, description="Number of most likely alternatives per position (needs logprobs)."
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Number of most likely alternatives per position (needs logprobs).",
     )
 
     @model_validator(mode="after")
@@ -223,7 +248,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | int | None = Field(default=None, description="Extension: the stop string or token id that matched.")
+    stop_reason: str | int | None = Field(
+        default=None, description="Extension: the stop string or token id that matched."
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -283,7 +310,9 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | int | None = Field(default=None, description="Extension: the stop string or token id that matched.")
+    stop_reason: str | int | None = Field(
+        default=None, description="Extension: the stop string or token id that matched."
+    )
 
 
 class ChatCompletionResponse(BaseModel):

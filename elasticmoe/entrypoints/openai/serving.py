@@ -65,8 +65,10 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
 
 
 class EngineClient(Protocol):
-    tokenizer: Any
-    max_model_len: int
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def max_model_len(self) -> int: ...
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
@@ -92,7 +94,9 @@ class ServingObserver(Protocol):
 class SSEStream:
     """Server-sent events for one request; `aclose()` also aborts the engine request."""
 
-    def __init__(self, events: AsyncGenerator[str, None], source: AsyncGenerator[RequestOutput, None]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[str, None], source: AsyncGenerator[RequestOutput, None]
+    ) -> None:
         self._events = events
         self._source = source
 
@@ -168,11 +172,17 @@ class OpenAIServing:
             usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
         )
 
-    async def _completion_events(self, request: CompletionRequest, started: _Started) -> AsyncGenerator[str, None]:
+    async def _completion_events(
+        self, request: CompletionRequest, started: _Started
+    ) -> AsyncGenerator[str, None]:
         def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(
                 CompletionStreamResponse(
-                    id=started.request_id, created=started.created, model=request.model, choices=choices, usage=usage
+                    id=started.request_id,
+                    created=started.created,
+                    model=request.model,
+                    choices=choices,
+                    usage=usage,
                 )
             )
 
@@ -188,21 +198,31 @@ class OpenAIServing:
                     text_offset += sum(len(t.token) for t in out.new_logprobs or [])
                 yield chunk([CompletionStreamChoice(text=out.new_text, logprobs=logprobs)])
             if out.finished:
-                yield chunk([CompletionStreamChoice(text="", finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                yield chunk(
+                    [
+                        CompletionStreamChoice(
+                            text="", finish_reason=out.finish_reason, stop_reason=out.stop_reason
+                        )
+                    ]
+                )
                 if request.include_usage_chunk:
                     yield chunk([], UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens))
         yield SSE_DONE
 
     # ------------------------------------------------------------ chat
 
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | SSEStream:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | SSEStream:
         self.check_model(request.model)
         params = request.to_sampling_params()
         try:
             prompt_ids = list(self.engine.tokenizer.apply_chat_template(request.template_messages()))
         except Exception as exc:
             logger.info("chat template failed: %r", exc)
-            raise OpenAIError("messages: could not be rendered with the model's chat template", param="messages") from exc
+            raise OpenAIError(
+                "messages: could not be rendered with the model's chat template", param="messages"
+            ) from exc
         started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"})
         if request.stream:
             return SSEStream(self._chat_events(request, started), started.source)
@@ -221,11 +241,17 @@ class OpenAIServing:
             usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
         )
 
-    async def _chat_events(self, request: ChatCompletionRequest, started: _Started) -> AsyncGenerator[str, None]:
+    async def _chat_events(
+        self, request: ChatCompletionRequest, started: _Started
+    ) -> AsyncGenerator[str, None]:
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(
                 ChatCompletionStreamResponse(
-                    id=started.request_id, created=started.created, model=request.model, choices=choices, usage=usage
+                    id=started.request_id,
+                    created=started.created,
+                    model=request.model,
+                    choices=choices,
+                    usage=usage,
                 )
             )
 
@@ -235,11 +261,21 @@ class OpenAIServing:
                 yield out
                 break
             if out.new_text or out.new_logprobs:
-                logprobs = ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or [])) if request.logprobs else None
-                yield chunk([ChatCompletionStreamChoice(delta=DeltaMessage(content=out.new_text), logprobs=logprobs)])
+                logprobs = (
+                    ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or []))
+                    if request.logprobs
+                    else None
+                )
+                yield chunk(
+                    [ChatCompletionStreamChoice(delta=DeltaMessage(content=out.new_text), logprobs=logprobs)]
+                )
             if out.finished:
                 yield chunk(
-                    [ChatCompletionStreamChoice(delta=DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason)]
+                    [
+                        ChatCompletionStreamChoice(
+                            delta=DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason
+                        )
+                    ]
                 )
                 if request.include_usage_chunk:
                     yield chunk([], UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens))
@@ -262,7 +298,9 @@ class OpenAIServing:
             await source.aclose()
             param = getattr(exc, "param", None)
             if isinstance(exc, ValueError) and param in param_renames:
-                raise OpenAIError(str(exc).replace(param, param_renames[param], 1), param=param_renames[param]) from exc
+                raise OpenAIError(
+                    str(exc).replace(param, param_renames[param], 1), param=param_renames[param]
+                ) from exc
             raise
         return _Started(request_id, now(), start, first, time.perf_counter() - start, source)
 
@@ -337,7 +375,9 @@ def _chat_logprobs(logprobs: list[TokenLogprob]) -> list[ChatTokenLogprob]:
             token=t.token,
             logprob=t.logprob,
             bytes=_utf8(t.token),
-            top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=_utf8(text)) for _, text, lp in t.top_logprobs],
+            top_logprobs=[
+                TopLogprob(token=text, logprob=lp, bytes=_utf8(text)) for _, text, lp in t.top_logprobs
+            ],
         )
         for t in logprobs
     ]
@@ -345,4 +385,3 @@ def _chat_logprobs(logprobs: list[TokenLogprob]) -> list[ChatTokenLogprob]:
 
 def _utf8(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
-

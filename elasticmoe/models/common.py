@@ -1,0 +1,193 @@
+"""Building blocks shared by the model families.
+
+Models are single-device and readable; expert parallelism enters only through
+the dispatcher handed to each `MoEBlock`. Weights are plain tensors taken from
+a `WeightProvider` and used in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from elasticmoe.config import ModelConfig
+from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, paged_attention
+from elasticmoe.layers.experts import grouped_experts, swiglu_mlp
+from elasticmoe.layers.norm import rms_norm
+from elasticmoe.layers.rotary import RotaryEmbedding
+from elasticmoe.models.weights import ParamSpec
+
+Weights = dict[str, torch.Tensor]
+# route(x [T, H]) -> (weights [T, k], expert ids [T, k])
+RouteFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# reroute(expert ids [T, k], ctx) -> ids [T, k]; where ESFT adapters swap base experts for their own
+RerouteFn = Callable[[torch.Tensor, "ForwardContext"], torch.Tensor]
+
+
+@dataclass
+class ForwardContext:
+    """Everything a step's forward needs besides token ids and positions."""
+
+    attn: AttentionMetadata
+    token_adapter_ids: torch.Tensor | None = None  # [T], -1 = base model
+
+
+# ---- param spec helpers -------------------------------------------------------------
+
+
+def plain(name: str, shape: tuple[int, ...], *sources: str) -> ParamSpec:
+    return ParamSpec(name, shape, (tuple(sources),))
+
+
+def expert_specs(
+    prefix: str, hf_expert: str, names: tuple[str, str, str], expert_ids: tuple[int, ...], hidden: int, inter: int
+) -> list[ParamSpec]:
+    """Stacked `w13` [E, 2I, H] and `w2` [E, H, I] for the given experts.
+
+    `hf_expert` formats to a checkpoint prefix given `e`; `names` are the
+    (gate, up, down) projection names inside it.
+    """
+    gate, up, down = names
+    w13_src = tuple((f"{hf_expert.format(e=e)}.{gate}.weight", f"{hf_expert.format(e=e)}.{up}.weight") for e in expert_ids)
+    w2_src = tuple((f"{hf_expert.format(e=e)}.{down}.weight",) for e in expert_ids)
+    n = len(expert_ids)
+    return [
+        ParamSpec(f"{prefix}.w13", (n, 2 * inter, hidden), w13_src, expert_ids),
+        ParamSpec(f"{prefix}.w2", (n, hidden, inter), w2_src, expert_ids),
+    ]
+
+
+def dense_mlp_specs(prefix: str, hf: str, hidden: int, inter: int) -> list[ParamSpec]:
+    return [
+        plain(f"{prefix}.w13", (2 * inter, hidden), f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
+        plain(f"{prefix}.w2", (hidden, inter), f"{hf}.down_proj.weight"),
+    ]
+
+
+def lm_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    head_src = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    return [
+        plain("embed", (cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight"),
+        plain("norm", (cfg.hidden_size,), "model.norm.weight"),
+        plain("lm_head", (cfg.vocab_size, cfg.hidden_size), head_src),
+    ]
+
+
+def layer_norm_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
+    hf = f"model.layers.{i}"
+    return [
+        plain(f"layers.{i}.input_norm", (cfg.hidden_size,), f"{hf}.input_layernorm.weight"),
+        plain(f"layers.{i}.post_norm", (cfg.hidden_size,), f"{hf}.post_attention_layernorm.weight"),
+    ]
+
+
+# ---- layers -----------------------------------------------------------------------
+
+
+class DenseMLP:
+    def __init__(self, w: Weights, prefix: str) -> None:
+        self.w13, self.w2 = w[f"{prefix}.w13"], w[f"{prefix}.w2"]
+
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return swiglu_mlp(x, self.w13, self.w2)
+
+
+class MoEBlock:
+    """route -> reroute -> dispatch -> grouped experts -> combine (+ shared experts)."""
+
+    def __init__(self, route: RouteFn, w: Weights, prefix: str, dispatcher, shared: DenseMLP | None = None) -> None:
+        self.route = route
+        self.w13, self.w2 = w[f"{prefix}.w13"], w[f"{prefix}.w2"]  # [E_local, 2I, H], [E_local, H, I]
+        self.dispatcher = dispatcher
+        self.shared = shared
+        self.reroute: RerouteFn | None = None
+
+    def experts(self, x: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(x, slot_ids, self.w13, self.w2)
+
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(x)  # [T, k] each
+        if self.reroute is not None:
+            topk_ids = self.reroute(topk_ids, ctx)
+        out = self.dispatcher(x, topk_ids, topk_weights, self.experts)
+        if self.shared is not None:
+            out = out + self.shared(x, ctx)
+        return out
+
+
+class GQAAttention:
+    """Grouped-query attention (Qwen3-MoE with per-head q/k RMSNorm, Mixtral without)."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, rope: RotaryEmbedding, qk_norm: bool) -> None:
+        self.qkv, self.o = w[f"{prefix}.qkv"], w[f"{prefix}.o"]
+        self.q_norm = w[f"{prefix}.q_norm"] if qk_norm else None
+        self.k_norm = w[f"{prefix}.k_norm"] if qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.rope = rope
+        self.attend = gqa_attend(self.head_dim**-0.5)
+
+    @staticmethod
+    def specs(cfg: ModelConfig, i: int, qk_norm: bool) -> list[ParamSpec]:
+        hf, p = f"model.layers.{i}.self_attn", f"layers.{i}.attn"
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        specs = [
+            plain(f"{p}.qkv", (q_dim + 2 * kv_dim, cfg.hidden_size),
+                  f"{hf}.q_proj.weight", f"{hf}.k_proj.weight", f"{hf}.v_proj.weight"),
+            plain(f"{p}.o", (cfg.hidden_size, q_dim), f"{hf}.o_proj.weight"),
+        ]
+        if qk_norm:
+            specs += [plain(f"{p}.q_norm", (cfg.head_dim,), f"{hf}.q_norm.weight"),
+                      plain(f"{p}.k_norm", (cfg.head_dim,), f"{hf}.k_norm.weight")]
+        return specs
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor):
+        num_tokens = x.shape[0]
+        q, k, v = F.linear(x, self.qkv).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
+        )
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        new_kv = torch.stack((k, v.view(num_tokens, self.num_kv_heads, self.head_dim)), dim=1)  # [T, 2, Hkv, D]
+        out = paged_attention(q, new_kv, cache, meta, self.attend)
+        return F.linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o)
+
+
+class DecoderLayer:
+    def __init__(self, w: Weights, i: int, eps: float, attn, mlp) -> None:
+        self.input_norm, self.post_norm = w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"]
+        self.eps, self.attn, self.mlp = eps, attn, mlp
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, cache: torch.Tensor):
+        h = h + self.attn(rms_norm(h, self.input_norm, self.eps), positions, ctx.attn, cache)
+        return h + self.mlp(rms_norm(h, self.post_norm, self.eps), ctx)
+
+
+class CausalLM:
+    """A decoder-only LM over a paged KV pool `[L, num_blocks, block_size, *token_shape]`."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, layers: list[DecoderLayer], kv_token_shape: tuple[int, ...]):
+        self.cfg = cfg
+        self.weights = w
+        self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w["lm_head"]
+        self.layers = layers
+        self.kv_token_shape = kv_token_shape
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, kv_pool: torch.Tensor):
+        """input_ids, positions: [T] -> final hidden states [T, H] (normed)."""
+        h = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, ctx, kv_pool[i].view(-1, *self.kv_token_shape))
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

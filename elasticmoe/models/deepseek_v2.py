@@ -1,0 +1,149 @@
+"""DeepSeek-V2: multi-head latent attention (MLA) over a compressed KV cache,
+shared experts, dense first layers, group-limited greedy routing, routed scaling.
+
+The KV pool stores, per token, the normalised KV latent `c` [kv_lora_rank] and
+the rotated shared key `k_pe` [qk_rope_head_dim]; keys and values are expanded
+from the latent through `kv_b_proj` at attention time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from elasticmoe.config import ModelConfig
+from elasticmoe.layers.attention import AttentionMetadata, paged_attention
+from elasticmoe.layers.norm import rms_norm
+from elasticmoe.layers.rotary import RotaryEmbedding
+from elasticmoe.layers.router import group_limited_topk, softmax_topk
+from elasticmoe.models.common import (
+    CausalLM,
+    DecoderLayer,
+    DenseMLP,
+    MoEBlock,
+    Weights,
+    dense_mlp_specs,
+    expert_specs,
+    layer_norm_specs,
+    lm_specs,
+    plain,
+)
+from elasticmoe.models.weights import ParamSpec
+
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+class MLAttention:
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, rope: RotaryEmbedding) -> None:
+        self.num_heads = cfg.num_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.eps = cfg.rms_norm_eps
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a, self.q_a_norm, self.q_b = w[f"{prefix}.q_a"], w[f"{prefix}.q_a_norm"], w[f"{prefix}.q_b"]
+        else:
+            self.q = w[f"{prefix}.q"]
+        self.kv_a, self.kv_a_norm, self.kv_b = w[f"{prefix}.kv_a"], w[f"{prefix}.kv_a_norm"], w[f"{prefix}.kv_b"]
+        self.o = w[f"{prefix}.o"]
+        self.rope = rope
+        self.scale = (self.nope + self.rope_dim) ** -0.5
+
+    @staticmethod
+    def specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
+        hf, p = f"model.layers.{i}.self_attn", f"layers.{i}.attn"
+        h, qk_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            specs = [plain(f"{p}.q", (h * qk_dim, cfg.hidden_size), f"{hf}.q_proj.weight")]
+        else:
+            specs = [
+                plain(f"{p}.q_a", (cfg.q_lora_rank, cfg.hidden_size), f"{hf}.q_a_proj.weight"),
+                plain(f"{p}.q_a_norm", (cfg.q_lora_rank,), f"{hf}.q_a_layernorm.weight"),
+                plain(f"{p}.q_b", (h * qk_dim, cfg.q_lora_rank), f"{hf}.q_b_proj.weight"),
+            ]
+        return specs + [
+            plain(f"{p}.kv_a", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.hidden_size),
+                  f"{hf}.kv_a_proj_with_mqa.weight"),
+            plain(f"{p}.kv_a_norm", (cfg.kv_lora_rank,), f"{hf}.kv_a_layernorm.weight"),
+            plain(f"{p}.kv_b", (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                  f"{hf}.kv_b_proj.weight"),
+            plain(f"{p}.o", (cfg.hidden_size, h * cfg.v_head_dim), f"{hf}.o_proj.weight"),
+        ]
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        """q [B, Q, H, nope+rope]; kv [B, K, C+R] latents -> [B, Q, H, v]."""
+        batch, num_keys = kv.shape[:2]
+        latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        expanded = F.linear(latent, self.kv_b).view(batch, num_keys, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = expanded.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal,
+            scale=self.scale,
+        )
+        return out.transpose(1, 2)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor):
+        num_tokens = x.shape[0]
+        if self.q_lora:
+            q = F.linear(rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps), self.q_b)
+        else:
+            q = F.linear(x, self.q)
+        q_nope, q_pe = q.view(num_tokens, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
+        latent, k_pe = F.linear(x, self.kv_a).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = rms_norm(latent, self.kv_a_norm, self.eps)
+        k_pe = self.rope(k_pe.unsqueeze(1), positions).squeeze(1)
+        q = torch.cat((q_nope, self.rope(q_pe, positions)), dim=-1)
+        out = paged_attention(q, torch.cat((latent, k_pe), dim=-1), cache, meta, self._attend)
+        return F.linear(out.reshape(num_tokens, self.num_heads * self.v_dim), self.o)
+
+
+def param_specs(cfg: ModelConfig, local_expert_ids: tuple[int, ...]) -> list[ParamSpec]:
+    specs = lm_specs(cfg)
+    for i in range(cfg.num_layers):
+        specs += layer_norm_specs(cfg, i) + MLAttention.specs(cfg, i)
+        hf = f"model.layers.{i}.mlp"
+        if cfg.is_moe_layer(i):
+            specs.append(plain(f"layers.{i}.moe.router", (cfg.num_experts, cfg.hidden_size), f"{hf}.gate.weight"))
+            specs += expert_specs(f"layers.{i}.moe", hf + ".experts.{e}", EXPERT_NAMES, local_expert_ids,
+                                  cfg.hidden_size, cfg.moe_intermediate_size)
+            if cfg.num_shared_experts:
+                specs += dense_mlp_specs(f"layers.{i}.shared", f"{hf}.shared_experts", cfg.hidden_size,
+                                         cfg.moe_intermediate_size * cfg.num_shared_experts)
+        else:
+            specs += dense_mlp_specs(f"layers.{i}.mlp", hf, cfg.hidden_size, cfg.intermediate_size)
+    return specs
+
+
+def kv_token_shape(cfg: ModelConfig) -> tuple[int, ...]:
+    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
+
+
+def make_route(cfg: ModelConfig, router_weight: torch.Tensor):
+    router_weight_f32 = router_weight.float()  # DeepSeek routes in float32
+
+    def route(x):
+        logits = F.linear(x.float(), router_weight_f32)
+        if cfg.topk_method == "group_limited_greedy":
+            weights, ids = group_limited_topk(logits, cfg.top_k, cfg.num_groups, cfg.topk_group)
+        else:
+            weights, ids = softmax_topk(logits, cfg.top_k, renormalize=False)
+        if cfg.norm_topk_prob and cfg.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+    return route
+
+
+def build(cfg: ModelConfig, w: Weights, dispatcher) -> CausalLM:
+    rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, interleaved=True)
+    layers = []
+    for i in range(cfg.num_layers):
+        attn = MLAttention(cfg, w, f"layers.{i}.attn", rope)
+        if cfg.is_moe_layer(i):
+            shared = DenseMLP(w, f"layers.{i}.shared") if cfg.num_shared_experts else None
+            mlp = MoEBlock(make_route(cfg, w[f"layers.{i}.moe.router"]), w, f"layers.{i}.moe", dispatcher, shared)
+        else:
+            mlp = DenseMLP(w, f"layers.{i}.mlp")
+        layers.append(DecoderLayer(w, i, cfg.rms_norm_eps, attn, mlp))
+    return CausalLM(cfg, w, layers, kv_token_shape(cfg))

@@ -1,0 +1,64 @@
+"""Qwen3-MoE: GQA with per-head q/k RMSNorm, softmax top-k routing (optionally renormalised)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from elasticmoe.config import ModelConfig
+from elasticmoe.layers.rotary import RotaryEmbedding
+from elasticmoe.layers.router import softmax_topk
+from elasticmoe.models.common import (
+    CausalLM,
+    DecoderLayer,
+    DenseMLP,
+    GQAAttention,
+    MoEBlock,
+    Weights,
+    dense_mlp_specs,
+    expert_specs,
+    layer_norm_specs,
+    lm_specs,
+    plain,
+)
+from elasticmoe.models.weights import ParamSpec
+
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def param_specs(cfg: ModelConfig, local_expert_ids: tuple[int, ...]) -> list[ParamSpec]:
+    specs = lm_specs(cfg)
+    for i in range(cfg.num_layers):
+        specs += layer_norm_specs(cfg, i) + GQAAttention.specs(cfg, i, qk_norm=True)
+        hf = f"model.layers.{i}.mlp"
+        if cfg.is_moe_layer(i):
+            specs.append(plain(f"layers.{i}.moe.router", (cfg.num_experts, cfg.hidden_size), f"{hf}.gate.weight"))
+            specs += expert_specs(f"layers.{i}.moe", hf + ".experts.{e}", EXPERT_NAMES, local_expert_ids,
+                                  cfg.hidden_size, cfg.moe_intermediate_size)
+        else:
+            specs += dense_mlp_specs(f"layers.{i}.mlp", hf, cfg.hidden_size, cfg.intermediate_size)
+    return specs
+
+
+def kv_token_shape(cfg: ModelConfig) -> tuple[int, ...]:
+    return (2, cfg.num_kv_heads, cfg.head_dim)
+
+
+def make_route(cfg: ModelConfig, router_weight):
+    def route(x):
+        weights, ids = softmax_topk(F.linear(x, router_weight), cfg.top_k, cfg.norm_topk_prob)
+        return weights.to(x.dtype), ids
+
+    return route
+
+
+def build(cfg: ModelConfig, w: Weights, dispatcher) -> CausalLM:
+    rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, interleaved=False)
+    layers = []
+    for i in range(cfg.num_layers):
+        attn = GQAAttention(cfg, w, f"layers.{i}.attn", rope, qk_norm=True)
+        if cfg.is_moe_layer(i):
+            mlp = MoEBlock(make_route(cfg, w[f"layers.{i}.moe.router"]), w, f"layers.{i}.moe", dispatcher)
+        else:
+            mlp = DenseMLP(w, f"layers.{i}.mlp")
+        layers.append(DecoderLayer(w, i, cfg.rms_norm_eps, attn, mlp))
+    return CausalLM(cfg, w, layers, kv_token_shape(cfg))

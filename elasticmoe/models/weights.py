@@ -1,0 +1,121 @@
+"""Where model weights come from.
+
+A model declares the tensors it needs as `ParamSpec`s (engine names, shapes,
+and the checkpoint tensors each is made of). A `WeightProvider` returns one
+tensor per spec. The engine uses what the provider returns *in place*: an HMM
+provider hands out tensors that live in shared device memory, and the engine
+must not copy them (tests check `data_ptr` identity).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """One engine tensor and how it is assembled from checkpoint tensors.
+
+    `sources[i]` lists checkpoint tensors concatenated along dim 0. When
+    `expert_ids` is set the tensor is a stack of experts: row `i` of the stack
+    is built from `sources[i]` and holds global expert `expert_ids[i]`.
+    Otherwise there is exactly one entry in `sources`.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    sources: tuple[tuple[str, ...], ...]
+    expert_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.expert_ids is None and len(self.sources) != 1:
+            raise ValueError(f"{self.name}: a non-stacked param has exactly one source group")
+        if self.expert_ids is not None and len(self.expert_ids) != len(self.sources):
+            raise ValueError(f"{self.name}: one source group per stacked expert")
+
+    @property
+    def is_stacked(self) -> bool:
+        return self.expert_ids is not None
+
+
+class WeightProvider(Protocol):
+    def get(self, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
+        """Return a tensor of `spec.shape` and `dtype`, owned by the provider."""
+        ...
+
+
+class SafetensorsWeightProvider:
+    """Default provider: reads the checkpoint's safetensors into private memory.
+
+    Each checkpoint tensor is read once (mmap'd by safetensors) and copied
+    straight into the engine tensor, converting dtype on the way.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._file_of: dict[str, Path] = {}
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            for name, fname in json.loads(index.read_text())["weight_map"].items():
+                self._file_of[name] = self.model_dir / fname
+        else:
+            for path in sorted(self.model_dir.glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        self._file_of[name] = path
+        if not self._file_of:
+            raise FileNotFoundError(f"model: no safetensors weights in {self.model_dir}")
+        self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
+
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def read(self, name: str) -> torch.Tensor:
+        path = self._file_of.get(name)
+        if path is None:
+            raise KeyError(f"checkpoint tensor {name!r} not found in {self.model_dir}")
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+        t = handle.get_tensor(name)  # type: ignore[attr-defined]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def get(self, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(spec.shape, dtype=dtype)
+        rows: Iterable[tuple[torch.Tensor, tuple[str, ...]]]
+        rows = zip(out, spec.sources, strict=True) if spec.is_stacked else [(out, spec.sources[0])]
+        for dst, names in rows:
+            offset = 0
+            for name in names:
+                src = self.read(name)
+                dst[offset : offset + src.shape[0]].copy_(src)
+                offset += src.shape[0]
+            if offset != dst.shape[0]:
+                raise ValueError(f"{spec.name}: sources {names} give {offset} rows, expected {dst.shape[0]}")
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def load_weights(specs: list[ParamSpec], provider: WeightProvider, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Fetch every spec from the provider, checking shapes and dtypes."""
+    weights = {}
+    for spec in specs:
+        t = provider.get(spec, dtype)
+        if tuple(t.shape) != spec.shape or t.dtype != dtype:
+            raise ValueError(f"{spec.name}: provider gave {tuple(t.shape)}/{t.dtype}, expected {spec.shape}/{dtype}")
+        weights[spec.name] = t
+    return weights
