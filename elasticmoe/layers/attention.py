@@ -67,12 +67,30 @@ def paged_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """One query per sequence. q [B, H, D]; k, v [B, Hkv, K, D]; mask [B, K] (True = attend) -> [B, H, D].
+
+    Two batched matmuls with the query heads grouped per KV head: for a single
+    query this is several times faster on CPU than SDPA's flash kernel, which
+    is tiled for long queries.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, K]
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(batch, num_heads, -1)
+
+
 def gqa_attend(scale: float) -> AttendFn:
     """Attention for caches holding K and V per token: token_shape (2, num_kv_heads, head_dim)."""
 
     def attend(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         k = kv[:, :, 0].transpose(1, 2)  # [B, Hkv, K, D]
         v = kv[:, :, 1].transpose(1, 2)
+        if q.shape[1] == 1 and mask is not None:
+            return decode_attention(q[:, 0], k, v, mask.view(mask.shape[0], -1), scale).unsqueeze(1)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
         )

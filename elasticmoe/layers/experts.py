@@ -3,6 +3,15 @@
 `w13` is `[E_slots, 2 * I, H]` (gate and up projections stacked per expert),
 `w2` is `[E_slots, H, I]`. A slot may hold a base expert or an adapter expert:
 the computation does not care which.
+
+Two kernels, chosen per call:
+- padded batched GEMM: rows are scattered into `[E_slots, C, H]` (C = the
+  busiest slot's row count) and every slot runs in one `bmm`. Best for decode,
+  where each expert sees a handful of rows and a per-expert loop is dominated
+  by call overhead. It reads every slot's weights, so it is used only when most
+  slots are busy.
+- per-slot loop over the rows sorted by slot: best for prefill (many rows per
+  expert, padding would waste work) and for sparse use of many slots.
 """
 
 from __future__ import annotations
@@ -10,25 +19,49 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Padded bmm when rows per busy slot are at most this many and most slots are busy.
+_BMM_MAX_ROWS_PER_SLOT = 48
+_BMM_MIN_BUSY_FRACTION = 0.75
+
 
 def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, w13).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w2)
 
 
+def _padded_bmm(xs: torch.Tensor, sorted_slots: torch.Tensor, counts: torch.Tensor, max_count: int,
+                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    num_slots = w13.shape[0]
+    starts = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each slot
+    rank_in_slot = torch.arange(xs.shape[0]) - starts[sorted_slots]  # [N]
+    padded = xs.new_zeros((num_slots, max_count, xs.shape[1]))
+    padded[sorted_slots, rank_in_slot] = xs
+    gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I] each
+    out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [E, C, H]
+    return out[sorted_slots, rank_in_slot]
+
+
 def grouped_experts(x: torch.Tensor, slot_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Run each row of x [N, H] through the expert in `slot_ids` [N]; returns [N, H] (unweighted)."""
-    if x.shape[0] == 0:
+    num_rows, num_slots = x.shape[0], w13.shape[0]
+    if num_rows == 0:
         return x.new_empty(x.shape)
     order = torch.argsort(slot_ids, stable=True)
-    counts = torch.bincount(slot_ids, minlength=w13.shape[0]).tolist()  # one host sync per layer
+    sorted_slots = slot_ids[order]
+    counts = torch.bincount(slot_ids, minlength=num_slots)
+    counts_list = counts.tolist()  # one host sync per layer
+    num_busy = sum(1 for n in counts_list if n)
+    max_count = max(counts_list)
     xs = x[order]
-    ys = torch.empty_like(xs)
-    start = 0
-    for slot, n in enumerate(counts):
-        if n:
-            ys[start : start + n] = swiglu_mlp(xs[start : start + n], w13[slot], w2[slot])
-            start += n
-    out = torch.empty_like(ys)
-    out[order] = ys
-    return out
+    if max_count <= _BMM_MAX_ROWS_PER_SLOT and num_busy >= _BMM_MIN_BUSY_FRACTION * num_slots:
+        ys = _padded_bmm(xs, sorted_slots, counts, max_count, w13, w2)
+    else:
+        ys = torch.empty_like(xs)
+        start = 0
+        for slot, n in enumerate(counts_list):
+            if n:
+                ys[start : start + n] = swiglu_mlp(xs[start : start + n], w13[slot], w2[slot])
+                start += n
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(num_rows)
+    return ys[inverse]

@@ -46,6 +46,9 @@ class MLAttention:
             self.q = w[f"{prefix}.q"]
         self.kv_a, self.kv_a_norm, self.kv_b = w[f"{prefix}.kv_a"], w[f"{prefix}.kv_a_norm"], w[f"{prefix}.kv_b"]
         self.o = w[f"{prefix}.o"]
+        # Per-head up-projections of the latent, for the absorbed decode path (views, no copies).
+        kv_b_heads = self.kv_b.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        self.w_uk, self.w_uv = kv_b_heads[:, : self.nope], kv_b_heads[:, self.nope :]  # [H, nope, C], [H, v, C]
         self.rope = rope
         self.scale = (self.nope + self.rope_dim) ** -0.5
 
@@ -70,8 +73,24 @@ class MLAttention:
             plain(f"{p}.o", (cfg.hidden_size, h * cfg.v_head_dim), f"{hf}.o_proj.weight"),
         ]
 
+    def _decode_absorbed(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per sequence, attending in latent space (DeepSeek-V2 §2.1.2 weight absorption).
+
+        q [B, H, nope+rope]; kv [B, K, C+R]; mask [B, K] -> [B, H, v]. Keys and values are
+        never expanded per head: `W_uk` is folded into the query and `W_uv` applied after.
+        """
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, C]
+        scores = torch.bmm(torch.cat((q_latent, q_pe), dim=-1), kv.transpose(1, 2)).float() * self.scale
+        scores.masked_fill_(~mask[:, None, :], float("-inf"))  # [B, H, K]
+        probs = scores.softmax(dim=-1).to(kv.dtype)
+        out_latent = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, H, C]
+        return torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
+
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         """q [B, Q, H, nope+rope]; kv [B, K, C+R] latents -> [B, Q, H, v]."""
+        if q.shape[1] == 1 and mask is not None:
+            return self._decode_absorbed(q[:, 0], kv, mask.view(mask.shape[0], -1)).unsqueeze(1)
         batch, num_keys = kv.shape[:2]
         latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         expanded = F.linear(latent, self.kv_b).view(batch, num_keys, self.num_heads, self.nope + self.v_dim)
