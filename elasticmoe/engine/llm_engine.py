@@ -29,6 +29,7 @@ from elasticmoe.parallel.dispatch import AllToAllDispatcher, LocalDispatcher
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tokenizer import Tokenizer
+from elasticmoe.utils.malloc import tune_malloc
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class LLMEngine:
         ep_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
+        tune_malloc()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = cfg = ModelConfig.from_pretrained(config.model)

@@ -25,17 +25,12 @@ class ModelRunner:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _decode_metadata(self, decodes: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded cache slots [D, K_max] of each decoding sequence and its mask [D, 1, 1, K_max]."""
+        """Padded block tables [D, max_blocks] of the decoding sequences and their masks [D, 1, 1, K_max]."""
         context_lens = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
         max_blocks = max(len(r.block_ids) for r in decodes)
-        table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-        for row, r in enumerate(decodes):
-            table[row, : len(r.block_ids)] = torch.tensor(r.block_ids)
-        k_max = int(context_lens.max())
-        positions = torch.arange(k_max)
-        slots = table[:, positions // self.block_size] * self.block_size + positions % self.block_size
-        mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)  # [D, K_max]
-        return slots, mask[:, None, None, :]
+        table = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes])
+        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)  # [D, K_max]
+        return table, mask[:, None, None, :]
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Returns input ids [T], positions [T], the forward context, and the token
@@ -58,17 +53,19 @@ class ModelRunner:
             else:
                 span = PrefillSpan(token_start, n, end)
                 if start > 0:  # chunked prefill: attend to earlier chunks in the cache too
-                    span.slots = self._slots(request.block_ids, 0, end)
+                    span.block_table = torch.tensor(request.block_ids, dtype=torch.long)
                     q_pos = torch.arange(start, end).unsqueeze(1)
-                    span.mask = (torch.arange(end).unsqueeze(0) <= q_pos)[None, None]
+                    key_pos = torch.arange(len(request.block_ids) * self.block_size).unsqueeze(0)
+                    span.mask = (key_pos <= q_pos)[None, None]
                 prefills.append(span)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping) if slot_mapping else torch.empty(0, dtype=torch.long),
+            block_size=self.block_size,
             num_decode_tokens=len(decodes),
             prefills=prefills,
         )
         if decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_metadata(decodes)
+            meta.decode_block_table, meta.decode_mask = self._decode_metadata(decodes)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
         return ids, pos, ForwardContext(attn=meta), sample_indices

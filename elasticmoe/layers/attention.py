@@ -21,16 +21,17 @@ class PrefillSpan:
     start: int  # first token of the span in the step's token list
     num_tokens: int
     context_len: int  # tokens attended to, including this span
-    slots: torch.Tensor | None = None  # [context_len] cache slots; None when the span is the whole context
-    mask: torch.Tensor | None = None  # [1, 1, num_tokens, context_len] bool, True = attend
+    block_table: torch.Tensor | None = None  # [num_blocks] of the context; None when the span is the whole context
+    mask: torch.Tensor | None = None  # [1, 1, num_tokens, num_blocks * block_size] bool, True = attend
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    block_size: int = 16
     num_decode_tokens: int = 0
-    decode_slots: torch.Tensor | None = None  # [D, K_max] cache slots, padded
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, K_max] bool, True = attend
+    decode_block_table: torch.Tensor | None = None  # [D, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @property
@@ -52,18 +53,25 @@ def paged_attention(
     if meta.num_tokens == 0:
         return q.new_empty((0, *q.shape[1:]))
     cache.index_copy_(0, meta.slot_mapping, new_kv)
+    blocks = cache.view(-1, meta.block_size, *cache.shape[1:])  # [num_blocks, block_size, *token_shape]
+
+    def gather(block_table: torch.Tensor) -> torch.Tensor:
+        # Whole blocks via index_select: far cheaper on CPU than indexing token slots.
+        rows = blocks.index_select(0, block_table.reshape(-1))
+        return rows.view(*block_table.shape[:-1], -1, *cache.shape[1:])  # [..., K, *token_shape]
+
     outs = []
     num_decodes = meta.num_decode_tokens
     if num_decodes:
-        kv = cache[meta.decode_slots]  # [D, K_max, *token_shape]
+        kv = gather(meta.decode_block_table)  # [D, K_max, *token_shape]
         outs.append(attend(q[:num_decodes].unsqueeze(1), kv, meta.decode_mask, False).squeeze(1))
     for span in meta.prefills:
         end = span.start + span.num_tokens
         qs = q[span.start : end].unsqueeze(0)
-        if span.slots is None:
+        if span.block_table is None:
             outs.append(attend(qs, new_kv[span.start : end].unsqueeze(0), None, True).squeeze(0))
         else:
-            outs.append(attend(qs, cache[span.slots].unsqueeze(0), span.mask, False).squeeze(0))
+            outs.append(attend(qs, gather(span.block_table).unsqueeze(0), span.mask, False).squeeze(0))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -87,8 +95,9 @@ def gqa_attend(scale: float) -> AttendFn:
     """Attention for caches holding K and V per token: token_shape (2, num_kv_heads, head_dim)."""
 
     def attend(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        k = kv[:, :, 0].transpose(1, 2)  # [B, Hkv, K, D]
-        v = kv[:, :, 1].transpose(1, 2)
+        # Contiguous copies: CPU matmuls on these strided views copy far more slowly inside.
+        k = kv[:, :, 0].transpose(1, 2).contiguous()  # [B, Hkv, K, D]
+        v = kv[:, :, 1].transpose(1, 2).contiguous()
         if q.shape[1] == 1 and mask is not None:
             return decode_attention(q[:, 0], k, v, mask.view(mask.shape[0], -1), scale).unsqueeze(1)
         out = F.scaled_dot_product_attention(

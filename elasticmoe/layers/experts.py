@@ -31,37 +31,39 @@ def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
 
 def _padded_bmm(xs: torch.Tensor, sorted_slots: torch.Tensor, counts: torch.Tensor, max_count: int,
                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    num_slots = w13.shape[0]
+    num_slots, hidden = w13.shape[0], xs.shape[1]
     starts = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each slot
-    rank_in_slot = torch.arange(xs.shape[0]) - starts[sorted_slots]  # [N]
-    padded = xs.new_zeros((num_slots, max_count, xs.shape[1]))
-    padded[sorted_slots, rank_in_slot] = xs
-    gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I] each
+    rank_in_slot = torch.arange(xs.shape[0]) - starts.index_select(0, sorted_slots)  # [N]
+    padded_rows = sorted_slots * max_count + rank_in_slot  # row of each input in the [E * C, H] buffer
+    padded = xs.new_zeros((num_slots * max_count, hidden)).index_copy_(0, padded_rows, xs)
+    gate, up = torch.bmm(padded.view(num_slots, max_count, hidden), w13.transpose(1, 2)).chunk(2, dim=-1)
     out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [E, C, H]
-    return out[sorted_slots, rank_in_slot]
+    return out.view(-1, hidden).index_select(0, padded_rows)
+
+
+def grouped_experts_sorted(xs: torch.Tensor, sorted_slots: torch.Tensor, w13: torch.Tensor,
+                           w2: torch.Tensor) -> torch.Tensor:
+    """Rows of xs [N, H] grouped by ascending `sorted_slots` [N] -> expert outputs [N, H] (unweighted)."""
+    num_slots = w13.shape[0]
+    if xs.shape[0] == 0:
+        return xs.new_empty(xs.shape)
+    counts = torch.bincount(sorted_slots, minlength=num_slots)
+    counts_list = counts.tolist()  # one host sync per layer
+    max_count = max(counts_list)
+    num_busy = sum(1 for n in counts_list if n)
+    if max_count <= _BMM_MAX_ROWS_PER_SLOT and num_busy >= _BMM_MIN_BUSY_FRACTION * num_slots:
+        return _padded_bmm(xs, sorted_slots, counts, max_count, w13, w2)
+    ys = torch.empty_like(xs)
+    start = 0
+    for slot, n in enumerate(counts_list):
+        if n:
+            ys[start : start + n] = swiglu_mlp(xs[start : start + n], w13[slot], w2[slot])
+            start += n
+    return ys
 
 
 def grouped_experts(x: torch.Tensor, slot_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Run each row of x [N, H] through the expert in `slot_ids` [N]; returns [N, H] (unweighted)."""
-    num_rows, num_slots = x.shape[0], w13.shape[0]
-    if num_rows == 0:
-        return x.new_empty(x.shape)
+    """Run each row of x [N, H] through the expert in `slot_ids` [N]; returns [N, H] in input order."""
     order = torch.argsort(slot_ids, stable=True)
-    sorted_slots = slot_ids[order]
-    counts = torch.bincount(slot_ids, minlength=num_slots)
-    counts_list = counts.tolist()  # one host sync per layer
-    num_busy = sum(1 for n in counts_list if n)
-    max_count = max(counts_list)
-    xs = x[order]
-    if max_count <= _BMM_MAX_ROWS_PER_SLOT and num_busy >= _BMM_MIN_BUSY_FRACTION * num_slots:
-        ys = _padded_bmm(xs, sorted_slots, counts, max_count, w13, w2)
-    else:
-        ys = torch.empty_like(xs)
-        start = 0
-        for slot, n in enumerate(counts_list):
-            if n:
-                ys[start : start + n] = swiglu_mlp(xs[start : start + n], w13[slot], w2[slot])
-                start += n
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(num_rows)
-    return ys[inverse]
+    ys = grouped_experts_sorted(x.index_select(0, order), slot_ids.index_select(0, order), w13, w2)
+    return torch.empty_like(ys).index_copy_(0, order, ys)

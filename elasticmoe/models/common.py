@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from elasticmoe.config import ModelConfig
 from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, paged_attention
-from elasticmoe.layers.experts import grouped_experts, swiglu_mlp
+from elasticmoe.layers.experts import grouped_experts_sorted, swiglu_mlp
 from elasticmoe.layers.norm import rms_norm
 from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.models.weights import ParamSpec
@@ -105,8 +105,8 @@ class MoEBlock:
         self.shared = shared
         self.reroute: RerouteFn | None = None
 
-    def experts(self, x: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, slot_ids, self.w13, self.w2)
+    def experts(self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor) -> torch.Tensor:
+        return grouped_experts_sorted(x_sorted, sorted_slot_ids, self.w13, self.w2)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)  # [T, k] each

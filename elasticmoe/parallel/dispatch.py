@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 
-# experts(x [N, H], local_slot_ids [N]) -> [N, H], unweighted
+# experts(x [N, H] with rows grouped by ascending slot, those slots [N]) -> [N, H], unweighted
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -29,14 +29,18 @@ def _combine(num_tokens: int, pair_token_ids: torch.Tensor, pair_out: torch.Tens
 
 
 class LocalDispatcher:
+    """All experts on this rank: sort the (token, expert) pairs by slot, run, scatter-add back."""
+
     def __init__(self, placement: ExpertPlacement) -> None:
         self.expert_to_slot = torch.tensor(placement.expert_to_slot, dtype=torch.long)
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertsFn):
         num_tokens, top_k = topk_ids.shape
-        token_ids = torch.arange(num_tokens).repeat_interleave(top_k)  # [T*k]
-        pair_out = experts(x[token_ids], self.expert_to_slot[topk_ids.reshape(-1)])
-        return _combine(num_tokens, token_ids, pair_out, topk_weights.reshape(-1))
+        pair_slots = self.expert_to_slot.index_select(0, topk_ids.reshape(-1))  # [T*k], pair p = token p // k
+        order = torch.argsort(pair_slots, stable=True)
+        token_ids = torch.div(order, top_k, rounding_mode="floor")
+        pair_out = experts(x.index_select(0, token_ids), pair_slots.index_select(0, order))
+        return _combine(num_tokens, token_ids, pair_out, topk_weights.reshape(-1).index_select(0, order))
 
 
 class AllToAllDispatcher:
@@ -55,15 +59,20 @@ class AllToAllDispatcher:
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertsFn):
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
-        dest = self.expert_to_rank[flat_ids]
+        dest = self.expert_to_rank.index_select(0, flat_ids)
         order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
-        token_ids = torch.arange(num_tokens).repeat_interleave(top_k)[order]
+        token_ids = torch.div(order, top_k, rounding_mode="floor")
         send_counts_t = torch.bincount(dest, minlength=self.num_ranks)
         recv_counts_t = torch.empty_like(send_counts_t)
         dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.group)
         send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
 
-        recv_x = self._exchange(x[token_ids].contiguous(), send_counts, recv_counts)
-        recv_slots = self._exchange(self.expert_to_slot[flat_ids[order]], send_counts, recv_counts)
-        back = self._exchange(experts(recv_x, recv_slots).contiguous(), recv_counts, send_counts)
-        return _combine(num_tokens, token_ids, back, topk_weights.reshape(-1)[order])
+        recv_x = self._exchange(x.index_select(0, token_ids), send_counts, recv_counts)
+        recv_slots = self._exchange(self.expert_to_slot.index_select(0, flat_ids.index_select(0, order)),
+                                    send_counts, recv_counts)
+        # Received rows arrive grouped by source rank; group them by slot for the experts and back.
+        by_slot = torch.argsort(recv_slots, stable=True)
+        out_sorted = experts(recv_x.index_select(0, by_slot), recv_slots.index_select(0, by_slot))
+        out = torch.empty_like(out_sorted).index_copy_(0, by_slot, out_sorted)
+        back = self._exchange(out, recv_counts, send_counts)
+        return _combine(num_tokens, token_ids, back, topk_weights.reshape(-1).index_select(0, order))

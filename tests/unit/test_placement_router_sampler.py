@@ -57,7 +57,7 @@ def test_local_dispatcher_weights_and_combines():
     x = torch.randn(3, 4)
     ids = torch.tensor([[0, 1], [1, 1], [0, 0]])
     w = torch.tensor([[0.5, 0.5], [1.0, 2.0], [0.25, 0.25]])
-    out = LocalDispatcher(ExpertPlacement.single(2))(x, ids, w, lambda h, s: h * (s + 1).unsqueeze(-1))
+    out = LocalDispatcher(ExpertPlacement.single(2))(x, ids, w, lambda h, s: h * (s + 1).unsqueeze(-1).to(h.dtype))
     torch.testing.assert_close(out, x * torch.tensor([[1.5], [6.0], [0.5]]))
 
 
