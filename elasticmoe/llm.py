@@ -20,14 +20,16 @@ class LLM:
     def generate(
         self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Run all prompts to completion; results come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        """Run all prompts to completion; results come back in prompt order.
+
+        A string or a list of token ids is one prompt; a list of those is a batch.
+        """
+        batch: list = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
         params = params or SamplingParams()
         order = []
-        for prompt in prompts:
+        for prompt in batch:
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, params)  # type: ignore[arg-type]
+            self.engine.add_request(request_id, prompt, params)
             order.append(request_id)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

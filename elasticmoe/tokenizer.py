@@ -36,10 +36,10 @@ class Tokenizer:
         return list(self.hf.encode(text))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
-        return self.hf.decode([token_id])
+        return str(self.hf.decode([token_id]))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Render messages with the model's chat template, opening the assistant turn."""

@@ -57,6 +57,7 @@ class LLMEngine:
         specs = family.param_specs(cfg, self.placement.local_expert_ids(config.ep_rank))
         provider = weight_provider or SafetensorsWeightProvider(config.model)
         self.weights = load_weights(specs, provider, config.dtype)
+        dispatcher: LocalDispatcher | AllToAllDispatcher
         if config.ep_size == 1:
             dispatcher = LocalDispatcher(self.placement)
         else:

@@ -63,10 +63,10 @@ class Sampler:
         if wanted:
             all_logprobs = logits[wanted].log_softmax(dim=-1)
             max_top = max(requests[i].params.logprobs or 0 for i in wanted)
-            top_vals, top_ids = all_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+            top_vals, top_ids = all_logprobs.topk(max(max_top, 1), dim=-1)
             for j, i in enumerate(wanted):
                 n = requests[i].params.logprobs or 0
                 chosen = float(all_logprobs[j, token_ids[i]])
-                top = [] if not n else list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
+                top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
                 logprobs[i] = (chosen, top)
         return SampleResult(token_ids.tolist(), logprobs)
