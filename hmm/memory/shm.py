@@ -1,0 +1,228 @@
+"""CPU device memory: tensors in named shared-memory files under /dev/shm.
+
+One file per allocation. A model's weights are a few hundred tensors per device,
+so per-file overhead is negligible, and in exchange `free` gives the memory back
+to the kernel at once (no sub-allocator, no segment that stays pinned by one
+live tensor) and a handle is simply "file name + view". Many small objects that
+need one mapping (KV blocks, expert pages) are sub-allocated by their own managers
+(`PagePool`, the KV pool) inside a single allocation instead.
+
+The owner (`ShmBackend`, one per device) creates, exports and frees; any process on
+the node opens a handle with `open_tensor`, which maps the same pages
+(`MAP_SHARED`, zero-copy). `free` unlinks the file: mappings already open stay
+valid until their tensors are dropped, exactly like POSIX shm.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import re
+import secrets
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hmm.memory.accounting import MemoryAccount
+from hmm.memory.handle import TensorHandle, contiguous_stride, dtype_from_str, dtype_to_str
+from hmm.memory.libc import PAGE_SIZE
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+DEFAULT_PREFIX = "emoe"
+
+
+def round_up(num_bytes: int, align: int = PAGE_SIZE) -> int:
+    return -(-num_bytes // align) * align
+
+
+def unique_segment_name(prefix: str, device_id: str, kind: str = "t") -> str:
+    """`<prefix>-d<device>-<kind>-<pid>-<random>`: unique per device and process; files
+    are created with O_EXCL, so a clash fails loudly instead of sharing memory."""
+    dev = re.sub(r"[^A-Za-z0-9_.]", "_", device_id)
+    return f"{prefix}-d{dev}-{kind}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def list_segments(prefix: str) -> list[str]:
+    """Names of files in /dev/shm that start with `prefix-` (leak checks)."""
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"{prefix}-"))
+
+
+def create_segment(name: str, num_bytes: int) -> tuple[int, str]:
+    """Create /dev/shm/`name` with `num_bytes` allocated; return (open fd, path).
+
+    The memory is allocated up front (`posix_fallocate`), like a device
+    allocation: a full /dev/shm fails here with ENOSPC instead of SIGBUS later.
+    On any failure nothing is left behind.
+    """
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, num_bytes)
+        if num_bytes:
+            os.posix_fallocate(fd, 0, num_bytes)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd, path
+
+
+def _view(mm: mmap.mmap | None, handle: TensorHandle) -> torch.Tensor:
+    """A tensor over `mm` (which keeps the mapping alive as long as the tensor lives)."""
+    dtype = dtype_from_str(handle.dtype)
+    if handle.numel == 0 or mm is None:
+        return torch.empty(handle.shape, dtype=dtype)
+    flat = torch.frombuffer(mm, dtype=dtype, count=handle.nbytes // handle.itemsize, offset=handle.offset)
+    return flat.as_strided(handle.shape, handle.stride)
+
+
+def _map_file(path: str) -> mmap.mmap | None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return None
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the file alive; the fd is not needed
+
+
+def open_tensor(handle: TensorHandle) -> torch.Tensor:
+    """Open `handle` in this process: a tensor over the same physical pages.
+
+    Costs no memory until pages are touched, and touched pages are the owner's
+    shared pages (RssShmem), never private copies. The mapping lives until the
+    returned tensor and all its views are garbage-collected.
+    """
+    return _view(_map_file(os.path.join(SHM_DIR, handle.name)), handle)
+
+
+@dataclass(slots=True)
+class _Segment:
+    name: str
+    path: str
+    charged: int  # bytes charged to the account
+    addr: int
+    size: int  # viewed bytes
+    base: torch.Tensor  # the owner's contiguous tensor; keeps the mapping alive
+
+
+def _unlink_all(segments: dict[str, _Segment]) -> None:
+    for seg in segments.values():
+        try:
+            os.unlink(seg.path)
+        except FileNotFoundError:
+            pass
+    segments.clear()
+
+
+class ShmBackend:
+    """Allocate/export/free tensors of one device in /dev/shm, charged to `account`.
+
+    Invariants: every live allocation is one file `<prefix>-d<device>-t-...` and its
+    rounded-up size is charged to `account`; `free`/`close_all` unlink the file and
+    release the charge. Files are also unlinked if the backend is garbage-collected
+    or the interpreter exits, so a crashed test leaks nothing.
+    """
+
+    def __init__(self, account: MemoryAccount, prefix: str = DEFAULT_PREFIX) -> None:
+        self.account = account
+        self.prefix = prefix
+        self._segments: dict[str, _Segment] = {}
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _unlink_all, self._segments)
+
+    @property
+    def device_id(self) -> str:
+        return self.account.device_id
+
+    def can_allocate(self, shape: Sequence[int], dtype: torch.dtype) -> bool:
+        return self.account.can_allocate(round_up(math.prod(shape) * dtype.itemsize))
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A new contiguous tensor (zero-filled) in shareable device memory.
+
+        Raises `OutOfDeviceMemory` if it does not fit; then no file exists and the
+        account is unchanged.
+        """
+        shape = tuple(int(s) for s in shape)
+        handle_dtype = dtype_to_str(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        charged = round_up(nbytes)
+        name = unique_segment_name(self.prefix, self.device_id)
+        self.account.reserve(charged, what=f"tensor {list(shape)} {handle_dtype}")
+        try:
+            fd, path = create_segment(name, nbytes)
+            try:
+                prot = mmap.PROT_READ | mmap.PROT_WRITE
+                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot) if nbytes else None
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.account.release(charged)
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))
+            raise
+        handle = TensorHandle("shm", name, 0, shape, handle_dtype, contiguous_stride(shape), self.device_id)
+        base = _view(mm, handle)
+        addr = base.data_ptr() if nbytes else 0
+        with self._lock:
+            self._segments[name] = _Segment(name, path, charged, addr, nbytes, base)
+        return base
+
+    def export(self, tensor: torch.Tensor) -> TensorHandle:
+        """The handle of `tensor`, which must be (a view into) an allocation of this backend."""
+        seg = self._find(tensor)
+        offset = tensor.data_ptr() - seg.addr
+        handle = TensorHandle(
+            "shm",
+            seg.name,
+            offset,
+            tuple(tensor.shape),
+            dtype_to_str(tensor.dtype),
+            tuple(tensor.stride()),
+            self.device_id,
+        )
+        if offset + handle.nbytes > seg.size:
+            raise ValueError(f"view of {seg.name} extends past the allocation")
+        return handle
+
+    def free(self, obj: torch.Tensor | TensorHandle) -> None:
+        """Free the allocation holding `obj` (a tensor or handle of it).
+
+        The file is unlinked and the charge released at once; tensors that still
+        view it (here or in other processes) stay valid until dropped.
+        """
+        self._free_name(obj.name if isinstance(obj, TensorHandle) else self._find(obj).name)
+
+    def close_all(self) -> None:
+        """Free every allocation of this backend."""
+        for name in self.names():
+            self._free_name(name)
+
+    def names(self) -> list[str]:
+        """Names of live allocations."""
+        return sorted(self._segments)
+
+    def _free_name(self, name: str) -> None:
+        with self._lock:
+            seg = self._segments.pop(name, None)
+        if seg is None:
+            raise KeyError(f"device {self.device_id}: no live allocation {name}")
+        os.unlink(seg.path)
+        self.account.release(seg.charged)
+
+    def _find(self, tensor: torch.Tensor) -> _Segment:
+        ptr = tensor.data_ptr()
+        with self._lock:
+            for seg in self._segments.values():
+                if seg.base is tensor or seg.addr <= ptr < seg.addr + seg.size:
+                    return seg
+        raise KeyError(f"device {self.device_id}: tensor at {ptr:#x} is not an allocation of this backend")
