@@ -1,0 +1,290 @@
+"""`HMMController`: the control plane of the HMM (device registry, layouts, plans).
+
+A plain class, testable with in-process `DeviceWorker`s; `HMMControllerActor`
+is the same class as a Ray actor, whose workers are `DeviceWorkerActor`s.
+
+`execute(plan)` runs a `ScalePlan` in three phases, each concurrent across devices:
+1. stage (Alloc / Reuse / Remap): every device of either layout `begin`s its
+   target state; kept tensors are reused zero-copy, kept experts are mapped at
+   their target slots from the same pages; the keys each device reports to fill
+   must equal the plan's copies into it;
+2. disk (DiskLoad): each device reads its subset of the checkpoint;
+3. p2p (P2PCopy): same-node copies by the fast path, others over gloo.
+Old mappings stay valid until `commit`, which runs the plan's Free steps (each
+device frees what its target does not hold). Any failure aborts: every device
+releases what the plan allocated, and the old layout and accounting are exactly
+as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Literal
+
+import ray
+import torch
+
+from elasticmoe.config import ModelConfig
+from elasticmoe.models.registry import model_family
+from elasticmoe.models.weights import ParamSpec
+from hmm.device_memory import DEVICE_PAGE_SIZE, Handle
+from hmm.layout import DeviceSpec, Layout, ModelSizes, TensorKey, layout_for
+from hmm.memory import MemoryUsage
+from hmm.memory.shm import DEFAULT_PREFIX
+from hmm.p2p import GroupSpec, HandleCopy, Transfer
+from hmm.planner import TargetConfig, load_plan, plan
+from hmm.scale_plan import DiskLoad, Free, InvalidPlan, P2PCopy, ScalePlan
+from hmm.worker import DeviceWorker, DeviceWorkerActor
+
+logger = logging.getLogger(__name__)
+
+P2PMode = Literal["auto", "gloo", "fast"]
+
+
+class HMMController:
+    """Registry of devices and the current layout; runs plans on the device workers.
+
+    `use_ray=False` keeps workers in this process (fast path only, no gloo group).
+    Invariant: between `execute` and `commit`/`abort` the current layout and its
+    handles are unchanged and valid; `commit` makes `pending.target` current.
+    """
+
+    def __init__(
+        self,
+        *,
+        use_ray: bool = True,
+        p2p: P2PMode = "auto",
+        page_size: int = DEVICE_PAGE_SIZE,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        if not use_ray and p2p == "gloo":
+            raise ValueError("p2p='gloo' needs Ray workers (one process per device)")
+        self.use_ray, self.p2p, self.page_size, self.prefix = use_ray, p2p, page_size, prefix
+        self.devices: dict[int, DeviceSpec] = {}
+        self.workers: dict[int, Any] = {}
+        self.group: GroupSpec | None = None
+        self.layout: Layout | None = None
+        self.pending: ScalePlan | None = None
+        self.model_dir = ""
+        self.model_config: ModelConfig | None = None
+        self.dtype = torch.bfloat16
+        self.bytes_read_from_disk = 0
+
+    # ---- calls to workers ------------------------------------------------------------
+
+    def _call(self, device_id: int, method: str, *args: Any) -> Any:
+        fn = getattr(self.workers[device_id], method)
+        return fn.remote(*args) if self.use_ray else fn(*args)
+
+    def _gather(self, calls: list[Any]) -> list[Any]:
+        return ray.get(calls) if self.use_ray else calls
+
+    def _all(self, device_ids: Sequence[int], method: str, *args: Any) -> list[Any]:
+        return self._gather([self._call(d, method, *args) for d in device_ids])
+
+    # ---- registry --------------------------------------------------------------------
+
+    def add_device(self, spec: DeviceSpec) -> None:
+        """Start the device's worker; with Ray, rebuild the p2p group to include it (D.6)."""
+        if spec.device_id in self.devices:
+            raise ValueError(f"device {spec.device_id} is already registered")
+        worker: Any
+        if self.use_ray:
+            worker = DeviceWorkerActor.remote(spec, self.page_size, self.prefix)
+        else:
+            worker = DeviceWorker(spec, self.page_size, self.prefix)
+        self.devices[spec.device_id], self.workers[spec.device_id] = spec, worker
+        if self.use_ray and self.p2p != "fast":
+            self._rebuild_group()
+
+    def _rebuild_group(self) -> None:
+        ids = list(self.devices)
+        first = ids[0]
+        addr, port = self._gather([self._call(first, "node_address"), self._call(first, "free_port")])
+        epoch = self.group.epoch + 1 if self.group else 0
+        self.group = GroupSpec(len(ids), addr, port, epoch)
+        self._gather([self._call(d, "join_group", self.group, rank) for rank, d in enumerate(ids)])
+
+    def _rank(self, device_id: int) -> int:
+        return list(self.devices).index(device_id)
+
+    def worker(self, device_id: int) -> Any:
+        return self.workers[device_id]
+
+    # ---- load / plan / execute / commit / abort ---------------------------------------
+
+    def load(
+        self, model_dir: str, dp: int, dtype: torch.dtype = torch.bfloat16, kv_bytes: int | None = None
+    ) -> ScalePlan:
+        """Initial layout of (dp, ep=dp) on the first `dp` devices: each tensor read from
+        disk once, the replicas filled by p2p; committed on success."""
+        if self.layout is not None:
+            raise RuntimeError("hmm: a model is already loaded")
+        self.model_dir, self.dtype = model_dir, dtype
+        self.model_config = cfg = ModelConfig.from_pretrained(model_dir)
+        sizes = ModelSizes.from_model(cfg, dtype.itemsize)
+        layout = layout_for(None, sizes, list(self.devices.values()), dp, dp, kv_bytes=kv_bytes)
+        p = load_plan(layout)
+        self.execute(p)
+        self.commit()
+        return p
+
+    def plan(self, target: TargetConfig) -> ScalePlan:
+        if self.layout is None:
+            raise RuntimeError("hmm: nothing loaded")
+        return plan(self.layout, target)
+
+    def execute(self, p: ScalePlan) -> dict[str, int]:
+        """Run `p` up to (not including) its Free steps; on any error, `abort()` and re-raise."""
+        if self.pending is not None:
+            raise RuntimeError("hmm: another plan is pending; commit or abort it first")
+        if p.current is not self.layout and p.current != self.layout:
+            raise InvalidPlan("hmm: the plan does not start from the current layout")
+        self.pending = p
+        try:
+            stats = {"bytes_disk": self._stage_and_load(p)}
+            stats.update(self._p2p(p))
+            return stats
+        except BaseException:
+            logger.exception("hmm: execute failed; rolling back")
+            self.abort()
+            raise
+
+    def _specs(self, layout: Layout, device_id: int) -> list[ParamSpec]:
+        assert self.model_config is not None
+        return model_family(self.model_config.arch).param_specs(
+            self.model_config, layout.local_experts(device_id)
+        )
+
+    def _stage_and_load(self, p: ScalePlan) -> int:
+        tgt, ids = p.target, p.device_ids()
+        specs = {d: self._specs(tgt, d) if d in tgt.device_ids else [] for d in ids}
+        kv = {d: tgt.kv_bytes[tgt.rank_of(d)] if d in tgt.device_ids else 0 for d in ids}
+        filled = self._gather([self._call(d, "begin", specs[d], self.dtype, kv[d]) for d in ids])
+        expected: dict[int, set[TensorKey]] = defaultdict(set)
+        disk: dict[int, list[TensorKey]] = defaultdict(list)
+        for s in p.steps:
+            if isinstance(s, P2PCopy | DiskLoad):
+                expected[s.dst_device if isinstance(s, P2PCopy) else s.device].add(s.key)
+            if isinstance(s, DiskLoad):
+                disk[s.device].append(s.key)
+        for d, keys in zip(ids, filled, strict=True):
+            if set(keys) != expected[d]:
+                raise InvalidPlan(
+                    f"device {d}: staged {len(keys)} new tensors, the plan fills {len(expected[d])}"
+                )
+        loads = [
+            self._call(d, "load_from_disk", self.model_dir, _subset(specs[d], keys), self.dtype)
+            for d, keys in disk.items()
+        ]
+        read = sum(self._gather(loads))
+        self.bytes_read_from_disk += read
+        return read
+
+    def _p2p(self, p: ScalePlan) -> dict[str, int]:
+        copies = [s for s in p.steps if isinstance(s, P2PCopy)]
+        node = {d: s.node_id for d, s in self.devices.items()}
+        fast = [c for c in copies if self._is_fast(node[c.src_device], node[c.dst_device])]
+        gloo = [c for c in copies if c not in fast]
+        by_dst: dict[int, list[P2PCopy]] = defaultdict(list)
+        for c in fast:
+            by_dst[c.dst_device].append(c)
+        jobs = []
+        for dst, cs in by_dst.items():
+            by_src: dict[int, list[P2PCopy]] = defaultdict(list)
+            for c in cs:
+                by_src[c.src_device].append(c)
+            srcs = list(by_src)
+            found = self._gather([self._call(s, "source_handles", [c.key for c in by_src[s]]) for s in srcs])
+            items = [
+                HandleCopy(c.key, h, slot)
+                for s, hs in zip(srcs, found, strict=True)
+                for c, (h, slot) in zip(by_src[s], hs, strict=True)
+            ]
+            jobs.append(self._call(dst, "copy_from_handles", items))
+        moved_fast = sum(self._gather(jobs))
+        transfers: dict[int, list[Transfer]] = defaultdict(list)
+        for tag, c in enumerate(gloo):
+            transfers[c.src_device].append(Transfer("send", self._rank(c.dst_device), tag, c.key))
+            transfers[c.dst_device].append(Transfer("recv", self._rank(c.src_device), tag, c.key))
+        results = self._gather([self._call(d, "run_transfers", trs) for d, trs in transfers.items()])
+        return {"bytes_p2p_fast": moved_fast, "bytes_p2p_gloo": sum(results) // 2}
+
+    def _is_fast(self, src_node: int, dst_node: int) -> bool:
+        return self.p2p == "fast" or (self.p2p == "auto" and src_node == dst_node) or not self.use_ray
+
+    def commit(self) -> int:
+        """Free what the pending target does not hold (its Free steps) and make it current.
+        Returns the bytes freed.
+
+        # NOTE: call only once no instance reads the old layout's expert pages.
+        """
+        if self.pending is None:
+            raise RuntimeError("hmm: nothing to commit")
+        p = self.pending
+        freed = sum(self._all(p.device_ids(), "commit"))
+        planned = sum(s.nbytes for s in p.steps if isinstance(s, Free))
+        logger.info("hmm: committed; freed %d bytes (plan: %d)", freed, planned)
+        self.layout, self.pending = p.target, None
+        return freed
+
+    def abort(self) -> None:
+        """Release everything the pending plan allocated; the old layout stays current."""
+        p, self.pending = self.pending, None
+        if p is not None:
+            self._all(p.device_ids(), "abort")
+
+    # ---- handles and accounting ------------------------------------------------------
+
+    def handle_set(self, rank: int) -> dict[str, Handle]:
+        """{engine param name: handle} + `"kv_pool"` for DP rank `rank` of the current layout."""
+        if self.layout is None:
+            raise RuntimeError("hmm: nothing loaded")
+        return self._gather([self._call(self.layout.device_ids[rank], "export_handles")])[0]
+
+    def usage(self) -> dict[int, MemoryUsage]:
+        ids = list(self.devices)
+        return dict(zip(ids, self._all(ids, "usage"), strict=True))
+
+    def reset_peak(self) -> None:
+        self._all(list(self.devices), "reset_peak")
+
+    def shutdown(self) -> None:
+        """Abort anything pending, free all device memory, stop the workers."""
+        self.abort()
+        self._all(list(self.devices), "shutdown")
+        if self.use_ray:
+            for w in self.workers.values():
+                ray.kill(w)
+        self.workers.clear()
+        self.devices.clear()
+        self.layout = None
+
+
+def _subset(specs: Sequence[ParamSpec], keys: Sequence[TensorKey]) -> list[ParamSpec]:
+    """The specs restricted to `keys`: whole dense tensors, and stacked specs cut to the named experts."""
+    by_name = {s.name: s for s in specs}
+    out = [by_name[k.name] for k in keys if k.kind == "dense"]
+    experts: dict[str, list[int]] = defaultdict(list)
+    for k in keys:
+        if k.kind == "expert":
+            experts[k.name].append(k.expert_id)
+    for name, ids in experts.items():
+        spec = by_name[name]
+        assert spec.expert_ids is not None
+        rows = [spec.expert_ids.index(e) for e in ids]
+        out.append(
+            replace(
+                spec,
+                shape=(len(rows), *spec.shape[1:]),
+                sources=tuple(spec.sources[i] for i in rows),
+                expert_ids=tuple(ids),
+            )
+        )
+    return out
+
+
+HMMControllerActor = ray.remote(num_cpus=0)(HMMController)

@@ -1,0 +1,263 @@
+"""`DeviceMemory`: every tensor one device holds, in shareable device memory.
+
+Non-expert tensors are shm tensors keyed by engine param name; each stacked
+expert param (`layers.{i}.moe.w13` / `.w2`) is a `VirtualTensor` over the
+device's `PagePool`, one page-aligned slot per local expert in placement order;
+the KV pool is one `uint8` shm tensor that instances view with their KV shape.
+Everything is charged to one `MemoryAccount` (current + peak bytes).
+
+Transitions are two-phase. `begin(specs, ...)` builds a *staged* state next to
+the current one: tensors the target keeps are the same objects (same shm
+names), kept experts map the SAME physical pages at their target slots
+(zero-copy, any slot order), and only what is new gets fresh memory, returned
+as the keys to fill (by `load_from_disk` or p2p). Invariant: old mappings stay
+valid until `commit` — nothing of the current state is unmapped or freed before
+it. `commit` frees what the target does not hold and makes it current; `abort`
+releases everything `begin` allocated, leaving the current state and the
+account's `used` exactly as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from elasticmoe.models.weights import ParamSpec, SafetensorsWeightProvider
+from hmm.layout import KV_POOL, TensorKey
+from hmm.memory import (
+    MemoryAccount,
+    MemoryUsage,
+    PagePool,
+    ShmBackend,
+    TensorHandle,
+    VirtualTensor,
+    VirtualTensorHandle,
+)
+from hmm.memory.shm import DEFAULT_PREFIX
+
+logger = logging.getLogger(__name__)
+
+DEVICE_PAGE_SIZE = 64 * 1024
+Handle = TensorHandle | VirtualTensorHandle
+
+
+@dataclass(slots=True)
+class ExpertStack:
+    """One stacked expert param: `vt.tensor[slot]` holds global expert `expert_ids[slot]`."""
+
+    vt: VirtualTensor
+    expert_ids: tuple[int, ...]
+    layer: int
+
+    def slot(self, expert: int) -> int:
+        return self.expert_ids.index(expert)
+
+
+@dataclass(slots=True)
+class DeviceState:
+    """The tensors of one layout on this device (current or staged)."""
+
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    experts: dict[str, ExpertStack] = field(default_factory=dict)
+    kv: torch.Tensor | None = None
+
+    def tensor(self, key: TensorKey) -> torch.Tensor | None:
+        if key.kind == "dense":
+            return self.dense.get(key.name)
+        if key.kind == "kv":
+            return self.kv
+        stack = self.experts.get(key.name)
+        if stack is None or key.expert_id not in stack.expert_ids:
+            return None
+        return stack.vt.tensor[stack.slot(key.expert_id)]
+
+
+class DeviceMemory:
+    """One device's tensors (see the module docstring). Not thread-safe: one caller."""
+
+    def __init__(
+        self,
+        device_id: int,
+        budget_bytes: int,
+        page_size: int = DEVICE_PAGE_SIZE,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        self.device_id = device_id
+        self.account = MemoryAccount(device_id, budget_bytes)
+        self.shm = ShmBackend(self.account, prefix)
+        self.pool = PagePool(self.account, page_size, prefix=prefix)
+        self.current = DeviceState()
+        self.staged: DeviceState | None = None
+        self._readers: dict[str, SafetensorsWeightProvider] = {}
+
+    # ---- transitions -----------------------------------------------------------------
+
+    def begin(self, specs: Sequence[ParamSpec], dtype: torch.dtype, kv_bytes: int) -> list[TensorKey]:
+        """Stage the target tensors `specs` (+ a KV pool of `kv_bytes`); return the keys
+        that got fresh memory and must be filled. On error nothing is left staged."""
+        if self.staged is not None:
+            raise RuntimeError(f"device {self.device_id}: a transition is already staged")
+        self.staged = staged = DeviceState()
+        to_fill: list[TensorKey] = []
+        try:
+            for spec in specs:
+                if spec.is_stacked:
+                    to_fill += self._stage_experts(staged, spec, dtype)
+                    continue
+                cur = self.current.dense.get(spec.name)
+                if cur is not None and tuple(cur.shape) == spec.shape and cur.dtype == dtype:
+                    staged.dense[spec.name] = cur  # zero-copy reuse: same shm file
+                else:
+                    staged.dense[spec.name] = self.shm.allocate(spec.shape, dtype)
+                    to_fill.append(TensorKey.dense(spec.name))
+            cur_kv = self.current.kv
+            if cur_kv is not None and cur_kv.numel() == kv_bytes:
+                staged.kv = cur_kv
+            elif kv_bytes > 0:
+                staged.kv = self.shm.allocate((kv_bytes,), torch.uint8)
+        except BaseException:
+            self.abort()
+            raise
+        return to_fill
+
+    def _stage_experts(self, staged: DeviceState, spec: ParamSpec, dtype: torch.dtype) -> list[TensorKey]:
+        assert spec.expert_ids is not None
+        ids, row_shape = spec.expert_ids, spec.shape[1:]
+        cur = self.current.experts.get(spec.name)
+        same_geometry = cur is not None and cur.vt.slot_shape == row_shape and cur.vt.dtype == dtype
+        if cur is not None and same_geometry and cur.expert_ids == ids:
+            staged.experts[spec.name] = cur  # nothing moves: the same virtual tensor
+            return []
+        layer = TensorKey.dense(spec.name).layer
+        if layer is None:
+            raise ValueError(f"{spec.name}: stacked expert params are named layers.<i>.*")
+        vt = VirtualTensor(self.pool, len(ids), row_shape, dtype, align_slots=True)
+        staged.experts[spec.name] = ExpertStack(vt, ids, layer)  # registered first: abort unmaps it
+        to_fill: list[TensorKey] = []
+        for slot, e in enumerate(ids):
+            if cur is not None and same_geometry and e in cur.expert_ids:
+                vt.map_slot(slot, source=cur.vt.slot_pages(cur.slot(e)))  # same pages, new slot
+            else:
+                vt.map_slot(slot)
+                to_fill.append(TensorKey.expert_row(spec.name, layer, e))
+        return to_fill
+
+    def commit(self) -> int:
+        """Free what the staged state does not hold and make it current; return bytes freed.
+
+        # NOTE: instances still mapping the old tensors must be retired before this:
+        # freed pool pages are hole-punched and read as zeros afterwards.
+        """
+        if self.staged is None:
+            raise RuntimeError(f"device {self.device_id}: nothing staged to commit")
+        before = self.account.used
+        self._release(self.current, keep=self.staged)
+        self.current, self.staged = self.staged, None
+        return before - self.account.used
+
+    def abort(self) -> None:
+        """Release everything `begin` allocated; the current state is untouched."""
+        if self.staged is not None:
+            staged, self.staged = self.staged, None
+            self._release(staged, keep=self.current)
+
+    def _release(self, state: DeviceState, keep: DeviceState) -> None:
+        kept = {id(t) for t in keep.dense.values()} | {id(s) for s in keep.experts.values()}
+        # NOTE: unmap expert stacks first: a page shared with `keep` only drops one
+        # reference, so the pages `keep` maps are never released here.
+        for stack in state.experts.values():
+            if id(stack) not in kept:
+                stack.vt.close()
+        for t in state.dense.values():
+            if id(t) not in kept:
+                self.shm.free(t)
+        if state.kv is not None and state.kv is not keep.kv:
+            self.shm.free(state.kv)
+
+    # ---- filling and reading ---------------------------------------------------------
+
+    def writable(self, key: TensorKey) -> torch.Tensor:
+        """The staged buffer of `key` (the current one when nothing is staged)."""
+        t = (self.staged or self.current).tensor(key)
+        if t is None:
+            raise KeyError(f"device {self.device_id}: no buffer for {key}")
+        return t
+
+    def readable(self, key: TensorKey) -> torch.Tensor:
+        """A filled buffer of `key`: the current one, else the staged one (initial load)."""
+        for state in (self.current, self.staged):
+            t = state.tensor(key) if state is not None else None
+            if t is not None:
+                return t
+        raise KeyError(f"device {self.device_id}: does not hold {key}")
+
+    def load_from_disk(self, model_dir: str | Path, specs: Iterable[ParamSpec], dtype: torch.dtype) -> int:
+        """Read exactly the checkpoint tensors of `specs` (stacked specs may name any
+        subset of the staged experts) into their buffers; return the bytes read."""
+        reader = self._readers.get(str(model_dir))
+        if reader is None:
+            reader = self._readers[str(model_dir)] = SafetensorsWeightProvider(model_dir)
+        start = reader.bytes_read
+        for spec in specs:
+            if spec.expert_ids is None:
+                rows = [(self.writable(TensorKey.dense(spec.name)), spec.sources[0])]
+            else:
+                layer = TensorKey.dense(spec.name).layer
+                assert layer is not None
+                keys = [TensorKey.expert_row(spec.name, layer, e) for e in spec.expert_ids]
+                rows = [(self.writable(k), src) for k, src in zip(keys, spec.sources, strict=True)]
+            for dst, names in rows:
+                offset = 0
+                for name in names:
+                    src = reader.read(name)
+                    dst[offset : offset + src.shape[0]].copy_(src)
+                    offset += src.shape[0]
+                if offset != dst.shape[0]:
+                    raise ValueError(f"{spec.name}: checkpoint rows {offset} != {dst.shape[0]}")
+        return reader.bytes_read - start
+
+    # ---- handles and accounting ------------------------------------------------------
+
+    def export_handles(self, staged: bool = False) -> dict[str, Handle]:
+        """{engine param name: handle} plus `"kv_pool"`, for the current (or staged) state."""
+        state = self.staged if staged else self.current
+        if state is None:
+            raise RuntimeError(f"device {self.device_id}: nothing staged")
+        out: dict[str, Handle] = {n: self.shm.export(t) for n, t in state.dense.items()}
+        out.update({n: s.vt.export() for n, s in state.experts.items()})
+        if state.kv is not None:
+            out[KV_POOL] = self.shm.export(state.kv)
+        return out
+
+    def source_handle(self, key: TensorKey) -> tuple[Handle, int | None]:
+        """Handle of a filled buffer of `key` (+ the expert's slot) for the same-node fast path."""
+        for state in (self.current, self.staged):
+            if state is None or state.tensor(key) is None:
+                continue
+            if key.kind == "expert":
+                stack = state.experts[key.name]
+                return stack.vt.export(), stack.slot(key.expert_id)
+            return self.shm.export(self.readable(key)), None
+        raise KeyError(f"device {self.device_id}: does not hold {key}")
+
+    def usage(self) -> MemoryUsage:
+        return self.account.usage()
+
+    def free(self, names: Iterable[str] = ()) -> None:
+        """Free current dense tensors by name (outside a transition)."""
+        if self.staged is not None:
+            raise RuntimeError(f"device {self.device_id}: free during a staged transition")
+        for name in names:
+            self.shm.free(self.current.dense.pop(name))
+
+    def close(self) -> None:
+        """Free everything (staged and current) and the page pool."""
+        self.abort()
+        self._release(self.current, keep=DeviceState())
+        self.current = DeviceState()
+        self._readers.clear()
+        self.pool.close()

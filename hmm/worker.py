@@ -1,0 +1,137 @@
+"""`DeviceWorker`: the data plane of one device (wraps `DeviceMemory` + p2p).
+
+A plain class, so it is testable in-process; `DeviceWorkerActor` is the same
+class as a Ray actor, one per device, reserving no whole CPU (several fit on a
+2-core machine). Every method is a message from the controller; methods run one
+at a time per worker (Ray's sync actor), so `DeviceMemory` needs no locks.
+
+Lifecycle: construct -> (join_group)* -> begin / fill / commit | abort ... -> shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+import torch
+
+from elasticmoe.models.weights import ParamSpec
+from hmm.device_memory import DEVICE_PAGE_SIZE, DeviceMemory, Handle
+from hmm.layout import DeviceSpec, TensorKey
+from hmm.memory import MemoryUsage
+from hmm.memory.shm import DEFAULT_PREFIX
+from hmm.p2p import GroupSpec, HandleCopy, P2PGroup, Transfer, copy_from_handles
+
+logger = logging.getLogger(__name__)
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by a worker method armed with `fail_next` (tests of rollback)."""
+
+
+class DeviceWorker:
+    """One device: its memory, its p2p endpoint, and failure injection for tests."""
+
+    def __init__(
+        self, spec: DeviceSpec, page_size: int = DEVICE_PAGE_SIZE, prefix: str = DEFAULT_PREFIX
+    ) -> None:
+        torch.set_num_threads(1)
+        self.spec = spec
+        self.memory = DeviceMemory(spec.device_id, spec.budget_bytes, page_size, prefix)
+        self.group = P2PGroup()
+        self._fail: set[str] = set()
+
+    def _check(self, method: str) -> None:
+        if method in self._fail:
+            self._fail.discard(method)
+            raise InjectedFailure(f"device {self.spec.device_id}: injected failure in {method}")
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def check_health(self) -> dict[str, object]:
+        return {
+            "device_id": self.spec.device_id,
+            "pid": os.getpid(),
+            "group_epoch": self.group.spec and self.group.spec.epoch,
+        }
+
+    def node_address(self) -> str:
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+    def free_port(self) -> int:
+        """A free TCP port on this node (for the group store this worker hosts as rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def join_group(self, group: GroupSpec, rank: int) -> int:
+        self.group.join(group, rank)
+        return group.epoch
+
+    def shutdown(self) -> None:
+        """Leave the group and free every byte of the device (no /dev/shm file left)."""
+        self.group.leave()
+        self.memory.close()
+
+    def fail_next(self, method: str) -> None:
+        """Arm a one-shot failure of `method` (tests)."""
+        self._fail.add(method)
+
+    # ---- transitions -----------------------------------------------------------------
+
+    def begin(self, specs: Sequence[ParamSpec], dtype: torch.dtype, kv_bytes: int) -> list[TensorKey]:
+        self._check("begin")
+        return self.memory.begin(specs, dtype, kv_bytes)
+
+    def load_from_disk(self, model_dir: str | Path, specs: Sequence[ParamSpec], dtype: torch.dtype) -> int:
+        self._check("load_from_disk")
+        return self.memory.load_from_disk(model_dir, specs, dtype)
+
+    def run_transfers(self, transfers: Sequence[Transfer]) -> int:
+        """This worker's part of a gloo batch: sends read filled buffers, receives fill staged ones."""
+        self._check("run_transfers")
+
+        def buffer_of(tr: Transfer) -> torch.Tensor:
+            return self.memory.readable(tr.key) if tr.op == "send" else self.memory.writable(tr.key)
+
+        return self.group.run(transfers, buffer_of)
+
+    def source_handles(self, keys: Sequence[TensorKey]) -> list[tuple[Handle, int | None]]:
+        return [self.memory.source_handle(k) for k in keys]
+
+    def copy_from_handles(self, copies: Sequence[HandleCopy]) -> int:
+        self._check("copy_from_handles")
+        return copy_from_handles(copies, self.memory.writable)
+
+    def commit(self) -> int:
+        return self.memory.commit()
+
+    def abort(self) -> None:
+        self.memory.abort()
+
+    # ---- inspection ------------------------------------------------------------------
+
+    def export_handles(self, staged: bool = False) -> dict[str, Handle]:
+        return self.memory.export_handles(staged)
+
+    def usage(self) -> MemoryUsage:
+        return self.memory.usage()
+
+    def reset_peak(self) -> None:
+        self.memory.account.reset_peak()
+
+    def read(self, key: TensorKey) -> torch.Tensor:
+        """A private copy of a held tensor (tests and debugging)."""
+        return self.memory.readable(key).clone()
+
+    def write(self, key: TensorKey, value: torch.Tensor) -> None:
+        """Fill a buffer (tests and debugging)."""
+        self.memory.writable(key).copy_(value)
+
+
+# No CPU reserved, so one node (even a 2-core one) hosts many devices; one method at a time.
+DeviceWorkerActor = ray.remote(num_cpus=0)(DeviceWorker)
