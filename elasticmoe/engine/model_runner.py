@@ -19,10 +19,10 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = block_size
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        positions = torch.arange(start, end)
-        table = torch.tensor(block_ids, dtype=torch.long)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        # Plain ints: per-request tensor ops cost more than the arithmetic at decode batch sizes.
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _decode_metadata(self, decodes: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded block tables [D, max_blocks] of the decoding sequences and their masks [D, 1, 1, K_max]."""
@@ -36,8 +36,8 @@ class ModelRunner:
         """Returns input ids [T], positions [T], the forward context, and the token
         index (into T) of each request that samples this step, in schedule order (-1: no sample)."""
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_mapping: list[torch.Tensor] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
         sample_indices: list[int] = []
         decodes: list[Request] = []
         prefills: list[PrefillSpan] = []
@@ -45,8 +45,8 @@ class ModelRunner:
             start, end = request.num_computed_tokens, request.num_computed_tokens + n
             token_start = len(input_ids)
             input_ids.extend(request.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            slot_mapping.append(self._slots(request.block_ids, start, end))
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(request.block_ids, start, end))
             sample_indices.append(token_start + n - 1 if end == request.num_tokens else -1)
             if n == 1:
                 decodes.append(request)
@@ -59,7 +59,7 @@ class ModelRunner:
                     span.mask = (key_pos <= q_pos)[None, None]
                 prefills.append(span)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping) if slot_mapping else torch.empty(0, dtype=torch.long),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
             block_size=self.block_size,
             num_decode_tokens=len(decodes),
             prefills=prefills,
@@ -67,7 +67,7 @@ class ModelRunner:
         if decodes:
             meta.decode_block_table, meta.decode_mask = self._decode_metadata(decodes)
         ids = torch.tensor(input_ids, dtype=torch.long)
-        pos = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
         return ids, pos, ForwardContext(attn=meta), sample_indices
 
     @torch.inference_mode()
@@ -75,6 +75,8 @@ class ModelRunner:
         """Run one forward pass; returns logits [N_sample, V] (float32) and the sample indices."""
         ids, pos, ctx, sample_indices = self.prepare(sched)
         hidden = self.model.forward(ids, pos, ctx, self.kv_pool)
-        rows = [i for i in sample_indices if i >= 0]
-        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, 0)).float()
+        rows = [i for i in sample_indices if i >= 0]  # index_select below: cheaper than hidden[rows]
+        if not rows:
+            return hidden.new_empty((0, 0)).float(), sample_indices
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows)))
         return logits, sample_indices

@@ -65,14 +65,34 @@ def paged_attention(
     if num_decodes:
         kv = gather(meta.decode_block_table)  # [D, K_max, *token_shape]
         outs.append(attend(q[:num_decodes].unsqueeze(1), kv, meta.decode_mask, False).squeeze(1))
-    for span in meta.prefills:
-        end = span.start + span.num_tokens
-        qs = q[span.start : end].unsqueeze(0)
+    for group in _prefill_groups(meta.prefills):
+        span, num_spans = group[0], len(group)
+        end = span.start + num_spans * span.num_tokens
+        qs = q[span.start : end].view(num_spans, span.num_tokens, *q.shape[1:])  # [S, L, H, Dq]
         if span.block_table is None:
-            outs.append(attend(qs, new_kv[span.start : end].unsqueeze(0), None, True).squeeze(0))
+            kv = new_kv[span.start : end].view(num_spans, span.num_tokens, *new_kv.shape[1:])
+            out = attend(qs, kv, None, True)
         else:
-            outs.append(attend(qs, gather(span.block_table).unsqueeze(0), span.mask, False).squeeze(0))
+            out = attend(qs, gather(span.block_table).unsqueeze(0), span.mask, False)
+        outs.append(out.flatten(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _prefill_groups(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:
+    """Consecutive whole-context spans of equal length, batched into one attention call each.
+
+    Spans over earlier context (chunked prefill) stay alone: each has its own block table and mask.
+    """
+    groups: list[list[PrefillSpan]] = []
+    for span in spans:
+        head = groups[-1][0] if groups else None
+        if head is not None and head.block_table is None and span.block_table is None and (
+            head.num_tokens == span.num_tokens
+        ):
+            groups[-1].append(span)
+        else:
+            groups.append([span])
+    return groups
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
@@ -84,11 +104,34 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    # Contiguous: q may be a strided view into the fused qkv projection, which bf16 matmuls handle slowly.
+    qg = q.contiguous().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, K]
     scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(batch, num_heads, -1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of whole spans. q [B, L, H, D]; k, v [B, Hkv, L, D] -> [B, L, H, D].
+
+    Two batched matmuls with the query heads of each KV head stacked along the
+    rows. In bf16 this is ~1.7x faster on CPU than SDPA's flash kernel at prompt
+    lengths in the hundreds; in fp32 SDPA wins (it skips the masked tiles), so
+    fp32 stays on SDPA. Scores are kept in the model dtype and softmaxed in
+    float32, as HF's eager attention does.
+    """
+    batch, length, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(batch, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, L, D]
+    qg = qg.reshape(batch * num_kv_heads, group * length, head_dim)
+    causal = torch.full((length, length), float("-inf"), dtype=q.dtype).triu_(1).repeat(group, 1)  # [G*L, L]
+    scores = torch.baddbmm(causal.expand(batch * num_kv_heads, -1, -1), qg,
+                           k.view(-1, length, head_dim).transpose(1, 2), alpha=scale)  # [B*Hkv, G*L, L]
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+    out = torch.bmm(probs, v.view(-1, length, head_dim))  # [B*Hkv, G*L, D]
+    return out.view(batch, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
 
 
 def gqa_attend(scale: float) -> AttendFn:
@@ -100,6 +143,8 @@ def gqa_attend(scale: float) -> AttendFn:
         v = kv[:, :, 1].transpose(1, 2).contiguous()
         if q.shape[1] == 1 and mask is not None:
             return decode_attention(q[:, 0], k, v, mask.view(mask.shape[0], -1), scale).unsqueeze(1)
+        if is_causal and q.dtype != torch.float32:
+            return causal_attention(q, k, v, scale)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
         )

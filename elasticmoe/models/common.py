@@ -144,17 +144,21 @@ class GQAAttention:
                       plain(f"{p}.k_norm", (cfg.head_dim,), f"{hf}.k_norm.weight")]
         return specs
 
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """[H + Hkv, D] norm weights for the fused q/k; rebuilt per call so the weights stay used in place."""
+        return torch.cat((self.q_norm.expand(self.num_heads, -1), self.k_norm.expand(self.num_kv_heads, -1)))
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor):
-        num_tokens = x.shape[0]
-        q, k, v = F.linear(x, self.qkv).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
-        )
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = F.linear(x, self.qkv).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        # One norm and one RoPE call for q and k together: at decode batch sizes per-op overhead dominates.
+        qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [T, H + Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        new_kv = torch.stack((k, v.view(num_tokens, self.num_kv_heads, self.head_dim)), dim=1)  # [T, 2, Hkv, D]
+            qk = rms_norm(qk, self._qk_norm_weight(), self.eps)
+        qk = self.rope(qk, positions)
+        q = qk[:, : self.num_heads]
+        new_kv = torch.cat((qk[:, self.num_heads :], v), dim=1)  # [T, 2 * Hkv, D]: k heads, then v heads
+        new_kv = new_kv.view(num_tokens, 2, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, new_kv, cache, meta, self.attend)
         return F.linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o)
 
