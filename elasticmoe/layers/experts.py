@@ -19,14 +19,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from elasticmoe.layers.linear import linear
+
 # Padded bmm when rows per busy slot are at most this many and most slots are busy.
 _BMM_MAX_ROWS_PER_SLOT = 48
 _BMM_MIN_BUSY_FRACTION = 0.75
 
 
 def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+    gate, up = linear(x, w13).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2)
 
 
 def _padded_bmm(xs: torch.Tensor, sorted_slots: torch.Tensor, counts: torch.Tensor, max_count: int,

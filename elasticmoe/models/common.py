@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from elasticmoe.config import ModelConfig
 from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, paged_attention
 from elasticmoe.layers.experts import grouped_experts_sorted, swiglu_mlp
+from elasticmoe.layers.linear import linear
 from elasticmoe.layers.norm import rms_norm
 from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.models.weights import ParamSpec
@@ -150,7 +151,7 @@ class GQAAttention:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor):
         num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = F.linear(x, self.qkv).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         # One norm and one RoPE call for q and k together: at decode batch sizes per-op overhead dominates.
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [T, H + Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:
@@ -160,7 +161,7 @@ class GQAAttention:
         new_kv = torch.cat((qk[:, self.num_heads :], v), dim=1)  # [T, 2 * Hkv, D]: k heads, then v heads
         new_kv = new_kv.view(num_tokens, 2, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, new_kv, cache, meta, self.attend)
-        return F.linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o)
+        return linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o)
 
 
 class DecoderLayer:
@@ -194,4 +195,4 @@ class CausalLM:
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

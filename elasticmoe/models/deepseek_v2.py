@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from elasticmoe.config import ModelConfig
 from elasticmoe.layers.attention import AttentionMetadata, paged_attention
+from elasticmoe.layers.linear import linear
 from elasticmoe.layers.norm import rms_norm
 from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.layers.router import group_limited_topk, softmax_topk
@@ -93,7 +94,7 @@ class MLAttention:
             return self._decode_absorbed(q[:, 0], kv, mask.view(mask.shape[0], -1)).unsqueeze(1)
         batch, num_keys = kv.shape[:2]
         latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        expanded = F.linear(latent, self.kv_b).view(batch, num_keys, self.num_heads, self.nope + self.v_dim)
+        expanded = linear(latent, self.kv_b).view(batch, num_keys, self.num_heads, self.nope + self.v_dim)
         k_nope, v = expanded.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), dim=-1)
         out = F.scaled_dot_product_attention(
@@ -105,16 +106,16 @@ class MLAttention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor):
         num_tokens = x.shape[0]
         if self.q_lora:
-            q = F.linear(rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps), self.q_b)
+            q = linear(rms_norm(linear(x, self.q_a), self.q_a_norm, self.eps), self.q_b)
         else:
-            q = F.linear(x, self.q)
+            q = linear(x, self.q)
         q_nope, q_pe = q.view(num_tokens, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
-        latent, k_pe = F.linear(x, self.kv_a).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_pe = linear(x, self.kv_a).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_norm, self.eps)
         k_pe = self.rope(k_pe.unsqueeze(1), positions).squeeze(1)
         q = torch.cat((q_nope, self.rope(q_pe, positions)), dim=-1)
         out = paged_attention(q, torch.cat((latent, k_pe), dim=-1), cache, meta, self._attend)
-        return F.linear(out.reshape(num_tokens, self.num_heads * self.v_dim), self.o)
+        return linear(out.reshape(num_tokens, self.num_heads * self.v_dim), self.o)
 
 
 def param_specs(cfg: ModelConfig, local_expert_ids: tuple[int, ...]) -> list[ParamSpec]:
@@ -142,7 +143,7 @@ def make_route(cfg: ModelConfig, router_weight: torch.Tensor):
     router_weight_f32 = router_weight.float()  # DeepSeek routes in float32
 
     def route(x):
-        logits = F.linear(x.float(), router_weight_f32)
+        logits = linear(x.float(), router_weight_f32)
         if cfg.topk_method == "group_limited_greedy":
             weights, ids = group_limited_topk(logits, cfg.top_k, cfg.num_groups, cfg.topk_group)
         else:

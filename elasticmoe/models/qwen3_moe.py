@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from elasticmoe.config import ModelConfig
+from elasticmoe.layers.linear import linear
 from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.layers.router import softmax_topk
 from elasticmoe.models.common import (
@@ -45,7 +44,7 @@ def kv_token_shape(cfg: ModelConfig) -> tuple[int, ...]:
 
 def make_route(cfg: ModelConfig, router_weight):
     def route(x):
-        weights, ids = softmax_topk(F.linear(x, router_weight), cfg.top_k, cfg.norm_topk_prob)
+        weights, ids = softmax_topk(linear(x, router_weight), cfg.top_k, cfg.norm_topk_prob)
         return weights.to(x.dtype), ids
 
     return route
