@@ -30,6 +30,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check elasticmoe hmm imm coordinator tests
+	$(VENV)/bin/mypy elasticmoe hmm imm coordinator
 
 clean:
 	rm -rf $(VENV) models

@@ -63,6 +63,7 @@ def paged_attention(
     outs = []
     num_decodes = meta.num_decode_tokens
     if num_decodes:
+        assert meta.decode_block_table is not None
         kv = gather(meta.decode_block_table)  # [D, K_max, *token_shape]
         outs.append(attend(q[:num_decodes].unsqueeze(1), kv, meta.decode_mask, False).squeeze(1))
     for group in _prefill_groups(meta.prefills):

@@ -18,5 +18,5 @@ _USE_ONEDNN_FP32 = _mkldnn_linear is not None and torch.backends.mkldnn.is_avail
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out] (no bias)."""
     if _USE_ONEDNN_FP32 and x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return _mkldnn_linear(x, weight, None, "none", [], "")
+        return _mkldnn_linear(x, weight, None, "none", [], "")  # type: ignore[misc]
     return F.linear(x, weight)

@@ -147,6 +147,7 @@ class GQAAttention:
 
     def _qk_norm_weight(self) -> torch.Tensor:
         """[H + Hkv, D] norm weights for the fused q/k; rebuilt per call so the weights stay used in place."""
+        assert self.q_norm is not None and self.k_norm is not None
         return torch.cat((self.q_norm.expand(self.num_heads, -1), self.k_norm.expand(self.num_kv_heads, -1)))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor):

@@ -160,6 +160,7 @@ def build(cfg: ModelConfig, w: Weights, dispatcher) -> CausalLM:
     layers = []
     for i in range(cfg.num_layers):
         attn = MLAttention(cfg, w, f"layers.{i}.attn", rope)
+        mlp: MoEBlock | DenseMLP
         if cfg.is_moe_layer(i):
             shared = DenseMLP(w, f"layers.{i}.shared") if cfg.num_shared_experts else None
             mlp = MoEBlock(make_route(cfg, w[f"layers.{i}.moe.router"]), w, f"layers.{i}.moe", dispatcher, shared)

@@ -55,6 +55,7 @@ def build(cfg: ModelConfig, w: Weights, dispatcher) -> CausalLM:
     layers = []
     for i in range(cfg.num_layers):
         attn = GQAAttention(cfg, w, f"layers.{i}.attn", rope, qk_norm=True)
+        mlp: MoEBlock | DenseMLP
         if cfg.is_moe_layer(i):
             mlp = MoEBlock(make_route(cfg, w[f"layers.{i}.moe.router"]), w, f"layers.{i}.moe", dispatcher)
         else:
