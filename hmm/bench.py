@@ -3,8 +3,8 @@
 Prints medians over `--repeats` of: zero-copy attach vs disk load vs in-memory
 copy of a whole model; remap of all experts of a layer (zero-copy, new slot
 order) vs reallocate-and-copy; p2p GB/s over gloo and the same-node fast path
-(two Ray device workers); planned peak bytes per device for DP2 -> DP3 vs a
-naive second full copy; ESFT F_mem with padding vs vpage. Timings on shared
+(two Ray device workers); peak bytes per device for DP2 -> DP3, measured while
+executing the plan and as computed for the plan and for a naive second full copy; ESFT F_mem with padding vs vpage. Timings on shared
 machines are noisy: compare ratios measured in the same run.
 """
 
@@ -23,6 +23,7 @@ import torch
 from elasticmoe.config import ModelConfig
 from elasticmoe.models.registry import model_family
 from elasticmoe.models.weights import SafetensorsWeightProvider
+from hmm.controller import HMMController
 from hmm.device_memory import DeviceMemory
 from hmm.layout import DeviceSpec, ModelSizes, TensorKey, layout_for
 from hmm.memory import VirtualTensor
@@ -134,12 +135,31 @@ def bench_peak(model_dir: str, dtype: torch.dtype) -> dict[str, object]:
     target = scale_target(current, 3, devices[2:], kv_bytes=kv)
     planned, naive = plan(current, target), naive_full_copy_plan(current, target)
     return {
+        "dp2_to_dp3_peak_bytes_measured": measure_peak(model_dir, dtype, devices, kv),
         "dp2_to_dp3_peak_bytes_planned": planned.peak_bytes(),
         "dp2_to_dp3_peak_bytes_naive": naive.peak_bytes(),
         "dp2_to_dp3_final_bytes": {d: planned.target.total_bytes(d) for d in planned.target.device_ids},
         "dp2_to_dp3_bytes_moved_planned": planned.bytes_moved,
         "dp2_to_dp3_bytes_moved_naive": naive.bytes_moved,
     }
+
+
+def measure_peak(model_dir: str, dtype: torch.dtype, devices: list[DeviceSpec], kv: int) -> dict[int, int]:
+    """Peak bytes per device actually allocated while executing the DP2 -> DP3 plan
+    (in-process workers, same-node fast path), old layout still mapped until commit."""
+    hmm = HMMController(use_ray=False, p2p="fast", prefix=f"emoepeak{secrets.token_hex(4)}")
+    try:
+        for spec in devices:
+            hmm.add_device(spec)
+        hmm.load(model_dir, dp=2, dtype=dtype, kv_bytes=kv)
+        hmm.reset_peak()
+        assert hmm.layout is not None
+        hmm.execute(hmm.plan(scale_target(hmm.layout, 3, devices[2:], kv_bytes=kv)))
+        peaks = {d: u.peak for d, u in hmm.usage().items()}
+        hmm.commit()
+        return peaks
+    finally:
+        hmm.shutdown()
 
 
 def bench_fmem(page_size: int = 2 << 20) -> dict[str, float]:
