@@ -211,13 +211,7 @@ class DeviceMemory:
                 keys = [TensorKey.expert_row(spec.name, layer, e) for e in spec.expert_ids]
                 rows = [(self.writable(k), src) for k, src in zip(keys, spec.sources, strict=True)]
             for dst, names in rows:
-                offset = 0
-                for name in names:
-                    src = reader.read(name)
-                    dst[offset : offset + src.shape[0]].copy_(src)
-                    offset += src.shape[0]
-                if offset != dst.shape[0]:
-                    raise ValueError(f"{spec.name}: checkpoint rows {offset} != {dst.shape[0]}")
+                reader.read_into(dst, names)
         return reader.bytes_read - start
 
     # ---- handles and accounting ------------------------------------------------------

@@ -92,18 +92,22 @@ class SafetensorsWeightProvider:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def read_into(self, dst: torch.Tensor, names: tuple[str, ...]) -> None:
+        """Copy checkpoint tensors `names`, concatenated along dim 0, into `dst` (converting dtype)."""
+        offset = 0
+        for name in names:
+            src = self.read(name)
+            dst[offset : offset + src.shape[0]].copy_(src)
+            offset += src.shape[0]
+        if offset != dst.shape[0]:
+            raise ValueError(f"checkpoint tensors {names} give {offset} rows, expected {dst.shape[0]}")
+
     def get(self, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(spec.shape, dtype=dtype)
         rows: Iterable[tuple[torch.Tensor, tuple[str, ...]]]
         rows = zip(out, spec.sources, strict=True) if spec.is_stacked else [(out, spec.sources[0])]
         for dst, names in rows:
-            offset = 0
-            for name in names:
-                src = self.read(name)
-                dst[offset : offset + src.shape[0]].copy_(src)
-                offset += src.shape[0]
-            if offset != dst.shape[0]:
-                raise ValueError(f"{spec.name}: sources {names} give {offset} rows, expected {dst.shape[0]}")
+            self.read_into(dst, names)
         return out
 
     def close(self) -> None:
