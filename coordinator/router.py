@@ -1,0 +1,92 @@
+"""Request routing: the active instance's least-loaded DP rank, held during a switchover.
+
+The router knows ranks only as opaque targets with a load count, so it can be
+tested without Ray. A switchover's critical section (old instance stopped at a
+step boundary, sequences handed over, new instance not yet active) closes the
+gate: new requests wait at the gate instead of failing, for at most
+`max_hold_s`, and are then routed to whatever instance is active.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class NoActiveInstance(RuntimeError):
+    """No instance can take requests (none active, or the gate stayed closed too long)."""
+
+
+@dataclass
+class _Routes(Generic[T]):
+    targets: list[T]
+    in_flight: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.in_flight = [0] * len(self.targets)
+
+
+class Router(Generic[T]):
+    """Least-loaded choice among the active instance's ranks, by requests in flight.
+
+    Invariant: `in_flight` counts requests between `route()` entering and its
+    context exiting, per rank of the instance that was active when they entered;
+    requests of a retired instance finish against its own counters.
+    """
+
+    def __init__(self, max_hold_s: float = 30.0) -> None:
+        self.max_hold_s = max_hold_s
+        self._routes: _Routes[T] | None = None
+        self._open = asyncio.Event()
+        self._open.set()
+        self.num_held = 0  # requests currently waiting at the gate (for metrics)
+
+    def set_active(self, targets: Sequence[T]) -> None:
+        """Route new requests to `targets` (the ranks of the newly active instance)."""
+        if not targets:
+            raise ValueError("router: an active instance needs at least one rank")
+        self._routes = _Routes(list(targets))
+
+    def clear_active(self) -> None:
+        self._routes = None
+
+    def close_gate(self) -> None:
+        """Start of a switchover's critical section: hold new requests."""
+        self._open.clear()
+
+    def open_gate(self) -> None:
+        """End of the critical section: release held requests to the active instance."""
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def loads(self) -> list[int]:
+        return list(self._routes.in_flight) if self._routes else []
+
+    @contextlib.asynccontextmanager
+    async def route(self) -> AsyncIterator[T]:
+        """Yield the least-loaded rank; its in-flight count covers the body of the `async with`."""
+        if not self._open.is_set():
+            self.num_held += 1
+            try:
+                await asyncio.wait_for(self._open.wait(), timeout=self.max_hold_s)
+            except TimeoutError as exc:
+                raise NoActiveInstance(f"switchover did not finish within {self.max_hold_s:.0f}s") from exc
+            finally:
+                self.num_held -= 1
+        routes = self._routes
+        if routes is None:
+            raise NoActiveInstance("no active instance")
+        rank = min(range(len(routes.targets)), key=routes.in_flight.__getitem__)
+        routes.in_flight[rank] += 1
+        try:
+            yield routes.targets[rank]
+        finally:
+            routes.in_flight[rank] -= 1
