@@ -1,0 +1,87 @@
+"""Scale events: one at a time, each with an id and the figures users watch.
+
+`ScaleEvents` is the admin API's memory: `POST /admin/scale` starts an event
+(409 while another runs), `GET /admin/scale/{id}` reads it back. The scaler
+fills in the figures as the event progresses.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import asdict, dataclass, field
+
+
+class ScaleState(enum.StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    ROLLED_BACK = "rolled_back"  # failed midway; the old instance kept serving
+
+
+class ScaleConflict(RuntimeError):
+    """A scale was requested while another one runs (HTTP 409)."""
+
+    def __init__(self, running_id: str) -> None:
+        super().__init__(f"scale event {running_id} is still running")
+        self.running_id = running_id
+
+
+@dataclass
+class ScaleEvent:
+    event_id: str
+    from_dp: int
+    to_dp: int
+    strategy: str
+    state: ScaleState = ScaleState.RUNNING
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    scale_latency_s: float | None = None  # request accepted -> new instance active
+    downtime_s: float | None = None  # longest interval with no instance accepting and progressing requests
+    peak_memory_bytes: int | None = None  # summed over devices during the event
+    requests_in_flight: int | None = None  # at switchover
+    requests_handed_over: int | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["state"] = self.state.value
+        return d
+
+
+class ScaleEvents:
+    """Registry of scale events; at most one RUNNING at any time."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, ScaleEvent] = {}
+        self._ids = itertools.count(1)
+        self._running: ScaleEvent | None = None
+
+    @property
+    def running(self) -> ScaleEvent | None:
+        return self._running
+
+    def start(self, from_dp: int, to_dp: int, strategy: str) -> ScaleEvent:
+        if self._running is not None:
+            raise ScaleConflict(self._running.event_id)
+        event = ScaleEvent(f"scale-{next(self._ids)}", from_dp, to_dp, strategy)
+        self._events[event.event_id] = event
+        self._running = event
+        return event
+
+    def finish(self, event: ScaleEvent, error: str | None = None) -> None:
+        """Close a running event: succeeded, or rolled back with `error`."""
+        if event is not self._running:
+            raise ValueError(f"scale event {event.event_id} is not the running one")
+        event.finished_at = time.time()
+        event.state = ScaleState.SUCCEEDED if error is None else ScaleState.ROLLED_BACK
+        event.error = error
+        if event.scale_latency_s is None:
+            event.scale_latency_s = event.finished_at - event.started_at
+        self._running = None
+
+    def get(self, event_id: str) -> ScaleEvent | None:
+        return self._events.get(event_id)
+
+    def all(self) -> list[ScaleEvent]:
+        return list(self._events.values())
