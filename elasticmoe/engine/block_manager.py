@@ -49,6 +49,15 @@ class BlockManager:
             request.block_ids.append(block_id)
         return True
 
+    def claim(self, block_ids: list[int]) -> None:
+        """Take specific free blocks (a handed-over block table); all or nothing."""
+        wanted = set(block_ids)
+        if len(wanted) != len(block_ids) or any(self.ref_counts[b] for b in wanted):
+            raise ValueError("claim: blocks must be distinct and free")
+        self.free_block_ids = deque(b for b in self.free_block_ids if b not in wanted)
+        for b in block_ids:
+            self.ref_counts[b] = 1
+
     def free(self, request: Request) -> None:
         # Free in reverse so the tail blocks (least likely shared) return first.
         for block_id in reversed(request.block_ids):

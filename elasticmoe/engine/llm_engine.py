@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.block_manager import BlockManager
+from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
 from elasticmoe.engine.kv_cache import KVCacheSpec, KVProvider, LocalKVProvider, num_blocks_for_budget
 from elasticmoe.engine.model_runner import ModelRunner
 from elasticmoe.engine.output_processor import OutputProcessor
-from elasticmoe.engine.request import Request
+from elasticmoe.engine.request import Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
 from elasticmoe.errors import InvalidRequestError
@@ -135,6 +136,41 @@ class LLMEngine:
         if request is not None:
             self.scheduler.finish(request)
             self.output_processor.remove(request_id)
+
+    def export_requests(self, hand_over_kv: bool) -> list[RequestSnapshot]:
+        """Remove every live request from this engine and return its state, running ones first.
+
+        Call between steps (the engine is single-threaded, so any call site is a
+        step boundary). With `hand_over_kv` the block tables travel with the
+        snapshots and the blocks stay allocated: the pool's next owner claims
+        them. Otherwise the blocks are freed here.
+        """
+        requests = list(self.scheduler.running) + list(self.scheduler.waiting)
+        snaps = [snapshot(r, self.output_processor.states[r.request_id]) for r in requests]
+        for request in requests:
+            if hand_over_kv:
+                request.block_ids = []  # ownership moves with the snapshot; do not free
+            self.scheduler.finish(request)
+            self.requests.pop(request.request_id, None)
+            self.output_processor.remove(request.request_id)
+        return snaps
+
+    def import_requests(self, snaps: list[RequestSnapshot], kv_is_shared: bool) -> None:
+        """Continue handed-over requests. `kv_is_shared`: this engine's KV pool is the
+        exporter's (same device, same pool), so block tables stay valid and no
+        token is recomputed; otherwise their KV is recomputed from their tokens."""
+        for snap in snaps:
+            if snap.request_id in self.requests:
+                raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
+            request = restore(snap, keep_kv=kv_is_shared)
+            if request.block_ids:
+                self.block_manager.claim(request.block_ids)
+                request.status = RequestStatus.RUNNING
+                self.scheduler.running.append(request)
+            else:
+                self.scheduler.waiting.append(request)
+            self.requests[request.request_id] = request
+            self.output_processor.restore(request, snap)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

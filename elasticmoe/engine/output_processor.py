@@ -37,6 +37,15 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
         self.states[request.request_id] = RequestTextState(detok)
 
+    def restore(self, request: Request, snap) -> None:
+        """Text state of a handed-over request (see engine/handover.py)."""
+        detok = IncrementalDetokenizer(self.tokenizer, [], request.params.skip_special_tokens)
+        detok.ids, detok.prefix_offset, detok.read_offset = list(snap.detok_ids), 0, snap.detok_read_offset
+        self.states[request.request_id] = RequestTextState(
+            detok, text=snap.text, num_emitted_chars=snap.num_emitted_chars,
+            num_emitted_tokens=snap.num_emitted_tokens,
+        )
+
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 

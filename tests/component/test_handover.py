@@ -1,0 +1,95 @@
+"""Handing running sequences to a new engine at a step boundary (the switchover of a scale)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticmoe.config import EngineConfig
+from elasticmoe.engine.kv_cache import KVCacheSpec
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.sampling_params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8] * 5, list(range(30, 70)), [9, 9, 9]]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2),
+]
+
+
+class SharedPool:
+    """A KV provider that hands every engine the same pool, as the HMM does on a kept device."""
+
+    pool: torch.Tensor | None = None
+
+    def allocate(self, spec: KVCacheSpec, num_blocks: int) -> torch.Tensor:
+        if self.pool is None:
+            self.pool = torch.zeros(spec.pool_shape(num_blocks), dtype=spec.dtype)
+        return self.pool
+
+
+def make_engine(model_dir, kv=None, budget=2048) -> LLMEngine:
+    config = EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=64, block_size=4,
+                          max_num_batched_tokens=budget)
+    return LLMEngine(config, kv_provider=kv)
+
+
+def add_all(engine: LLMEngine) -> None:
+    for i, (p, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+        engine.add_request(str(i), p, params)
+
+
+def drain(engine: LLMEngine, streams: dict[str, list]) -> None:
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streams.setdefault(out.request_id, []).append(out)
+
+
+@pytest.mark.parametrize("kv_is_shared", [True, False], ids=["kv-kept", "kv-recomputed"])
+def test_handover_continues_streams_exactly(tiny_model_dir, kv_is_shared):
+    reference: dict[str, list] = {}
+    engine = make_engine(tiny_model_dir)
+    add_all(engine)
+    drain(engine, reference)
+
+    shared = SharedPool()
+    old = make_engine(tiny_model_dir, kv=shared, budget=24)  # small budget: one prompt is mid-prefill
+    add_all(old)
+    streams: dict[str, list] = {}
+    for _ in range(4):
+        for out in old.step():
+            streams.setdefault(out.request_id, []).append(out)
+    snaps = old.export_requests(hand_over_kv=kv_is_shared)
+    assert not old.has_unfinished_requests() and len(snaps) == 3
+    assert any(s.was_running and s.num_computed_tokens > 0 for s in snaps)
+
+    new = make_engine(tiny_model_dir, kv=shared if kv_is_shared else None)
+    free_before = new.block_manager.num_free_blocks
+    new.import_requests(snaps, kv_is_shared=kv_is_shared)
+    kept_blocks = sum(len(s.block_ids) for s in snaps if s.was_running)
+    assert free_before - new.block_manager.num_free_blocks == (kept_blocks if kv_is_shared else 0)
+    computed_before = {r.request_id: r.num_computed_tokens for r in new.requests.values()}
+    if kv_is_shared:
+        assert any(n > 0 for n in computed_before.values())  # continued without recomputation
+    drain(new, streams)
+
+    for rid, ref in reference.items():
+        got = streams[rid]
+        assert got[-1].output_token_ids == ref[-1].output_token_ids, rid
+        assert got[-1].finished and got[-1].finish_reason == ref[-1].finish_reason
+        # The stream is unbroken: deltas concatenate to the final text, with no token repeated.
+        assert "".join(o.new_text for o in got) == ref[-1].text
+        assert sum(len(o.new_token_ids) for o in got) == len(ref[-1].output_token_ids)
+        if PARAMS[int(rid)].logprobs:
+            assert sum(len(o.new_logprobs or []) for o in got) == len(ref[-1].output_token_ids)
+    assert new.block_manager.num_free_blocks == new.block_manager.num_blocks
+
+
+def test_claim_refuses_blocks_in_use(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    engine.block_manager.claim([3, 5])
+    with pytest.raises(ValueError):
+        engine.block_manager.claim([5])
+    with pytest.raises(ValueError):
+        engine.block_manager.claim([7, 7])
