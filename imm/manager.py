@@ -1,0 +1,112 @@
+"""`InstanceManager`: the active instance plus an LRU pool of standby instances (paper §4.5).
+
+Standby instances (processes up, group formed, skeleton built, no weights) are
+kept for anticipated configurations, typically dp-1 and dp+1 of the active one,
+so a scale skips the cold start and only attaches + warms up. The pool holds
+at most `capacity` instances; adding one more retires the least recently used.
+
+Invariants: every pooled instance is in state `standby`; an instance is either
+in the pool or handed out (`take`), never both, so eviction never retires an
+instance somebody is attaching; at most one instance is `active`.
+NOTE: all methods hold one lock, including the slow `create_standby` (~2 s), so
+concurrent callers (coordinator threads) are serialised rather than racing to
+boot the same configuration twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from imm.lifecycle import InstanceState
+
+logger = logging.getLogger(__name__)
+
+
+class ManagedInstance(Protocol):
+    dp: int
+    state: InstanceState
+
+    def retire(self) -> None: ...
+
+
+Factory = Callable[[int], ManagedInstance]
+
+
+def instance_factory(model_dir: str, engine_options: Mapping[str, Any] | None = None) -> Factory:
+    """Factory of real standby `Instance`s (imported lazily so unit tests need no Ray)."""
+    from imm.instance import Instance
+
+    return lambda dp: Instance.create_standby(model_dir, dp, engine_options)
+
+
+class InstanceManager:
+    def __init__(self, factory: Factory, capacity: int = 2) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity: must be >= 0, got {capacity}")
+        self.factory, self.capacity = factory, capacity
+        self.pool: OrderedDict[int, ManagedInstance] = OrderedDict()  # dp -> standby, oldest first
+        self.active: ManagedInstance | None = None
+        self.num_hits = self.num_misses = self.num_evictions = 0
+        self._lock = threading.RLock()
+
+    def prepare(self, dps: Iterable[int]) -> None:
+        """Make sure a standby instance exists for each dp (most recently used: the last one)."""
+        with self._lock:
+            for dp in dps:
+                if dp in self.pool:
+                    self.pool.move_to_end(dp)
+                else:
+                    self._put(self.factory(dp))
+
+    def prepare_neighbours(self, max_dp: int) -> None:
+        """Pre-initialise dp-1 and dp+1 of the active instance, within [1, max_dp]."""
+        with self._lock:
+            if self.active is not None:
+                dp = self.active.dp
+                self.prepare(d for d in (dp - 1, dp + 1) if 1 <= d <= max_dp)
+
+    def take(self, dp: int) -> ManagedInstance:
+        """A standby instance of `dp`, removed from the pool: a pooled one, else a fresh one."""
+        with self._lock:
+            inst = self.pool.pop(dp, None)
+            if inst is not None and inst.state is InstanceState.STANDBY:
+                self.num_hits += 1
+                return inst
+            if inst is not None:  # should not happen; never hand out a non-standby instance
+                logger.warning("pooled instance %r is not standby; replacing it", inst)
+                inst.retire()
+            self.num_misses += 1
+        return self.factory(dp)
+
+    def set_active(self, inst: ManagedInstance) -> ManagedInstance | None:
+        """Record `inst` as the active instance; returns the previous one (the caller drains/retires it)."""
+        if inst.state is not InstanceState.ACTIVE:
+            raise ValueError(f"set_active: instance is {inst.state.value}, not active")
+        with self._lock:
+            old, self.active = self.active, inst
+            return old
+
+    def _put(self, inst: ManagedInstance) -> None:
+        if self.capacity == 0:
+            inst.retire()
+            return
+        self.pool[inst.dp] = inst
+        while len(self.pool) > self.capacity:
+            dp, victim = self.pool.popitem(last=False)
+            self.num_evictions += 1
+            logger.info("evicting standby instance dp=%d", dp)
+            victim.retire()
+
+    def shutdown(self) -> None:
+        """Retire the pool and the active instance."""
+        with self._lock:
+            instances = [*self.pool.values(), *([self.active] if self.active else [])]
+            self.pool.clear()
+            self.active = None
+        for inst in instances:
+            if inst.state is not InstanceState.RETIRED:
+                inst.retire()

@@ -1,0 +1,207 @@
+"""`InstanceRank`: one DP rank of an inference instance, run as a Ray actor (`InstanceRankActor`).
+
+Lifecycle (driven by `imm.instance.Instance`, which checks the order):
+
+    init_group -> build_skeleton   (standby: process up, group formed, config + tokenizer, no weights)
+    attach                         (engine on HMM handles: zero-copy weights and KV pool, no disk read)
+    start -> warm_up               (lockstep step loop running; one short request went through)
+    generate / abort / stats       (serving)
+    stop -> shutdown
+
+It is an *async* actor: `generate` is an async generator streamed back with a
+Ray streaming generator (`num_returns="streaming"`), fed by `LockstepAsyncLLM`'s
+per-request asyncio queues. Blocking work (group rendezvous, engine build, loop
+join) runs in `asyncio.to_thread` so `stats`/`check_health` stay responsive.
+
+Invariants: the engine is touched only by the loop thread once `start` ran
+(before that, only by `attach`); the EP group is the process's default gloo
+group, so one process hosts exactly one rank of one instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+import time
+from collections.abc import AsyncGenerator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch.distributed as dist
+
+from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.parallel.expert_placement import ExpertPlacement
+from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tokenizer import Tokenizer
+from hmm.memory import TensorHandle
+from hmm.p2p import GroupSpec
+from hmm.providers import Handle
+from imm.lockstep_loop import LockstepAsyncLLM
+from imm.zero_copy import AttachReport, ZeroCopyLoader, check_zero_copy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankStats:
+    rank: int
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def load(self) -> tuple[int, float]:
+        """Sort key for routing: requests first, KV usage as tie-break."""
+        return (self.num_running + self.num_waiting, self.kv_usage)
+
+
+class InstanceRank:
+    def __init__(self, rank: int, dp: int) -> None:
+        self.rank, self.dp = rank, dp
+        self.group: dist.ProcessGroup | None = None
+        self.config: EngineConfig | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.engine: LLMEngine | None = None
+        self.llm: LockstepAsyncLLM | None = None
+
+    # ---- standby -----------------------------------------------------------------------
+
+    def node_address(self) -> str:
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    async def init_group(self, spec: GroupSpec, timeout_s: float = 60.0) -> None:
+        """Join the instance's EP gloo group as `self.rank`; returns when all `dp` ranks joined."""
+        if spec.world_size != self.dp:
+            raise ValueError(f"group has {spec.world_size} ranks, instance has dp={self.dp}")
+        if self.dp == 1:
+            return  # ep_size 1: no collectives
+        await asyncio.to_thread(
+            dist.init_process_group,
+            "gloo",
+            init_method=spec.init_method,
+            rank=self.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.group = dist.group.WORLD
+
+    async def build_skeleton(self, model_dir: str, engine_options: Mapping[str, Any]) -> float:
+        """Load config and tokenizer and validate the engine config; no weights. Returns seconds."""
+        t0 = time.perf_counter()
+        self.config = EngineConfig(model=model_dir, ep_rank=self.rank, ep_size=self.dp, **engine_options)
+        await asyncio.to_thread(ModelConfig.from_pretrained, model_dir)
+        self.tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
+        return time.perf_counter() - t0
+
+    # ---- attach / warm -----------------------------------------------------------------
+
+    async def attach(
+        self, handle_set: Mapping[str, Handle], placement: ExpertPlacement, kv_handle: TensorHandle | None = None
+    ) -> AttachReport:
+        """Build the engine on HMM handles (weights used in place, KV pool = the device's pool).
+
+        Without `num_kv_blocks` in the engine options the engine takes the whole device pool.
+        """
+        if self.config is None:
+            raise RuntimeError("attach before build_skeleton")
+        if self.engine is not None:
+            raise RuntimeError("already attached")
+        loader = ZeroCopyLoader(handle_set, kv_handle)
+        config = self.config
+        if config.num_kv_blocks is None:
+            config = dataclasses.replace(config, kv_cache_bytes=loader.kv_pool_bytes)
+        t0 = time.perf_counter()
+        self.engine = await asyncio.to_thread(LLMEngine, config, loader.weights, loader.kv, placement, self.group)
+        seconds = time.perf_counter() - t0
+        return check_zero_copy(self.engine.weights, loader.weights.opened, self.engine.kv_pool, seconds)
+
+    def start(self) -> None:
+        """Start the lockstep loop. NOTE: every rank of the group must be started, or the others hang."""
+        if self.engine is None:
+            raise RuntimeError("start before attach")
+        if self.llm is not None and self.llm.is_ready:
+            return
+        self.llm = LockstepAsyncLLM(self.engine, self.group)
+        self.llm.start()
+
+    async def warm_up(self, max_tokens: int = 2) -> float:
+        """Send one short greedy request through the running loop; returns its latency in seconds."""
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        async for _ in self._llm().generate([1, 2, 3], params, f"warmup-{self.rank}-{time.monotonic_ns()}"):
+            pass
+        return time.perf_counter() - t0
+
+    async def stop(self) -> None:
+        """Stop the loop at a step boundary; the other ranks stop in the same round."""
+        if self.llm is not None:
+            await asyncio.to_thread(self.llm.shutdown)
+
+    # ---- serving -----------------------------------------------------------------------
+
+    def _llm(self) -> LockstepAsyncLLM:
+        if self.llm is None:
+            raise RuntimeError("the step loop is not started")
+        return self.llm
+
+    @ray.method(num_returns="streaming")  # type: ignore[call-arg]
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream this request's `RequestOutput`s (deltas + cumulative); the last has `finished=True`.
+
+        Input errors raise before anything is yielded. NOTE: cancelling the Ray generator
+        cancels this coroutine, whose cleanup aborts the request in the engine.
+        """
+        async for out in self._llm().generate(prompt, params, request_id):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        """Abort; its stream ends with `finish_reason="abort"` and its KV blocks are freed."""
+        await self._llm().abort(request_id)
+
+    def stats(self) -> RankStats:
+        # NOTE: read from the actor thread while the loop thread steps: each counter is
+        # a consistent int, but the set of them is not one snapshot (fine for routing).
+        engine = self.engine
+        bm = engine.block_manager if engine is not None else None
+        return RankStats(
+            rank=self.rank,
+            num_running=self.llm.num_running if self.llm else 0,
+            num_waiting=self.llm.num_waiting if self.llm else 0,
+            num_kv_blocks=bm.num_blocks if bm else 0,
+            num_free_kv_blocks=bm.num_free_blocks if bm else 0,
+            num_steps=self.llm.num_steps if self.llm else 0,
+        )
+
+    def check_health(self) -> bool:
+        """Raise `EngineDeadError` unless the loop runs and ticks; True otherwise."""
+        self._llm().check_health()
+        return True
+
+    async def shutdown(self) -> None:
+        """Stop the loop, drop the engine (unmaps the handles) and leave the group. Idempotent."""
+        await self.stop()
+        self.llm = self.engine = None
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        self.group = None
+
+
+InstanceRankActor = ray.remote(num_cpus=0)(InstanceRank)

@@ -1,0 +1,179 @@
+"""An Instance of dp=2 on HMM handles (tiny Qwen3-MoE, 2 logical devices, float32):
+standby -> attached (zero-copy, no disk read in the ranks) -> warm -> active;
+greedy streams on both ranks equal a single-process engine while one rank idles;
+abort mid-stream frees the blocks; drain waits for in-flight work; retire kills
+the actors; illegal transitions raise."""
+
+from __future__ import annotations
+
+import gc
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+import torch
+
+from elasticmoe.config import EngineConfig
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.sampling_params import SamplingParams
+from hmm.controller import HMMController
+from hmm.layout import DeviceSpec
+from hmm.memory import list_segments
+from imm.instance import Instance
+from imm.lifecycle import IllegalTransition, InstanceState
+from imm.manager import InstanceManager, instance_factory
+
+pytestmark = pytest.mark.slow
+
+BUDGET, KV, PAGE = 32 << 20, 1 << 20, 4096
+OPTIONS = {"dtype": torch.float32, "num_threads": 1}
+PROMPTS = {0: ([5, 6, 7, 8, 9, 10], 20), 1: ([11, 12, 13], 4)}  # rank 1 finishes early and idles
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hmm(tiny_model_dir):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    prefix = f"emoetest{secrets.token_hex(4)}"
+    ctl = HMMController(use_ray=True, page_size=PAGE, prefix=prefix)
+    try:
+        for d in range(2):
+            ctl.add_device(DeviceSpec(d, 0, BUDGET))
+        ctl.load(tiny_model_dir, dp=2, dtype=torch.float32, kv_bytes=KV)
+        yield ctl
+    finally:
+        ctl.shutdown()
+        ray.shutdown()
+        gc.collect()
+    assert list_segments(prefix) == [], "shared-memory files leaked"
+
+
+def _reference(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=64))
+    engine.add_request("ref", prompt, _greedy(max_tokens))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs[-1].output_token_ids
+
+
+def _stream(rank, request_id: str, prompt: list[int], params: SamplingParams, on_output=None) -> list:
+    outs = []
+    for ref in rank.generate.remote(request_id, prompt, params):
+        outs.append(ray.get(ref))
+        if on_output is not None:
+            on_output(outs)
+    return outs
+
+
+def _wait(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_instance_lifecycle_on_hmm_handles(hmm, tiny_model_dir):
+    t0 = time.perf_counter()
+    inst = Instance.create_standby(tiny_model_dir, dp=2, engine_options=OPTIONS)
+    try:
+        assert inst.state is InstanceState.STANDBY
+        with pytest.raises(IllegalTransition):
+            inst.warm_up()  # no engine yet
+        assert inst.state is InstanceState.STANDBY
+
+        reports = inst.attach(hmm)
+        assert inst.state is InstanceState.ATTACHED
+        assert all(r.is_zero_copy for r in reports), reports  # weights are the mapped HMM tensors
+        with pytest.raises(IllegalTransition):
+            inst.activate()  # not warm
+
+        inst.warm_up()
+        inst.activate()
+        assert inst.state is InstanceState.ACTIVE and inst.is_serving
+        with pytest.raises(IllegalTransition):
+            inst.attach(hmm)
+        t_ready = time.perf_counter() - t0
+
+        # Both ranks at once; rank 1 finishes after 4 tokens and runs empty steps for rank 0.
+        with ThreadPoolExecutor(2) as pool:
+            futures = {
+                r: pool.submit(_stream, inst.ranks[r], f"req{r}", p, _greedy(n)) for r, (p, n) in PROMPTS.items()
+            }
+            streams = {r: f.result(timeout=120) for r, f in futures.items()}
+        for r, (prompt, n) in PROMPTS.items():
+            outs = streams[r]
+            assert outs[-1].finished and outs[-1].finish_reason == "length"
+            assert [t for o in outs for t in o.new_token_ids] == outs[-1].output_token_ids
+            assert outs[-1].output_token_ids == _reference(tiny_model_dir, prompt, n), r
+        stats = inst.stats()
+        assert stats[0].num_steps == stats[1].num_steps  # lockstep
+        assert inst.least_loaded_rank() == 0  # all idle: the lowest rank
+
+        # Abort mid-stream: the stream ends with "abort" and the blocks come back.
+        rank0 = inst.ranks[0]
+
+        def abort_after_3(outs: list) -> None:
+            if len(outs) == 3:
+                ray.get(rank0.abort.remote("long"))
+
+        outs = _stream(rank0, "long", list(range(20, 60)), _greedy(200), abort_after_3)
+        assert outs[-1].finish_reason == "abort" and len(outs) < 50
+        _wait(lambda: (s := inst.stats()[0]).num_free_kv_blocks == s.num_kv_blocks and s.num_running == 0)
+
+        # Cancelling the Ray generator (client gone) aborts the request in the engine.
+        steps_before = inst.stats()[1].num_steps
+        gen = inst.ranks[1].generate.remote("gone", list(range(20, 60)), _greedy(200))
+        ray.get(next(gen))
+        ray.cancel(gen)
+        _wait(lambda: (s := inst.stats()[1]).num_free_kv_blocks == s.num_kv_blocks and s.num_running == 0)
+        assert inst.stats()[1].num_steps - steps_before < 150  # stopped early, did not run to 200 tokens
+
+        # Drain waits for the request in flight; then retire removes the actors.
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_stream, inst.ranks[1], "last", [7, 8, 9], _greedy(12))
+            _wait(lambda: inst.stats()[1].num_running > 0 or fut.done())
+            assert inst.drain(timeout_s=60)
+            assert fut.result(timeout=60)[-1].finish_reason == "length"
+        assert inst.state is InstanceState.DRAINING and not inst.is_serving
+        ranks = list(inst.ranks)
+        inst.retire()
+        assert inst.state is InstanceState.RETIRED and inst.ranks == []
+        for rank in ranks:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(rank.stats.remote(), timeout=30)
+        with pytest.raises(IllegalTransition):
+            inst.activate()
+        print(f"\nimm timings: ready {t_ready:.2f}s, phases {inst.timings}")
+    finally:
+        if inst.state is not InstanceState.RETIRED:
+            inst.retire()
+
+
+def test_manager_pools_standby_instances(hmm, tiny_model_dir):
+    mgr = InstanceManager(instance_factory(tiny_model_dir, OPTIONS), capacity=1)
+    try:
+        mgr.prepare([1])
+        dp1 = mgr.pool[1]
+        mgr.prepare([2])  # capacity 1: the dp=1 standby is evicted and its actor killed
+        assert list(mgr.pool) == [2] and dp1.state is InstanceState.RETIRED
+        inst = mgr.take(2)
+        assert mgr.num_hits == 1 and inst.state is InstanceState.STANDBY
+        t0 = time.perf_counter()
+        inst.attach(hmm)
+        inst.warm_up()
+        inst.activate()
+        switch_s = time.perf_counter() - t0
+        assert mgr.set_active(inst) is None
+        prompt, n = PROMPTS[0]
+        outs = _stream(inst.ranks[inst.least_loaded_rank()], "m", prompt, _greedy(n))
+        assert outs[-1].output_token_ids == _reference(tiny_model_dir, prompt, n)
+        print(f"\nstandby dp=2 -> active in {switch_s:.3f}s (attach + warm-up + activate)")
+    finally:
+        mgr.shutdown()
+    assert inst.state is InstanceState.RETIRED and not mgr.pool

@@ -1,0 +1,91 @@
+"""Instance state machine and the InstanceManager's LRU standby pool, without Ray."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from imm.lifecycle import IllegalTransition, InstanceState, can_transition, check_transition
+from imm.manager import InstanceManager
+
+S = InstanceState
+HAPPY_PATH = [S.BOOTING, S.STANDBY, S.ATTACHED, S.WARM, S.ACTIVE, S.DRAINING, S.RETIRED]
+
+
+def test_happy_path_is_legal():
+    for a, b in itertools.pairwise(HAPPY_PATH):
+        check_transition(a, b)
+
+
+@pytest.mark.parametrize("state", [s for s in S if s is not S.RETIRED])
+def test_any_live_state_can_retire(state):
+    assert can_transition(state, S.RETIRED)
+
+
+def test_everything_else_raises():
+    legal = set(itertools.pairwise(HAPPY_PATH)) | {(s, S.RETIRED) for s in S if s is not S.RETIRED}
+    for a, b in itertools.product(S, S):
+        if (a, b) in legal:
+            continue
+        with pytest.raises(IllegalTransition, match=f"from {a.value} to {b.value}"):
+            check_transition(a, b)
+
+
+class FakeInstance:
+    def __init__(self, dp: int) -> None:
+        self.dp, self.state = dp, S.STANDBY
+
+    def retire(self) -> None:
+        check_transition(self.state, S.RETIRED)
+        self.state = S.RETIRED
+
+
+def make_manager(capacity: int = 2) -> tuple[InstanceManager, list[FakeInstance]]:
+    created: list[FakeInstance] = []
+
+    def factory(dp: int) -> FakeInstance:
+        created.append(FakeInstance(dp))
+        return created[-1]
+
+    return InstanceManager(factory, capacity), created
+
+
+def test_lru_evicts_least_recently_used():
+    mgr, created = make_manager(capacity=2)
+    mgr.prepare([1, 2])
+    mgr.prepare([1])  # touch dp=1: dp=2 is now the oldest
+    mgr.prepare([3])
+    assert list(mgr.pool) == [1, 3] and mgr.num_evictions == 1
+    assert [i.state for i in created] == [S.STANDBY, S.RETIRED, S.STANDBY]
+    assert len(created) == 3  # the touch did not boot a second dp=1
+
+
+def test_take_hits_then_misses():
+    mgr, created = make_manager()
+    mgr.prepare([2])
+    inst = mgr.take(2)
+    assert inst is created[0] and 2 not in mgr.pool and mgr.num_hits == 1
+    fresh = mgr.take(2)
+    assert fresh is created[1] and mgr.num_misses == 1
+    mgr.prepare([3, 4, 5])  # eviction never touches instances handed out
+    assert inst.state is S.STANDBY and fresh.state is S.STANDBY
+
+
+def test_prepare_neighbours_and_active():
+    mgr, _ = make_manager(capacity=3)
+    active = FakeInstance(1)
+    with pytest.raises(ValueError, match="not active"):
+        mgr.set_active(active)
+    active.state = S.ACTIVE
+    assert mgr.set_active(active) is None
+    mgr.prepare_neighbours(max_dp=2)
+    assert list(mgr.pool) == [2]  # dp 0 does not exist
+    mgr.shutdown()
+    assert active.state is S.RETIRED and not mgr.pool and mgr.active is None
+
+
+def test_zero_capacity_keeps_nothing():
+    mgr, created = make_manager(capacity=0)
+    mgr.prepare([2])
+    assert not mgr.pool and created[0].state is S.RETIRED
