@@ -30,6 +30,7 @@ import torch
 from elasticmoe.config import ModelConfig
 from elasticmoe.models.registry import model_family
 from elasticmoe.models.weights import ParamSpec
+from elasticmoe.parallel.expert_placement import ExpertPlacement
 from hmm.device_memory import DEVICE_PAGE_SIZE, Handle
 from hmm.layout import DeviceSpec, Layout, ModelSizes, TensorKey, layout_for
 from hmm.memory import MemoryUsage
@@ -239,11 +240,36 @@ class HMMController:
 
     # ---- handles and accounting ------------------------------------------------------
 
-    def handle_set(self, rank: int) -> dict[str, Handle]:
-        """{engine param name: handle} + `"kv_pool"` for DP rank `rank` of the current layout."""
+    def layout_of(self, pending: bool = False) -> Layout:
+        """The committed layout, or (`pending=True`) the target of the executed, uncommitted plan."""
+        if pending:
+            if self.pending is None:
+                raise RuntimeError("hmm: no plan is pending (execute one first)")
+            return self.pending.target
         if self.layout is None:
             raise RuntimeError("hmm: nothing loaded")
-        return self._gather([self._call(self.layout.device_ids[rank], "export_handles")])[0]
+        return self.layout
+
+    def layout_placement(self) -> ExpertPlacement:
+        """Expert placement of the committed layout (what the serving instance uses)."""
+        return self.layout_of().placement
+
+    def pending_placement(self) -> ExpertPlacement:
+        """Expert placement of the pending target (what the next instance attaches with)."""
+        return self.layout_of(pending=True).placement
+
+    def handle_set(self, rank: int, pending: bool = False) -> dict[str, Handle]:
+        """{engine param name: handle} + `"kv_pool"` for DP rank `rank` of the committed layout,
+        or (`pending=True`) of the pending target, staged by `execute` and valid until `abort`.
+
+        Between `execute` and `commit` both sets are valid at once: the old instance keeps
+        serving on the committed handles while the next one attaches to the pending ones.
+        On a kept device the two sets share the reused tensors and the KV pool (same pages).
+        # NOTE: the shared KV pool must have one allocating owner at a time (see
+        # `imm.kv_fence`); `commit` only after the old instance stopped reading its handles.
+        """
+        layout = self.layout_of(pending)
+        return self._gather([self._call(layout.device_ids[rank], "export_handles", pending)])[0]
 
     def usage(self) -> dict[int, MemoryUsage]:
         ids = list(self.devices)

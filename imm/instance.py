@@ -23,10 +23,12 @@ from typing import Any
 
 import ray
 
+from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from hmm.controller import HMMController
 from hmm.p2p import GroupSpec
 from hmm.providers import Handle
+from imm.handover import ImportReport, assign_snapshots
 from imm.lifecycle import InstanceState, check_transition
 from imm.rank import InstanceRankActor, RankStats
 from imm.zero_copy import AttachReport
@@ -37,16 +39,20 @@ S = InstanceState
 _ids = itertools.count()
 
 
-def handles_from_hmm(hmm: Any, dp: int) -> tuple[list[dict[str, Handle]], ExpertPlacement]:
-    """The current layout's handle sets and placement from an `HMMController` or its actor."""
+def handles_from_hmm(
+    hmm: Any, dp: int, pending: bool = False
+) -> tuple[list[dict[str, Handle]], ExpertPlacement, list[int]]:
+    """Handle sets, placement and device ids (per rank) of the committed layout, or of the
+    pending target (`pending=True`), from an `HMMController` or its actor."""
     if isinstance(hmm, HMMController):
-        layout, sets = hmm.layout, [hmm.handle_set(r) for r in range(dp)]
+        layout = hmm.layout_of(pending)
+        sets = [hmm.handle_set(r, pending) for r in range(dp)]
     else:
-        layout = ray.get(hmm.__ray_call__.remote(lambda ctl: ctl.layout))
-        sets = ray.get([hmm.handle_set.remote(r) for r in range(dp)])
-    if layout is None or layout.dp != dp:
-        raise ValueError(f"hmm layout has dp={getattr(layout, 'dp', None)}, instance has dp={dp}")
-    return sets, layout.placement
+        layout = ray.get(hmm.layout_of.remote(pending))
+        sets = ray.get([hmm.handle_set.remote(r, pending) for r in range(dp)])
+    if layout.dp != dp:
+        raise ValueError(f"hmm layout has dp={layout.dp}, instance has dp={dp}")
+    return sets, layout.placement, list(layout.device_ids)
 
 
 class Instance:
@@ -61,6 +67,9 @@ class Instance:
         self.state = S.BOOTING
         self.timings: dict[str, float] = {}
         self.attach_reports: list[AttachReport] = []
+        self.device_ids: list[int] = []  # device of each rank, known from attach
+        self.is_paused = False
+        self.import_reports: list[ImportReport] = []
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -110,23 +119,41 @@ class Instance:
             raise
         return inst
 
-    def attach(self, hmm: Any) -> list[AttachReport]:
-        """Attach every rank to the HMM's current layout (see `attach_handles`)."""
-        sets, placement = handles_from_hmm(hmm, self.dp)
-        return self.attach_handles(sets, placement)
+    def attach(
+        self, hmm: Any, *, pending: bool = False, fenced_device_ids: Sequence[int] = ()
+    ) -> list[AttachReport]:
+        """Attach every rank to the HMM's committed layout, or to the pending target between
+        `execute` and `commit` (`pending=True`, the scale-up/down path; see `attach_handles`)."""
+        sets, placement, device_ids = handles_from_hmm(hmm, self.dp, pending)
+        return self.attach_handles(sets, placement, device_ids, fenced_device_ids)
 
-    def attach_handles(self, handle_sets: Sequence[Mapping[str, Handle]], placement: ExpertPlacement) -> list[AttachReport]:
-        """Build each rank's engine on its handle set (zero-copy). Raises if any rank copied."""
+    def attach_handles(
+        self,
+        handle_sets: Sequence[Mapping[str, Handle]],
+        placement: ExpertPlacement,
+        device_ids: Sequence[int] | None = None,
+        fenced_device_ids: Sequence[int] = (),
+    ) -> list[AttachReport]:
+        """Build each rank's engine on its handle set (zero-copy). Raises if any rank copied.
+
+        `fenced_device_ids`: devices whose KV pool a serving instance still allocates from;
+        the ranks there hold a `KVFence` until `import_requests` (they skip the warm-up request).
+        """
         if len(handle_sets) != self.dp or placement.num_ranks != self.dp:
             raise ValueError(f"{self}: need {self.dp} handle sets and a {self.dp}-rank placement")
+        devices = list(device_ids) if device_ids is not None else list(range(self.dp))
+        fenced = [d in set(fenced_device_ids) for d in devices]
 
         def work() -> list[AttachReport]:
-            refs = [rank.attach.remote(hs, placement) for rank, hs in zip(self.ranks, handle_sets, strict=True)]
+            refs = [
+                rank.attach.remote(hs, placement, None, f)
+                for rank, hs, f in zip(self.ranks, handle_sets, fenced, strict=True)
+            ]
             reports: list[AttachReport] = self._get(refs)
             bad = [r for r, rep in enumerate(reports) if not rep.is_zero_copy]
             if bad:
                 raise RuntimeError(f"{self}: ranks {bad} did not attach zero-copy: {reports}")
-            self.attach_reports = reports
+            self.attach_reports, self.device_ids = reports, devices
             return reports
 
         return self._transition(S.ATTACHED, work)
@@ -153,6 +180,60 @@ class Instance:
                 return False
             time.sleep(poll_s)
         return True
+
+    # ---- switchover (see `imm.handover` for the splice protocol) -----------------------------
+
+    def pause(self) -> None:
+        """active -> draining: every rank's loop stops at one round boundary; streams stay open.
+
+        NOTE: the router must stop sending here before this call: `generate` on a paused
+        rank raises `EngineDeadError` (requests that arrived during the pause are exported).
+        """
+
+        def work() -> None:
+            self._get([rank.pause.remote() for rank in self.ranks])
+            self.is_paused = True
+
+        if self.state is S.DRAINING and not self.is_paused:  # drained first, now handing over
+            with self._lock:
+                work()
+        else:
+            self._transition(S.DRAINING, work)
+
+    def export_requests(self, hand_over_kv: bool = True) -> dict[int, list[RequestSnapshot]]:
+        """After `pause`: device id -> the snapshots of the requests its rank held.
+
+        Each request's `generate` stream ends with a `HandedOverOutput`. With `hand_over_kv`
+        the blocks stay allocated in the device's pool for the next owner. NOTE: a paused,
+        exported instance must only be retired (its engines would allocate from shared pools).
+        """
+        if not self.is_paused:
+            raise RuntimeError(f"{self}: export_requests before pause")
+        with self._lock:
+            snaps = self._get([rank.export_requests.remote(hand_over_kv) for rank in self.ranks])
+        return dict(zip(self.device_ids, snaps, strict=True))
+
+    def import_requests(self, snaps_by_device: Mapping[int, Sequence[RequestSnapshot]]) -> dict[str, Any]:
+        """Continue the exported requests here; returns request id -> rank actor to `resume` on.
+
+        A request from a device this instance holds continues on that device's rank with its
+        KV (no recomputation); the others go to the least-loaded ranks and recompute. Every
+        rank receives its shared-KV import (possibly empty) first, which ends its `KVFence`.
+        NOTE: call only once every old rank exported (it still owns the shared pools before).
+        """
+        if self.state not in (S.WARM, S.ACTIVE):
+            raise RuntimeError(f"{self}: import_requests needs a warm or active instance")
+        loads = [s.num_running + s.num_waiting for s in self.stats()]
+        plan = assign_snapshots(snaps_by_device, self.device_ids, loads)
+        with self._lock:
+            reports: list[ImportReport] = self._get(
+                [rank.import_requests.remote(plan[r][0], True) for r, rank in enumerate(self.ranks)]
+            )
+            reports += self._get(
+                [rank.import_requests.remote(plan[r][1], False) for r, rank in enumerate(self.ranks) if plan[r][1]]
+            )
+        self.import_reports = reports
+        return {s.request_id: self.ranks[r] for r, (shared, moved) in plan.items() for s in shared + moved}
 
     def retire(self) -> None:
         """Stop the loops, shut the ranks down and kill the actors. Best effort, never leaves actors."""

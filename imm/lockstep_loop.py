@@ -5,33 +5,81 @@ times, or the MoE all-to-all of a busy rank waits forever for an idle partner.
 The plain `AsyncLLM` loop blocks on its command queue when its own engine is
 idle, so it cannot be used for ep_size > 1. This loop instead runs rounds:
 
-1. apply every queued command (add / abort) to the engine;
-2. one `all_reduce(MAX)` over the instance group of `[has_work, wants_stop]`;
-3. if any rank wants to stop: every rank leaves the loop in this same round;
-   if any rank has work: every rank steps (idle ranks run an empty forward);
-   otherwise wait up to `idle_wait_s` for a command, then start the next round.
+1. apply every queued command (add / abort / call) to the engine;
+2. one `all_reduce(MAX)` over the instance group of `[has_work, stop_code]`
+   (stop_code 0: run, 1: pause, 2: stop; without a group the local values count);
+3. if any rank wants to stop or pause: every rank leaves the loop in this same
+   round (a stop wins over a pause); if any rank has work: every rank steps
+   (idle ranks run an empty forward); otherwise wait for a command
+   (up to `idle_wait_s` with a group, blocking without one), then the next round.
 
-Invariants: all ranks run the same number of rounds and steps; a stop requested
-on one rank stops all ranks at the same round boundary (a step boundary), so no
-collective is left half-entered. The group is used only from the loop thread.
+A *pause* leaves the loop without failing the consumers: their streams wait
+until `export_requests` hands each request over (its stream then raises
+`HandedOver`, which `InstanceRank.generate` turns into a marker output). A
+*stop* fails every waiting consumer with `EngineDeadError`.
+
+Invariants: all ranks run the same number of rounds and steps; a stop or pause
+requested on one rank ends all ranks at the same round boundary (a step
+boundary), so no collective is left half-entered. The group is used only from
+the loop thread; the engine only from the loop thread while it runs, and from
+the caller of `export_requests` once it has paused (the thread has exited).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
+import threading
 import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elasticmoe.engine.async_llm import AsyncLLM, EngineCore, EngineDeadError, _Abort, _Add, _Stop
+from elasticmoe.engine.async_llm import (
+    AsyncLLM,
+    EngineCore,
+    EngineDeadError,
+    _Abort,
+    _Add,
+    _call_soon,
+    _Stop,
+    _Stream,
+)
+from elasticmoe.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
+_RUN, _PAUSE, _STOP = 0, 1, 2
+
+
+class HandedOver(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised in a consumer's stream when its request was exported at a pause."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
+
+
+class _Pause(_Stop):
+    """Leave the loop at the next round boundary, keeping the consumers waiting."""
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run `fn` on the loop thread between rounds; its result or error goes to `done`."""
+
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
 
 class LockstepAsyncLLM(AsyncLLM):
-    """`AsyncLLM` for one rank of an EP group; `group=None` falls back to the single-rank loop."""
+    """`AsyncLLM` for one rank of an EP group; `group=None` runs the same loop on one rank."""
 
     def __init__(
         self,
@@ -46,32 +94,132 @@ class LockstepAsyncLLM(AsyncLLM):
         self.idle_wait_s = idle_wait_s
         self.num_rounds = 0
         self.num_steps = 0
+        self.is_paused = False
 
-    def _run(self) -> None:
-        if self.group is None:
-            super()._run()
-            return
-        logger.info("lockstep loop started")
-        wants_stop = False
+    # ---- pause / handover ---------------------------------------------------------------
+
+    def pause(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop at a round boundary (all ranks of the group, same round) without
+        failing the consumers. NOTE: every rank of the group ends its loop in that round,
+        whether it asked for the pause or not; a concurrent stop wins and fails them."""
+        thread = self._thread
+        if thread is None:
+            raise EngineDeadError("pause: the engine loop was never started")
+        if thread.is_alive():
+            self._commands.put(_Pause())
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise TimeoutError(f"pause: the loop did not reach a round boundary in {timeout_s:.0f}s")
+        if not self.is_paused:  # a peer's stop, a crash, or a shutdown came first
+            raise EngineDeadError(f"pause: the loop stopped instead ({self._error!r})")
+
+    def apply_queued_commands(self) -> None:
+        """After a pause, on the caller's thread: apply the adds and aborts that arrived too late
+        for the loop (so those requests are exported too) and fail any pending `_Call`."""
+        if not self.is_paused:
+            raise RuntimeError("apply_queued_commands: not paused")
+        while True:
+            try:
+                command: Any = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Call):
+                command.error = EngineDeadError("engine paused")
+                command.done.set()
+            elif isinstance(command, _Add | _Abort):
+                self._apply(command)
+
+    def hand_over_streams(self, request_ids: list[str]) -> None:
+        """End the streams of the exported `request_ids` with `HandedOver`, and fail any other
+        stream still waiting (a request the engine never saw). Call after exporting."""
+        exported = set(request_ids)
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            item: BaseException = (
+                HandedOver(request_id) if request_id in exported else EngineDeadError("engine paused")
+            )
+            _call_soon(stream.loop, stream.queue.put_nowait, item)
+
+    def adopt_streams(self, request_ids: list[str]) -> None:
+        """Register a stream (on the caller's event loop) per imported request; `resume` reads it.
+        NOTE: call before the import reaches the engine, or its first outputs have no stream."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            clash = [r for r in request_ids if r in self._streams]
+            if clash:
+                raise ValueError(f"requests {clash} already have a stream here")
+            for request_id in request_ids:
+                self._streams[request_id] = _Stream(loop, asyncio.Queue())
+
+    def drop_streams(self, request_ids: list[str]) -> None:
+        """Forget adopted streams whose import failed (nothing will be delivered to them)."""
+        for request_id in request_ids:
+            self._forget(request_id)
+
+    async def run_on_loop(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the loop thread between rounds (so it may touch the engine); await it."""
+        if not self.is_ready:
+            raise EngineDeadError("the engine loop is not running")
+        call = _Call(fn)
+        self._commands.put(call)  # type: ignore[arg-type]  # this loop also applies `_Call`
+        await asyncio.to_thread(call.done.wait)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    async def resume(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """Stream an adopted request's outputs until one is finished (like `generate` after
+        the add). Leaving early aborts the request in the engine."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"no handed-over request {request_id!r} here")
+        done = False
         try:
             while True:
-                wants_stop = self._drain_commands() or wants_stop
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item is None:  # aborted via `abort()`
+                    done = True
+                    return
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self._forget(request_id)
+                self._commands.put(_Abort(request_id))
+
+    # ---- loop thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        logger.info("lockstep loop started (group=%s)", self.group is not None)
+        stop_code = _RUN
+        agreed = _RUN
+        try:
+            while True:
+                stop_code = max(stop_code, self._drain_commands())
                 has_work = self.engine.has_unfinished_requests()
                 # NOTE: every rank must reach this all_reduce once per round; never `continue`
                 # or `return` between rounds without it, or the other ranks hang in gloo.
-                flags = torch.tensor([int(has_work), int(wants_stop)])
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                any_work, any_stop = bool(flags[0]), bool(flags[1])
+                flags = torch.tensor([int(has_work), stop_code])
+                if self.group is not None:
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+                any_work, agreed = bool(flags[0]), int(flags[1])
                 self.num_rounds += 1
                 self._last_tick = time.monotonic()
-                if any_stop:
+                if agreed != _RUN:
                     return
                 self._has_work = any_work
                 if any_work:
                     self._deliver(self.engine.step())
                     self.num_steps += 1
                 else:
-                    self._wait_for_command()
+                    stop_code = max(stop_code, self._wait_for_command())
                 self.num_running = self.engine.num_running
                 self.num_waiting = self.engine.num_waiting
         except BaseException as exc:  # noqa: BLE001 - any crash must reach the consumers
@@ -79,33 +227,49 @@ class LockstepAsyncLLM(AsyncLLM):
             self._error = exc
         finally:
             # A stop agreed by a peer ends this rank too: its consumers must not wait forever.
+            # A pause keeps them: `export_requests` + `hand_over_streams` end their streams.
+            self.is_paused = agreed == _PAUSE and self._error is None
             self._stopping = True
-            reason = f"engine loop crashed: {self._error!r}" if self._error else "engine loop stopped"
-            self._fail_all(EngineDeadError(reason))
-            logger.info("lockstep loop stopped after %d rounds, %d steps", self.num_rounds, self.num_steps)
+            if not self.is_paused:
+                reason = f"engine loop crashed: {self._error!r}" if self._error else "engine loop stopped"
+                self._fail_all(EngineDeadError(reason))
+            logger.info(
+                "lockstep loop %s after %d rounds, %d steps",
+                "paused" if self.is_paused else "stopped", self.num_rounds, self.num_steps,
+            )
 
-    def _drain_commands(self) -> bool:
-        """Apply all queued commands without blocking; True if a stop was among them."""
-        wants_stop = False
+    def _drain_commands(self) -> int:
+        """Apply all queued commands without blocking; the highest stop code among them."""
+        code = _RUN
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return wants_stop
-            wants_stop = self._apply_lockstep(command) or wants_stop
+                return code
+            code = max(code, self._apply_lockstep(command))
 
-    def _wait_for_command(self) -> None:
-        """Idle: block until a command arrives or `idle_wait_s` passes, and apply it now."""
+    def _wait_for_command(self) -> int:
+        """Idle: block until a command arrives (or `idle_wait_s` passes, with a group); apply it."""
+        timeout = self.idle_wait_s if self.group is not None else None
         try:
-            command = self._commands.get(timeout=self.idle_wait_s)
+            command = self._commands.get(timeout=timeout)
         except queue.Empty:
-            return
-        if self._apply_lockstep(command):
-            # NOTE: a stop must go through the next all_reduce, not end this rank alone.
-            self._commands.put(_Stop())
+            return _RUN
+        # NOTE: a stop or pause returned here still goes through the next all_reduce.
+        return self._apply_lockstep(command)
 
-    def _apply_lockstep(self, command: _Add | _Abort | _Stop) -> bool:
+    def _apply_lockstep(self, command: Any) -> int:
+        if isinstance(command, _Pause):
+            return _PAUSE
         if isinstance(command, _Stop):
-            return True
+            return _STOP
+        if isinstance(command, _Call):
+            try:
+                command.result = command.fn()
+            except Exception as exc:  # noqa: BLE001 - the error belongs to the caller
+                command.error = exc
+            command.done.set()
+            return _RUN
+        assert isinstance(command, _Add | _Abort)
         self._apply(command)
-        return False
+        return _RUN

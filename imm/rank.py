@@ -6,6 +6,8 @@ Lifecycle (driven by `imm.instance.Instance`, which checks the order):
     attach                         (engine on HMM handles: zero-copy weights and KV pool, no disk read)
     start -> warm_up               (lockstep step loop running; one short request went through)
     generate / abort / stats       (serving)
+    pause -> export_requests       (old rank at a switchover; see `imm.handover`)
+    import_requests -> resume      (new rank at a switchover)
     stop -> shutdown
 
 It is an *async* actor: `generate` is an async generator streamed back with a
@@ -14,7 +16,9 @@ per-request asyncio queues. Blocking work (group rendezvous, engine build, loop
 join) runs in `asyncio.to_thread` so `stats`/`check_health` stay responsive.
 
 Invariants: the engine is touched only by the loop thread once `start` ran
-(before that, only by `attach`); the EP group is the process's default gloo
+(before that, only by `attach`; after a pause, only by `export_requests`); a
+rank that exported never runs its engine again; a rank attached with
+`fence_kv=True` allocates no KV block until its first `import_requests`; the EP group is the process's default gloo
 group, so one process hosts exactly one rank of one instance.
 """
 
@@ -33,6 +37,7 @@ import ray
 import torch.distributed as dist
 
 from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.parallel.expert_placement import ExpertPlacement
@@ -41,7 +46,8 @@ from elasticmoe.tokenizer import Tokenizer
 from hmm.memory import TensorHandle
 from hmm.p2p import GroupSpec
 from hmm.providers import Handle
-from imm.lockstep_loop import LockstepAsyncLLM
+from imm.handover import HandedOverOutput, ImportReport, KVFence
+from imm.lockstep_loop import HandedOver, LockstepAsyncLLM
 from imm.zero_copy import AttachReport, ZeroCopyLoader, check_zero_copy
 
 logger = logging.getLogger(__name__)
@@ -74,6 +80,8 @@ class InstanceRank:
         self.tokenizer: Tokenizer | None = None
         self.engine: LLMEngine | None = None
         self.llm: LockstepAsyncLLM | None = None
+        self.kv_fence: KVFence | None = None
+        self.has_exported = False
 
     # ---- standby -----------------------------------------------------------------------
 
@@ -112,11 +120,17 @@ class InstanceRank:
     # ---- attach / warm -----------------------------------------------------------------
 
     async def attach(
-        self, handle_set: Mapping[str, Handle], placement: ExpertPlacement, kv_handle: TensorHandle | None = None
+        self,
+        handle_set: Mapping[str, Handle],
+        placement: ExpertPlacement,
+        kv_handle: TensorHandle | None = None,
+        fence_kv: bool = False,
     ) -> AttachReport:
         """Build the engine on HMM handles (weights used in place, KV pool = the device's pool).
 
         Without `num_kv_blocks` in the engine options the engine takes the whole device pool.
+        `fence_kv`: the pool is still allocated by a serving rank (a kept device at a
+        switchover); hold all its blocks until the first `import_requests`.
         """
         if self.config is None:
             raise RuntimeError("attach before build_skeleton")
@@ -129,20 +143,29 @@ class InstanceRank:
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(LLMEngine, config, loader.weights, loader.kv, placement, self.group)
         seconds = time.perf_counter() - t0
+        if fence_kv:
+            self.kv_fence = KVFence(self.engine.block_manager)
         return check_zero_copy(self.engine.weights, loader.weights.opened, self.engine.kv_pool, seconds)
 
     def start(self) -> None:
         """Start the lockstep loop. NOTE: every rank of the group must be started, or the others hang."""
         if self.engine is None:
             raise RuntimeError("start before attach")
+        if self.has_exported:
+            raise RuntimeError("this rank handed its requests over; its engine must not run again")
         if self.llm is not None and self.llm.is_ready:
             return
         self.llm = LockstepAsyncLLM(self.engine, self.group)
         self.llm.start()
 
     async def warm_up(self, max_tokens: int = 2) -> float:
-        """Send one short greedy request through the running loop; returns its latency in seconds."""
+        """Send one short greedy request through the running loop; returns its latency in seconds.
+
+        A fenced rank sends none (it has no KV block yet); it still steps in lockstep with the
+        ranks that warm up, so its forward runs too (on an empty batch)."""
         t0 = time.perf_counter()
+        if self.kv_fence is not None:
+            return 0.0
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         async for _ in self._llm().generate([1, 2, 3], params, f"warmup-{self.rank}-{time.monotonic_ns()}"):
             pass
@@ -163,13 +186,74 @@ class InstanceRank:
     @ray.method(num_returns="streaming")  # type: ignore[call-arg]
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream this request's `RequestOutput`s (deltas + cumulative); the last has `finished=True`.
+    ) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
+        """Stream this request's `RequestOutput`s (deltas + cumulative); the last has `finished=True`,
+        or is a `HandedOverOutput` when the request moved to another instance (`imm.handover`).
 
         Input errors raise before anything is yielded. NOTE: cancelling the Ray generator
         cancels this coroutine, whose cleanup aborts the request in the engine.
         """
-        async for out in self._llm().generate(prompt, params, request_id):
+        try:
+            async for out in self._llm().generate(prompt, params, request_id):
+                yield out
+        except HandedOver:
+            yield HandedOverOutput(request_id)
+
+    # ---- switchover ----------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        """Stop the loop at a round boundary, agreed by every rank of the group; the
+        streams stay open (see `export_requests`). Returns once this rank's loop ended."""
+        await asyncio.to_thread(self._llm().pause)
+
+    async def export_requests(self, hand_over_kv: bool) -> list[RequestSnapshot]:
+        """After `pause`: remove every live request (late adds included) and return its snapshot;
+        each request's `generate` stream then ends with a `HandedOverOutput`.
+
+        `hand_over_kv`: the block tables travel and stay allocated for the pool's next owner.
+        NOTE: runs on the actor's event loop without awaiting, so no `generate` or `abort`
+        interleaves with it; the engine must never step again (`start` refuses).
+        """
+        llm = self._llm()
+        if not llm.is_paused or self.engine is None:
+            raise RuntimeError("export_requests: pause first")
+        llm.apply_queued_commands()
+        snaps = self.engine.export_requests(hand_over_kv)
+        self.has_exported = True
+        llm.hand_over_streams([s.request_id for s in snaps])
+        return snaps
+
+    async def import_requests(self, snaps: list[RequestSnapshot], kv_is_shared: bool) -> ImportReport:
+        """Continue exported requests here; read each one with `resume(request_id)`.
+
+        `kv_is_shared`: this rank's pool is the exporter's (same device): block tables are
+        claimed, nothing is recomputed. The first import releases this rank's `KVFence`.
+        NOTE: call only after every old rank on this rank's device exported.
+        """
+        llm, engine = self._llm(), self.engine
+        assert engine is not None
+        ids = [s.request_id for s in snaps]
+        llm.adopt_streams(ids)
+
+        def work() -> dict[str, int]:
+            if self.kv_fence is not None:
+                self.kv_fence.release()
+                self.kv_fence = None
+            engine.import_requests(snaps, kv_is_shared)
+            return {r: engine.requests[r].num_computed_tokens for r in ids}
+
+        try:
+            computed = await llm.run_on_loop(work)
+        except BaseException:
+            llm.drop_streams(ids)
+            raise
+        return ImportReport(self.rank, kv_is_shared, len(snaps), computed)
+
+    @ray.method(num_returns="streaming")  # type: ignore[call-arg]
+    async def resume(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the rest of an imported request: the first delta follows the last one the
+        old rank streamed; the last output has `finished=True`."""
+        async for out in self._llm().resume(request_id):
             yield out
 
     async def abort(self, request_id: str) -> None:

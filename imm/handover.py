@@ -1,0 +1,146 @@
+"""Handing running requests from an old instance to a new one (the switchover's critical section).
+
+Splice protocol (one request, old rank A on device d, new instance B):
+
+1. `A.pause()`: A's loop ends at a round boundary (all of A's ranks, same round);
+   its consumers keep waiting; nothing is finished or failed.
+2. `A.export_requests()`: each live request leaves A's engine as a
+   `RequestSnapshot`; its `generate` stream then yields the outputs it already
+   produced, followed by one `HandedOverOutput` marker (not a `RequestOutput`, not
+   finished), and ends.
+3. `B.import_requests(snaps)`: the snapshot goes to B's rank on device d if d is
+   kept (`kv_is_shared=True`: the block table is claimed in the same KV pool, no
+   recomputation), else to B's least-loaded rank (`kv_is_shared=False`: KV is
+   recomputed from the tokens). B's rank buffers the request's outputs from then on.
+4. The consumer, on the marker, calls `resume(request_id)` on the rank that
+   `HandoverRoutes` names; that stream continues with the next delta: the
+   snapshot carries the emitted token/char counts, so deltas neither repeat nor skip.
+
+KV pool ownership: on a kept device A's rank and B's rank open the same pool.
+B's rank holds a `KVFence` on every block from attach until its first import,
+so B never allocates from the pool while A may; A never allocates again after
+its export (it is paused, then retired; a paused rank cannot be restarted).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import ray
+
+from elasticmoe.engine.block_manager import BlockManager
+from elasticmoe.engine.handover import RequestSnapshot
+from elasticmoe.outputs import RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class HandedOverOutput:
+    """Last item of a `generate` stream whose request moved to another instance (not finished)."""
+
+    request_id: str
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ImportReport:
+    rank: int
+    kv_is_shared: bool
+    num_requests: int
+    num_computed_tokens: dict[str, int]  # right after import: > 0 means KV kept, no recompute
+
+
+class KVFence:
+    """Holds every free block of a KV pool shared with a previous owner until the handover.
+
+    Take it on a fresh engine (all blocks free); `release` returns them so that the
+    imported block tables can be claimed. Invariant: while fenced, the engine
+    allocates nothing from the pool (a request there waits instead).
+    """
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+        self.block_ids = list(block_manager.free_block_ids)
+        if len(self.block_ids) != block_manager.num_blocks:
+            raise RuntimeError("kv fence: the pool already has allocated blocks")
+        block_manager.claim(self.block_ids)
+
+    def release(self) -> None:
+        self.block_manager.free(cast(Any, self))  # duck-typed holder: only `.block_ids` is read
+
+
+def assign_snapshots(
+    snaps_by_device: Mapping[int, Sequence[RequestSnapshot]],
+    device_ids: Sequence[int],
+    loads: Sequence[int],
+) -> dict[int, tuple[list[RequestSnapshot], list[RequestSnapshot]]]:
+    """new rank -> (snapshots continuing on a shared KV pool, snapshots to recompute).
+
+    A request whose KV lives on a device the new instance keeps goes to the rank on that
+    device; the others go, one by one, to the rank with the fewest requests (`loads`
+    counts the requests a rank already has; ties -> lowest rank).
+    """
+    rank_of = {d: r for r, d in enumerate(device_ids)}
+    out: dict[int, tuple[list[RequestSnapshot], list[RequestSnapshot]]] = {
+        r: ([], []) for r in range(len(device_ids))
+    }
+    load = list(loads)
+    orphans: list[RequestSnapshot] = []
+    for device, snaps in snaps_by_device.items():
+        if device in rank_of:
+            out[rank_of[device]][0].extend(snaps)
+            load[rank_of[device]] += len(snaps)
+        else:
+            orphans.extend(snaps)
+    for snap in orphans:
+        r = min(range(len(load)), key=lambda i: (load[i], i))
+        out[r][1].append(snap)
+        load[r] += 1
+    return out
+
+
+class HandoverRoutes:
+    """request id -> the rank actor that continues it; published by the switchover, awaited
+    by the consumers that saw a `HandedOverOutput`. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, Any] = {}
+        self._cond = threading.Condition()
+
+    def publish(self, routes: Mapping[str, Any]) -> None:
+        with self._cond:
+            self._routes.update(routes)
+            self._cond.notify_all()
+
+    def wait(self, request_id: str, timeout_s: float = 60.0) -> Any:
+        with self._cond:
+            if not self._cond.wait_for(lambda: request_id in self._routes, timeout_s):
+                raise TimeoutError(f"no handover route for {request_id!r} within {timeout_s}s")
+            return self._routes[request_id]
+
+
+def spliced_stream(
+    first: Any, routes: HandoverRoutes, timeout_s: float = 60.0
+) -> Iterator[RequestOutput | HandedOverOutput]:
+    """Iterate a rank's `generate` stream (a Ray ObjectRefGenerator), following handovers.
+
+    Yields every `RequestOutput` and each `HandedOverOutput` marker (callers may skip them),
+    so the consumer sees one unbroken stream. NOTE: blocks while the switchover is in its
+    critical section; an asyncio caller runs this in a thread (or mirrors it with `async for`).
+    """
+    gen = first
+    while True:
+        marker: HandedOverOutput | None = None
+        for ref in gen:
+            item = ray.get(ref, timeout=timeout_s)
+            yield item
+            if isinstance(item, HandedOverOutput):
+                marker = item
+        if marker is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        rank = routes.wait(marker.request_id, max(0.0, deadline - time.monotonic()))
+        gen = rank.resume.remote(marker.request_id)

@@ -1,0 +1,140 @@
+"""Zero-downtime DP1 -> DP2 switchover with request handover (tiny Qwen3-MoE, 2 logical
+devices, float32): while an active dp=1 instance streams three requests (greedy of
+different lengths + one seeded sampled), the HMM stages the DP2 layout, a dp=2 instance
+attaches to the pending handle sets and warms up, the old instance pauses and exports,
+the new one imports (device 0's requests keep their KV: no recomputation), the old retires
+and the HMM commits. Every spliced stream equals the run without scaling, with no
+repeated or missing delta."""
+
+from __future__ import annotations
+
+import gc
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+import torch
+
+from elasticmoe.config import EngineConfig
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.sampling_params import SamplingParams
+from hmm.controller import HMMController
+from hmm.layout import DeviceSpec
+from hmm.memory import list_segments
+from hmm.planner import scale_target
+from imm.handover import HandedOverOutput, HandoverRoutes, spliced_stream
+from imm.instance import Instance
+from imm.lifecycle import InstanceState
+
+pytestmark = pytest.mark.slow
+
+BUDGET, KV, PAGE = 32 << 20, 4 << 20, 4096
+OPTIONS = {"dtype": torch.float32, "num_threads": 1}
+# Long enough (~2k tokens each, 512 B of KV per token) to still run when the switch happens.
+REQUESTS = {
+    "greedy-long": ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)),
+    "greedy-short": ([11, 12, 13], SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)),
+    "sampled": ([20, 21, 22, 23], SamplingParams(temperature=0.8, seed=7, max_tokens=1700, ignore_eos=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def hmm(tiny_model_dir):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    prefix = f"emoetest{secrets.token_hex(4)}"
+    ctl = HMMController(use_ray=True, page_size=PAGE, prefix=prefix)
+    try:
+        for d in range(2):
+            ctl.add_device(DeviceSpec(d, 0, BUDGET))
+        ctl.load(tiny_model_dir, dp=1, dtype=torch.float32, kv_bytes=KV)
+        yield ctl
+    finally:
+        ctl.shutdown()
+        ray.shutdown()
+        gc.collect()
+    assert list_segments(prefix) == [], "shared-memory files leaked"
+
+
+def _reference(model_dir: str) -> dict[str, RequestOutput]:
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=512, num_threads=1))
+    for rid, (prompt, params) in REQUESTS.items():
+        engine.add_request(rid, prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    return final
+
+
+def test_switchover_hands_running_requests_to_the_new_instance(hmm, tiny_model_dir):
+    old = Instance.create_standby(tiny_model_dir, dp=1, engine_options=OPTIONS)
+    new = Instance.create_standby(tiny_model_dir, dp=2, engine_options=OPTIONS)  # pre-initialised
+    try:
+        old.attach(hmm)
+        old.warm_up()
+        old.activate()
+        routes = HandoverRoutes()
+        items: dict[str, list[RequestOutput | HandedOverOutput]] = {rid: [] for rid in REQUESTS}
+        started = threading.Barrier(len(REQUESTS) + 1)
+
+        def consume(rid: str) -> None:
+            prompt, params = REQUESTS[rid]
+            for item in spliced_stream(old.ranks[0].generate.remote(rid, prompt, params), routes):
+                items[rid].append(item)
+                if len(items[rid]) == 3:
+                    started.wait(timeout=60)
+
+        with ThreadPoolExecutor(len(REQUESTS)) as pool:
+            futures = [pool.submit(consume, rid) for rid in REQUESTS]
+            started.wait(timeout=60)  # every stream is generating
+            t_scale = time.perf_counter()
+            target = scale_target(hmm.layout, 2, [hmm.devices[1]], kv_bytes=KV)
+            hmm.execute(hmm.plan(target))
+            new.attach(hmm, pending=True, fenced_device_ids=old.device_ids)
+            new.warm_up()
+            t_pause = time.perf_counter()
+            old.pause()
+            snaps = old.export_requests(hand_over_kv=True)
+            routes.publish(new.import_requests(snaps))
+            t_imported = time.perf_counter()
+            new.activate()
+            old.retire()
+            hmm.commit()
+            t_done = time.perf_counter()
+            for f in futures:
+                f.result(timeout=120)
+
+        # Every request was mid-generation at the pause and went to rank 0 (device 0, kept).
+        assert sorted(s.request_id for s in snaps[0]) == sorted(REQUESTS)
+        assert all(0 < len(s.token_ids) - s.num_prompt_tokens < REQUESTS[s.request_id][1].max_tokens for s in snaps[0])
+        (report,) = [r for r in new.import_reports if r.num_requests]  # rank 1 got an empty import
+        assert report.rank == 0 and report.kv_is_shared and report.num_requests == 3
+        by_id = {s.request_id: s for s in snaps[0]}
+        for rid, computed in report.num_computed_tokens.items():
+            assert computed == by_id[rid].num_computed_tokens > 0, rid  # KV kept, nothing recomputed
+
+        reference = _reference(tiny_model_dir)
+        for rid, stream in items.items():
+            markers = [i for i in stream if isinstance(i, HandedOverOutput)]
+            outs = [i for i in stream if isinstance(i, RequestOutput)]
+            assert len(markers) == 1 and not outs[-2 if outs[-1].finished else -1].finished
+            assert outs[-1].finished and outs[-1].finish_reason == "length"
+            assert [t for o in outs for t in o.new_token_ids] == outs[-1].output_token_ids  # no dup, no gap
+            assert "".join(o.new_text for o in outs) == outs[-1].text
+            assert outs[-1].output_token_ids == reference[rid].output_token_ids, rid
+            assert outs[-1].text == reference[rid].text
+        assert old.state is InstanceState.RETIRED and new.state is InstanceState.ACTIVE
+        stats = new.stats()
+        assert all(s.num_free_kv_blocks == s.num_kv_blocks for s in stats)  # all blocks came back
+        print(
+            f"\nscale DP1->DP2 {t_done - t_scale:.3f}s; critical section (pause -> import done) "
+            f"{(t_imported - t_pause) * 1e3:.1f} ms; tokens out at the pause "
+            f"{ {s.request_id: len(s.token_ids) - s.num_prompt_tokens for s in snaps[0]} }"
+        )
+    finally:
+        for inst in (old, new):
+            if inst.state is not InstanceState.RETIRED:
+                inst.retire()
