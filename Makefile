@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/tiny-qwen3-moe
 PORT ?= 8000
 
-.PHONY: serve test venv model lint bench clean
+.PHONY: serve serve-single test venv model lint clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,12 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 
 model: $(MODEL_DIR)/config.json
 
+# The elastic server (Ray Serve coordinator, HMM over 2 logical devices, dp 1).
 serve: $(STAMP) $(MODEL_DIR)/config.json
+	$(VENV)/bin/elasticmoe serve --devices 2 --dp 1 --model $(MODEL_DIR) --port $(PORT)
+
+# One engine in one process, no Ray.
+serve-single: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/elasticmoe serve --single --model $(MODEL_DIR) --port $(PORT)
 
 test: $(STAMP)

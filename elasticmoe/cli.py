@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -36,10 +37,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /ready, /metrics). Only the single-process server (--single) exists so far.",
+        "/v1/models, /health, /ready, /metrics). By default the elastic server: Ray Serve coordinator, HMM "
+        "device memory on --devices logical devices, and an instance of --dp data-parallel ranks "
+        "(expert-parallel size = dp), with /admin/status. --single runs one engine in this process instead.",
     )
     p.add_argument("--single", action="store_true",
-                   help="run one engine in this process (no Ray, no elastic scaling); currently required")
+                   help="run one engine in this process (no Ray, no elastic scaling)")
     p.add_argument("--model", required=True, metavar="DIR", help="directory of an HF checkpoint (config.json, safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
@@ -50,15 +53,32 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context length limit, prompt plus output tokens (default: the model's maximum)")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
-                   help="memory for the paged KV cache in GiB (default: the engine's default, 1 GiB)")
+                   help="memory for the paged KV cache in GiB; elastic server: per device (default: 1 GiB single, "
+                   "min(0.25, device memory / 4) elastic)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="token budget of one engine step across all requests (default: the engine's default)")
+    elastic = p.add_argument_group("elastic server (without --single)")
+    elastic.add_argument("--devices", type=int, default=1, metavar="N",
+                         help="logical devices to create: one HMM worker process and memory budget each (default 1)")
+    elastic.add_argument("--dp", type=int, default=1, metavar="D",
+                         help="data-parallel ranks of the first instance, 1 <= D <= --devices; expert parallelism "
+                         "spans the same D ranks (default 1)")
+    elastic.add_argument("--address", default=None, metavar="ADDR",
+                         help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting a local one")
+    elastic.add_argument("--max-queued", type=int, default=256, metavar="N",
+                         help="requests waiting plus in flight; beyond N the server answers 503 with Retry-After "
+                         "(default 256)")
+    elastic.add_argument("--device-memory-gb", type=float, default=4.0, metavar="G",
+                         help="memory budget of each logical device in GiB: weights, KV cache and scaling "
+                         "headroom (default 4)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     if not args.single:
-        print("error: only the single-process server exists yet; pass --single. "
-              "The elastic (Ray) server arrives with a later issue.", file=sys.stderr)
+        return _run_serve_elastic(args)
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        print(f"error: --model: {args.model} has no config.json (make one with `elasticmoe make-model`)",
+              file=sys.stderr)
         return 2
     from elasticmoe.entrypoints.openai.api_server import run_single_server
 
@@ -72,6 +92,26 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens,
         log_level=args.log_level.lower(),
+    )
+
+
+def _run_serve_elastic(args: argparse.Namespace) -> int:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.launch import serve_elastic
+
+    kv_cache_gb = args.kv_cache_gb if args.kv_cache_gb is not None else min(0.25, args.device_memory_gb / 4)
+    try:  # validate before Ray starts: bad values exit 2 with the option named
+        CoordinatorConfig(model_dir=args.model, num_devices=args.devices, dp=args.dp, dtype=args.dtype,
+                          device_memory_bytes=int(args.device_memory_gb * (1 << 30)),
+                          kv_bytes_per_device=int(kv_cache_gb * (1 << 30)), max_queued=args.max_queued)
+    except ValueError as exc:
+        print(f"error: {exc} (elastic server; --single runs one engine in this process)", file=sys.stderr)
+        return 2
+    return serve_elastic(
+        model_dir=args.model, devices=args.devices, dp=args.dp, host=args.host, port=args.port,
+        address=args.address, dtype=args.dtype, max_queued=args.max_queued,
+        device_memory_gb=args.device_memory_gb, kv_cache_gb=kv_cache_gb,
+        served_model_name=args.served_model_name,
     )
 
 

@@ -9,3 +9,8 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = message
+
+    def __reduce__(self):
+        # Crosses process boundaries (Ray actors) with `.param` intact: the default
+        # pickling would call the constructor with the formatted message only.
+        return (type(self), (self.param, self.message))

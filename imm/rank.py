@@ -274,6 +274,12 @@ class InstanceRank:
             num_steps=self.llm.num_steps if self.llm else 0,
         )
 
+    def max_model_len(self) -> int:
+        """The attached engine's context limit (the KV pool may lower the model's)."""
+        if self.engine is None:
+            raise RuntimeError("rank: not attached")
+        return int(self.engine.max_model_len)
+
     def check_health(self) -> bool:
         """Raise `EngineDeadError` unless the loop runs and ticks; True otherwise."""
         self._llm().check_health()

@@ -260,9 +260,9 @@ def test_disconnect_while_waiting_non_streaming_aborts_the_request(server):
     assert len(server.aborted_ids) == before + 1
 
 
-def test_serve_requires_single(capsys):
-    assert cli_main(["serve", "--model", "unused"]) == 2
-    assert "--single" in capsys.readouterr().err
+def test_serve_rejects_a_missing_model_dir(capsys):
+    assert cli_main(["serve", "--single", "--model", "/nonexistent/model"]) == 2
+    assert "/nonexistent/model" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -30,3 +30,13 @@ def test_defaults_and_normalisation():
     assert p.stop == ["###"]
     assert p.top_k == 0
     assert p.is_greedy
+
+
+def test_request_errors_survive_pickling_with_their_field():
+    import pickle
+
+    from elasticmoe.errors import InvalidRequestError
+
+    for err in (InvalidRequestError("prompt", "too long"), SamplingParamError("temperature", "bad")):
+        back = pickle.loads(pickle.dumps(err))  # how errors cross Ray actor boundaries
+        assert type(back) is type(err) and back.param == err.param and str(back) == str(err)

@@ -77,6 +77,9 @@ async def _cancel_on_disconnect(
     listener = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server cancelled us (e.g. Ray Serve on client disconnect)
+        task.cancel()
+        raise
     finally:
         listener.cancel()
     if not task.done():
@@ -87,15 +90,11 @@ async def _cancel_on_disconnect(
     return _to_response(task.result())
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
-    """The OpenAI-compatible app. The caller owns `async_llm` (starts and shuts it down)."""
-    app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible MoE serving (single process)")
-    metrics = ServerMetrics(lambda: async_llm.num_running, lambda: async_llm.num_waiting)
-    serving = OpenAIServing(async_llm, served_model_name, observer=metrics)
-    install_exception_handlers(app)
-    app.add_middleware(RequestCountMiddleware, metrics=metrics, endpoints=_ENDPOINTS)
-    app.state.serving = serving
-    app.state.metrics = metrics
+def add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """`POST /v1/completions`, `POST /v1/chat/completions` and `GET /v1/models` on `serving`.
+
+    Shared by this server and the coordinator; a client that disconnects cancels its request.
+    """
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -108,6 +107,18 @@ def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def show_models() -> Response:
         return _to_response(serving.show_models())
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
+    """The OpenAI-compatible app. The caller owns `async_llm` (starts and shuts it down)."""
+    app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible MoE serving (single process)")
+    metrics = ServerMetrics(lambda: async_llm.num_running, lambda: async_llm.num_waiting)
+    serving = OpenAIServing(async_llm, served_model_name, observer=metrics)
+    install_exception_handlers(app)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics, endpoints=_ENDPOINTS)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    add_openai_routes(app, serving)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,127 @@
+"""The coordinator's HTTP ingress: a Ray Serve deployment serving a FastAPI app.
+
+Routes: the OpenAI API of `elasticmoe.entrypoints.openai` (the same handlers
+and route wiring as the single-process server, over a `RouterEngineClient`),
+`/health` (200 only if every rank of the active instance has a live step loop),
+`/ready`, `/metrics`, and `GET /admin/status`.
+
+The FastAPI app is built per replica after the constructor
+(`__serve_build_asgi_app__`, Serve's late-bound `@serve.ingress()`), so its
+routes close over the replica's own cluster, engine client and metrics.
+NOTE: run exactly one replica: it owns the HMM and the instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+
+from coordinator.cluster import ClusterManager
+from coordinator.config import CoordinatorConfig
+from coordinator.engine_client import QueueFull, RouterEngineClient
+from coordinator.metrics import CoordinatorMetrics
+from elasticmoe.entrypoints.openai.api_server import add_openai_routes
+from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
+from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware
+from elasticmoe.entrypoints.openai.serving import OpenAIServing
+from elasticmoe.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+        "/admin/status",
+    }
+)
+
+
+async def _handle_queue_full(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, QueueFull)
+    response = error_json(exc)
+    response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
+
+
+def build_app(cluster: ClusterManager, engine: RouterEngineClient, metrics: CoordinatorMetrics) -> FastAPI:
+    """The coordinator's FastAPI app over a started `cluster`."""
+    app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible elastic MoE serving (coordinator)")
+    serving = OpenAIServing(engine, cluster.config.model_name, observer=metrics)
+    install_exception_handlers(app)
+    app.add_exception_handler(QueueFull, _handle_queue_full)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics.server, endpoints=ENDPOINTS)
+    add_openai_routes(app, serving)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await cluster.check_health()
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            logger.warning("health check failed: %r", exc)
+            return error_json(OpenAIError("Engine is not healthy.", status_code=503))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if not cluster.is_ready:
+            return error_json(OpenAIError("No instance is serving.", status_code=503))
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        try:
+            metrics.refresh(await cluster.rank_stats())
+        except Exception as exc:  # noqa: BLE001 - stale gauges beat a failed scrape
+            logger.warning("rank stats unavailable: %r", exc)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/admin/status")
+    async def admin_status() -> Response:
+        status = await asyncio.to_thread(cluster.status)
+        status["requests"] = {"queued": engine.num_queued, "max_queued": engine.max_queued,
+                              "held_at_gate": cluster.router.num_held, "rejected": engine.num_rejected}
+        return JSONResponse(status)
+
+    return app
+
+
+@serve.deployment(name="coordinator", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Coordinator:
+    """One replica: starts the cluster in its constructor, serves, and frees it on shutdown."""
+
+    async def __init__(self, config: CoordinatorConfig) -> None:  # type: ignore[misc]
+        self.cluster = ClusterManager(config)
+        await asyncio.to_thread(self.cluster.start)
+        tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
+        self.engine = RouterEngineClient(self.cluster.router, tokenizer, self.cluster.max_model_len,
+                                         config.max_queued)
+        self.metrics = CoordinatorMetrics(lambda: float(self.engine.num_queued), self._active_dp)
+
+    def _active_dp(self) -> float:
+        active = self.cluster.active
+        return float(active.dp) if active is not None and self.cluster.is_ready else 0.0
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_app(self.cluster, self.engine, self.metrics)
+
+    async def shutdown_cluster(self) -> None:
+        """Retire the instance and free the HMM now (before `serve.shutdown()` kills this replica)."""
+        await asyncio.to_thread(self.cluster.shutdown)
+
+    def __del__(self) -> None:
+        # Serve calls this on graceful replica shutdown; a no-op after `shutdown_cluster`.
+        cluster: Any = getattr(self, "cluster", None)
+        if cluster is not None:
+            cluster.shutdown()

@@ -1,0 +1,136 @@
+"""`ClusterManager`: the devices, the HMM and the active instance behind one coordinator.
+
+It lives in the Serve replica (the coordinator is a single replica) and owns
+every actor it starts: the HMM device workers and the active instance's ranks.
+
+Lifecycle: `start()` (blocking: devices -> HMM load of (dp, ep=dp) -> standby
+instance -> attach -> warm-up -> activate -> router points at its ranks), then
+serving, then `shutdown()` (idempotent: router cleared, instance retired, HMM
+memory freed and workers stopped). A failing `start()` shuts down what it
+started before re-raising, so no actor or /dev/shm file outlives it.
+
+The blocking methods use `ray.get`; asyncio callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from coordinator.config import CoordinatorConfig
+from coordinator.router import Router
+from coordinator.scale_events import ScaleEvents
+from hmm.controller import HMMController
+from hmm.layout import DeviceSpec
+from imm.instance import Instance
+from imm.rank import RankStats
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterManager:
+    """Owns the HMM and the active `Instance`; the router serves the active instance's ranks."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.router: Router[Any] = Router(max_hold_s=config.max_hold_s)
+        self.scale_events = ScaleEvents()
+        self.hmm: HMMController | None = None
+        self.active: Instance | None = None
+        self.max_model_len = 0
+        self._is_shut_down = False
+        self._lock = threading.Lock()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bring up devices, load the model at `config.dp` and activate an instance on it."""
+        cfg = self.config
+        try:
+            self.hmm = HMMController(use_ray=True, prefix=cfg.shm_prefix)
+            for device_id in range(cfg.num_devices):
+                self.hmm.add_device(DeviceSpec(device_id, 0, cfg.device_memory_bytes))
+            self.hmm.load(cfg.model_dir, dp=cfg.dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device)
+            inst = Instance.create_standby(cfg.model_dir, cfg.dp, engine_options=cfg.engine_options())
+            self.active = inst
+            inst.attach(self.hmm)
+            inst.warm_up()
+            inst.activate()
+            self.max_model_len = min(ray.get([r.max_model_len.remote() for r in inst.ranks]))
+            self.router.set_active(inst.ranks)
+            logger.info("coordinator: %s active on %d devices (timings %s)", inst, cfg.num_devices, inst.timings)
+        except BaseException:
+            logger.exception("coordinator: start failed; releasing what was started")
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Retire the active instance and free the HMM's memory. Idempotent, best effort."""
+        with self._lock:
+            if self._is_shut_down:
+                return
+            self._is_shut_down = True
+        self.router.clear_active()
+        if self.active is not None:
+            try:
+                self.active.retire()
+            except Exception:  # noqa: BLE001 - the HMM must still be freed
+                logger.exception("coordinator: retiring %s failed", self.active)
+        if self.hmm is not None:
+            try:
+                self.hmm.shutdown()
+            except Exception:  # noqa: BLE001
+                logger.exception("coordinator: HMM shutdown failed")
+        logger.info("coordinator: shut down")
+
+    # ---- observation ---------------------------------------------------------------------
+
+    @property
+    def is_ready(self) -> bool:
+        return not self._is_shut_down and self.active is not None and self.active.is_serving
+
+    async def check_health(self, timeout_s: float = 5.0) -> None:
+        """Raise unless every rank of the active instance reports a live, ticking step loop."""
+        inst = self.active
+        if inst is None or not inst.is_serving:
+            raise RuntimeError("no active instance")
+        await asyncio.wait_for(asyncio.gather(*[r.check_health.remote() for r in inst.ranks]), timeout_s)
+
+    async def rank_stats(self, timeout_s: float = 5.0) -> list[RankStats]:
+        """The active instance's per-rank counters (empty if none is active)."""
+        inst = self.active
+        if inst is None or not inst.is_serving:
+            return []
+        return list(await asyncio.wait_for(asyncio.gather(*[r.stats.remote() for r in inst.ranks]), timeout_s))
+
+    def status(self) -> dict[str, Any]:
+        """Active config, instance state, devices with HMM memory, the running scale event (blocking)."""
+        inst, hmm = self.active, self.hmm
+        usage = hmm.usage() if hmm is not None and not self._is_shut_down else {}
+        devices = [
+            {
+                "device_id": spec.device_id,
+                "node_id": spec.node_id,
+                "budget_bytes": spec.budget_bytes,
+                "used_bytes": usage[d].used if d in usage else None,
+                "peak_bytes": usage[d].peak if d in usage else None,
+            }
+            for d, spec in sorted((hmm.devices if hmm is not None else {}).items())
+        ]
+        layout = hmm.layout if hmm is not None else None
+        running = self.scale_events.running
+        return {
+            "model": self.config.model_name,
+            "active_config": None if inst is None else {"dp": inst.dp, "ep": inst.dp, "tp": 1},
+            "instance": None
+            if inst is None
+            else {"instance_id": inst.instance_id, "state": inst.state.value, "timings_s": inst.timings},
+            "layout_device_ids": list(layout.device_ids) if layout is not None else [],
+            "devices": devices,
+            "router": {"gate_open": self.router.is_open, "in_flight": self.router.loads()},
+            "scale_event": running.to_dict() if running is not None else None,
+        }

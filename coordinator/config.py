@@ -1,0 +1,81 @@
+"""`CoordinatorConfig`: what the elastic server is asked to run, validated once.
+
+Built by `elasticmoe serve` (or a test) in the driver and shipped to the Serve
+replica, which builds the HMM and the first instance from it. Every invalid
+combination raises `ValueError` naming the option, so the CLI can exit 2 with a
+clear message before Ray starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hmm.memory.shm import DEFAULT_PREFIX
+
+_GIB = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """Devices, the initial (dp, ep=dp) configuration and the serving limits.
+
+    Invariants: `1 <= dp <= num_devices`; `kv_bytes_per_device < device_memory_bytes`
+    (the weights must fit beside the KV pool); `max_queued >= 1`.
+    """
+
+    model_dir: str
+    num_devices: int
+    dp: int
+    dtype: str = "float32"
+    device_memory_bytes: int = 4 * _GIB
+    kv_bytes_per_device: int = 256 << 20
+    max_queued: int = 256  # requests waiting + in flight; one more gets a 503
+    served_model_name: str | None = None
+    num_threads: int = 1  # torch threads per rank (ranks share the node's cores)
+    shm_prefix: str = DEFAULT_PREFIX  # names of the HMM's /dev/shm files (tests use a unique one)
+    max_hold_s: float = 30.0  # longest a request waits at the router's gate during a switchover
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1:
+            raise ValueError(f"--devices: must be >= 1, got {self.num_devices}")
+        if self.dp < 1:
+            raise ValueError(f"--dp: must be >= 1, got {self.dp}")
+        if self.dp > self.num_devices:
+            raise ValueError(f"--dp: {self.dp} ranks need {self.dp} devices, only {self.num_devices} given")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"--dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device_memory_bytes <= 0:
+            raise ValueError(f"--device-memory-gb: must be > 0, got {self.device_memory_bytes / _GIB:g}")
+        if not 0 < self.kv_bytes_per_device < self.device_memory_bytes:
+            raise ValueError(
+                f"--kv-cache-gb: must be > 0 and below --device-memory-gb, "
+                f"got {self.kv_bytes_per_device / _GIB:g}"
+            )
+        if self.max_queued < 1:
+            raise ValueError(f"--max-queued: must be >= 1, got {self.max_queued}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise ValueError(f"--model: {self.model_dir} has no config.json")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def model_name(self) -> str:
+        """The name clients pass as `model`."""
+        return self.served_model_name or Path(self.model_dir).resolve().name
+
+    def engine_options(self) -> dict[str, Any]:
+        """Options every rank's `EngineConfig` gets (the KV pool size comes from the HMM)."""
+        return {"dtype": self.torch_dtype, "num_threads": self.num_threads}
+
+
+def gib_to_bytes(gib: float) -> int:
+    return int(gib * _GIB)

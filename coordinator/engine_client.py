@@ -1,0 +1,124 @@
+"""`RouterEngineClient`: the `EngineClient` of the OpenAI handlers, over the active instance's ranks.
+
+Each `generate` call is admitted against a bound (`max_queued` requests waiting
+at the router's gate or in flight; one more raises `QueueFull`, a 503), routed
+by the `Router` to the least-loaded rank, and streamed back from
+`InstanceRank.generate` (a Ray streaming generator, one `RequestOutput` per item).
+
+Invariants:
+- `num_queued` counts exactly the `generate` generators between their first
+  `anext` and their close; the router's in-flight count covers the stream.
+- A stream closed or cancelled before its finished output (client gone, handler
+  cancelled) cancels the Ray generator, whose cleanup aborts the request in the
+  rank's engine (its KV blocks are freed).
+- Input errors raised by the rank (`ValueError` with `.param`) reach the handler
+  unwrapped, before anything is yielded, so they become 400s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import ray
+from ray.exceptions import RayTaskError
+
+from coordinator.router import NoActiveInstance, Router
+from elasticmoe.entrypoints.openai.errors import OpenAIError
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(OpenAIError):
+    """More than `max_queued` requests waiting or in flight (HTTP 503 with `Retry-After`)."""
+
+    def __init__(self, max_queued: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"The server is at capacity ({max_queued} requests queued or running); retry later.",
+            status_code=503,
+        )
+        self.retry_after_s = retry_after_s
+
+
+class RouterEngineClient:
+    """`generate` over Ray rank actors chosen by a `Router`; tokenizer and limits held locally."""
+
+    def __init__(
+        self,
+        router: Router[Any],
+        tokenizer: Any,
+        max_model_len: int,
+        max_queued: int,
+        retry_after_s: int = 1,
+    ) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued: must be >= 1, got {max_queued}")
+        self.router = router
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
+        self.max_queued = max_queued
+        self.retry_after_s = retry_after_s
+        self.num_queued = 0  # waiting at the gate + in flight
+        self.num_rejected = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The active instance's limit (the smallest over its ranks); set on each activation."""
+        self._max_model_len = max_model_len
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream `request_id`'s outputs from one rank; the last has `finished=True`."""
+        if self.num_queued >= self.max_queued:
+            self.num_rejected += 1
+            raise QueueFull(self.max_queued, self.retry_after_s)
+        self.num_queued += 1
+        try:
+            async with self.router.route() as rank:
+                async for out in _stream_from(rank, request_id, prompt, params):
+                    yield out
+        except NoActiveInstance as exc:
+            logger.warning("request %s: %s", request_id, exc)
+            raise OpenAIError("No inference instance is serving; retry later.", status_code=503) from exc
+        finally:
+            self.num_queued -= 1
+
+
+async def _stream_from(
+    rank: Any, request_id: str, prompt: str | list[int], params: SamplingParams
+) -> AsyncGenerator[RequestOutput, None]:
+    """The rank's stream for one request; cancels it unless it reached its finished output."""
+    stream = rank.generate.remote(request_id, prompt, params)
+    finished = False
+    try:
+        async for ref in stream:
+            try:
+                out: RequestOutput = await ref
+            except RayTaskError as exc:
+                raise _cause(exc) from None
+            finished = out.finished
+            yield out
+            if finished:
+                return
+    finally:
+        if not finished:
+            # NOTE: cancelling the generator task runs the rank's cleanup, which aborts the
+            # request in the engine; a stream that already ended makes this a no-op.
+            ray.cancel(stream)
+
+
+def _cause(exc: RayTaskError) -> BaseException:
+    """The rank's own exception (keeps `.param` of input errors), else the Ray wrapper."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc
