@@ -28,6 +28,7 @@ the caller of `export_requests` once it has paused (the thread has exited).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -175,24 +176,9 @@ class LockstepAsyncLLM(AsyncLLM):
             stream = self._streams.get(request_id)
         if stream is None:
             raise KeyError(f"no handed-over request {request_id!r} here")
-        done = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if item is None:  # aborted via `abort()`
-                    done = True
-                    return
-                done = item.finished
-                yield item
-                if done:
-                    return
-        finally:
-            if not done:
-                self._forget(request_id)
-                self._commands.put(_Abort(request_id))
+        async with contextlib.aclosing(self._consume(request_id, stream, report_abort=False)) as outputs:
+            async for output in outputs:
+                yield output
 
     # ---- loop thread --------------------------------------------------------------------
 

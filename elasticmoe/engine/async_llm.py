@@ -17,6 +17,7 @@ Threading model (the engine is not thread-safe):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -159,6 +160,16 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt, params))
+        async with contextlib.aclosing(self._consume(request_id, stream, report_abort=True)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _consume(
+        self, request_id: str, stream: _Stream, *, report_abort: bool
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield a request's queued outputs until one is finished; leaving early aborts it
+        in the engine. An abort from elsewhere ends the stream, with a final
+        `finish_reason="abort"` output if `report_abort`."""
         done = False
         last: RequestOutput | None = None
         try:
@@ -169,7 +180,8 @@ class AsyncLLM:
                     raise item
                 if item is None:  # aborted via `abort()`
                     done = True
-                    yield _aborted_output(request_id, last)
+                    if report_abort:
+                        yield _aborted_output(request_id, last)
                     return
                 last = item
                 done = item.finished
