@@ -3,7 +3,9 @@
 Routes: the OpenAI API of `elasticmoe.entrypoints.openai` (the same handlers
 and route wiring as the single-process server, over a `RouterEngineClient`),
 `/health` (200 only if every rank of the active instance has a live step loop),
-`/ready`, `/metrics`, and `GET /admin/status`.
+`/ready`, `/metrics`, `GET /admin/status`, and the scale API: `POST /admin/scale
+{"dp": N}` (202 with the event id; the scale runs in a background thread, see
+`coordinator.scaler`) and `GET /admin/scale/{event_id}`.
 
 The FastAPI app is built per replica after the constructor
 (`__serve_build_asgi_app__`, Serve's late-bound `@serve.ingress()`), so its
@@ -15,21 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
 from ray import serve
 
 from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.engine_client import QueueFull, RouterEngineClient
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.scale_events import ScaleConflict
+from coordinator.scaler import Scaler, loop_caller
 from elasticmoe.entrypoints.openai.api_server import add_openai_routes
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware
 from elasticmoe.entrypoints.openai.serving import OpenAIServing
 from elasticmoe.tokenizer import Tokenizer
+from imm.handover import HandoverRoutes
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,7 @@ ENDPOINTS = frozenset(
         "/ready",
         "/metrics",
         "/admin/status",
+        "/admin/scale",
     }
 )
 
@@ -53,7 +61,39 @@ async def _handle_queue_full(request: Request, exc: Exception) -> Response:
     return response
 
 
-def build_app(cluster: ClusterManager, engine: RouterEngineClient, metrics: CoordinatorMetrics) -> FastAPI:
+class ScaleRequest(BaseModel):
+    dp: int = Field(strict=True, description="Target data-/expert-parallel degree (ranks, one per device).")
+
+
+class ScaleRunner:
+    """Starts scales in a background thread (one at a time); `join` waits for the running one."""
+
+    def __init__(self, scaler: Scaler) -> None:
+        self.scaler = scaler
+        self.thread: threading.Thread | None = None
+
+    def start(self, dp: int) -> str:
+        """The new event's id. Raises `OpenAIError`: 400 (bad dp), 409 (a scale runs), 503."""
+        try:
+            event = self.scaler.start(dp)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="dp") from exc
+        except ScaleConflict as exc:
+            raise OpenAIError(str(exc), status_code=409, param="dp") from exc
+        except RuntimeError as exc:
+            raise OpenAIError(str(exc), status_code=503) from exc
+        self.thread = threading.Thread(target=self.scaler.run, args=(event,), name=event.event_id, daemon=True)
+        self.thread.start()
+        return event.event_id
+
+    def join(self, timeout_s: float = 120.0) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+
+def build_app(
+    cluster: ClusterManager, engine: RouterEngineClient, metrics: CoordinatorMetrics, scales: ScaleRunner
+) -> FastAPI:
     """The coordinator's FastAPI app over a started `cluster`."""
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible elastic MoE serving (coordinator)")
     serving = OpenAIServing(engine, cluster.config.model_name, observer=metrics)
@@ -93,6 +133,17 @@ def build_app(cluster: ClusterManager, engine: RouterEngineClient, metrics: Coor
                               "held_at_gate": cluster.router.num_held, "rejected": engine.num_rejected}
         return JSONResponse(status)
 
+    @app.post("/admin/scale", status_code=202)
+    async def start_scale(request: ScaleRequest) -> Response:
+        return JSONResponse({"event_id": scales.start(request.dp)}, status_code=202)
+
+    @app.get("/admin/scale/{event_id}")
+    async def show_scale(event_id: str) -> Response:
+        event = cluster.scale_events.get(event_id)
+        if event is None:
+            raise OpenAIError(f"No scale event {event_id!r}.", status_code=404, param="event_id")
+        return JSONResponse(event.to_dict())
+
     return app
 
 
@@ -105,8 +156,13 @@ class Coordinator:
         self.cluster = ClusterManager(config)
         await asyncio.to_thread(self.cluster.start)
         tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
+        routes = HandoverRoutes()
         self.engine = RouterEngineClient(self.cluster.router, tokenizer, self.cluster.max_model_len,
-                                         config.max_queued)
+                                         config.max_queued, handover_routes=routes)
+        # NOTE: the router's gate is an asyncio object of this loop; the scale thread calls it here.
+        scaler = Scaler(self.cluster, routes, loop_caller(asyncio.get_running_loop()),
+                        on_activated=self.engine.set_max_model_len)
+        self.scales = ScaleRunner(scaler)
         self.metrics = CoordinatorMetrics(lambda: float(self.engine.num_queued), self._active_dp)
 
     def _active_dp(self) -> float:
@@ -114,10 +170,12 @@ class Coordinator:
         return float(active.dp) if active is not None and self.cluster.is_ready else 0.0
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_app(self.cluster, self.engine, self.metrics)
+        return build_app(self.cluster, self.engine, self.metrics, self.scales)
 
     async def shutdown_cluster(self) -> None:
         """Retire the instance and free the HMM now (before `serve.shutdown()` kills this replica)."""
+        # NOTE: a running scale owns a second instance and the HMM's pending plan: let it end first.
+        await asyncio.to_thread(self.scales.join)
         await asyncio.to_thread(self.cluster.shutdown)
 
     def __del__(self) -> None:

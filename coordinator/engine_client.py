@@ -13,10 +13,14 @@ Invariants:
   rank's engine (its KV blocks are freed).
 - Input errors raised by the rank (`ValueError` with `.param`) reach the handler
   unwrapped, before anything is yielded, so they become 400s.
+- A scale's switchover ends a rank stream with a `HandedOverOutput`; the stream then
+  continues from the rank `HandoverRoutes` names (`rank.resume`), so the handler sees
+  one unbroken stream (the marker is not passed on).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -28,6 +32,7 @@ from coordinator.router import NoActiveInstance, Router
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
+from imm.handover import HandedOverOutput, HandoverRoutes
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,7 @@ class RouterEngineClient:
         max_model_len: int,
         max_queued: int,
         retry_after_s: int = 1,
+        handover_routes: HandoverRoutes | None = None,
     ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued: must be >= 1, got {max_queued}")
@@ -61,6 +67,7 @@ class RouterEngineClient:
         self._max_model_len = max_model_len
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
+        self.handover_routes = handover_routes or HandoverRoutes()
         self.num_queued = 0  # waiting at the gate + in flight
         self.num_rejected = 0
 
@@ -86,7 +93,7 @@ class RouterEngineClient:
         self.num_queued += 1
         try:
             async with self.router.route() as rank:
-                async for out in _stream_from(rank, request_id, prompt, params):
+                async for out in _stream_from(rank, request_id, prompt, params, self.handover_routes):
                     yield out
         except NoActiveInstance as exc:
             logger.warning("request %s: %s", request_id, exc)
@@ -96,26 +103,42 @@ class RouterEngineClient:
 
 
 async def _stream_from(
-    rank: Any, request_id: str, prompt: str | list[int], params: SamplingParams
+    rank: Any,
+    request_id: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    routes: HandoverRoutes,
+    handover_timeout_s: float = 60.0,
 ) -> AsyncGenerator[RequestOutput, None]:
-    """The rank's stream for one request; cancels it unless it reached its finished output."""
+    """The rank's stream for one request, followed across handovers; cancels the current
+    rank stream unless it reached its finished output."""
     stream = rank.generate.remote(request_id, prompt, params)
-    finished = False
-    try:
-        async for ref in stream:
-            try:
-                out: RequestOutput = await ref
-            except RayTaskError as exc:
-                raise _cause(exc) from None
-            finished = out.finished
-            yield out
-            if finished:
-                return
-    finally:
-        if not finished:
-            # NOTE: cancelling the generator task runs the rank's cleanup, which aborts the
-            # request in the engine; a stream that already ended makes this a no-op.
-            ray.cancel(stream)
+    while True:
+        finished, handed_over = False, False
+        try:
+            async for ref in stream:
+                try:
+                    out: RequestOutput | HandedOverOutput = await ref
+                except RayTaskError as exc:
+                    raise _cause(exc) from None
+                if isinstance(out, HandedOverOutput):
+                    handed_over = True  # the marker is the stream's last item
+                    continue
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished and not handed_over:
+                # NOTE: cancelling the generator task runs the rank's cleanup, which aborts the
+                # request in the engine; a stream that already ended makes this a no-op.
+                ray.cancel(stream)
+        if not handed_over:
+            return
+        # NOTE: the route is published inside the switchover's critical section, right after
+        # the new instance imported the request; wait in a thread (HandoverRoutes blocks).
+        new_rank = await asyncio.to_thread(routes.take, request_id, handover_timeout_s)
+        stream = new_rank.resume.remote(request_id)
 
 
 def _cause(exc: RayTaskError) -> BaseException:

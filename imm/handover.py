@@ -121,6 +121,14 @@ class HandoverRoutes:
                 raise TimeoutError(f"no handover route for {request_id!r} within {timeout_s}s")
             return self._routes[request_id]
 
+    def take(self, request_id: str, timeout_s: float = 60.0) -> Any:
+        """`wait`, then forget the route, so that a later handover of the same request (a
+        second scale while it runs) waits for its own route instead of this stale one."""
+        with self._cond:
+            rank = self.wait(request_id, timeout_s)  # the Condition's lock is re-entrant
+            del self._routes[request_id]
+            return rank
+
 
 def spliced_stream(
     first: Any, routes: HandoverRoutes, timeout_s: float = 60.0

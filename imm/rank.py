@@ -250,11 +250,15 @@ class InstanceRank:
         return ImportReport(self.rank, kv_is_shared, len(snaps), computed)
 
     @ray.method(num_returns="streaming")  # type: ignore[call-arg]
-    async def resume(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    async def resume(self, request_id: str) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
         """Stream the rest of an imported request: the first delta follows the last one the
-        old rank streamed; the last output has `finished=True`."""
-        async for out in self._llm().resume(request_id):
-            yield out
+        old rank streamed; the last output has `finished=True`, or is a `HandedOverOutput` when
+        the request moved on again (a second scale while it runs)."""
+        try:
+            async for out in self._llm().resume(request_id):
+                yield out
+        except HandedOver:
+            yield HandedOverOutput(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort; its stream ends with `finish_reason="abort"` and its KV blocks are freed."""
