@@ -1,1 +1,1 @@
-"""coordinator: see DESIGN.md. Populated by later issues."""
+"""Coordinator: Ray Serve + FastAPI ingress (OpenAI API, admin API), router, scaler, scale events, launch."""

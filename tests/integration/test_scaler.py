@@ -121,9 +121,28 @@ def test_failure_before_switchover_rolls_back(cluster, baseline, monkeypatch):
     assert cluster.scale_events.running is None
 
 
-def test_scale_up_hands_the_running_stream_over(cluster, baseline):
+def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
     old = cluster.active
-    event, items = _during_scale(cluster, "during-scale", lambda s: s.scale(2))
+    routes = HandoverRoutes()
+    started, result = threading.Event(), {}
+    stream = threading.Thread(
+        target=lambda: result.update(items=_run_stream(cluster, routes, "during-scale", started))
+    )
+    original_warm_up = Instance.warm_up
+
+    def warm_up_then_start_stream(self: Instance) -> list[float]:
+        # Start the request only once the new instance is warm: the switchover follows within
+        # milliseconds, so the 1500-token request is surely in flight at the pause however
+        # fast this machine decodes (starting it before the ~2 s standby boot was a race).
+        out = original_warm_up(self)
+        stream.start()
+        assert started.wait(60)
+        return out
+
+    monkeypatch.setattr(Instance, "warm_up", warm_up_then_start_stream)
+    event = Scaler(cluster, routes).scale(2)
+    stream.join(120)
+    items = result["items"]
 
     assert event.state is ScaleState.SUCCEEDED, event.error
     assert event.requests_in_flight == event.requests_handed_over == 1
