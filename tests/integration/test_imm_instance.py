@@ -145,8 +145,7 @@ def test_instance_lifecycle_on_hmm_handles(hmm, tiny_model_dir):
         inst.retire()
         assert inst.state is InstanceState.RETIRED and inst.ranks == []
         for rank in ranks:
-            with pytest.raises(ray.exceptions.RayActorError):
-                ray.get(rank.stats.remote(), timeout=30)
+            _wait_until_dead(rank)
         with pytest.raises(IllegalTransition):
             inst.activate()
         print(f"\nimm timings: ready {t_ready:.2f}s, phases {inst.timings}")
@@ -177,3 +176,15 @@ def test_manager_pools_standby_instances(hmm, tiny_model_dir):
     finally:
         mgr.shutdown()
     assert inst.state is InstanceState.RETIRED and not mgr.pool
+
+
+def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    """`ray.kill` is asynchronous: a call sent right after it may still be served once."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.stats.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"actor {actor} still alive {timeout_s:.0f}s after retire")
