@@ -8,23 +8,18 @@ repeated or missing delta."""
 
 from __future__ import annotations
 
-import gc
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import ray
 import torch
+from ray_hmm import ray_hmm
 
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
-from hmm.controller import HMMController
-from hmm.layout import DeviceSpec
-from hmm.memory import list_segments
 from hmm.planner import scale_target
 from imm.handover import HandedOverOutput, HandoverRoutes, spliced_stream
 from imm.instance import Instance
@@ -44,19 +39,8 @@ REQUESTS = {
 
 @pytest.fixture(scope="module")
 def hmm(tiny_model_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    ctl = HMMController(use_ray=True, page_size=PAGE, prefix=prefix)
-    try:
-        for d in range(2):
-            ctl.add_device(DeviceSpec(d, 0, BUDGET))
-        ctl.load(tiny_model_dir, dp=1, dtype=torch.float32, kv_bytes=KV)
+    with ray_hmm(tiny_model_dir, dp=1, budget=BUDGET, kv_bytes=KV, page=PAGE) as ctl:
         yield ctl
-    finally:
-        ctl.shutdown()
-        ray.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _reference(model_dir: str) -> dict[str, RequestOutput]:

@@ -6,21 +6,17 @@ the actors; illegal transitions raise."""
 
 from __future__ import annotations
 
-import gc
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 import torch
+from ray_hmm import ray_hmm
 
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
-from hmm.controller import HMMController
-from hmm.layout import DeviceSpec
-from hmm.memory import list_segments
 from imm.instance import Instance
 from imm.lifecycle import IllegalTransition, InstanceState
 from imm.manager import InstanceManager, instance_factory
@@ -38,19 +34,8 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def hmm(tiny_model_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    ctl = HMMController(use_ray=True, page_size=PAGE, prefix=prefix)
-    try:
-        for d in range(2):
-            ctl.add_device(DeviceSpec(d, 0, BUDGET))
-        ctl.load(tiny_model_dir, dp=2, dtype=torch.float32, kv_bytes=KV)
+    with ray_hmm(tiny_model_dir, dp=2, budget=BUDGET, kv_bytes=KV, page=PAGE) as ctl:
         yield ctl
-    finally:
-        ctl.shutdown()
-        ray.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _reference(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
