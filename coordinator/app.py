@@ -4,8 +4,9 @@ Routes: the OpenAI API of `elasticmoe.entrypoints.openai` (the same handlers
 and route wiring as the single-process server, over a `RouterEngineClient`),
 `/health` (200 only if every rank of the active instance has a live step loop),
 `/ready`, `/metrics`, `GET /admin/status`, and the scale API: `POST /admin/scale
-{"dp": N}` (202 with the event id; the scale runs in a background thread, see
-`coordinator.scaler`) and `GET /admin/scale/{event_id}`.
+{"dp": N, "strategy": "elastic"}` (202 with the event id; the scale runs in a
+background thread, see `coordinator.scaler` and `coordinator.strategies`) and
+`GET /admin/scale/{event_id}`.
 
 The FastAPI app is built per replica after the constructor
 (`__serve_build_asgi_app__`, Serve's late-bound `@serve.ingress()`), so its
@@ -31,6 +32,7 @@ from coordinator.engine_client import QueueFull, RouterEngineClient
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.scale_events import ScaleConflict
 from coordinator.scaler import Scaler, loop_caller
+from coordinator.strategies import DEFAULT_STRATEGY, STRATEGIES
 from elasticmoe.entrypoints.openai.api_server import add_openai_routes
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware
@@ -63,6 +65,9 @@ async def _handle_queue_full(request: Request, exc: Exception) -> Response:
 
 class ScaleRequest(BaseModel):
     dp: int = Field(strict=True, description="Target data-/expert-parallel degree (ranks, one per device).")
+    strategy: str = Field(
+        DEFAULT_STRATEGY, description=f"How to scale: one of {', '.join(STRATEGIES)} (coordinator.strategies)."
+    )
 
 
 class ScaleRunner:
@@ -72,12 +77,13 @@ class ScaleRunner:
         self.scaler = scaler
         self.thread: threading.Thread | None = None
 
-    def start(self, dp: int) -> str:
-        """The new event's id. Raises `OpenAIError`: 400 (bad dp), 409 (a scale runs), 503."""
+    def start(self, dp: int, strategy: str = DEFAULT_STRATEGY) -> str:
+        """The new event's id. Raises `OpenAIError`: 400 (bad dp/strategy), 409 (a scale runs), 503."""
         try:
-            event = self.scaler.start(dp)
+            event = self.scaler.start(dp, strategy)
         except ValueError as exc:
-            raise OpenAIError(str(exc), param="dp") from exc
+            param = "strategy" if str(exc).startswith("strategy") else "dp"
+            raise OpenAIError(str(exc), param=param) from exc
         except ScaleConflict as exc:
             raise OpenAIError(str(exc), status_code=409, param="dp") from exc
         except RuntimeError as exc:
@@ -135,7 +141,7 @@ def build_app(
 
     @app.post("/admin/scale", status_code=202)
     async def start_scale(request: ScaleRequest) -> Response:
-        return JSONResponse({"event_id": scales.start(request.dp)}, status_code=202)
+        return JSONResponse({"event_id": scales.start(request.dp, request.strategy)}, status_code=202)
 
     @app.get("/admin/scale/{event_id}")
     async def show_scale(event_id: str) -> Response:
@@ -164,6 +170,7 @@ class Coordinator:
                         on_activated=self.engine.set_max_model_len)
         self.scales = ScaleRunner(scaler)
         self.metrics = CoordinatorMetrics(lambda: float(self.engine.num_queued), self._active_dp)
+        self.cluster.scale_events.on_finished = self.metrics.on_scale_finished
 
     def _active_dp(self) -> float:
         active = self.cluster.active

@@ -6,7 +6,13 @@ every actor it starts: the HMM device workers and the active instance's ranks.
 Lifecycle: `start()` (blocking: devices -> HMM load of (dp, ep=dp) -> standby
 instance -> attach -> warm-up -> activate -> router points at its ranks), then
 serving, then `shutdown()` (idempotent: router cleared, instance retired, HMM
-memory freed and workers stopped). A failing `start()` shuts down what it
+memory freed and workers stopped).
+
+Pre-initialisation (paper §4.5): with `config.standby_pool`, after the start and
+after every scale a background thread boots standby instances (processes up,
+EP group formed, skeleton built, no weights) for dp-1 and dp+1 of the active
+instance into the `InstanceManager`'s LRU pool; the scaler takes its target
+from there. A failing `start()` shuts down what it
 started before re-raising, so no actor or /dev/shm file outlives it.
 
 The blocking methods use `ray.get`; asyncio callers run them in a thread.
@@ -27,6 +33,7 @@ from coordinator.scale_events import ScaleEvents
 from hmm.controller import HMMController
 from hmm.layout import DeviceSpec
 from imm.instance import Instance
+from imm.manager import InstanceManager, instance_factory
 from imm.rank import RankStats
 
 logger = logging.getLogger(__name__)
@@ -42,6 +49,8 @@ class ClusterManager:
         self.hmm: HMMController | None = None
         self.active: Instance | None = None
         self.max_model_len = 0
+        self.standby = InstanceManager(instance_factory(config.model_dir, config.engine_options()), capacity=2)
+        self._standby_thread: threading.Thread | None = None
         self._is_shut_down = False
         self._lock = threading.Lock()
 
@@ -63,10 +72,37 @@ class ClusterManager:
             self.max_model_len = min(ray.get([r.max_model_len.remote() for r in inst.ranks]))
             self.router.set_active(inst.ranks)
             logger.info("coordinator: %s active on %d devices (timings %s)", inst, cfg.num_devices, inst.timings)
+            self.prepare_standby()
         except BaseException:
             logger.exception("coordinator: start failed; releasing what was started")
             self.shutdown()
             raise
+
+    def prepare_standby(self) -> None:
+        """Boot standby instances for dp-1 and dp+1 of the active one, in the background."""
+        inst, hmm = self.active, self.hmm
+        if not self.config.standby_pool or inst is None or hmm is None or self._is_shut_down:
+            return
+        dps = [d for d in (inst.dp + 1, inst.dp - 1) if 1 <= d <= len(hmm.devices)]
+
+        def work() -> None:
+            try:
+                self.standby.prepare(dps)
+            except Exception:  # noqa: BLE001 - a missing standby only makes the next scale slower
+                logger.exception("coordinator: preparing standby instances %s failed", dps)
+
+        with self._lock:
+            previous = self._standby_thread
+            if previous is not None and previous.is_alive():
+                previous.join()  # NOTE: one preparation at a time; a scale just finished, this is rare
+            self._standby_thread = threading.Thread(target=work, name="standby-prepare", daemon=True)
+            self._standby_thread.start()
+
+    def wait_standby(self, timeout_s: float | None = None) -> None:
+        """Wait for the background standby preparation (tests and benchmarks)."""
+        thread = self._standby_thread
+        if thread is not None:
+            thread.join(timeout_s)
 
     def shutdown(self) -> None:
         """Retire the active instance and free the HMM's memory. Idempotent, best effort."""
@@ -74,6 +110,8 @@ class ClusterManager:
             if self._is_shut_down:
                 return
             self._is_shut_down = True
+        self.standby.shutdown()  # NOTE: first, so a boot that finishes now is retired, not pooled
+        self.wait_standby()
         self.router.clear_active()
         if self.active is not None:
             try:
@@ -133,4 +171,11 @@ class ClusterManager:
             "devices": devices,
             "router": {"gate_open": self.router.is_open, "in_flight": self.router.loads()},
             "scale_event": running.to_dict() if running is not None else None,
+            "standby": {
+                "enabled": self.config.standby_pool,
+                "dps": sorted(self.standby.pool),
+                "preparing": self._standby_thread is not None and self._standby_thread.is_alive(),
+                "hits": self.standby.num_hits,
+                "misses": self.standby.num_misses,
+            },
         }

@@ -39,6 +39,9 @@ class CoordinatorConfig:
     num_threads: int = 1  # torch threads per rank (ranks share the node's cores)
     shm_prefix: str = DEFAULT_PREFIX  # names of the HMM's /dev/shm files (tests use a unique one)
     max_hold_s: float = 30.0  # longest a request waits at the router's gate during a switchover
+    standby_pool: bool = True  # pre-initialise standby instances for dp-1 and dp+1 (paper §4.5)
+    max_model_len: int | None = None  # None: the model's (the KV pool may lower it)
+    max_num_batched_tokens: int | None = None  # None: the engine's default
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
@@ -58,6 +61,10 @@ class CoordinatorConfig:
             )
         if self.max_queued < 1:
             raise ValueError(f"--max-queued: must be >= 1, got {self.max_queued}")
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         if not (Path(self.model_dir) / "config.json").is_file():
@@ -74,7 +81,12 @@ class CoordinatorConfig:
 
     def engine_options(self) -> dict[str, Any]:
         """Options every rank's `EngineConfig` gets (the KV pool size comes from the HMM)."""
-        return {"dtype": self.torch_dtype, "num_threads": self.num_threads}
+        options: dict[str, Any] = {"dtype": self.torch_dtype, "num_threads": self.num_threads}
+        if self.max_model_len is not None:
+            options["max_model_len"] = self.max_model_len
+        if self.max_num_batched_tokens is not None:
+            options["max_num_batched_tokens"] = self.max_num_batched_tokens
+        return options
 
 
 def gib_to_bytes(gib: float) -> int:

@@ -88,32 +88,9 @@ def start_elastic(
 
 
 def serve_elastic(
-    model_dir: str,
-    devices: int,
-    dp: int,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    address: str | None = None,
-    dtype: str = "float32",
-    max_queued: int = 256,
-    device_memory_gb: float = 4.0,
-    kv_cache_gb: float = 0.25,
-    served_model_name: str | None = None,
+    config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None
 ) -> int:
-    """Serve until SIGTERM/SIGINT, then shut everything down. Returns an exit code.
-
-    Raises `ValueError` (before Ray starts) for an invalid configuration.
-    """
-    config = CoordinatorConfig(
-        model_dir=model_dir,
-        num_devices=devices,
-        dp=dp,
-        dtype=dtype,
-        device_memory_bytes=int(device_memory_gb * (1 << 30)),
-        kv_bytes_per_device=int(kv_cache_gb * (1 << 30)),
-        max_queued=max_queued,
-        served_model_name=served_model_name,
-    )
+    """Serve `config` until SIGTERM/SIGINT, then shut everything down. Returns an exit code."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -2,7 +2,8 @@
 
 Composes `ServerMetrics` (HTTP request counts by endpoint and status, TTFT and
 e2e histograms, token counters, running/waiting gauges) with TPOT, queue
-length, KV usage and the active configuration, all in that one registry.
+length, KV usage, the active configuration and scale events (count by strategy
+and outcome; latency, downtime and peak memory of each), all in that one registry.
 
 Rank counters live in the rank actors; `refresh(stats)` copies a snapshot in,
 and the gauges read the snapshot, so rendering never blocks on Ray.
@@ -12,13 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
+from coordinator.scale_events import ScaleEvent
 from elasticmoe.entrypoints.openai.metrics import ServerMetrics
 from elasticmoe.entrypoints.openai.serving import RequestStats
 from imm.rank import RankStats
 
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class CoordinatorMetrics:
@@ -52,6 +55,50 @@ class CoordinatorMetrics:
             "elasticmoe_active_dp", "Data-parallel size (= expert-parallel size) of the active instance.",
             registry=registry,
         ).set_function(active_dp)
+
+        self.scale_events = Counter(
+            "elasticmoe_scale_events",
+            "Finished scale events by strategy and outcome (succeeded, rolled_back, failed).",
+            ["strategy", "outcome"],
+            registry=registry,
+        )
+        self.scale_latency = Histogram(
+            "elasticmoe_scale_latency_seconds",
+            "Scale request accepted -> new instance active.",
+            ["strategy"],
+            buckets=_SCALE_BUCKETS,
+            registry=registry,
+        )
+        self.scale_downtime = Histogram(
+            "elasticmoe_scale_downtime_seconds",
+            "Longest interval of a scale in which no instance accepted and progressed requests.",
+            ["strategy"],
+            buckets=(0.0, *_SCALE_BUCKETS),
+            registry=registry,
+        )
+        self.scale_peak_memory = Gauge(
+            "elasticmoe_scale_last_peak_memory_bytes",
+            "Peak device memory (summed over devices) during the last finished scale event.",
+            ["strategy"],
+            registry=registry,
+        )
+        self.last_scale = Gauge(
+            "elasticmoe_scale_last_finished_timestamp_seconds",
+            "Unix time at which the last scale event finished (Grafana annotations).",
+            registry=registry,
+        )
+
+    def on_scale_finished(self, event: ScaleEvent) -> None:
+        self.scale_events.labels(event.strategy, event.state.value).inc()
+        self.last_scale.set(event.finished_at or 0.0)
+        if event.state.value != "succeeded":
+            return
+        if event.scale_latency_s is not None:
+            self.scale_latency.labels(event.strategy).observe(event.scale_latency_s)
+        if event.downtime_s is not None:
+            self.scale_downtime.labels(event.strategy).observe(event.downtime_s)
+        if event.peak_memory_bytes is not None:
+            self.scale_peak_memory.labels(event.strategy).set(event.peak_memory_bytes)
 
     def refresh(self, stats: Sequence[RankStats]) -> None:
         """Take a fresh snapshot of the active instance's rank counters."""

@@ -10,13 +10,15 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 
 class ScaleState(enum.StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
-    ROLLED_BACK = "rolled_back"  # failed midway; the old instance kept serving
+    ROLLED_BACK = "rolled_back"  # failed before the switchover; the old instance kept serving
+    FAILED = "failed"  # failed after the old instance stopped (not rolled back)
 
 
 class ScaleConflict(RuntimeError):
@@ -52,7 +54,8 @@ class ScaleEvent:
 class ScaleEvents:
     """Registry of scale events; at most one RUNNING at any time."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_finished: Callable[[ScaleEvent], None] | None = None) -> None:
+        self.on_finished = on_finished  # e.g. the metrics (called after the event is closed)
         self._events: dict[str, ScaleEvent] = {}
         self._ids = itertools.count(1)
         self._running: ScaleEvent | None = None
@@ -69,16 +72,21 @@ class ScaleEvents:
         self._running = event
         return event
 
-    def finish(self, event: ScaleEvent, error: str | None = None) -> None:
-        """Close a running event: succeeded, or rolled back with `error`."""
+    def finish(self, event: ScaleEvent, error: str | None = None, rolled_back: bool = True) -> None:
+        """Close a running event: succeeded, or with `error` rolled back (else failed)."""
         if event is not self._running:
             raise ValueError(f"scale event {event.event_id} is not the running one")
         event.finished_at = time.time()
-        event.state = ScaleState.SUCCEEDED if error is None else ScaleState.ROLLED_BACK
+        if error is None:
+            event.state = ScaleState.SUCCEEDED
+        else:
+            event.state = ScaleState.ROLLED_BACK if rolled_back else ScaleState.FAILED
         event.error = error
         if event.scale_latency_s is None:
             event.scale_latency_s = event.finished_at - event.started_at
         self._running = None
+        if self.on_finished is not None:
+            self.on_finished(event)
 
     def get(self, event_id: str) -> ScaleEvent | None:
         return self._events.get(event_id)

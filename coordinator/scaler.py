@@ -1,21 +1,28 @@
 """`Scaler`: change the active instance's DP/EP degree while it keeps serving (ElasticMoE §5.2).
 
-One scale, in order:
+One scale, in order (strategy `elastic`):
 
 1. prepare, concurrently (two threads): the HMM plans and executes the target layout
-   (old mappings stay valid), and the IMM boots a standby instance of the target dp;
+   (old mappings stay valid), and the IMM provides a standby instance of the target dp
+   (from the pre-initialised pool, else booted now);
 2. attach the new instance to the HMM's *pending* handle sets (KV fenced on the devices
    the old instance still allocates from) and warm it up;
 3. critical section: gate closed -> old paused at a round boundary -> its requests
    exported -> imported by the new instance -> handover routes published (the engine
    client resumes each stream there) -> router points at the new ranks -> gate open;
 4. activate the new instance, retire the old, `hmm.commit()` (frees what the target
-   does not hold).
+   does not hold), refill the standby pool in the background.
 
-Any failure before the pause rolls back: `hmm.abort()` restores the old layout exactly,
-the new instance is retired and the old one never stopped serving (event `rolled_back`).
-A failure after the pause is not rolled back (README: not there yet); it is logged and
-recorded on the event.
+The baselines and ablations (`coordinator.strategies`) switch HMM mechanisms off,
+skip the pool, put the target on fresh devices, or (`cold_restart`) tear the old
+instance down first and reload from disk with the gate closed throughout.
+
+Rollback (event `rolled_back`): a failure before the pause retires the new instance and
+`hmm.abort()` restores the old layout exactly; the old one never stopped serving. A failure
+in the critical section (pause, export, import) is undone too: the new instance is retired,
+the old one runs again and takes back the requests it exported (their KV never left its
+pools), their streams resume there, then `hmm.abort()`. Only if that undo fails, or a
+`cold_restart` fails after tearing the old instance down, does the event end `failed`.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from typing import TYPE_CHECKING
 import ray
 
 from coordinator.scale_events import ScaleEvent
-from hmm.planner import scale_target
+from coordinator.strategies import DEFAULT_STRATEGY, ScaleStrategy, strategy
+from elasticmoe.engine.handover import RequestSnapshot
+from hmm.planner import TargetConfig, scale_target
 from imm.handover import HandoverRoutes
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
@@ -40,13 +49,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STRATEGY = "elastic"
 # Runs a router call on the thread that owns the router's asyncio loop and waits for it.
 LoopCaller = Callable[[Callable[[], None]], None]
 
 
 def _call_here(fn: Callable[[], None]) -> None:
     fn()
+
+
+class SwitchoverRolledBack(RuntimeError):
+    """The switchover failed and was undone: the old instance serves every request again."""
 
 
 class Scaler:
@@ -64,11 +76,12 @@ class Scaler:
         self.call_on_loop = call_on_loop
         self.on_activated = on_activated  # gets the new instance's max_model_len
 
-    def validate(self, target_dp: int) -> int:
-        """The current dp; raises `ValueError` naming "dp" for an impossible target."""
+    def validate(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> int:
+        """The current dp; raises `ValueError` naming "dp" or "strategy" for an impossible scale."""
         hmm, old = self.cluster.hmm, self.cluster.active
         if hmm is None or old is None or not old.is_serving:
             raise RuntimeError("scale: no active instance")
+        strat = strategy(strategy_name)
         if isinstance(target_dp, bool) or not isinstance(target_dp, int) or target_dp < 1:
             raise ValueError(f"dp: must be an integer >= 1, got {target_dp!r}")
         if target_dp > len(hmm.devices):
@@ -77,46 +90,89 @@ class Scaler:
             )
         if target_dp == old.dp:
             raise ValueError(f"dp: the active instance already has dp={target_dp}")
+        if strat.placement == "fresh_devices":
+            free = len(hmm.devices) - old.dp
+            if target_dp > free:
+                raise ValueError(
+                    f"dp: strategy {strat.name} needs {target_dp} devices the active instance does not "
+                    f"use, only {free} are free"
+                )
         return old.dp
 
-    def start(self, target_dp: int) -> ScaleEvent:
+    def start(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> ScaleEvent:
         """Validate and register the event (409 `ScaleConflict` while one runs); `run` does the work."""
-        from_dp = self.validate(target_dp)
-        return self.cluster.scale_events.start(from_dp, target_dp, STRATEGY)
+        from_dp = self.validate(target_dp, strategy_name)
+        return self.cluster.scale_events.start(from_dp, target_dp, strategy_name)
 
-    def scale(self, target_dp: int) -> ScaleEvent:
+    def scale(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> ScaleEvent:
         """Blocking: start and run a scale to `target_dp`; returns the finished event."""
-        event = self.start(target_dp)
+        event = self.start(target_dp, strategy_name)
         self.run(event)
         return event
 
     def run(self, event: ScaleEvent) -> None:
         """Run a started event to its end; never raises (the outcome is on the event)."""
+        rolled_back = True
         try:
             error = self._run(event)
         except BaseException as exc:  # noqa: BLE001 - recorded on the event
             logger.exception("scale %s failed", event.event_id)
-            error = f"{type(exc).__name__}: {exc}"
-        self.cluster.scale_events.finish(event, error)
+            error, rolled_back = f"{type(exc).__name__}: {exc}", False
+        self.cluster.scale_events.finish(event, error, rolled_back)
         logger.info("scale %s: %s", event.event_id, event.to_dict())
 
     def _run(self, event: ScaleEvent) -> str | None:
         cluster, t0 = self.cluster, time.perf_counter()
         hmm, old = cluster.hmm, cluster.active
         assert hmm is not None and old is not None
-        cfg, layout = cluster.config, hmm.layout
-        assert layout is not None
+        strat = strategy(event.strategy)
         hmm.reset_peak()
-        new_devices = [spec for d, spec in sorted(hmm.devices.items()) if d not in layout.device_ids]
-        target = scale_target(layout, event.to_dp, new_devices, kv_bytes=cfg.kv_bytes_per_device)
+        if strat.placement == "stop_first":
+            self._cold_restart(event, old, t0)
+        else:
+            new, max_model_len = self._prepare(event, strat)
+            if new is None:
+                return f"rolled back before switchover: {max_model_len}"
+            try:
+                self._switch_over(event, old, new, strat.hands_over_kv)
+            except SwitchoverRolledBack as exc:
+                hmm.abort()
+                return f"rolled back at switchover: {exc}"
+            self._finish(event, new, int(max_model_len), t0)
+            old.retire()
+            hmm.commit()
+        event.peak_memory_bytes = sum(u.peak for u in hmm.usage().values())
+        cluster.prepare_standby()
+        return None
 
+    def _target(self, to_dp: int, strat: ScaleStrategy) -> TargetConfig:
+        hmm, cfg = self.cluster.hmm, self.cluster.config
+        assert hmm is not None and hmm.layout is not None
+        layout = hmm.layout
+        free = [spec for d, spec in sorted(hmm.devices.items()) if d not in layout.device_ids]
+        if strat.placement == "fresh_devices":
+            return TargetConfig(tuple(free[:to_dp]), to_dp, to_dp, kv_bytes=cfg.kv_bytes_per_device)
+        return scale_target(layout, to_dp, free, kv_bytes=cfg.kv_bytes_per_device)
+
+    def _standby(self, dp: int, strat: ScaleStrategy) -> Instance:
+        cfg = self.cluster.config
+        if strat.preinit and cfg.standby_pool:
+            inst = self.cluster.standby.take(dp)
+            assert isinstance(inst, Instance)
+            return inst
+        return Instance.create_standby(cfg.model_dir, dp, engine_options=cfg.engine_options())
+
+    def _prepare(self, event: ScaleEvent, strat: ScaleStrategy) -> tuple[Instance | None, int | str]:
+        """HMM transition || standby instance, then attach + warm-up: (new instance, its
+        max_model_len), or (None, error) after rolling back (the old instance never stopped)."""
+        hmm, old = self.cluster.hmm, self.cluster.active
+        assert hmm is not None and old is not None
         new: Instance | None = None
         try:
+            target = self._target(event.to_dp, strat)
             with ThreadPoolExecutor(2, thread_name_prefix="scale-prep") as pool:
-                staged = pool.submit(lambda: hmm.execute(hmm.plan(target)))
-                booted = pool.submit(
-                    Instance.create_standby, cfg.model_dir, event.to_dp, engine_options=cfg.engine_options()
-                )
+                staged = pool.submit(lambda: hmm.execute(hmm.plan(target, strat.transition)))
+                booted = pool.submit(self._standby, event.to_dp, strat)
                 # NOTE: wait for both before acting on either: an instance that booted while the
                 # HMM failed must still be retired, and the HMM aborted only once execute returned.
                 errors = [f.exception() for f in (staged, booted)]
@@ -125,49 +181,98 @@ class Scaler:
                 if any(errors):
                     raise next(e for e in errors if e is not None)
             assert new is not None
-            new.attach(hmm, pending=True, fenced_device_ids=old.device_ids)
+            # Only a new instance sharing the old KV pools must wait (fenced) for the handover.
+            fenced = old.device_ids if strat.hands_over_kv else ()
+            new.attach(hmm, pending=True, fenced_device_ids=fenced)
             new.warm_up()
-            max_model_len = min(ray.get([r.max_model_len.remote() for r in new.ranks]))
+            return new, min(ray.get([r.max_model_len.remote() for r in new.ranks]))
         except BaseException as exc:
             logger.exception("scale %s: preparation failed; rolling back", event.event_id)
             hmm.abort()
             if new is not None and new.state is not InstanceState.RETIRED:
                 new.retire()
-            return f"rolled back before switchover: {type(exc).__name__}: {exc}"
+            return None, f"{type(exc).__name__}: {exc}"
 
-        self._switch_over(event, old, new)
-        cluster.active, cluster.max_model_len = new, max_model_len
+    def _finish(self, event: ScaleEvent, new: Instance, max_model_len: int, t0: float) -> None:
+        """The new instance is serving: make it the active one."""
+        self.cluster.active, self.cluster.max_model_len = new, max_model_len
         if self.on_activated is not None:
             self.on_activated(max_model_len)
         new.activate()
         event.scale_latency_s = time.perf_counter() - t0
-        old.retire()
-        hmm.commit()
-        usage = hmm.usage()
-        event.peak_memory_bytes = sum(u.peak for u in usage.values())
-        return None
 
-    def _switch_over(self, event: ScaleEvent, old: Instance, new: Instance) -> None:
-        """The critical section: from closing the gate to reopening it on the new ranks."""
+    def _cold_restart(self, event: ScaleEvent, old: Instance, t0: float) -> None:
+        """Baseline: gate closed, old instance stopped and retired, the model unloaded and
+        loaded again from disk at the target dp, a new instance booted on it; the requests
+        that were in flight are recomputed there. The gate is closed throughout (downtime).
+
+        NOTE: a failure after the old instance is gone leaves no instance serving (503s
+        until the next scale or restart): the baseline has nothing to roll back to.
+        """
+        cluster, router, cfg = self.cluster, self.cluster.router, self.cluster.config
+        hmm = cluster.hmm
+        assert hmm is not None
+        t_close = time.perf_counter()
+        self.call_on_loop(router.close_gate)
+        try:
+            old.pause()
+            snaps = old.export_requests(hand_over_kv=False)
+            event.requests_in_flight = sum(len(s) for s in snaps.values())
+            old.retire()
+            hmm.unload()
+            hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device)
+            new = Instance.create_standby(cfg.model_dir, event.to_dp, engine_options=cfg.engine_options())
+            new.attach(hmm)
+            new.warm_up()
+            routes = new.import_requests(snaps, kv_is_shared=False)
+            event.requests_handed_over = len(routes)
+            self.routes.publish(routes)
+            self.call_on_loop(lambda: router.set_active(new.ranks))
+            self._finish(event, new, min(ray.get([r.max_model_len.remote() for r in new.ranks])), t0)
+        finally:
+            self.call_on_loop(router.open_gate)
+            event.downtime_s = time.perf_counter() - t_close
+
+    def _switch_over(self, event: ScaleEvent, old: Instance, new: Instance, hand_over_kv: bool) -> None:
+        """The critical section: from closing the gate to reopening it on the new ranks.
+
+        Raises `SwitchoverRolledBack` after a failure it undid: the new instance retired, the
+        old one running again with every request it had (streams resume there); any other
+        error means the undo failed too.
+        """
         router = self.cluster.router
         # NOTE: close the gate on the router's loop: once it returns, every request that got a
         # rank of `old` has submitted its `generate`, so `old.pause()`'s export includes it.
         t_close = time.perf_counter()
         self.call_on_loop(router.close_gate)
+        snaps: dict[int, list[RequestSnapshot]] | None = None
         try:
             old.pause()
-            snaps = old.export_requests(hand_over_kv=True)
+            snaps = old.export_requests(hand_over_kv=hand_over_kv)
             event.requests_in_flight = sum(len(s) for s in snaps.values())
-            routes = new.import_requests(snaps)
+            routes = new.import_requests(snaps, kv_is_shared=hand_over_kv)
             event.requests_handed_over = len(routes)
             # NOTE: publish before opening the gate; consumers of `old`'s streams block on these.
             self.routes.publish(routes)
             self.call_on_loop(lambda: router.set_active(new.ranks))
+        except BaseException as exc:
+            logger.exception("scale %s: switchover failed; handing the requests back", event.event_id)
+            self._undo_switchover(old, new, snaps, hand_over_kv)
+            raise SwitchoverRolledBack(f"{type(exc).__name__}: {exc}") from exc
         finally:
-            # NOTE: after a failure here the gate still reopens on `old`'s ranks, which answer
-            # with errors (503s) instead of holding requests forever; rollback is not supported.
+            # NOTE: after a failed undo the gate still reopens on `old`'s ranks, which answer with
+            # errors (503s) instead of holding requests forever.
             self.call_on_loop(router.open_gate)
             event.downtime_s = time.perf_counter() - t_close
+
+    def _undo_switchover(
+        self, old: Instance, new: Instance, snaps: dict[int, list[RequestSnapshot]] | None, kv_kept: bool
+    ) -> None:
+        # NOTE: retire the new instance first: on kept devices it shares the old KV pools and may
+        # already be stepping imported requests; the old one must be their only writer again.
+        new.retire()
+        if old.is_paused:
+            self.routes.publish(old.reinstate(snaps or {}, kv_kept))
 
 
 def loop_caller(loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> LoopCaller:

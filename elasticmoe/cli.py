@@ -71,6 +71,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     elastic.add_argument("--device-memory-gb", type=float, default=4.0, metavar="G",
                          help="memory budget of each logical device in GiB: weights, KV cache and scaling "
                          "headroom (default 4)")
+    elastic.add_argument("--no-standby-pool", action="store_true",
+                         help="do not pre-initialise standby instances for dp-1 and dp+1 (saves their processes' "
+                         "memory; each scale then boots its target instance, ~2 s slower)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -101,18 +104,17 @@ def _run_serve_elastic(args: argparse.Namespace) -> int:
 
     kv_cache_gb = args.kv_cache_gb if args.kv_cache_gb is not None else min(0.25, args.device_memory_gb / 4)
     try:  # validate before Ray starts: bad values exit 2 with the option named
-        CoordinatorConfig(model_dir=args.model, num_devices=args.devices, dp=args.dp, dtype=args.dtype,
-                          device_memory_bytes=int(args.device_memory_gb * (1 << 30)),
-                          kv_bytes_per_device=int(kv_cache_gb * (1 << 30)), max_queued=args.max_queued)
+        config = CoordinatorConfig(
+            model_dir=args.model, num_devices=args.devices, dp=args.dp, dtype=args.dtype,
+            device_memory_bytes=int(args.device_memory_gb * (1 << 30)),
+            kv_bytes_per_device=int(kv_cache_gb * (1 << 30)), max_queued=args.max_queued,
+            served_model_name=args.served_model_name, standby_pool=not args.no_standby_pool,
+            max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        )
     except ValueError as exc:
         print(f"error: {exc} (elastic server; --single runs one engine in this process)", file=sys.stderr)
         return 2
-    return serve_elastic(
-        model_dir=args.model, devices=args.devices, dp=args.dp, host=args.host, port=args.port,
-        address=args.address, dtype=args.dtype, max_queued=args.max_queued,
-        device_memory_gb=args.device_memory_gb, kv_cache_gb=kv_cache_gb,
-        served_model_name=args.served_model_name,
-    )
+    return serve_elastic(config, host=args.host, port=args.port, address=args.address)
 
 
 def build_parser() -> argparse.ArgumentParser:

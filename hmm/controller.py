@@ -5,15 +5,17 @@ is the same class as a Ray actor, whose workers are `DeviceWorkerActor`s.
 
 `execute(plan)` runs a `ScalePlan` in three phases, each concurrent across devices:
 1. stage (Alloc / Reuse / Remap): every device of either layout `begin`s its
-   target state; kept tensors are reused zero-copy, kept experts are mapped at
-   their target slots from the same pages; the keys each device reports to fill
-   must equal the plan's copies into it;
-2. disk (DiskLoad): each device reads its subset of the checkpoint;
+   target state with the plan's `TransitionOptions`; kept tensors are reused
+   zero-copy, kept experts are mapped at their target slots from the same pages;
+   the keys each device reports to fill must equal the plan's copies into it;
+2. disk and local (DiskLoad, LocalCopy): each device reads its subset of the
+   checkpoint and copies kept tensors into their new buffers (baselines only);
 3. p2p (P2PCopy): same-node copies by the fast path, others over gloo.
 Old mappings stay valid until `commit`, which runs the plan's Free steps (each
 device frees what its target does not hold). Any failure aborts: every device
 releases what the plan allocated, and the old layout and accounting are exactly
-as before.
+as before. `unload` tears the model down (workers and page pools stay), so a
+later `load` starts over from disk: the cold-restart baseline.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from hmm.memory import MemoryUsage
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, Transfer
 from hmm.planner import TargetConfig, load_plan, plan
-from hmm.scale_plan import DiskLoad, Free, InvalidPlan, P2PCopy, ScalePlan
+from hmm.scale_plan import DiskLoad, Free, InvalidPlan, LocalCopy, P2PCopy, ScalePlan
+from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 from hmm.worker import DeviceWorker, DeviceWorkerActor
 
 logger = logging.getLogger(__name__)
@@ -133,20 +136,29 @@ class HMMController:
         self.commit()
         return p
 
-    def plan(self, target: TargetConfig) -> ScalePlan:
+    def plan(self, target: TargetConfig, options: TransitionOptions = DEFAULT_OPTIONS) -> ScalePlan:
+        """A plan from the committed layout to `target` using the mechanisms in `options`."""
         if self.layout is None:
             raise RuntimeError("hmm: nothing loaded")
-        return plan(self.layout, target)
+        return plan(self.layout, target, options)
+
+    def unload(self) -> None:
+        """Abort anything pending and free every device's tensors; keep the workers, their
+        page pools and the p2p group, so `load` works again (cold restart)."""
+        self.abort()
+        self._all(list(self.devices), "clear")
+        self.layout = None
 
     def execute(self, p: ScalePlan) -> dict[str, int]:
-        """Run `p` up to (not including) its Free steps; on any error, `abort()` and re-raise."""
+        """Run `p` up to (not including) its Free steps; on any error, `abort()` and re-raise.
+        Returns bytes by source: `bytes_disk`, `bytes_local_copy`, `bytes_p2p_fast`, `bytes_p2p_gloo`."""
         if self.pending is not None:
             raise RuntimeError("hmm: another plan is pending; commit or abort it first")
         if p.current is not self.layout and p.current != self.layout:
             raise InvalidPlan("hmm: the plan does not start from the current layout")
         self.pending = p
         try:
-            stats = {"bytes_disk": self._stage_and_load(p)}
+            stats = self._stage_and_load(p)
             stats.update(self._p2p(p))
             return stats
         except BaseException:
@@ -160,30 +172,36 @@ class HMMController:
             self.model_config, layout.local_experts(device_id)
         )
 
-    def _stage_and_load(self, p: ScalePlan) -> int:
+    def _stage_and_load(self, p: ScalePlan) -> dict[str, int]:
         tgt, ids = p.target, p.device_ids()
         specs = {d: self._specs(tgt, d) if d in tgt.device_ids else [] for d in ids}
         kv = {d: tgt.kv_bytes[tgt.rank_of(d)] if d in tgt.device_ids else 0 for d in ids}
-        filled = self._gather([self._call(d, "begin", specs[d], self.dtype, kv[d]) for d in ids])
+        filled = self._gather([self._call(d, "begin", specs[d], self.dtype, kv[d], p.options) for d in ids])
         expected: dict[int, set[TensorKey]] = defaultdict(set)
         disk: dict[int, list[TensorKey]] = defaultdict(list)
+        local: dict[int, list[TensorKey]] = defaultdict(list)
         for s in p.steps:
-            if isinstance(s, P2PCopy | DiskLoad):
+            if isinstance(s, P2PCopy | DiskLoad | LocalCopy):
                 expected[s.dst_device if isinstance(s, P2PCopy) else s.device].add(s.key)
             if isinstance(s, DiskLoad):
                 disk[s.device].append(s.key)
+            if isinstance(s, LocalCopy):
+                local[s.device].append(s.key)
         for d, keys in zip(ids, filled, strict=True):
             if set(keys) != expected[d]:
                 raise InvalidPlan(
                     f"device {d}: staged {len(keys)} new tensors, the plan fills {len(expected[d])}"
                 )
+        # One batch: devices work concurrently; a Ray actor runs its own calls in order.
         loads = [
             self._call(d, "load_from_disk", self.model_dir, _subset(specs[d], keys), self.dtype)
             for d, keys in disk.items()
         ]
-        read = sum(self._gather(loads))
+        copies = [self._call(d, "local_copy", keys) for d, keys in local.items()]
+        done = self._gather([*loads, *copies])
+        read = sum(done[: len(loads)])
         self.bytes_read_from_disk += read
-        return read
+        return {"bytes_disk": read, "bytes_local_copy": sum(done[len(loads) :])}
 
     def _p2p(self, p: ScalePlan) -> dict[str, int]:
         copies = [s for s in p.steps if isinstance(s, P2PCopy)]

@@ -10,7 +10,10 @@ Transitions are two-phase. `begin(specs, ...)` builds a *staged* state next to
 the current one: tensors the target keeps are the same objects (same shm
 names), kept experts map the SAME physical pages at their target slots
 (zero-copy, any slot order), and only what is new gets fresh memory, returned
-as the keys to fill (by `load_from_disk` or p2p). Invariant: old mappings stay
+as the keys to fill (by `load_from_disk`, p2p or `local_copy`). `TransitionOptions`
+turn reuse off for baselines: without `zero_copy` every target tensor (and the
+KV pool) gets fresh memory; without `paged_remap` an expert stack whose expert
+list changes is allocated anew, all its experts to fill. Invariant: old mappings stay
 valid until `commit` — nothing of the current state is unmapped or freed before
 it. `commit` frees what the target does not hold and makes it current; `abort`
 releases everything `begin` allocated, leaving the current state and the
@@ -38,6 +41,7 @@ from hmm.memory import (
     VirtualTensorHandle,
 )
 from hmm.memory.shm import DEFAULT_PREFIX
+from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +100,16 @@ class DeviceMemory:
 
     # ---- transitions -----------------------------------------------------------------
 
-    def begin(self, specs: Sequence[ParamSpec], dtype: torch.dtype, kv_bytes: int) -> list[TensorKey]:
-        """Stage the target tensors `specs` (+ a KV pool of `kv_bytes`); return the keys
-        that got fresh memory and must be filled. On error nothing is left staged."""
+    def begin(
+        self,
+        specs: Sequence[ParamSpec],
+        dtype: torch.dtype,
+        kv_bytes: int,
+        options: TransitionOptions = DEFAULT_OPTIONS,
+    ) -> list[TensorKey]:
+        """Stage the target tensors `specs` (+ a KV pool of `kv_bytes`) under `options`;
+        return the keys that got fresh memory and must be filled (a fresh KV pool is
+        never listed: it starts empty). On error nothing is left staged."""
         if self.staged is not None:
             raise RuntimeError(f"device {self.device_id}: a transition is already staged")
         self.staged = staged = DeviceState()
@@ -106,15 +117,15 @@ class DeviceMemory:
         try:
             for spec in specs:
                 if spec.is_stacked:
-                    to_fill += self._stage_experts(staged, spec, dtype)
+                    to_fill += self._stage_experts(staged, spec, dtype, options)
                     continue
-                cur = self.current.dense.get(spec.name)
+                cur = self.current.dense.get(spec.name) if options.zero_copy else None
                 if cur is not None and tuple(cur.shape) == spec.shape and cur.dtype == dtype:
                     staged.dense[spec.name] = cur  # zero-copy reuse: same shm file
                 else:
                     staged.dense[spec.name] = self.shm.allocate(spec.shape, dtype)
                     to_fill.append(TensorKey.dense(spec.name))
-            cur_kv = self.current.kv
+            cur_kv = self.current.kv if options.zero_copy else None
             if cur_kv is not None and cur_kv.numel() == kv_bytes:
                 staged.kv = cur_kv
             elif kv_bytes > 0:
@@ -124,14 +135,18 @@ class DeviceMemory:
             raise
         return to_fill
 
-    def _stage_experts(self, staged: DeviceState, spec: ParamSpec, dtype: torch.dtype) -> list[TensorKey]:
+    def _stage_experts(
+        self, staged: DeviceState, spec: ParamSpec, dtype: torch.dtype, options: TransitionOptions
+    ) -> list[TensorKey]:
         assert spec.expert_ids is not None
         ids, row_shape = spec.expert_ids, spec.shape[1:]
-        cur = self.current.experts.get(spec.name)
+        cur = self.current.experts.get(spec.name) if options.zero_copy else None
         same_geometry = cur is not None and cur.vt.slot_shape == row_shape and cur.vt.dtype == dtype
         if cur is not None and same_geometry and cur.expert_ids == ids:
             staged.experts[spec.name] = cur  # nothing moves: the same virtual tensor
             return []
+        if not options.paged_remap:
+            cur = None  # no page sharing: a new stack; kept experts are copied in (`local_copy`)
         layer = TensorKey.dense(spec.name).layer
         if layer is None:
             raise ValueError(f"{spec.name}: stacked expert params are named layers.<i>.*")
@@ -179,6 +194,24 @@ class DeviceMemory:
             self.shm.free(state.kv)
 
     # ---- filling and reading ---------------------------------------------------------
+
+    def local_copy(self, keys: Iterable[TensorKey]) -> int:
+        """Copy each key's current buffer into its own, different staged buffer (a
+        device-internal memcpy for kept tensors that got new memory); return the bytes."""
+        if self.staged is None:
+            raise RuntimeError(f"device {self.device_id}: nothing staged to copy into")
+        copied = 0
+        for key in keys:
+            src, dst = self.current.tensor(key), self.staged.tensor(key)
+            if src is None or dst is None:
+                raise KeyError(
+                    f"device {self.device_id}: local copy of {key} needs a current and a staged buffer"
+                )
+            if dst.data_ptr() == src.data_ptr():
+                raise ValueError(f"device {self.device_id}: {key} is reused in place; nothing to copy")
+            dst.copy_(src)
+            copied += dst.numel() * dst.element_size()
+        return copied
 
     def writable(self, key: TensorKey) -> torch.Tensor:
         """The staged buffer of `key` (the current one when nothing is staged)."""
@@ -248,10 +281,15 @@ class DeviceMemory:
         for name in names:
             self.shm.free(self.current.dense.pop(name))
 
-    def close(self) -> None:
-        """Free everything (staged and current) and the page pool."""
+    def clear(self) -> None:
+        """Free every tensor (staged and current); the page pool stays usable, so a
+        later `begin` loads a model again (the cold-restart baseline)."""
         self.abort()
         self._release(self.current, keep=DeviceState())
         self.current = DeviceState()
         self._readers.clear()
+
+    def close(self) -> None:
+        """Free everything (staged and current) and the page pool."""
+        self.clear()
         self.pool.close()

@@ -15,19 +15,33 @@ minimises bytes moved:
   `load_plan` (the initial load) reads each tensor from disk exactly once;
 - everything the target does not need is freed at commit, after all other steps.
 
+`TransitionOptions` switch mechanisms off for the paper's baselines and ablations
+(defaults give the plan above):
+
+- `zero_copy=False`: every target tensor on a kept device gets a second buffer,
+  filled from the device's own copy (`LocalCopy`; from disk when `p2p` is off);
+  a new, empty KV pool; the old buffers are freed at commit;
+- `paged_remap=False`: on a device whose expert list changes, kept experts get a
+  new buffer filled by `LocalCopy` (a new stack); unchanged stacks are reused;
+- `p2p=False`: what a device lacks is read from disk (`DiskLoad`), not copied.
+
+The target may use devices disjoint from the current ones (a fresh instance):
+then nothing is reused and every current tensor is freed at commit.
+
 `plan` raises PlanError when a device's peak during the transition (old
 mappings + new allocations) exceeds its budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from hmm.expert_moves import max_overlap_placement
 from hmm.layout import DeviceSpec, Layout, TensorKey
-from hmm.scale_plan import Alloc, DiskLoad, Free, P2PCopy, Remap, Reuse, ScalePlan, Step
+from hmm.scale_plan import Alloc, DiskLoad, Free, LocalCopy, P2PCopy, Remap, Reuse, ScalePlan, Step
+from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 
 
 class PlanError(ValueError):
@@ -115,26 +129,47 @@ def target_layout(current: Layout, target: TargetConfig) -> Layout:
         raise PlanError(str(e)) from e
 
 
-def plan(current: Layout, target: TargetConfig) -> ScalePlan:
-    """Steps from `current` to `target` (see the module docstring); validated."""
+def plan(current: Layout, target: TargetConfig, options: TransitionOptions = DEFAULT_OPTIONS) -> ScalePlan:
+    """Steps from `current` to `target` under `options` (see the module docstring);
+    validated (minimal only with the default options)."""
     new = target_layout(current, target)
     sent: dict[int, int] = dict.fromkeys(current.device_ids, 0)
     node = {d.device_id: d.node_id for d in (*current.devices, *new.devices)}
     reuse: list[Step] = []
     fill: list[Step] = []
     expert_fill: list[Step] = []
+    local: list[Step] = []  # second buffers of kept tensors (non-default options only)
+    renewed: set[tuple[int, TensorKey]] = set()  # (device, key) whose old buffer is freed at commit
     for d in new.device_ids:
         have = current.tensors(d)
+        stack_changed = d not in current.device_ids or current.local_experts(d) != new.local_experts(d)
         for key, nbytes in new.tensors(d).items():
             if key in have:
-                slots = (
-                    (current.slot(key.expert_id), new.slot(key.expert_id)) if key.kind == "expert" else (0, 0)
+                in_place = options.zero_copy and (
+                    key.kind != "expert" or options.paged_remap or not stack_changed
                 )
-                moved = slots[0] != slots[1]
-                reuse.append(Remap(d, key, *slots, nbytes) if moved else Reuse(d, key, nbytes))
+                if in_place:
+                    slots = (
+                        (current.slot(key.expert_id), new.slot(key.expert_id))
+                        if key.kind == "expert"
+                        else (0, 0)
+                    )
+                    moved = slots[0] != slots[1]
+                    reuse.append(Remap(d, key, *slots, nbytes) if moved else Reuse(d, key, nbytes))
+                    continue
+                renewed.add((d, key))
+                local.append(Alloc(d, key, nbytes))
+                if key.kind == "kv":
+                    continue
+                # Without zero-copy and p2p the new copy is loaded like a fresh instance's.
+                from_disk = not options.zero_copy and not options.p2p
+                local.append(DiskLoad(d, key, nbytes) if from_disk else LocalCopy(d, key, nbytes))
             elif key.kind == "kv":
                 fill.append(Alloc(d, key, nbytes))
             elif key.kind == "expert":
+                if not options.p2p:
+                    expert_fill += [Alloc(d, key, nbytes), DiskLoad(d, key, nbytes)]
+                    continue
                 src = current.holder(key.expert_id)
                 sent[src] += nbytes
                 expert_fill += [Alloc(d, key, nbytes), P2PCopy(src, d, key, nbytes)]
@@ -143,15 +178,18 @@ def plan(current: Layout, target: TargetConfig) -> ScalePlan:
         if d in current.device_ids:
             continue
         for key, nbytes in sorted(_dense(new, d).items(), key=lambda kv: (-kv[1], kv[0].name)):
+            if not options.p2p:
+                fill += [Alloc(d, key, nbytes), DiskLoad(d, key, nbytes)]
+                continue
             src = min(current.device_ids, key=lambda s: (node[s] != node[d], sent[s], s))
             sent[src] += nbytes
             fill += [Alloc(d, key, nbytes), P2PCopy(src, d, key, nbytes)]
-    steps = (*reuse, *fill, *expert_fill, *_frees(current, new))
-    result = ScalePlan(current, new, steps)
+    steps = (*reuse, *fill, *local, *expert_fill, *_frees(current, new, renewed))
+    result = ScalePlan(current, new, steps, options)
     over = result.over_budget()
     if over:
         raise PlanError(f"plan: peak memory exceeds the budget of devices {over} (device: excess bytes)")
-    result.validate()
+    result.validate(minimal=options.is_default)
     return result
 
 
@@ -182,7 +220,8 @@ def load_plan(target: Layout) -> ScalePlan:
 def naive_full_copy_plan(current: Layout, target: TargetConfig) -> ScalePlan:
     """Baseline: the new instance gets a second full copy (weights and KV pools)
     loaded from disk while the old one serves; every old buffer is freed at commit.
-    Passes `validate(minimal=False)`; never checked against budgets."""
+    Passes `validate(minimal=False)`; never checked against budgets. The same steps
+    (in another order) as `plan(..., TransitionOptions(zero_copy=False, p2p=False))`."""
     new = target_layout(current, target)
     steps: list[Step] = []
     for d in new.device_ids:
@@ -199,10 +238,15 @@ def _dense(layout: Layout, device_id: int) -> dict[TensorKey, int]:
     return {k: b for k, b in layout.tensors(device_id).items() if k.kind == "dense"}
 
 
-def _frees(current: Layout, new: Layout) -> list[Step]:
-    """Deferred to commit: whatever each current device holds that the target does not."""
+def _frees(current: Layout, new: Layout, renewed: Collection[tuple[int, TensorKey]] = ()) -> list[Step]:
+    """Deferred to commit: whatever each current device holds that the target does not
+    keep in place (not at all, or `renewed`: the target got a new buffer of it)."""
     frees: list[Step] = []
     for d in current.device_ids:
         keep = new.tensors(d)
-        frees += [Free(d, key, nbytes) for key, nbytes in current.tensors(d).items() if key not in keep]
+        frees += [
+            Free(d, key, nbytes)
+            for key, nbytes in current.tensors(d).items()
+            if key not in keep or (d, key) in renewed
+        ]
     return frees

@@ -7,7 +7,9 @@ old mapping stays valid while the old instance keeps serving. Expert steps
 tensor at the key's target slot; the old virtual tensor is untouched until commit.
 
 Buffers: `Alloc` of a key a device already holds makes a second buffer of it
-(only the naive baseline does this); `Free` releases a key's oldest buffer.
+(only baselines and ablations do this, see `TransitionOptions`), which a
+`LocalCopy` fills from the device's older buffer; `Free` releases a key's
+oldest buffer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hmm.layout import Layout, TensorKey
+from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 
 
 class InvalidPlan(ValueError):
@@ -81,6 +84,20 @@ class P2PCopy:
 
 
 @dataclass(frozen=True, slots=True)
+class LocalCopy:
+    """Fill `device`'s newest (empty) buffer of `key` from its older filled one:
+    a device-internal memcpy, used when a kept tensor may not be reused in place."""
+
+    device: int
+    key: TensorKey
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.key.kind == "kv":
+            raise ValueError("local copy: a new KV pool starts empty; it is never copied")
+
+
+@dataclass(frozen=True, slots=True)
 class DiskLoad:
     """Fill `device`'s allocated buffer from the checkpoint on disk."""
 
@@ -98,16 +115,21 @@ class Free:
     nbytes: int
 
 
-Step = Reuse | Remap | Alloc | P2PCopy | DiskLoad | Free
+Step = Reuse | Remap | Alloc | P2PCopy | LocalCopy | DiskLoad | Free
 
 
 @dataclass(frozen=True, slots=True)
 class ScalePlan:
-    """Ordered steps from `current` to `target`, with summaries and `validate()`."""
+    """Ordered steps from `current` to `target`, with summaries and `validate()`.
+
+    `options` are the mechanisms the plan was made with; the device workers
+    stage with the same options, so what they allocate matches the plan.
+    """
 
     current: Layout | None
     target: Layout
     steps: tuple[Step, ...]
+    options: TransitionOptions = DEFAULT_OPTIONS
 
     def __post_init__(self) -> None:
         if any(getattr(s, "nbytes", 0) < 0 for s in self.steps):
@@ -125,7 +147,12 @@ class ScalePlan:
         return self._sum(DiskLoad)
 
     @property
+    def bytes_local_copy(self) -> int:
+        return self._sum(LocalCopy)
+
+    @property
     def bytes_moved(self) -> int:
+        """Bytes that cross a device boundary (p2p or from disk); local copies are not moved."""
         return self._sum(P2PCopy, DiskLoad)
 
     @property
@@ -175,6 +202,8 @@ class ScalePlan:
 
         - every read (Reuse, Remap, copy source) hits a filled buffer that exists
           then (never one an earlier step freed); copies fill allocated buffers;
+          a LocalCopy reads an older filled buffer of the key on its device and
+          fills the newest one;
         - `Free` steps come after all others and never free a target key's last buffer;
         - every target key ends with one filled buffer on its device, at its target
           slot (a Remap when it moves slot), and nothing outside the target is left;
@@ -212,7 +241,7 @@ class ScalePlan:
                     freed.add((s.device, s.key))
                 continue
             src = (s.src_device if isinstance(s, P2PCopy) else s.device, s.key)
-            if isinstance(s, Reuse | Remap | P2PCopy) and src in freed:
+            if isinstance(s, Reuse | Remap | P2PCopy | LocalCopy) and src in freed:
                 read(i, *src)  # raises: the tensor was freed by an earlier step
             if committing:
                 raise InvalidPlan(f"step {i}: {type(s).__name__} after a Free; frees run at commit only")
@@ -241,14 +270,18 @@ class ScalePlan:
                         raise InvalidPlan(
                             f"step {i}: {s.key} moves from slot {old} to {new}, not as the Remap says"
                         )
-            else:  # P2PCopy | DiskLoad fill the newest buffer
+            else:  # P2PCopy | LocalCopy | DiskLoad fill the newest buffer
                 if isinstance(s, P2PCopy):
                     read(i, s.src_device, s.key)
-                elif minimal and s.key in held:
+                elif isinstance(s, DiskLoad) and minimal and s.key in held:
                     raise InvalidPlan(f"step {i}: disk-loads {s.key}, which a device already holds")
                 b = bufs.get((dst, s.key))
                 if not b or b[-1]:
                     raise InvalidPlan(f"step {i}: copies {s.key} into device {dst} without an empty buffer")
+                if isinstance(s, LocalCopy) and not any(b[:-1]):
+                    raise InvalidPlan(
+                        f"step {i}: local copy of {s.key} on device {dst} without an older filled buffer"
+                    )
                 b[-1] = True
                 held.add(s.key)
             placed.add((dst, s.key))

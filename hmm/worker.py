@@ -5,7 +5,9 @@ class as a Ray actor, one per device, reserving no whole CPU (several fit on a
 2-core machine). Every method is a message from the controller; methods run one
 at a time per worker (Ray's sync actor), so `DeviceMemory` needs no locks.
 
-Lifecycle: construct -> (join_group)* -> begin / fill / commit | abort ... -> shutdown.
+Lifecycle: construct -> (join_group)* -> begin / fill / commit | abort ... -> shutdown;
+`clear` frees the device's tensors between models (the worker, its page pool and
+its group stay).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hmm.layout import DeviceSpec, TensorKey
 from hmm.memory import MemoryUsage
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, P2PGroup, Transfer, copy_from_handles
+from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,10 @@ class DeviceWorker:
         self.group.join(group, rank)
         return group.epoch
 
+    def clear(self) -> None:
+        """Free every tensor of the device (current and staged); stay ready for a new load."""
+        self.memory.clear()
+
     def shutdown(self) -> None:
         """Leave the group and free every byte of the device (no /dev/shm file left)."""
         self.group.leave()
@@ -83,9 +90,20 @@ class DeviceWorker:
 
     # ---- transitions -----------------------------------------------------------------
 
-    def begin(self, specs: Sequence[ParamSpec], dtype: torch.dtype, kv_bytes: int) -> list[TensorKey]:
+    def begin(
+        self,
+        specs: Sequence[ParamSpec],
+        dtype: torch.dtype,
+        kv_bytes: int,
+        options: TransitionOptions = DEFAULT_OPTIONS,
+    ) -> list[TensorKey]:
         self._check("begin")
-        return self.memory.begin(specs, dtype, kv_bytes)
+        return self.memory.begin(specs, dtype, kv_bytes, options)
+
+    def local_copy(self, keys: Sequence[TensorKey]) -> int:
+        """Fill staged buffers of kept tensors from this device's current ones."""
+        self._check("local_copy")
+        return self.memory.local_copy(keys)
 
     def load_from_disk(self, model_dir: str | Path, specs: Sequence[ParamSpec], dtype: torch.dtype) -> int:
         self._check("load_from_disk")

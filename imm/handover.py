@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import ray
 
@@ -69,21 +69,24 @@ class KVFence:
         block_manager.claim(self.block_ids)
 
     def release(self) -> None:
-        self.block_manager.free(cast(Any, self))  # duck-typed holder: only `.block_ids` is read
+        self.block_manager.release(self.block_ids)
+        self.block_ids = []
 
 
 def assign_snapshots(
     snaps_by_device: Mapping[int, Sequence[RequestSnapshot]],
     device_ids: Sequence[int],
     loads: Sequence[int],
+    kv_is_shared: bool = True,
 ) -> dict[int, tuple[list[RequestSnapshot], list[RequestSnapshot]]]:
     """new rank -> (snapshots continuing on a shared KV pool, snapshots to recompute).
 
     A request whose KV lives on a device the new instance keeps goes to the rank on that
     device; the others go, one by one, to the rank with the fewest requests (`loads`
-    counts the requests a rank already has; ties -> lowest rank).
+    counts the requests a rank already has; ties -> lowest rank). `kv_is_shared=False`
+    (the new instance has its own KV pools): every request is recomputed.
     """
-    rank_of = {d: r for r, d in enumerate(device_ids)}
+    rank_of = {d: r for r, d in enumerate(device_ids)} if kv_is_shared else {}
     out: dict[int, tuple[list[RequestSnapshot], list[RequestSnapshot]]] = {
         r: ([], []) for r in range(len(device_ids))
     }

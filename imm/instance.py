@@ -213,18 +213,40 @@ class Instance:
             snaps = self._get([rank.export_requests.remote(hand_over_kv) for rank in self.ranks])
         return dict(zip(self.device_ids, snaps, strict=True))
 
-    def import_requests(self, snaps_by_device: Mapping[int, Sequence[RequestSnapshot]]) -> dict[str, Any]:
+    def reinstate(
+        self, snaps_by_device: Mapping[int, Sequence[RequestSnapshot]], kv_kept: bool = True
+    ) -> dict[str, Any]:
+        """Undo `pause` + `export_requests` (a switchover that failed): every rank runs again and
+        takes back the requests it exported (`kv_kept`: exported with `hand_over_kv`, so their KV
+        is still in place); back to `active`. Returns request id -> rank actor to `resume` on.
+        NOTE: retire the instance they were handed to first."""
+        if not self.is_paused:
+            raise RuntimeError(f"{self}: reinstate without a pause")
+
+        def work() -> dict[str, Any]:
+            snaps = [list(snaps_by_device.get(d, ())) for d in self.device_ids]
+            self._get([rank.reinstate.remote(s, kv_kept) for rank, s in zip(self.ranks, snaps, strict=True)])
+            self.is_paused = False
+            return {s.request_id: rank for rank, ss in zip(self.ranks, snaps, strict=True) for s in ss}
+
+        return self._transition(S.ACTIVE, work)
+
+    def import_requests(
+        self, snaps_by_device: Mapping[int, Sequence[RequestSnapshot]], kv_is_shared: bool = True
+    ) -> dict[str, Any]:
         """Continue the exported requests here; returns request id -> rank actor to `resume` on.
 
         A request from a device this instance holds continues on that device's rank with its
         KV (no recomputation); the others go to the least-loaded ranks and recompute. Every
         rank receives its shared-KV import (possibly empty) first, which ends its `KVFence`.
+        `kv_is_shared=False`: this instance has its own KV pools (a baseline strategy), so
+        every request is recomputed.
         NOTE: call only once every old rank exported (it still owns the shared pools before).
         """
         if self.state not in (S.WARM, S.ACTIVE):
             raise RuntimeError(f"{self}: import_requests needs a warm or active instance")
         loads = [s.num_running + s.num_waiting for s in self.stats()]
-        plan = assign_snapshots(snaps_by_device, self.device_ids, loads)
+        plan = assign_snapshots(snaps_by_device, self.device_ids, loads, kv_is_shared)
         with self._lock:
             reports: list[ImportReport] = self._get(
                 [rank.import_requests.remote(plan[r][0], True) for r, rank in enumerate(self.ranks)]

@@ -7,7 +7,8 @@
 - attached: engines built on HMM handles (zero-copy); step loops not serving yet.
 - warm:     step loops running, one warm-up request went through every rank.
 - active:   the router sends it traffic (at most one active instance per model).
-- draining: no new requests; in-flight ones finish (or are handed over).
+- draining: no new requests; in-flight ones finish (or are handed over); a paused
+            instance whose switchover rolled back goes back to active.
 - retired:  loops stopped, actors gone. Terminal.
 
 Any non-terminal state may also go to `retired` (failure, eviction, rollback);
@@ -35,7 +36,7 @@ _NEXT: dict[InstanceState, frozenset[InstanceState]] = {
     InstanceState.ATTACHED: frozenset({InstanceState.WARM}),
     InstanceState.WARM: frozenset({InstanceState.ACTIVE}),
     InstanceState.ACTIVE: frozenset({InstanceState.DRAINING}),
-    InstanceState.DRAINING: frozenset(),
+    InstanceState.DRAINING: frozenset({InstanceState.ACTIVE}),
     InstanceState.RETIRED: frozenset(),
 }
 

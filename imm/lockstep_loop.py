@@ -114,6 +114,17 @@ class LockstepAsyncLLM(AsyncLLM):
         if not self.is_paused:  # a peer's stop, a crash, or a shutdown came first
             raise EngineDeadError(f"pause: the loop stopped instead ({self._error!r})")
 
+    def unpause(self) -> None:
+        """Run the loop again after a pause (a switchover that rolled back). NOTE: every rank of
+        the group must unpause, or the others hang in the round's all_reduce."""
+        thread = self._thread
+        if not self.is_paused or thread is None or thread.is_alive():
+            raise RuntimeError("unpause: the loop is not paused")
+        self.is_paused, self._stopping = False, False
+        self._last_tick = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
     def apply_queued_commands(self) -> None:
         """After a pause, on the caller's thread: apply the adds and aborts that arrived too late
         for the loop (so those requests are exported too) and fail any pending `_Call`."""

@@ -8,9 +8,11 @@ at most `capacity` instances; adding one more retires the least recently used.
 Invariants: every pooled instance is in state `standby`; an instance is either
 in the pool or handed out (`take`), never both, so eviction never retires an
 instance somebody is attaching; at most one instance is `active`.
-NOTE: all methods hold one lock, including the slow `create_standby` (~2 s), so
-concurrent callers (coordinator threads) are serialised rather than racing to
-boot the same configuration twice.
+NOTE: `prepare` boots outside the lock (a boot takes ~2 s), so a `take` never
+waits behind the boot of another configuration; a `take` of the configuration
+being booted waits for that boot (it finishes sooner than a second one, which
+would also compete for the same cores). An instance that finishes booting after
+`shutdown` is retired.
 """
 
 from __future__ import annotations
@@ -51,16 +53,33 @@ class InstanceManager:
         self.pool: OrderedDict[int, ManagedInstance] = OrderedDict()  # dp -> standby, oldest first
         self.active: ManagedInstance | None = None
         self.num_hits = self.num_misses = self.num_evictions = 0
+        self._closed = False
+        self._booting: dict[int, threading.Event] = {}  # dp -> set when its background boot ends
         self._lock = threading.RLock()
 
     def prepare(self, dps: Iterable[int]) -> None:
         """Make sure a standby instance exists for each dp (most recently used: the last one)."""
-        with self._lock:
-            for dp in dps:
+        for dp in dps:
+            with self._lock:
+                if self._closed:
+                    return
                 if dp in self.pool:
                     self.pool.move_to_end(dp)
-                else:
-                    self._put(self.factory(dp))
+                    continue
+                if dp in self._booting:  # another preparation boots it
+                    continue
+                booted = self._booting[dp] = threading.Event()
+            try:
+                inst = self.factory(dp)
+                with self._lock:
+                    if not self._closed and dp not in self.pool:
+                        self._put(inst)
+                        continue
+                inst.retire()  # shut down meanwhile
+            finally:
+                with self._lock:
+                    del self._booting[dp]
+                booted.set()
 
     def prepare_neighbours(self, max_dp: int) -> None:
         """Pre-initialise dp-1 and dp+1 of the active instance, within [1, max_dp]."""
@@ -71,15 +90,20 @@ class InstanceManager:
 
     def take(self, dp: int) -> ManagedInstance:
         """A standby instance of `dp`, removed from the pool: a pooled one, else a fresh one."""
-        with self._lock:
-            inst = self.pool.pop(dp, None)
-            if inst is not None and inst.state is InstanceState.STANDBY:
-                self.num_hits += 1
-                return inst
-            if inst is not None:  # should not happen; never hand out a non-standby instance
-                logger.warning("pooled instance %r is not standby; replacing it", inst)
-                inst.retire()
-            self.num_misses += 1
+        while True:
+            with self._lock:
+                inst = self.pool.pop(dp, None)
+                if inst is not None and inst.state is InstanceState.STANDBY:
+                    self.num_hits += 1
+                    return inst
+                if inst is not None:  # should not happen; never hand out a non-standby instance
+                    logger.warning("pooled instance %r is not standby; replacing it", inst)
+                    inst.retire()
+                booting = self._booting.get(dp)
+                if booting is None:
+                    self.num_misses += 1
+                    break
+            booting.wait()  # then take it from the pool (or boot, if that boot failed)
         return self.factory(dp)
 
     def set_active(self, inst: ManagedInstance) -> ManagedInstance | None:
@@ -104,6 +128,7 @@ class InstanceManager:
     def shutdown(self) -> None:
         """Retire the pool and the active instance."""
         with self._lock:
+            self._closed = True
             instances = [*self.pool.values(), *([self.active] if self.active else [])]
             self.pool.clear()
             self.active = None

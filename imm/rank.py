@@ -249,6 +249,27 @@ class InstanceRank:
             raise
         return ImportReport(self.rank, kv_is_shared, len(snaps), computed)
 
+    async def reinstate(self, snaps: list[RequestSnapshot], kv_kept: bool) -> int:
+        """Undo this rank's pause and export (a switchover that rolled back): run the loop again
+        and take the exported requests back; read each with `resume(request_id)`. `kv_kept`: they
+        were exported with `hand_over_kv`, so their blocks never left this pool (no recompute).
+        NOTE: every rank of the instance must reinstate (lockstep), and the instance they were
+        handed to must be retired first (it shares the pool)."""
+        llm, engine = self._llm(), self.engine
+        assert engine is not None
+        if snaps and not self.has_exported:
+            raise RuntimeError("reinstate: these requests were never exported here")
+        llm.apply_queued_commands()
+        if kv_kept:  # the exported tables are still allocated here, owned by nobody
+            for snap in snaps:
+                engine.block_manager.release(list(snap.block_ids))
+        ids = [s.request_id for s in snaps]
+        llm.adopt_streams(ids)
+        engine.import_requests(snaps, kv_is_shared=kv_kept)  # the loop is not running: safe here
+        self.has_exported = False
+        llm.unpause()
+        return len(snaps)
+
     @ray.method(num_returns="streaming")  # type: ignore[call-arg]
     async def resume(self, request_id: str) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
         """Stream the rest of an imported request: the first delta follows the last one the

@@ -59,12 +59,16 @@ class BlockManager:
             self.ref_counts[b] = 1
 
     def free(self, request: Request) -> None:
+        self.release(request.block_ids)
+        request.block_ids = []
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block (a request's table, a fence, a handed-out table)."""
         # Free in reverse so the tail blocks (least likely shared) return first.
-        for block_id in reversed(request.block_ids):
+        for block_id in reversed(block_ids):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_block_ids.append(block_id)
-        request.block_ids = []
 
     def check_integrity(self, requests: list[Request]) -> None:
         """Every block is either free (ref 0) or held; held counts match the requests' tables."""

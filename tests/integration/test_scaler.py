@@ -1,7 +1,11 @@
-"""`Scaler` on a real cluster (tiny Qwen3-MoE, 2 logical devices, float32, no HTTP): a failure
+"""`Scaler` on a real cluster (tiny Qwen3-MoE, 4 logical devices, float32, no HTTP): a failure
 injected before the switchover rolls back (HMM layout and memory exactly as before, the new
-instance retired, the old one serving a running stream to the end with unchanged tokens);
-then a real DP1 -> DP2 scale hands the running stream over with unchanged tokens."""
+instance retired, the old one serving a running stream to the end with unchanged tokens), and
+so does one injected in the switchover after the export (the old instance takes its request
+back with its KV);
+then a real DP1 -> DP2 scale hands the running stream over with unchanged tokens; then every
+baseline and ablation strategy scales once with a stream in flight at the switchover:
+tokens unchanged, memory back to exactly the layout's bytes."""
 
 from __future__ import annotations
 
@@ -18,8 +22,10 @@ from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.scale_events import ScaleState
 from coordinator.scaler import Scaler
+from elasticmoe.models.registry import model_family
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
+from hmm.device_memory import DeviceMemory
 from hmm.memory import list_segments
 from imm.handover import HandedOverOutput, HandoverRoutes, spliced_stream
 from imm.instance import Instance
@@ -37,7 +43,7 @@ def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
     prefix = f"emoetest{secrets.token_hex(4)}"
     config = CoordinatorConfig(
         model_dir=tiny_model_dir,
-        num_devices=2,
+        num_devices=4,
         dp=1,
         dtype="float32",
         device_memory_bytes=64 << 20,
@@ -86,6 +92,25 @@ def _tokens(items: list[Any]) -> list[int]:
     return outs[-1].output_token_ids
 
 
+def _stream_in_flight_at_pause(
+    monkeypatch: pytest.MonkeyPatch, cluster: ClusterManager, routes: HandoverRoutes, rid: str
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """A stream on the active instance that starts right before its `pause` (every strategy
+    pauses the old instance exactly once), so it is surely in flight at the switchover."""
+    old, started, result = cluster.active, threading.Event(), {}
+    stream = threading.Thread(target=lambda: result.update(items=_run_stream(cluster, routes, rid, started)))
+    original_pause = Instance.pause
+
+    def start_stream_then_pause(self: Instance) -> None:
+        if self is old and not stream.is_alive():
+            stream.start()
+            assert started.wait(60)
+        original_pause(self)
+
+    monkeypatch.setattr(Instance, "pause", start_stream_then_pause)
+    return stream, result
+
+
 @pytest.fixture(scope="module")
 def baseline(cluster) -> list[int]:
     started = threading.Event()
@@ -94,18 +119,14 @@ def baseline(cluster) -> list[int]:
 
 def test_failure_before_switchover_rolls_back(cluster, baseline, monkeypatch):
     hmm, old = cluster.hmm, cluster.active
+    cluster.wait_standby()  # the pool's background boots allocate no HMM memory, but settle first
     used_before = {d: u.used for d, u in hmm.usage().items()}
     created: list[Instance] = []
-    original = Instance.create_standby
-
-    def create_standby(*args: Any, **kwargs: Any) -> Instance:
-        created.append(original(*args, **kwargs))
-        return created[-1]
 
     def failing_warm_up(self: Instance) -> list[float]:
+        created.append(self)
         raise RuntimeError("injected warm-up failure")
 
-    monkeypatch.setattr(Instance, "create_standby", staticmethod(create_standby))
     monkeypatch.setattr(Instance, "warm_up", failing_warm_up)
     event, items = _during_scale(cluster, "during-failed-scale", lambda s: s.scale(2))
 
@@ -118,6 +139,40 @@ def test_failure_before_switchover_rolls_back(cluster, baseline, monkeypatch):
     assert {d: u.used for d, u in hmm.usage().items()} == used_before  # abort freed the staged memory
     (new,) = created
     assert new.state is InstanceState.RETIRED and new.ranks == []
+    assert cluster.scale_events.running is None
+
+
+def test_failure_in_the_switchover_hands_the_requests_back(cluster, baseline, monkeypatch):
+    hmm, old = cluster.hmm, cluster.active
+    cluster.wait_standby()
+    used_before = {d: u.used for d, u in hmm.usage().items()}
+    routes = HandoverRoutes()
+    stream, result = _stream_in_flight_at_pause(monkeypatch, cluster, routes, "during-failed-switchover")
+    imported: list[Instance] = []
+    original_import = Instance.import_requests
+
+    def import_then_fail(self: Instance, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # The harsh case: the new instance already took the request (and may step it) when
+        # the switchover fails; the undo must retire it before the old one runs again.
+        original_import(self, *args, **kwargs)
+        imported.append(self)
+        raise RuntimeError("injected import failure")
+
+    monkeypatch.setattr(Instance, "import_requests", import_then_fail)
+    event = Scaler(cluster, routes).scale(2)
+    stream.join(120)
+    items = result["items"]
+
+    assert event.state is ScaleState.ROLLED_BACK, event.error
+    assert "rolled back at switchover" in event.error and "injected import failure" in event.error
+    assert event.requests_in_flight == 1 and event.downtime_s is not None
+    assert sum(isinstance(i, HandedOverOutput) for i in items) == 1  # exported, then taken back
+    assert _tokens(items) == baseline  # continued on the old instance with its KV, unchanged
+    (new,) = imported
+    assert new.state is InstanceState.RETIRED
+    assert cluster.active is old and old.is_serving and not old.is_paused and cluster.router.is_open
+    assert hmm.pending is None and hmm.layout.dp == 1
+    assert {d: u.used for d, u in hmm.usage().items()} == used_before
     assert cluster.scale_events.running is None
 
 
@@ -153,3 +208,55 @@ def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
     print(
         f"\nscaler DP1->DP2: {event.scale_latency_s:.2f}s, critical section {event.downtime_s * 1e3:.1f} ms"
     )
+
+
+def _held_bytes(hmm: Any, device_id: int) -> int:
+    """What a device holding exactly the committed layout's tensors is charged: staged once
+    on a scratch `DeviceMemory` in this process (page rounding included), then freed."""
+    layout, cfg = hmm.layout, hmm.model_config
+    specs = model_family(cfg.arch).param_specs(cfg, layout.local_experts(device_id))
+    scratch = DeviceMemory(device_id, 1 << 40, prefix=f"emoescratch{secrets.token_hex(4)}")
+    try:
+        scratch.begin(specs, hmm.dtype, layout.kv_bytes[layout.rank_of(device_id)])
+        return scratch.account.used
+    finally:
+        scratch.close()
+
+
+# Each scale leaves the cluster at the next one's starting dp. extravagant needs from + to
+# free devices (4 registered); cold_restart reloads from disk with the gate closed.
+TOUR = [
+    ("cold_restart", 1),
+    ("concurrent", 2),
+    ("extravagant", 1),
+    ("no_ipc_alloc", 2),
+    ("no_p2p", 3),
+    ("no_preinit", 2),
+    ("no_zero_copy", 1),
+    ("elastic", 2),
+]
+
+
+@pytest.mark.parametrize(("strategy", "to_dp"), TOUR, ids=[name for name, _ in TOUR])
+def test_every_strategy_hands_a_running_stream_over(cluster, baseline, monkeypatch, strategy, to_dp):
+    old, hmm = cluster.active, cluster.hmm
+    routes = HandoverRoutes()
+    stream, result = _stream_in_flight_at_pause(monkeypatch, cluster, routes, f"during-{strategy}")
+    event = Scaler(cluster, routes).scale(to_dp, strategy)
+    stream.join(120)
+
+    assert event.state is ScaleState.SUCCEEDED, event.error
+    assert event.strategy == strategy and event.requests_in_flight == event.requests_handed_over == 1
+    assert _tokens(result["items"]) == baseline
+    new = cluster.active
+    assert old.state is InstanceState.RETIRED and new.dp == to_dp and new.is_serving
+    layout = hmm.layout
+    assert hmm.pending is None and layout.dp == to_dp and len(cluster.router.loads()) == to_dp
+    if strategy == "extravagant":
+        assert not set(layout.device_ids) & set(old.device_ids)
+    # Nothing of the old layout or of a second copy survives the commit.
+    used = {d: u.used for d, u in hmm.usage().items()}
+    assert used == {d: _held_bytes(hmm, d) if d in layout.device_ids else 0 for d in used}
+    assert event.peak_memory_bytes >= sum(used.values())
+    print(f"\n{strategy} {event.from_dp}->{to_dp}: {event.scale_latency_s:.2f}s, "
+          f"downtime {event.downtime_s * 1e3:.0f} ms, peak {event.peak_memory_bytes / 2**20:.1f} MiB")

@@ -28,3 +28,12 @@ def test_finishing_an_event_that_is_not_running_is_a_bug():
     events.finish(e)
     with pytest.raises(ValueError):
         events.finish(e)
+
+
+def test_failure_after_the_switchover_is_failed_not_rolled_back_and_observers_see_each_event():
+    seen: list[tuple[str, str]] = []
+    events = ScaleEvents(on_finished=lambda e: seen.append((e.event_id, e.state.value)))
+    e = events.start(1, 2, "elastic")
+    events.finish(e, error="import failed", rolled_back=False)
+    assert e.state is ScaleState.FAILED and e.to_dict()["state"] == "failed"
+    assert seen == [(e.event_id, "failed")] and events.running is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 
@@ -24,7 +25,8 @@ def test_any_live_state_can_retire(state):
 
 
 def test_everything_else_raises():
-    legal = set(itertools.pairwise(HAPPY_PATH)) | {(s, S.RETIRED) for s in S if s is not S.RETIRED}
+    rollback = {(S.DRAINING, S.ACTIVE)}  # a paused instance whose switchover failed serves again
+    legal = set(itertools.pairwise(HAPPY_PATH)) | {(s, S.RETIRED) for s in S if s is not S.RETIRED} | rollback
     for a, b in itertools.product(S, S):
         if (a, b) in legal:
             continue
@@ -89,3 +91,53 @@ def test_zero_capacity_keeps_nothing():
     mgr, created = make_manager(capacity=0)
     mgr.prepare([2])
     assert not mgr.pool and created[0].state is S.RETIRED
+
+
+def test_take_waits_for_the_background_boot_of_its_dp_only():
+    booting, release = threading.Event(), threading.Event()
+    created: list[FakeInstance] = []
+
+    def slow_factory(dp: int) -> FakeInstance:
+        inst = FakeInstance(dp)
+        created.append(inst)
+        if dp == 2:  # the background preparation's boot
+            booting.set()
+            assert release.wait(5)
+        return inst
+
+    mgr = InstanceManager(slow_factory, capacity=2)
+    prep = threading.Thread(target=mgr.prepare, args=([2],))
+    prep.start()
+    assert booting.wait(5)
+    other = mgr.take(3)  # another dp: boots its own at once, not behind the lock
+    assert other.dp == 3 and mgr.num_misses == 1
+    taker = threading.Thread(target=lambda: taken.append(mgr.take(2)))
+    taken: list[FakeInstance] = []
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive()  # waits for the boot in progress instead of booting a second dp=2
+    release.set()
+    prep.join(5)
+    taker.join(5)
+    assert taken == [created[0]] and mgr.num_hits == 1 and len(created) == 2 and not mgr.pool
+
+
+def test_a_boot_that_finishes_after_shutdown_is_retired():
+    booting, release = threading.Event(), threading.Event()
+    created: list[FakeInstance] = []
+
+    def slow_factory(dp: int) -> FakeInstance:
+        inst = FakeInstance(dp)
+        created.append(inst)
+        booting.set()
+        assert release.wait(5)
+        return inst
+
+    mgr = InstanceManager(slow_factory)
+    prep = threading.Thread(target=mgr.prepare, args=([1, 3],))
+    prep.start()
+    assert booting.wait(5)
+    mgr.shutdown()
+    release.set()
+    prep.join(5)
+    assert not mgr.pool and [i.state for i in created] == [S.RETIRED]  # dp=3 never booted
