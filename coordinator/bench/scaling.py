@@ -1,0 +1,498 @@
+"""Scale-event benchmark: latency, downtime, peak memory, throughput and SLOs per strategy.
+
+    python -m coordinator.bench.scaling --strategy all --json --plot scaling.png
+
+Starts an in-process elastic server, and for every (strategy, transition) runs a
+fresh seeded Poisson load over HTTP: warm-up (and the server's standby preparation)
+-> `POST /admin/scale` -> poll until the event ends -> through the fixed `during`
+span and W more seconds -> stop arrivals and let requests finish. Reports
+per event the server's figures (scale latency, critical-section downtime, peak
+memory summed over devices) beside the client's (longest token gap in the event
+window and in a no-scale window before it, failed requests, output tokens/s
+before / during / after: ElasticMoE Table 2), each strategy's latency over cold
+restart's for the same transition (§7.4), the cumulative-ablation table for one
+transition (Table 1) and a plot of SLO attainment over time (Fig. 9). Between
+events the server is moved back to the start dp with an unmeasured elastic scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from coordinator.bench.loadgen import LoadResult, PoissonLoad, Workload
+from coordinator.bench.scale_metrics import (
+    EventKey,
+    baseline_window,
+    event_windows,
+    failed_requests,
+    latency_ratios,
+    max_token_gap,
+    output_throughput,
+    slo_attainment_bins,
+)
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("elastic", "cold_restart", "extravagant", "concurrent")
+ABLATIONS = ("no_ipc_alloc", "no_p2p", "no_preinit", "no_zero_copy")  # cumulative, paper Table 1
+ABLATION_LABELS = {"elastic": "ElasticMoE (full)", "no_ipc_alloc": "- IPCAlloc", "no_p2p": "- P2P",
+                   "no_preinit": "- PreInit", "no_zero_copy": "- ZeroCopy"}
+PRESETS = {  # preset -> (model dir, device memory GiB, KV cache GiB per device)
+    "tiny": ("models/tiny-qwen3-moe", 1 / 16, 1 / 128),
+    "small": ("models/small-qwen3-moe", 1.0, 1 / 16),
+}
+_GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Run:
+    """One measured scale event."""
+
+    strategy: str
+    from_dp: int
+    to_dp: int
+
+
+def _progress(msg: str) -> None:
+    print(f"[scaling {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- plan --------------------------------------------------------------------------------
+
+
+def parse_transitions(text: str) -> list[tuple[int, int]]:
+    """"2-3,3-2" -> [(2, 3), (3, 2)]; a chain "1-2-4" -> [(1, 2), (2, 4)]."""
+    out: list[tuple[int, int]] = []
+    for part in text.split(","):
+        dps = [int(x) for x in part.strip().split("-")]
+        if len(dps) < 2 or any(d < 1 for d in dps) or any(a == b for a, b in zip(dps, dps[1:], strict=False)):
+            raise ValueError(f"--transitions: bad transition {part!r} (want e.g. 2-3 or 1-2-4)")
+        out.extend(zip(dps, dps[1:], strict=False))
+    return out
+
+
+def plan_runs(strategy: str, transitions: list[tuple[int, int]], ablation: tuple[int, int]) -> list[Run]:
+    """The measured events, in order: strategies over all transitions, then the ablation set.
+
+    `strategy`: "all", "ablations", or a comma-separated list of strategies (and "ablations").
+    """
+    names = [n.strip() for n in strategy.split(",")]
+    bad = [n for n in names if n not in ("all", "ablations", *STRATEGIES)]
+    if bad or not names:
+        raise ValueError(f"--strategy: unknown {bad}; want all, ablations or some of {', '.join(STRATEGIES)}")
+    chosen = STRATEGIES if "all" in names else tuple(n for n in STRATEGIES if n in names)
+    runs = [Run(s, a, b) for s in chosen for a, b in transitions]
+    if "all" in names or "ablations" in names:
+        if Run("elastic", *ablation) not in runs:
+            runs.append(Run("elastic", *ablation))
+        runs += [Run(s, *ablation) for s in ABLATIONS]
+    return runs
+
+
+def devices_needed(runs: list[Run]) -> int:
+    """Extravagant scaling puts the new instance on fresh devices: it needs from + to."""
+    return max(r.from_dp + r.to_dp if r.strategy == "extravagant" else max(r.from_dp, r.to_dp) for r in runs)
+
+
+# ---- server ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """The model directory; the preset's checkpoint is built (`elasticmoe make-model`) if missing."""
+    model_dir = args.model or PRESETS[args.preset][0]
+    if not (Path(model_dir) / "config.json").is_file():
+        if args.model is not None and args.model not in (p[0] for p in PRESETS.values()):
+            raise SystemExit(f"error: --model: {model_dir} has no config.json")
+        preset = "tiny" if "tiny" in Path(model_dir).name else "small"
+        _progress(f"building {model_dir} (make-model --arch qwen3_moe --preset {preset} --seed 0)")
+        from elasticmoe.tools.make_model import make_model
+
+        make_model("qwen3_moe", preset, seed=0, out=model_dir)
+    return model_dir
+
+
+async def _wait_event(client: httpx.AsyncClient, event_id: str, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        event: dict[str, Any] = (await client.get(f"/admin/scale/{event_id}")).json()
+        if event["state"] != "running":
+            return event
+        if time.monotonic() > deadline:
+            event["error"] = f"still running after {timeout_s:.0f}s"
+            return event
+        await asyncio.sleep(0.1)
+
+
+async def _active_dp(client: httpx.AsyncClient) -> int:
+    return int((await client.get("/admin/status")).json()["active_config"]["dp"])
+
+
+async def ensure_dp(client: httpx.AsyncClient, dp: int, timeout_s: float) -> None:
+    """Move the server to `dp` with an (unmeasured) elastic scale, if it is elsewhere."""
+    deadline = time.monotonic() + timeout_s
+    while (await client.get("/admin/status")).json()["scale_event"] is not None:  # e.g. a timed-out event
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a scale event is still running after {timeout_s:.0f}s")
+        await asyncio.sleep(0.5)
+    current = await _active_dp(client)
+    if current == dp:
+        return
+    _progress(f"reset: elastic scale dp {current} -> {dp} (unmeasured)")
+    r = await client.post("/admin/scale", json={"dp": dp, "strategy": "elastic"})
+    r.raise_for_status()
+    event = await _wait_event(client, r.json()["event_id"], timeout_s)
+    if event["state"] != "succeeded" or await _active_dp(client) != dp:
+        raise RuntimeError(f"could not reset the server to dp {dp}: {event}")
+
+
+async def wait_standby(client: httpx.AsyncClient, timeout_s: float) -> None:
+    """Wait until the server's background standby preparation (dp-1, dp+1) is done: strategies
+    with pre-initialisation are measured as deployed (the paper assumes the target is
+    pre-initialised, §7.8), and no boot competes for the cores during the measurement."""
+    deadline = time.monotonic() + timeout_s
+    while (await client.get("/admin/status")).json()["standby"]["preparing"]:
+        if time.monotonic() > deadline:
+            _progress("warning: standby preparation still running; measuring anyway")
+            return
+        await asyncio.sleep(0.2)
+
+
+# ---- one event ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Measured:
+    run: Run
+    load: LoadResult
+    post_s: float  # on the load's time axis
+    finished_s: float
+    http_status: int
+    event: dict[str, Any]  # the server's event (or {"error": ...} if the POST was refused)
+
+
+async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argparse.Namespace) -> Measured:
+    """Load -> warm-up -> scale -> poll -> W s more -> stop; the records and the server's event."""
+    workload = Workload(prompt_len=args.prompt_len, max_tokens=args.max_tokens, vocab_size=args.vocab_size)
+    load = PoissonLoad(str(client.base_url), model, args.rps, workload, seed=args.seed)
+    stop = asyncio.Event()
+    task = asyncio.create_task(load.run(stop))
+    await asyncio.sleep(args.warmup_s)
+    await wait_standby(client, args.event_timeout_s)
+    post_s = load.now()
+    _progress(f"{run.strategy}: POST /admin/scale dp {run.from_dp} -> {run.to_dp} "
+              f"({len(load.records)} requests so far)")
+    r = await client.post("/admin/scale", json={"dp": run.to_dp, "strategy": run.strategy})
+    if r.status_code == 202:
+        event = await _wait_event(client, r.json()["event_id"], args.event_timeout_s)
+    else:
+        event = {"state": "rejected", "error": r.text[:300]}
+    finished_s = load.now()
+    if event.get("strategy") not in (None, run.strategy):
+        _progress(f"warning: asked for {run.strategy!r}, the server ran {event['strategy']!r}")
+    _progress(f"{run.strategy}: event {event.get('event_id', '-')} {event['state']} after "
+              f"{finished_s - post_s:.2f}s" + (f" ({event['error']})" if event.get("error") else ""))
+    # Load runs through the `during` span and the W s `after` window.
+    await asyncio.sleep(max(0.0, post_s + args.during_s - load.now()) + max(args.window_s, 1.0))
+    stop.set()
+    result = await task
+    if event.get("finished_at") is not None:
+        finished_s = max(post_s, result.to_rel(event["finished_at"]))
+    return Measured(run, result, post_s, finished_s, r.status_code, event)
+
+
+def summarize(m: Measured, args: argparse.Namespace) -> dict[str, Any]:
+    """The per-event JSON record (times in seconds, memory in bytes, throughput in output tokens/s)."""
+    records, ev = m.load.records, m.event
+    w = event_windows(m.post_s, m.finished_s, args.window_s, args.during_s)
+    base = baseline_window(m.post_s, w.event.length_s)
+    applied = ev.get("strategy")
+    bins = slo_attainment_bins(records, dataclasses.replace(w.before, end_s=w.after.end_s),
+                               args.slo_ttft_s, args.slo_tpot_s)
+    return {
+        "strategy": m.run.strategy,
+        "from_dp": m.run.from_dp,
+        "to_dp": m.run.to_dp,
+        "event_id": ev.get("event_id"),
+        "state": ev["state"],  # succeeded | rolled_back | rejected (POST not 202) | running (timed out)
+        "http_status": m.http_status,
+        "strategy_applied": applied,  # what the server says it ran
+        "strategy_ignored": applied is not None and applied != m.run.strategy,  # figures are not the strategy's
+        "error": ev.get("error"),
+        "scale_latency_s": ev.get("scale_latency_s"),
+        "downtime_s": ev.get("downtime_s"),
+        "client_downtime_s": max_token_gap(records, w.event),
+        "baseline_client_downtime_s": max_token_gap(records, base),
+        "event_window_s": w.event.length_s,
+        "baseline_window_s": base.length_s,
+        "peak_memory_bytes": ev.get("peak_memory_bytes"),
+        "requests_in_flight": ev.get("requests_in_flight"),
+        "requests_handed_over": ev.get("requests_handed_over"),
+        "failed_requests": failed_requests(records, w.event),
+        "failed_requests_total": failed_requests(records),
+        "num_requests": len(records),
+        "throughput_tok_s": {
+            "before": output_throughput(records, w.before),
+            "during": output_throughput(records, w.during),
+            "after": output_throughput(records, w.after),
+        },
+        "latency_ratio_vs_cold_restart": None,  # filled in once every event is measured
+        "post_s": m.post_s,
+        "finished_s": m.finished_s,
+        "slo_bins": [{"t_s": b.start_s - m.post_s, "num_requests": b.num_requests, "attainment": b.attainment}
+                     for b in bins],
+    }
+
+
+def ablation_table(events: list[dict[str, Any]], transition: tuple[int, int]) -> list[dict[str, Any]]:
+    """Paper Table 1: scale time, downtime and peak memory of elastic and each cumulative ablation."""
+    rows = []
+    for strategy in ("elastic", *ABLATIONS):
+        for e in events:
+            if (e["strategy"], e["from_dp"], e["to_dp"]) == (strategy, *transition):
+                state = f"{e['state']} (ran {e['strategy_applied']})" if e["strategy_ignored"] else e["state"]
+                rows.append({"configuration": ABLATION_LABELS[strategy], "strategy": strategy, "state": state, "scale_latency_s": e["scale_latency_s"],
+                             "downtime_s": e["downtime_s"], "client_downtime_s": e["client_downtime_s"],
+                             "peak_memory_bytes": e["peak_memory_bytes"]})
+                break
+    return rows
+
+
+# ---- output ------------------------------------------------------------------------------
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _mib(x: int | None) -> str:
+    return "-" if x is None else f"{x / (1 << 20):.1f}"
+
+
+def format_tables(doc: dict[str, Any]) -> str:
+    head = ("strategy", "dp", "state", "latency_s", "x_cold", "downtime_s", "client_down_s", "baseline_s",
+            "peak_MiB", "failed", "tok/s before", "during", "after")
+    rows: list[tuple[str, ...]] = [head]
+    for e in doc["events"]:
+        tp = e["throughput_tok_s"]
+        state = f"{e['state']} (ran {e['strategy_applied']})" if e["strategy_ignored"] else e["state"]
+        rows.append((e["strategy"], f"{e['from_dp']}->{e['to_dp']}", state, _fmt(e["scale_latency_s"]),
+                     _fmt(e["latency_ratio_vs_cold_restart"]), _fmt(e["downtime_s"], ".3f"),
+                     _fmt(e["client_downtime_s"]), _fmt(e["baseline_client_downtime_s"]),
+                     _mib(e["peak_memory_bytes"]), f"{e['failed_requests']}/{e['failed_requests_total']}",
+                     _fmt(tp["before"], ".1f"), _fmt(tp["during"], ".1f"), _fmt(tp["after"], ".1f")))
+    lines = [_table(rows)]
+    if doc["ablation"]:
+        a, b = doc["config"]["ablation_transition"]
+        lines.append(f"\nablation (cumulative), DP{a} -> DP{b}")
+        rows = [("configuration", "state", "scale_s", "downtime_s", "client_down_s", "peak_MiB")]
+        rows += [(r["configuration"], r["state"], _fmt(r["scale_latency_s"]), _fmt(r["downtime_s"], ".3f"),
+                  _fmt(r["client_downtime_s"]), _mib(r["peak_memory_bytes"])) for r in doc["ablation"]]
+        lines.append(_table(rows))
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def plot_slo(doc: dict[str, Any], path: str) -> None:
+    """Paper Fig. 9: SLO attainment per 1 s arrival bin, one subplot per strategy, t=0 at the POST."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    strategies = list(dict.fromkeys(e["strategy"] for e in doc["events"]))
+    fig, axes = plt.subplots(len(strategies), 1, figsize=(8, 2.4 * len(strategies)), sharex=True, squeeze=False)
+    cfg = doc["config"]
+    for ax, strategy in zip(axes[:, 0], strategies, strict=True):
+        for i, e in enumerate(x for x in doc["events"] if x["strategy"] == strategy):
+            color = f"C{i}"
+            bins = [b for b in e["slo_bins"] if b["attainment"] is not None]
+            ax.plot([b["t_s"] + 0.5 for b in bins], [100 * b["attainment"] for b in bins], color=color,
+                    marker=".", label=f"DP{e['from_dp']}->DP{e['to_dp']} ({e['state']})")
+            ax.axvline(e["finished_s"] - e["post_s"], color=color, linestyle="--", linewidth=1)
+        ax.axvline(0.0, color="black", linestyle=":", linewidth=1)
+        ax.set_ylim(-5, 105)
+        ax.set_ylabel("SLO %")
+        ax.set_title(strategy, fontsize=10)
+        ax.legend(fontsize=8, loc="lower left")
+    axes[-1, 0].set_xlabel("seconds since the scale POST (dotted: POST; dashed: event finished)")
+    fig.suptitle(f"SLO attainment (TTFT <= {cfg['slo_ttft_s']}s, TPOT <= {cfg['slo_tpot_s']}s), "
+                 f"{cfg['rps']} req/s, 1 s bins by arrival", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # leave room for the suptitle
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- main --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m coordinator.bench.scaling",
+        description="Measure scale events of the elastic server under steady Poisson load (ElasticMoE §7.4-7.7).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--strategy", default="all", metavar="all|ablations|NAME[,NAME]",
+                   help=f"what to measure: strategies ({', '.join(STRATEGIES)}; comma-separated) over every "
+                   f"transition; 'ablations' = elastic and the cumulative ablations {', '.join(ABLATIONS)} on "
+                   "--ablation-transition; 'all' = the four strategies plus the ablation set")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS),
+                   help="model when --model is not given (models/<preset>-qwen3-moe, built if missing); also "
+                   "sets the default device memory and KV cache sizes")
+    p.add_argument("--model", default=None, metavar="DIR", help="model directory (overrides --preset's)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="logical devices to register (default: as many as the planned events need; "
+                   "extravagant needs from+to)")
+    p.add_argument("--device-memory-gb", type=float, default=None, metavar="G",
+                   help="memory budget per device in GiB (default: per preset)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, metavar="G",
+                   help="KV cache per device in GiB (default: per preset)")
+    p.add_argument("--transitions", default="2-3,3-2", metavar="A-B[,C-D]",
+                   help="dp transitions measured per strategy, comma-separated; a chain like 1-2-4 means 1->2 "
+                   "then 2->4. The server is moved to each start dp with an unmeasured elastic scale")
+    p.add_argument("--ablation-transition", default="2-3", metavar="A-B",
+                   help="the transition of the ablation table (paper Table 1)")
+    p.add_argument("--rps", type=float, default=2.0, help="Poisson arrival rate, requests/s")
+    p.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (same for every event)")
+    p.add_argument("--warmup-s", type=float, default=10.0,
+                   help="seconds of load before the scale POST (the 'before' window is its last --window-s)")
+    p.add_argument("--window-s", type=float, default=10.0,
+                   help="W: throughput windows are the W s before the POST and the W s after the event ended; "
+                   "load runs W s past the event")
+    p.add_argument("--during-s", type=float, default=10.0,
+                   help="the 'during' throughput window: this many seconds from the POST (or the event, if "
+                   "longer), the same span for every strategy as in paper Table 2")
+    p.add_argument("--prompt-len", type=_range, default=(32, 32), metavar="N|LO-HI",
+                   help="prompt tokens (random ids), fixed or a uniform range")
+    p.add_argument("--max-tokens", type=_range, default=(32, 32), metavar="N|LO-HI",
+                   help="output tokens per request (ignore_eos), fixed or a uniform range")
+    p.add_argument("--slo-ttft-s", type=float, default=5.0, help="SLO on time to first token, seconds")
+    p.add_argument("--slo-tpot-s", type=float, default=1.5, help="SLO on mean time per output token, seconds")
+    p.add_argument("--event-timeout-s", type=float, default=600.0,
+                   help="give up waiting for a scale event after this many seconds")
+    p.add_argument("--port", type=int, default=0, help="HTTP port of the server (0: a free one)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document to FILE")
+    p.add_argument("--plot", default=None, metavar="FILE", help="write the SLO-attainment plot (PNG) to FILE")
+    return p
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    bounds = (int(lo), int(hi or lo))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"want N or LO-HI with 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
+async def run_events(url: str, runs: list[Run], args: argparse.Namespace) -> list[dict[str, Any]]:
+    events = []
+    async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        for i, run in enumerate(runs):
+            _progress(f"event {i + 1}/{len(runs)}: {run.strategy} dp {run.from_dp} -> {run.to_dp}")
+            await ensure_dp(client, run.from_dp, args.event_timeout_s)
+            m = await measure(client, model, run, args)
+            events.append(summarize(m, args))
+            e = events[-1]
+            _progress(f"{run.strategy}: latency {_fmt(e['scale_latency_s'])}s, client downtime "
+                      f"{e['client_downtime_s']:.2f}s (baseline {e['baseline_client_downtime_s']:.2f}s), "
+                      f"failed {e['failed_requests']}/{e['num_requests']}")
+    keys = [(EventKey(e["strategy"], e["from_dp"], e["to_dp"]),
+             e["scale_latency_s"] if e["state"] == "succeeded" and not e["strategy_ignored"] else None)
+            for e in events]
+    for e, ratio in zip(events, latency_ratios(keys), strict=True):
+        e["latency_ratio_vs_cold_restart"] = ratio
+    return events
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        transitions = parse_transitions(args.transitions)
+        (ablation,) = parse_transitions(args.ablation_transition)
+        runs = plan_runs(args.strategy, transitions, ablation)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = resolve_model(args)
+    args.vocab_size = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    preset = PRESETS[args.preset]
+    devices = args.devices or devices_needed(runs)
+    if devices < devices_needed(runs):
+        _progress(f"warning: --devices {devices} < {devices_needed(runs)} needed; some events will be refused")
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.launch import start_elastic
+
+    # NOTE: Ray prints to fd 1 (raylet messages at shutdown); keep stdout for the JSON document alone.
+    sys.stdout.flush()
+    json_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    config = CoordinatorConfig(
+        model_dir=model_dir, num_devices=devices, dp=runs[0].from_dp, dtype=args.dtype,
+        device_memory_bytes=int((args.device_memory_gb or preset[1]) * _GIB),
+        kv_bytes_per_device=int((args.kv_cache_gb or preset[2]) * _GIB),
+        max_queued=256, shm_prefix=f"emoebench{secrets.token_hex(4)}",
+    )
+    _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
+    server = start_elastic(config, port=args.port or _free_port(),
+                           ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
+    try:
+        events = asyncio.run(run_events(server.url, runs, args))
+    finally:
+        _progress("shutting the server down")
+        server.shutdown()
+    doc = {
+        "benchmark": "coordinator.bench.scaling",
+        "config": {
+            "model": model_dir, "dtype": args.dtype, "devices": devices, "strategy": args.strategy,
+            "transitions": transitions, "ablation_transition": ablation, "rps": args.rps, "seed": args.seed,
+            "warmup_s": args.warmup_s, "window_s": args.window_s, "during_s": args.during_s,
+            "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens, "slo_ttft_s": args.slo_ttft_s, "slo_tpot_s": args.slo_tpot_s,
+        },
+        "events": events,
+        "ablation": ablation_table(events, ablation) if {"all", "ablations"} & set(args.strategy.split(",")) else [],
+    }
+    print(format_tables(doc), file=sys.stderr)
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.plot:
+        plot_slo(doc, args.plot)
+        _progress(f"plot written to {args.plot}")
+    if args.json:
+        print(text, file=json_out)
+    json_out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
