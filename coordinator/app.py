@@ -33,6 +33,8 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.scale_events import ScaleConflict
 from coordinator.scaler import Scaler, loop_caller
 from coordinator.strategies import DEFAULT_STRATEGY, STRATEGIES
+from elasticmoe.config import ModelConfig
+from elasticmoe.entrypoints.openai.adapters_api import add_adapter_routes, read_esft_adapter
 from elasticmoe.entrypoints.openai.api_server import add_openai_routes
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware
@@ -52,6 +54,7 @@ ENDPOINTS = frozenset(
         "/metrics",
         "/admin/status",
         "/admin/scale",
+        "/admin/adapters",
     }
 )
 
@@ -162,12 +165,17 @@ class Coordinator:
         self.cluster = ClusterManager(config)
         await asyncio.to_thread(self.cluster.start)
         tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
+        self.model_config = await asyncio.to_thread(ModelConfig.from_pretrained, config.model_dir)
         routes = HandoverRoutes()
         self.engine = RouterEngineClient(self.cluster.router, tokenizer, self.cluster.max_model_len,
                                          config.max_queued, handover_routes=routes)
         # NOTE: the router's gate is an asyncio object of this loop; the scale thread calls it here.
         scaler = Scaler(self.cluster, routes, loop_caller(asyncio.get_running_loop()),
                         on_activated=self.engine.set_max_model_len)
+        self.cluster.adapters.publish = self.engine.set_adapters
+        for name, path in config.esft_adapters:  # --esft-adapter: a bad one fails the start
+            adapter = await asyncio.to_thread(read_esft_adapter, name, path, self.model_config)
+            await self.cluster.adapters.load_esft(adapter)
         self.scales = ScaleRunner(scaler)
         self.metrics = CoordinatorMetrics(lambda: float(self.engine.num_queued), self._active_dp)
         self.cluster.scale_events.on_finished = self.metrics.on_scale_finished
@@ -177,7 +185,9 @@ class Coordinator:
         return float(active.dp) if active is not None and self.cluster.is_ready else 0.0
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_app(self.cluster, self.engine, self.metrics, self.scales)
+        app = build_app(self.cluster, self.engine, self.metrics, self.scales)
+        add_adapter_routes(app, self.cluster.adapters, lambda: self.model_config, self.cluster.config.model_name)
+        return app
 
     async def shutdown_cluster(self) -> None:
         """Retire the instance and free the HMM now (before `serve.shutdown()` kills this replica)."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import ray
 
+from coordinator.adapters import ClusterAdapterHost
 from coordinator.config import CoordinatorConfig
 from coordinator.router import Router
 from coordinator.scale_events import ScaleEvents
@@ -50,6 +51,7 @@ class ClusterManager:
         self.active: Instance | None = None
         self.max_model_len = 0
         self.standby = InstanceManager(instance_factory(config.model_dir, config.engine_options()), capacity=2)
+        self.adapters = ClusterAdapterHost(self, publish=lambda names: None)  # the app sets `publish`
         self._standby_thread: threading.Thread | None = None
         self._is_shut_down = False
         self._lock = threading.Lock()
@@ -63,7 +65,8 @@ class ClusterManager:
             self.hmm = HMMController(use_ray=True, prefix=cfg.shm_prefix)
             for device_id in range(cfg.num_devices):
                 self.hmm.add_device(DeviceSpec(device_id, 0, cfg.device_memory_bytes))
-            self.hmm.load(cfg.model_dir, dp=cfg.dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device)
+            self.hmm.load(cfg.model_dir, dp=cfg.dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
+                          esft_slots=cfg.esft_slots)
             inst = Instance.create_standby(cfg.model_dir, cfg.dp, engine_options=cfg.engine_options())
             self.active = inst
             inst.attach(self.hmm)
@@ -171,6 +174,7 @@ class ClusterManager:
             "devices": devices,
             "router": {"gate_open": self.router.is_open, "in_flight": self.router.loads()},
             "scale_event": running.to_dict() if running is not None else None,
+            "adapters": [a.describe() for a in sorted(self.adapters.adapters.values(), key=lambda a: a.slot)],
             "standby": {
                 "enabled": self.config.standby_pool,
                 "dps": sorted(self.standby.pool),

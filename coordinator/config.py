@@ -40,6 +40,9 @@ class CoordinatorConfig:
     shm_prefix: str = DEFAULT_PREFIX  # names of the HMM's /dev/shm files (tests use a unique one)
     max_hold_s: float = 30.0  # longest a request waits at the router's gate during a switchover
     standby_pool: bool = True  # pre-initialise standby instances for dp-1 and dp+1 (paper §4.5)
+    max_esft_adapters: int = 4  # ESFT adapter slots (0: none); address space only until loaded
+    max_esft_experts: int = 16  # E_max: most experts one adapter tunes in one layer
+    esft_adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
     max_model_len: int | None = None  # None: the model's (the KV pool may lower it)
     max_num_batched_tokens: int | None = None  # None: the engine's default
 
@@ -65,10 +68,21 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+        if self.max_esft_adapters < 0 or self.max_esft_experts < 1:
+            raise ValueError("--max-esft-adapters: must be >= 0 and --max-esft-experts >= 1")
+        if len(self.esft_adapters) > self.max_esft_adapters:
+            raise ValueError(
+                f"--max-esft-adapters: {self.max_esft_adapters} slots for {len(self.esft_adapters)} --esft-adapter"
+            )
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         if not (Path(self.model_dir) / "config.json").is_file():
             raise ValueError(f"--model: {self.model_dir} has no config.json")
+
+    @property
+    def esft_slots(self) -> tuple[int, int]:
+        """(N, E_max) for the HMM's virtual weight tensors."""
+        return (self.max_esft_adapters, self.max_esft_experts) if self.max_esft_adapters else (0, 0)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,6 +96,8 @@ class CoordinatorConfig:
     def engine_options(self) -> dict[str, Any]:
         """Options every rank's `EngineConfig` gets (the KV pool size comes from the HMM)."""
         options: dict[str, Any] = {"dtype": self.torch_dtype, "num_threads": self.num_threads}
+        if self.max_esft_adapters:
+            options.update(max_esft_adapters=self.max_esft_adapters, max_esft_experts=self.max_esft_experts)
         if self.max_model_len is not None:
             options["max_model_len"] = self.max_model_len
         if self.max_num_batched_tokens is not None:

@@ -13,6 +13,9 @@ Invariants:
   rank's engine (its KV blocks are freed).
 - Input errors raised by the rank (`ValueError` with `.param`) reach the handler
   unwrapped, before anything is yielded, so they become 400s.
+- A request that reaches a rank already pausing for a switchover is turned away before
+  anything is streamed (`RankPaused`) and routed again: it waits at the gate and runs on
+  the new instance.
 - A scale's switchover ends a rank stream with a `HandedOverOutput`; the stream then
   continues from the rank `HandoverRoutes` names (`rank.resume`), so the handler sees
   one unbroken stream (the marker is not passed on).
@@ -32,9 +35,11 @@ from coordinator.router import NoActiveInstance, Router
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
-from imm.handover import HandedOverOutput, HandoverRoutes
+from imm.handover import HandedOverOutput, HandoverRoutes, RankPaused
 
 logger = logging.getLogger(__name__)
+
+_MAX_ROUTES = 5  # a request turned away by pausing ranks is routed again at most this often
 
 
 class QueueFull(OpenAIError):
@@ -70,6 +75,7 @@ class RouterEngineClient:
         self.handover_routes = handover_routes or HandoverRoutes()
         self.num_queued = 0  # waiting at the gate + in flight
         self.num_rejected = 0
+        self.adapters: tuple[str, ...] = ()  # ESFT adapters accepting requests (set by the adapter host)
 
     @property
     def tokenizer(self) -> Any:
@@ -83,8 +89,15 @@ class RouterEngineClient:
         """The active instance's limit (the smallest over its ranks); set on each activation."""
         self._max_model_len = max_model_len
 
+    def adapter_names(self) -> tuple[str, ...]:
+        return self.adapters
+
+    def set_adapters(self, names: tuple[str, ...]) -> None:
+        """The ESFT adapters that accept requests (one tuple assignment: safe from any thread)."""
+        self.adapters = tuple(names)
+
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, adapter: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `request_id`'s outputs from one rank; the last has `finished=True`."""
         if self.num_queued >= self.max_queued:
@@ -92,9 +105,17 @@ class RouterEngineClient:
             raise QueueFull(self.max_queued, self.retry_after_s)
         self.num_queued += 1
         try:
-            async with self.router.route() as rank:
-                async for out in _stream_from(rank, request_id, prompt, params, self.handover_routes):
-                    yield out
+            for attempt in range(_MAX_ROUTES):
+                try:
+                    async with self.router.route() as rank:
+                        async for out in _stream_from(rank, request_id, prompt, params, self.handover_routes,
+                                                      adapter):
+                            yield out
+                    return
+                except RankPaused:
+                    # Nothing was streamed; the gate holds the next route until the switchover ends.
+                    logger.info("request %s reached a pausing rank; routing it again (%d)", request_id, attempt + 1)
+            raise OpenAIError("No inference instance accepted the request; retry later.", status_code=503)
         except NoActiveInstance as exc:
             logger.warning("request %s: %s", request_id, exc)
             raise OpenAIError("No inference instance is serving; retry later.", status_code=503) from exc
@@ -108,11 +129,12 @@ async def _stream_from(
     prompt: str | list[int],
     params: SamplingParams,
     routes: HandoverRoutes,
+    adapter: str | None = None,
     handover_timeout_s: float = 60.0,
 ) -> AsyncGenerator[RequestOutput, None]:
     """The rank's stream for one request, followed across handovers; cancels the current
     rank stream unless it reached its finished output."""
-    stream = rank.generate.remote(request_id, prompt, params)
+    stream = rank.generate.remote(request_id, prompt, params, adapter)
     while True:
         finished, handed_over = False, False
         try:

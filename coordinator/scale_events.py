@@ -22,10 +22,10 @@ class ScaleState(enum.StrEnum):
 
 
 class ScaleConflict(RuntimeError):
-    """A scale was requested while another one runs (HTTP 409)."""
+    """A scale was requested while another one runs, or while adapters change (HTTP 409)."""
 
-    def __init__(self, running_id: str) -> None:
-        super().__init__(f"scale event {running_id} is still running")
+    def __init__(self, running_id: str | None, reason: str | None = None) -> None:
+        super().__init__(reason or f"scale event {running_id} is still running")
         self.running_id = running_id
 
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from coordinator.scale_events import ScaleEvent
+from coordinator.scale_events import ScaleConflict, ScaleEvent
 from coordinator.strategies import DEFAULT_STRATEGY, ScaleStrategy, strategy
 from elasticmoe.engine.handover import RequestSnapshot
 from hmm.planner import TargetConfig, scale_target
@@ -100,9 +100,19 @@ class Scaler:
         return old.dp
 
     def start(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> ScaleEvent:
-        """Validate and register the event (409 `ScaleConflict` while one runs); `run` does the work."""
+        """Validate and register the event (409 `ScaleConflict` while one runs, or while an
+        adapter is being loaded or unloaded); `run` does the work."""
         from_dp = self.validate(target_dp, strategy_name)
-        return self.cluster.scale_events.start(from_dp, target_dp, strategy_name)
+        adapters = self.cluster.adapters
+        if not adapters.lock.acquire(blocking=False):
+            raise ScaleConflict(None, "cannot scale while an adapter is being loaded or unloaded")
+        try:  # NOTE: under the adapter lock: an adapter load checks for a running scale under it
+            busy = adapters.busy_reason()
+            if busy is not None:
+                raise ScaleConflict(None, f"cannot scale while {busy}")
+            return self.cluster.scale_events.start(from_dp, target_dp, strategy_name)
+        finally:
+            adapters.lock.release()
 
     def scale(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> ScaleEvent:
         """Blocking: start and run a scale to `target_dp`; returns the finished event."""
@@ -184,6 +194,7 @@ class Scaler:
             # Only a new instance sharing the old KV pools must wait (fenced) for the handover.
             fenced = old.device_ids if strat.hands_over_kv else ()
             new.attach(hmm, pending=True, fenced_device_ids=fenced)
+            self.cluster.adapters.prepare_instance(new)  # the pending layout carries their rows
             new.warm_up()
             return new, min(ray.get([r.max_model_len.remote() for r in new.ranks]))
         except BaseException as exc:
@@ -220,9 +231,11 @@ class Scaler:
             event.requests_in_flight = sum(len(s) for s in snaps.values())
             old.retire()
             hmm.unload()
-            hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device)
+            hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
+                     esft_slots=cfg.esft_slots)
             new = Instance.create_standby(cfg.model_dir, event.to_dp, engine_options=cfg.engine_options())
             new.attach(hmm)
+            cluster.adapters.prepare_instance(new)  # `load` mapped the registered adapters again
             new.warm_up()
             routes = new.import_requests(snaps, kv_is_shared=False)
             event.requests_handed_over = len(routes)

@@ -32,6 +32,59 @@ def _run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_make_esft_adapter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-esft-adapter",
+        help="write an ESFT adapter (tuned routed experts) for a base checkpoint",
+        description="Write an adapter in the ESFT repository's format (expert_cfg.json + adapter_model.safetensors "
+        "holding only the tuned experts, under the base checkpoint's tensor names). Tuned experts are the base "
+        "experts plus seeded noise scaled by each tensor's std. Choose the experts with --config (e.g. a real ESFT "
+        "expert_cfg.json) or --experts-per-layer (random distinct experts in every MoE layer).",
+    )
+    p.add_argument("--base", required=True, metavar="DIR", help="directory of the base HF checkpoint")
+    p.add_argument("--out", required=True, metavar="DIR", help="adapter output directory")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--config", metavar="FILE",
+                       help="ESFT expert config JSON ({\"experts\": {\"<layer>\": [ids]}, ...}) naming the tuned experts")
+    which.add_argument("--experts-per-layer", type=int, metavar="K",
+                       help="tune K random distinct experts in every MoE layer")
+    p.add_argument("--fit", action="store_true",
+                   help="with --config: drop layers the base lacks or that are dense, fold expert ids modulo the "
+                   "base's number of experts (to use a DeepSeek-V2-Lite config on a small model)")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed for the expert choice and the noise (default 0)")
+    p.add_argument("--noise", type=float, default=0.05, metavar="X",
+                   help="noise scale relative to each weight's std (default 0.05)")
+    p.add_argument("--merged-out", default=None, metavar="DIR",
+                   help="also write the merged model (base with the adapter's experts swapped in) here")
+
+
+# AdapterError.param -> the option to blame
+_ESFT_OPTIONS = {"experts_per_layer": "--experts-per-layer", "noise": "--noise", "out": "--out", "base": "--base",
+                 "experts": "--config", "shared_experts": "--config", "non_expert_modules": "--config",
+                 "config": "--config", "path": "--config"}
+
+
+def _run_make_esft_adapter(args: argparse.Namespace) -> int:
+    from elasticmoe.adapters.esft import AdapterError, EsftConfig
+    from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
+
+    if args.fit and args.config is None:
+        print("error: --fit: only applies with --config", file=sys.stderr)
+        return 2
+    try:
+        config = EsftConfig.from_file(args.config) if args.config is not None else None
+        out = make_esft_adapter(args.base, args.out, config=config, experts_per_layer=args.experts_per_layer,
+                                seed=args.seed, noise=args.noise, fit=args.fit)
+        print(f"wrote {out}")
+        if args.merged_out is not None:
+            merged = write_merged_model(args.base, out, args.merged_out)
+            print(f"wrote {merged}")
+    except AdapterError as exc:
+        print(f"error: {_ESFT_OPTIONS.get(exc.param, '--' + exc.param)}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -57,6 +110,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "min(0.25, device memory / 4) elastic)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="token budget of one engine step across all requests (default: the engine's default)")
+    esft = p.add_argument_group("ESFT adapters (expert-specialised fine-tunes over the base model)")
+    esft.add_argument("--esft-adapter", action="append", default=[], metavar="NAME=DIR",
+                      help="load an ESFT adapter (expert_cfg.json + safetensors) at start; clients select it with "
+                      "model=NAME. Repeatable; more can be loaded at run time with POST /admin/adapters")
+    esft.add_argument("--max-esft-adapters", type=int, default=4, metavar="N",
+                      help="adapter slots (default 4; 0 disables adapters). Slots cost address space, not "
+                      "memory: physical memory is used only by the experts an adapter tunes")
+    esft.add_argument("--max-esft-experts", type=int, default=16, metavar="E",
+                      help="most experts one adapter may tune in one layer (E_max, default 16)")
     elastic = p.add_argument_group("elastic server (without --single)")
     elastic.add_argument("--devices", type=int, default=1, metavar="N",
                          help="logical devices to create: one HMM worker process and memory budget each (default 1)")
@@ -76,9 +138,34 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                          "memory; each scale then boots its target instance, ~2 s slower)")
 
 
+def _esft_adapter_args(args: argparse.Namespace) -> dict[str, str] | None:
+    """--esft-adapter NAME=DIR options as a dict; None (after printing why) if one is malformed."""
+    out: dict[str, str] = {}
+    for item in args.esft_adapter:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            print(f"error: --esft-adapter: want NAME=DIR, got {item!r}", file=sys.stderr)
+            return None
+        if name in out:
+            print(f"error: --esft-adapter: {name!r} given twice", file=sys.stderr)
+            return None
+        out[name] = path
+    if out and args.max_esft_adapters < len(out):
+        print(f"error: --max-esft-adapters: {args.max_esft_adapters} slots for {len(out)} --esft-adapter",
+              file=sys.stderr)
+        return None
+    if args.max_esft_adapters < 0 or args.max_esft_experts < 1:
+        print("error: --max-esft-adapters must be >= 0 and --max-esft-experts >= 1", file=sys.stderr)
+        return None
+    return out
+
+
 def _run_serve(args: argparse.Namespace) -> int:
+    esft_adapters = _esft_adapter_args(args)
+    if esft_adapters is None:
+        return 2
     if not args.single:
-        return _run_serve_elastic(args)
+        return _run_serve_elastic(args, esft_adapters)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"error: --model: {args.model} has no config.json (make one with `elasticmoe make-model`)",
               file=sys.stderr)
@@ -95,10 +182,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens,
         log_level=args.log_level.lower(),
+        max_esft_adapters=args.max_esft_adapters,
+        max_esft_experts=args.max_esft_experts if args.max_esft_adapters else 0,
+        esft_adapters=esft_adapters,
     )
 
 
-def _run_serve_elastic(args: argparse.Namespace) -> int:
+def _run_serve_elastic(args: argparse.Namespace, esft_adapters: dict[str, str]) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.launch import serve_elastic
 
@@ -110,6 +200,8 @@ def _run_serve_elastic(args: argparse.Namespace) -> int:
             kv_bytes_per_device=int(kv_cache_gb * (1 << 30)), max_queued=args.max_queued,
             served_model_name=args.served_model_name, standby_pool=not args.no_standby_pool,
             max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_esft_adapters=args.max_esft_adapters, max_esft_experts=args.max_esft_experts,
+            esft_adapters=tuple(esft_adapters.items()),
         )
     except ValueError as exc:
         print(f"error: {exc} (elastic server; --single runs one engine in this process)", file=sys.stderr)
@@ -122,11 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_model(sub)
+    _add_make_esft_adapter(sub)
     _add_serve(sub)
     return parser
 
 
-_COMMANDS = {"make-model": _run_make_model, "serve": _run_serve}
+_COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter, "serve": _run_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,8 +186,15 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     ep_rank: int = 0
     ep_size: int = 1
+    # ESFT adapters (ExpertWeave): N slots of at most E_max tuned experts per MoE layer each.
+    max_esft_adapters: int = 0
+    max_esft_experts: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_esft_adapters < 0 or self.max_esft_experts < 0:
+            raise ValueError("max_esft_adapters / max_esft_experts: must be >= 0")
+        if self.max_esft_adapters and not self.max_esft_experts:
+            raise ValueError("max_esft_experts: must be >= 1 when max_esft_adapters > 0")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -14,3 +14,14 @@ class InvalidRequestError(ValueError):
         # Crosses process boundaries (Ray actors) with `.param` intact: the default
         # pickling would call the constructor with the formatted message only.
         return (type(self), (self.param, self.message))
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request names an adapter (in `model`) that is not loaded: HTTP 404, like an unknown model."""
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__("model", f"adapter {adapter!r} is not loaded")
+        self.adapter = adapter
+
+    def __reduce__(self):
+        return (type(self), (self.adapter,))

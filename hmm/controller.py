@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import ray
@@ -31,11 +31,12 @@ import torch
 
 from elasticmoe.config import ModelConfig
 from elasticmoe.models.registry import model_family
-from elasticmoe.models.weights import ParamSpec
+from elasticmoe.models.weights import ParamSpec, with_adapter_slots
 from elasticmoe.parallel.expert_placement import ExpertPlacement
-from hmm.device_memory import DEVICE_PAGE_SIZE, Handle
+from hmm.device_memory import DEVICE_PAGE_SIZE, AdapterRow, Handle
 from hmm.layout import DeviceSpec, Layout, ModelSizes, TensorKey, layout_for
 from hmm.memory import MemoryUsage
+from hmm.memory.page_table import SlotPages
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, Transfer
 from hmm.planner import TargetConfig, load_plan, plan
@@ -46,6 +47,16 @@ from hmm.worker import DeviceWorker, DeviceWorkerActor
 logger = logging.getLogger(__name__)
 
 P2PMode = Literal["auto", "gloo", "fast"]
+
+
+@dataclass(frozen=True, slots=True)
+class EsftEntry:
+    """A registered ESFT adapter: its slot, files and tuned experts (layer -> ids)."""
+
+    name: str
+    slot: int
+    path: str
+    experts: dict[int, tuple[int, ...]]
 
 
 class HMMController:
@@ -76,6 +87,9 @@ class HMMController:
         self.model_config: ModelConfig | None = None
         self.dtype = torch.bfloat16
         self.bytes_read_from_disk = 0
+        self.esft_slots = (0, 0)  # (N adapter slots, E_max rows each) per expert stack
+        self.adapters: dict[str, EsftEntry] = {}
+        self._sources: dict[tuple[str, int], tuple[str, ...]] | None = None
 
     # ---- calls to workers ------------------------------------------------------------
 
@@ -121,20 +135,117 @@ class HMMController:
     # ---- load / plan / execute / commit / abort ---------------------------------------
 
     def load(
-        self, model_dir: str, dp: int, dtype: torch.dtype = torch.bfloat16, kv_bytes: int | None = None
+        self,
+        model_dir: str,
+        dp: int,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_bytes: int | None = None,
+        esft_slots: tuple[int, int] = (0, 0),
     ) -> ScalePlan:
         """Initial layout of (dp, ep=dp) on the first `dp` devices: each tensor read from
-        disk once, the replicas filled by p2p; committed on success."""
+        disk once, the replicas filled by p2p; committed on success. `esft_slots` = (N, E_max):
+        every expert stack is a virtual weight tensor with N adapter slots of E_max rows
+        (address space only). Adapters registered before (an `unload` + `load`) are mapped again."""
         if self.layout is not None:
             raise RuntimeError("hmm: a model is already loaded")
-        self.model_dir, self.dtype = model_dir, dtype
+        self.model_dir, self.dtype, self.esft_slots = model_dir, dtype, esft_slots
         self.model_config = cfg = ModelConfig.from_pretrained(model_dir)
         sizes = ModelSizes.from_model(cfg, dtype.itemsize)
         layout = layout_for(None, sizes, list(self.devices.values()), dp, dp, kv_bytes=kv_bytes)
         p = load_plan(layout)
         self.execute(p)
         self.commit()
+        for entry in list(self.adapters.values()):
+            self._map_adapter(entry)
         return p
+
+    # ---- ESFT adapters ------------------------------------------------------------------
+
+    def load_adapter(
+        self, name: str, slot: int, path: str, experts: dict[int, tuple[int, ...]]
+    ) -> dict[int, dict[str, list[SlotPages]]]:
+        """Map and fill adapter `name`'s experts in adapter slot `slot`: each on the device holding
+        the base expert it replaces. Returns device -> param -> the new rows' pages (the ranks map
+        them into their views). All or nothing."""
+        n, e_max = self.esft_slots
+        if self.layout is None or self.pending is not None:
+            raise RuntimeError("hmm: adapters load with a committed layout and no pending plan")
+        if name in self.adapters or not 0 <= slot < n or any(a.slot == slot for a in self.adapters.values()):
+            raise ValueError(f"hmm: adapter {name!r} / slot {slot} is taken or out of range [0, {n})")
+        if any(len(ids) > e_max for ids in experts.values()):
+            raise ValueError(f"hmm: an adapter layer tunes more than E_max={e_max} experts")
+        entry = EsftEntry(name, slot, path, dict(experts))
+        pages = self._map_adapter(entry)
+        self.adapters[name] = entry
+        return pages
+
+    def unload_adapter(self, name: str) -> int:
+        """Release adapter `name`'s rows on every device (pages back to the pools); bytes freed."""
+        entry = self.adapters.pop(name)
+        assert self.layout is not None
+        rows = self._adapter_rows(self.layout, entry)
+        return sum(self._gather([
+            self._call(d, "unmap_adapter_rows", [(r.param, r.row) for r in rs]) for d, rs in rows.items()
+        ]))
+
+    def adapter_rows(self, name: str) -> dict[int, dict[str, list[int]]]:
+        """device -> stacked param -> the rows adapter `name` occupies in the committed layout."""
+        assert self.layout is not None
+        out: dict[int, dict[str, list[int]]] = {}
+        for device, rows in self._adapter_rows(self.layout, self.adapters[name]).items():
+            for r in rows:
+                out.setdefault(device, {}).setdefault(r.param, []).append(r.row)
+        return out
+
+    def _map_adapter(self, entry: EsftEntry) -> dict[int, dict[str, list[SlotPages]]]:
+        assert self.layout is not None
+        rows = self._adapter_rows(self.layout, entry)
+        devices = list(rows)
+        results = [self._call(d, "map_adapter_rows", rows[d]) for d in devices]
+        try:
+            pages = self._gather(results)
+        except BaseException:
+            # NOTE: a device that failed mapped nothing; undo the ones that succeeded.
+            for d in devices:
+                try:
+                    self._gather([self._call(d, "unmap_adapter_rows", [(r.param, r.row) for r in rows[d]])])
+                except Exception:  # noqa: BLE001 - best effort; the original error matters
+                    logger.exception("hmm: undoing adapter %r on device %d failed", entry.name, d)
+            raise
+        return dict(zip(devices, pages, strict=True))
+
+    def _adapter_rows(
+        self, layout: Layout, entry: EsftEntry, previous: Layout | None = None
+    ) -> dict[int, list[AdapterRow]]:
+        """device -> rows of `entry`'s experts in `layout` (with their rows in `previous`, if the
+        expert stays on that device)."""
+        _, e_max = self.esft_slots
+        sources = self._expert_sources()
+        rows: dict[int, list[AdapterRow]] = defaultdict(list)
+        for layer, ids in entry.experts.items():
+            for index, e in enumerate(ids):
+                d = layout.holder(e)
+                row = len(layout.local_experts(d)) + entry.slot * e_max + index
+                old = None
+                if previous is not None and d in previous.device_ids and previous.holder(e) == d:
+                    old = len(previous.local_experts(d)) + entry.slot * e_max + index
+                for param in ("w13", "w2"):
+                    name = f"layers.{layer}.moe.{param}"
+                    rows[d].append(AdapterRow(name, row, sources[(name, e)], entry.path, old))
+        return dict(rows)
+
+    def _expert_sources(self) -> dict[tuple[str, int], tuple[str, ...]]:
+        """(stacked param, expert) -> its checkpoint tensor names (the same in adapter files)."""
+        if self._sources is None:
+            cfg = self.model_config
+            assert cfg is not None
+            specs = model_family(cfg.arch).param_specs(cfg, tuple(range(cfg.num_experts)))
+            self._sources = {
+                (s.name, e): src
+                for s in specs if s.expert_ids is not None
+                for e, src in zip(s.expert_ids, s.sources, strict=True)
+            }
+        return self._sources
 
     def plan(self, target: TargetConfig, options: TransitionOptions = DEFAULT_OPTIONS) -> ScalePlan:
         """A plan from the committed layout to `target` using the mechanisms in `options`."""
@@ -168,15 +279,22 @@ class HMMController:
 
     def _specs(self, layout: Layout, device_id: int) -> list[ParamSpec]:
         assert self.model_config is not None
-        return model_family(self.model_config.arch).param_specs(
-            self.model_config, layout.local_experts(device_id)
-        )
+        n, e_max = self.esft_slots
+        specs = model_family(self.model_config.arch).param_specs(self.model_config, layout.local_experts(device_id))
+        return with_adapter_slots(specs, n * e_max)
 
     def _stage_and_load(self, p: ScalePlan) -> dict[str, int]:
         tgt, ids = p.target, p.device_ids()
         specs = {d: self._specs(tgt, d) if d in tgt.device_ids else [] for d in ids}
         kv = {d: tgt.kv_bytes[tgt.rank_of(d)] if d in tgt.device_ids else 0 for d in ids}
-        filled = self._gather([self._call(d, "begin", specs[d], self.dtype, kv[d], p.options) for d in ids])
+        # ESFT adapters move with their base experts (pages kept where the expert stays).
+        rows: dict[int, list[AdapterRow]] = defaultdict(list)
+        for entry in self.adapters.values():
+            for d, rs in self._adapter_rows(tgt, entry, p.current).items():
+                rows[d] += rs
+        filled = self._gather(
+            [self._call(d, "begin", specs[d], self.dtype, kv[d], p.options, rows.get(d, [])) for d in ids]
+        )
         expected: dict[int, set[TensorKey]] = defaultdict(set)
         disk: dict[int, list[TensorKey]] = defaultdict(list)
         local: dict[int, list[TensorKey]] = defaultdict(list)

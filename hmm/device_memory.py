@@ -40,6 +40,7 @@ from hmm.memory import (
     VirtualTensor,
     VirtualTensorHandle,
 )
+from hmm.memory.page_table import SlotPages
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 
@@ -59,6 +60,18 @@ class ExpertStack:
 
     def slot(self, expert: int) -> int:
         return self.expert_ids.index(expert)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRow:
+    """One ESFT adapter expert in a device's expert stack `param` (ExpertWeave's virtual weight
+    tensor: base experts first, then N adapter slots of E_max rows)."""
+
+    param: str
+    row: int
+    sources: tuple[str, ...]  # checkpoint tensor names (the base's), concatenated along dim 0
+    adapter_dir: str
+    old_row: int | None = None  # in a transition: its row in this device's current stack
 
 
 @dataclass(slots=True)
@@ -106,10 +119,14 @@ class DeviceMemory:
         dtype: torch.dtype,
         kv_bytes: int,
         options: TransitionOptions = DEFAULT_OPTIONS,
+        adapter_rows: Sequence[AdapterRow] = (),
     ) -> list[TensorKey]:
         """Stage the target tensors `specs` (+ a KV pool of `kv_bytes`) under `options`;
         return the keys that got fresh memory and must be filled (a fresh KV pool is
-        never listed: it starts empty). On error nothing is left staged."""
+        never listed: it starts empty). ESFT `adapter_rows` of the target are staged and
+        filled here: an expert this device already holds keeps its pages (zero-copy, when
+        `options` allow), the others are read from their adapter's files. On error nothing
+        is left staged."""
         if self.staged is not None:
             raise RuntimeError(f"device {self.device_id}: a transition is already staged")
         self.staged = staged = DeviceState()
@@ -130,6 +147,7 @@ class DeviceMemory:
                 staged.kv = cur_kv
             elif kv_bytes > 0:
                 staged.kv = self.shm.allocate((kv_bytes,), torch.uint8)
+            self._stage_adapter_rows(staged, adapter_rows, options)
         except BaseException:
             self.abort()
             raise
@@ -141,8 +159,9 @@ class DeviceMemory:
         assert spec.expert_ids is not None
         ids, row_shape = spec.expert_ids, spec.shape[1:]
         cur = self.current.experts.get(spec.name) if options.zero_copy else None
+        num_slots = spec.shape[0]  # > len(ids): ESFT adapter rows after the base experts
         same_geometry = cur is not None and cur.vt.slot_shape == row_shape and cur.vt.dtype == dtype
-        if cur is not None and same_geometry and cur.expert_ids == ids:
+        if cur is not None and same_geometry and cur.expert_ids == ids and cur.vt.num_slots == num_slots:
             staged.experts[spec.name] = cur  # nothing moves: the same virtual tensor
             return []
         if not options.paged_remap:
@@ -150,7 +169,7 @@ class DeviceMemory:
         layer = TensorKey.dense(spec.name).layer
         if layer is None:
             raise ValueError(f"{spec.name}: stacked expert params are named layers.<i>.*")
-        vt = VirtualTensor(self.pool, len(ids), row_shape, dtype, align_slots=True)
+        vt = VirtualTensor(self.pool, num_slots, row_shape, dtype, align_slots=True)
         staged.experts[spec.name] = ExpertStack(vt, ids, layer)  # registered first: abort unmaps it
         to_fill: list[TensorKey] = []
         for slot, e in enumerate(ids):
@@ -160,6 +179,58 @@ class DeviceMemory:
                 vt.map_slot(slot)
                 to_fill.append(TensorKey.expert_row(spec.name, layer, e))
         return to_fill
+
+    def _stage_adapter_rows(
+        self, staged: DeviceState, rows: Sequence[AdapterRow], options: TransitionOptions
+    ) -> None:
+        for r in rows:
+            stack = staged.experts[r.param]
+            cur = self.current.experts.get(r.param)
+            if stack is cur:
+                continue  # the same virtual tensor: its adapter rows are already in place
+            if r.old_row is not None and cur is not None and options.zero_copy and options.paged_remap:
+                stack.vt.map_slot(r.row, source=cur.vt.slot_pages(r.old_row))  # same pages, new row
+            else:
+                stack.vt.map_slot(r.row)
+                self._reader(r.adapter_dir).read_into(stack.vt.tensor[r.row], r.sources)
+
+    def map_adapter_rows(self, rows: Sequence[AdapterRow]) -> dict[str, list[SlotPages]]:
+        """Outside a transition: map fresh pages for ESFT adapter rows of the current stacks and
+        read them from the adapter's files. Returns param -> the rows' pages (for the ranks'
+        views). All or nothing."""
+        if self.staged is not None:
+            raise RuntimeError(f"device {self.device_id}: adapters change outside transitions only")
+        done: list[AdapterRow] = []
+        try:
+            for r in rows:
+                vt = self.current.experts[r.param].vt
+                if vt.is_mapped(r.row):
+                    raise ValueError(f"device {self.device_id}: {r.param} row {r.row} is already mapped")
+                vt.map_slot(r.row)
+                done.append(r)
+                self._reader(r.adapter_dir).read_into(vt.tensor[r.row], r.sources)
+        except BaseException:
+            self.unmap_adapter_rows([(r.param, r.row) for r in done])
+            raise
+        out: dict[str, list[SlotPages]] = {}
+        for r in rows:
+            out.setdefault(r.param, []).append(self.current.experts[r.param].vt.slot_pages(r.row))
+        return out
+
+    def unmap_adapter_rows(self, rows: Sequence[tuple[str, int]]) -> int:
+        """Release ESFT adapter rows of the current stacks (pages back to the pool); returns bytes freed."""
+        before = self.account.used
+        for param, row in rows:
+            vt = self.current.experts[param].vt
+            if vt.is_mapped(row):
+                vt.unmap_slot(row)
+        return before - self.account.used
+
+    def _reader(self, path: str | Path) -> SafetensorsWeightProvider:
+        reader = self._readers.get(str(path))
+        if reader is None:
+            reader = self._readers[str(path)] = SafetensorsWeightProvider(path)
+        return reader
 
     def commit(self) -> int:
         """Free what the staged state does not hold and make it current; return bytes freed.
@@ -231,9 +302,7 @@ class DeviceMemory:
     def load_from_disk(self, model_dir: str | Path, specs: Iterable[ParamSpec], dtype: torch.dtype) -> int:
         """Read exactly the checkpoint tensors of `specs` (stacked specs may name any
         subset of the staged experts) into their buffers; return the bytes read."""
-        reader = self._readers.get(str(model_dir))
-        if reader is None:
-            reader = self._readers[str(model_dir)] = SafetensorsWeightProvider(model_dir)
+        reader = self._reader(model_dir)
         start = reader.bytes_read
         for spec in specs:
             if spec.expert_ids is None:

@@ -22,9 +22,10 @@ import ray
 import torch
 
 from elasticmoe.models.weights import ParamSpec
-from hmm.device_memory import DEVICE_PAGE_SIZE, DeviceMemory, Handle
+from hmm.device_memory import DEVICE_PAGE_SIZE, AdapterRow, DeviceMemory, Handle
 from hmm.layout import DeviceSpec, TensorKey
 from hmm.memory import MemoryUsage
+from hmm.memory.page_table import SlotPages
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, P2PGroup, Transfer, copy_from_handles
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
@@ -96,9 +97,17 @@ class DeviceWorker:
         dtype: torch.dtype,
         kv_bytes: int,
         options: TransitionOptions = DEFAULT_OPTIONS,
+        adapter_rows: Sequence[AdapterRow] = (),
     ) -> list[TensorKey]:
         self._check("begin")
-        return self.memory.begin(specs, dtype, kv_bytes, options)
+        return self.memory.begin(specs, dtype, kv_bytes, options, adapter_rows)
+
+    def map_adapter_rows(self, rows: Sequence[AdapterRow]) -> dict[str, list[SlotPages]]:
+        self._check("map_adapter_rows")
+        return self.memory.map_adapter_rows(rows)
+
+    def unmap_adapter_rows(self, rows: Sequence[tuple[str, int]]) -> int:
+        return self.memory.unmap_adapter_rows(rows)
 
     def local_copy(self, keys: Sequence[TensorKey]) -> int:
         """Fill staged buffers of kept tensors from this device's current ones."""

@@ -37,6 +37,19 @@ from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.outputs import RequestOutput
 
 
+class RankPaused(RuntimeError):
+    """`generate` reached a rank that is pausing for a switchover before the request was admitted:
+    nothing was streamed, so the caller routes it again (the router's gate holds it until the
+    new instance serves)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id!r} reached a pausing rank; route it again")
+        self.request_id = request_id
+
+    def __reduce__(self):
+        return (type(self), (self.request_id,))
+
+
 @dataclass(frozen=True, slots=True)
 class HandedOverOutput:
     """Last item of a `generate` stream whose request moved to another instance (not finished)."""

@@ -97,16 +97,32 @@ class Instance:
 
     @classmethod
     def create_standby(
-        cls, model_dir: str, dp: int, engine_options: Mapping[str, Any] | None = None, **kwargs: Any
+        cls,
+        model_dir: str,
+        dp: int,
+        engine_options: Mapping[str, Any] | None = None,
+        paced: bool = False,
+        **kwargs: Any,
     ) -> Instance:
-        """Start `dp` rank actors, form their EP group, build the skeletons (no weights)."""
+        """Start `dp` rank actors, form their EP group, build the skeletons (no weights).
+
+        `paced`: start the rank processes one after another instead of all at once. A process
+        start (interpreter, torch import) takes ~2 CPU-seconds; a background preparation
+        of a dp=4 standby would otherwise take every core from the serving instance.
+        """
         inst = cls(dp, model_dir, **kwargs)
         options = dict(engine_options or {})
 
+        def start_rank(r: int) -> Any:
+            rank: Any = InstanceRankActor.options(name=f"{inst.instance_id}-r{r}").remote(r, dp)
+            if paced:
+                inst._get(rank.node_address.remote())  # returns once the process is up
+            return rank
+
         def boot() -> None:
-            inst.ranks = [
-                InstanceRankActor.options(name=f"{inst.instance_id}-r{r}").remote(r, dp) for r in range(dp)
-            ]
+            inst.ranks = []
+            for r in range(dp):  # NOTE: appended one by one, so `retire` reaches every started rank
+                inst.ranks.append(start_rank(r))
             addr, port = inst._get([inst.ranks[0].node_address.remote(), inst.ranks[0].free_port.remote()])
             group = GroupSpec(dp, addr, port, epoch=0)
             inst._get([rank.init_group.remote(group) for rank in inst.ranks])

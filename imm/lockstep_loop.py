@@ -33,8 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from elasticmoe.engine.async_llm import (
     EngineDeadError,
     _Abort,
     _Add,
+    _Call,
     _call_soon,
     _Stop,
     _Stream,
@@ -69,16 +69,6 @@ class _Pause(_Stop):
     """Leave the loop at the next round boundary, keeping the consumers waiting."""
 
 
-@dataclass(slots=True)
-class _Call:
-    """Run `fn` on the loop thread between rounds; its result or error goes to `done`."""
-
-    fn: Callable[[], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
-
-
 class LockstepAsyncLLM(AsyncLLM):
     """`AsyncLLM` for one rank of an EP group; `group=None` runs the same loop on one rank."""
 
@@ -96,6 +86,7 @@ class LockstepAsyncLLM(AsyncLLM):
         self.num_rounds = 0
         self.num_steps = 0
         self.is_paused = False
+        self.pause_requested = False  # set before the loop is asked to pause; new requests are turned away
 
     # ---- pause / handover ---------------------------------------------------------------
 
@@ -106,6 +97,7 @@ class LockstepAsyncLLM(AsyncLLM):
         thread = self._thread
         if thread is None:
             raise EngineDeadError("pause: the engine loop was never started")
+        self.pause_requested = True
         if thread.is_alive():
             self._commands.put(_Pause())
             thread.join(timeout_s)
@@ -120,7 +112,7 @@ class LockstepAsyncLLM(AsyncLLM):
         thread = self._thread
         if not self.is_paused or thread is None or thread.is_alive():
             raise RuntimeError("unpause: the loop is not paused")
-        self.is_paused, self._stopping = False, False
+        self.is_paused, self._stopping, self.pause_requested = False, False, False
         self._last_tick = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -168,17 +160,6 @@ class LockstepAsyncLLM(AsyncLLM):
         """Forget adopted streams whose import failed (nothing will be delivered to them)."""
         for request_id in request_ids:
             self._forget(request_id)
-
-    async def run_on_loop(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the loop thread between rounds (so it may touch the engine); await it."""
-        if not self.is_ready:
-            raise EngineDeadError("the engine loop is not running")
-        call = _Call(fn)
-        self._commands.put(call)  # type: ignore[arg-type]  # this loop also applies `_Call`
-        await asyncio.to_thread(call.done.wait)
-        if call.error is not None:
-            raise call.error
-        return call.result
 
     async def resume(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Stream an adopted request's outputs until one is finished (like `generate` after
@@ -261,11 +242,7 @@ class LockstepAsyncLLM(AsyncLLM):
         if isinstance(command, _Stop):
             return _STOP
         if isinstance(command, _Call):
-            try:
-                command.result = command.fn()
-            except Exception as exc:  # noqa: BLE001 - the error belongs to the caller
-                command.error = exc
-            command.done.set()
+            command.run()
             return _RUN
         assert isinstance(command, _Add | _Abort)
         self._apply(command)

@@ -38,11 +38,14 @@ class ManagedInstance(Protocol):
 Factory = Callable[[int], ManagedInstance]
 
 
-def instance_factory(model_dir: str, engine_options: Mapping[str, Any] | None = None) -> Factory:
-    """Factory of real standby `Instance`s (imported lazily so unit tests need no Ray)."""
+def instance_factory(
+    model_dir: str, engine_options: Mapping[str, Any] | None = None, paced: bool = True
+) -> Factory:
+    """Factory of real standby `Instance`s (imported lazily so unit tests need no Ray). Paced by
+    default: the pool boots in the background, beside a serving instance (`Instance.create_standby`)."""
     from imm.instance import Instance
 
-    return lambda dp: Instance.create_standby(model_dir, dp, engine_options)
+    return lambda dp: Instance.create_standby(model_dir, dp, engine_options, paced=paced)
 
 
 class InstanceManager:

@@ -37,16 +37,18 @@ import ray
 import torch.distributed as dist
 
 from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tokenizer import Tokenizer
-from hmm.memory import TensorHandle
+from hmm.memory import TensorHandle, VirtualTensorHandle, map_slot_pages, unmap_slot_pages
+from hmm.memory.page_table import SlotPages
 from hmm.p2p import GroupSpec
 from hmm.providers import Handle
-from imm.handover import HandedOverOutput, ImportReport, KVFence
+from imm.handover import HandedOverOutput, ImportReport, KVFence, RankPaused
 from imm.lockstep_loop import HandedOver, LockstepAsyncLLM
 from imm.zero_copy import AttachReport, ZeroCopyLoader, check_zero_copy
 
@@ -82,6 +84,7 @@ class InstanceRank:
         self.llm: LockstepAsyncLLM | None = None
         self.kv_fence: KVFence | None = None
         self.has_exported = False
+        self.handle_set: dict[str, Handle] = {}  # what the engine attached to (ESFT rows map into it)
 
     # ---- standby -----------------------------------------------------------------------
 
@@ -137,6 +140,7 @@ class InstanceRank:
         if self.engine is not None:
             raise RuntimeError("already attached")
         loader = ZeroCopyLoader(handle_set, kv_handle)
+        self.handle_set = dict(handle_set)
         config = self.config
         if config.num_kv_blocks is None:
             config = dataclasses.replace(config, kv_cache_bytes=loader.kv_pool_bytes)
@@ -185,7 +189,7 @@ class InstanceRank:
 
     @ray.method(num_returns="streaming")  # type: ignore[call-arg]
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
         """Stream this request's `RequestOutput`s (deltas + cumulative); the last has `finished=True`,
         or is a `HandedOverOutput` when the request moved to another instance (`imm.handover`).
@@ -193,11 +197,73 @@ class InstanceRank:
         Input errors raise before anything is yielded. NOTE: cancelling the Ray generator
         cancels this coroutine, whose cleanup aborts the request in the engine.
         """
+        llm = self._llm()
+        if llm.pause_requested or llm.is_paused or self.has_exported:
+            raise RankPaused(request_id)
         try:
-            async for out in self._llm().generate(prompt, params, request_id):
+            async for out in llm.generate(prompt, params, request_id, adapter):
                 yield out
         except HandedOver:
             yield HandedOverOutput(request_id)
+        except EngineDeadError:
+            # NOTE: Ray may start this task after a concurrent `pause` although it was sent
+            # first; the request then never reached the engine (or was failed unexported by
+            # `hand_over_streams`) and nothing was streamed: send it elsewhere, do not fail it.
+            if llm.pause_requested or llm.is_paused:
+                raise RankPaused(request_id) from None
+            raise
+
+    # ---- ESFT adapters (ExpertWeave; the coordinator drives every rank, see coordinator.adapters) ----
+
+    async def load_esft_adapter(
+        self, name: str, slot: int, experts: dict[int, tuple[int, ...]], pages: dict[str, list[SlotPages]] | None
+    ) -> int:
+        """Route adapter `name` (slot `slot`) to its expert rows, which the HMM has mapped and
+        filled on this rank's device: `pages` are rows mapped after this engine attached (this
+        view maps them first); None: rows already in the handle set the engine attached to."""
+        engine, handles = self.engine, self.handle_set
+        assert engine is not None
+        for param, slot_pages in (pages or {}).items():
+            handle = handles[param]
+            assert isinstance(handle, VirtualTensorHandle)
+            map_slot_pages(engine.weights[param], handle, slot_pages)
+        return int(await self._on_loop(lambda: engine.load_esft_adapter(name, experts, None, slot=slot)))
+
+    async def unload_esft_adapter(self, name: str) -> bool:
+        """Stop admitting requests for `name` (see `LLMEngine.unload_esft_adapter`)."""
+        engine = self.engine
+        assert engine is not None
+        return bool(await self._on_loop(lambda: engine.unload_esft_adapter(name)))
+
+    async def esft_adapter_in_use(self, name: str) -> bool:
+        engine = self.engine
+        assert engine is not None
+        return bool(await self._on_loop(lambda: engine.esft_adapter_in_use(name)))
+
+    async def finish_esft_unload(self, name: str, rows: dict[str, list[int]]) -> None:
+        """Release `name` in the engine (if still there) and unmap its `rows` from this view;
+        the HMM then returns their pages to the pool."""
+        engine, handles = self.engine, self.handle_set
+        assert engine is not None
+
+        def work() -> None:
+            if name in engine.unloading_adapters:
+                engine.finish_esft_unload(name)
+
+        await self._on_loop(work)
+        for param, slots in rows.items():
+            handle = handles[param]
+            assert isinstance(handle, VirtualTensorHandle)
+            unmap_slot_pages(engine.weights[param], handle, slots)
+
+    def esft_adapters(self) -> tuple[str, ...]:
+        return tuple(self.engine.esft_adapters) if self.engine is not None else ()
+
+    async def _on_loop(self, fn: Any) -> Any:
+        """Run `fn` on the engine thread: through the loop if it runs, else directly (warming up)."""
+        if self.llm is not None and self.llm.is_ready:
+            return await self.llm.run_on_loop(fn)
+        return fn()
 
     # ---- switchover ----------------------------------------------------------------------
 

@@ -249,6 +249,7 @@ def summarize(m: Measured, args: argparse.Namespace) -> dict[str, Any]:
         "requests_handed_over": ev.get("requests_handed_over"),
         "failed_requests": failed_requests(records, w.event),
         "failed_requests_total": failed_requests(records),
+        "errors": sorted({f"{r.status}: {r.error}" for r in records if not r.is_ok})[:5],  # distinct, first 5
         "num_requests": len(records),
         "throughput_tok_s": {
             "before": output_throughput(records, w.before),

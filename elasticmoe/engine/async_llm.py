@@ -22,8 +22,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elasticmoe.outputs import RequestOutput
@@ -44,7 +44,9 @@ class EngineCore(Protocol):
     @property
     def num_waiting(self) -> int: ...
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def abort(self, request_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -59,6 +61,24 @@ class _Add:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
+    adapter: str | None = None
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run `fn` on the loop thread between steps; its result or error goes to `done`."""
+
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except Exception as exc:  # noqa: BLE001 - the error belongs to the caller
+            self.error = exc
+        self.done.set()
 
 
 @dataclass(slots=True)
@@ -82,7 +102,7 @@ class AsyncLLM:
     def __init__(self, engine: EngineCore, *, stall_timeout_s: float = 60.0) -> None:
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
-        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Stop | _Call] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams
         self._thread: threading.Thread | None = None
@@ -141,8 +161,23 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ client API
 
+    def adapter_names(self) -> tuple[str, ...]:
+        """ESFT adapters accepting requests (a snapshot the engine publishes; safe from any thread)."""
+        return tuple(getattr(self.engine, "esft_adapters", ()))
+
+    async def run_on_loop(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the loop thread between steps (so it may touch the engine); await its result."""
+        if not self.is_ready:
+            raise EngineDeadError("the engine loop is not running")
+        call = _Call(fn)
+        self._commands.put(call)
+        await asyncio.to_thread(call.done.wait)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, adapter: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs until one has `finished=True`.
 
@@ -159,7 +194,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params))
+        self._commands.put(_Add(request_id, prompt, params, adapter))
         async with contextlib.aclosing(self._consume(request_id, stream, report_abort=True)) as outputs:
             async for output in outputs:
                 yield output
@@ -237,10 +272,13 @@ class AsyncLLM:
         finally:
             logger.info("engine loop stopped")
 
-    def _apply(self, command: _Add | _Abort | _Stop) -> bool:
+    def _apply(self, command: _Add | _Abort | _Stop | _Call) -> bool:
         """Run one command on the engine; False means stop the loop."""
         if isinstance(command, _Stop):
             return False
+        if isinstance(command, _Call):
+            command.run()
+            return True
         if isinstance(command, _Abort):
             self.engine.abort(command.request_id)
             return True
@@ -249,7 +287,7 @@ class AsyncLLM:
         if stream is None:  # consumer already gone
             return True
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.adapter)
         except Exception as exc:  # input errors belong to the caller of generate()
             self._forget(command.request_id)
             _call_soon(stream.loop, stream.queue.put_nowait, exc)

@@ -39,6 +39,7 @@ class RequestSnapshot:
     text: str
     num_emitted_chars: int
     num_emitted_tokens: int
+    adapter: str | None = None  # ESFT adapter; the importing engine must have it loaded
 
 
 def snapshot(request: Request, text_state) -> RequestSnapshot:
@@ -59,6 +60,7 @@ def snapshot(request: Request, text_state) -> RequestSnapshot:
         text=text_state.text,
         num_emitted_chars=text_state.num_emitted_chars,
         num_emitted_tokens=text_state.num_emitted_tokens,
+        adapter=request.adapter,
     )
 
 
@@ -66,7 +68,7 @@ def restore(snap: RequestSnapshot, keep_kv: bool) -> Request:
     """A request object for the importing engine; KV kept only if `keep_kv` and it had blocks."""
     request = Request(
         snap.request_id, list(snap.token_ids), snap.num_prompt_tokens, snap.params, snap.max_total_tokens,
-        arrival_time=snap.arrival_time,
+        arrival_time=snap.arrival_time, adapter=snap.adapter,
     )
     if snap.generator_state is not None and request.generator is not None:
         request.generator.set_state(snap.generator_state)

@@ -13,6 +13,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
@@ -22,9 +23,14 @@ from elasticmoe.engine.output_processor import OutputProcessor
 from elasticmoe.engine.request import Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
-from elasticmoe.errors import InvalidRequestError
+from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
 from elasticmoe.models.registry import model_family
-from elasticmoe.models.weights import SafetensorsWeightProvider, WeightProvider, load_weights
+from elasticmoe.models.weights import (
+    SafetensorsWeightProvider,
+    WeightProvider,
+    load_weights,
+    with_adapter_slots,
+)
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.parallel.dispatch import AllToAllDispatcher, LocalDispatcher
 from elasticmoe.parallel.expert_placement import ExpertPlacement
@@ -56,6 +62,8 @@ class LLMEngine:
 
         family = model_family(cfg.arch)
         specs = family.param_specs(cfg, self.placement.local_expert_ids(config.ep_rank))
+        # ESFT: each expert stack is a virtual weight tensor [E_local + N*E_max, ...] (rows unfilled).
+        specs = with_adapter_slots(specs, config.max_esft_adapters * config.max_esft_experts)
         provider = weight_provider or SafetensorsWeightProvider(config.model)
         self.weights = load_weights(specs, provider, config.dtype)
         dispatcher: LocalDispatcher | AllToAllDispatcher
@@ -64,6 +72,12 @@ class LLMEngine:
         else:
             dispatcher = AllToAllDispatcher(self.placement, config.ep_rank, ep_group)
         self.model = family.build(cfg, self.weights, dispatcher)
+        self.esft: EsftSlots | None = None
+        if config.max_esft_adapters:
+            self.esft = EsftSlots(self.model, self.placement, config.ep_rank, config.max_esft_adapters,
+                                  config.max_esft_experts)
+        self.unloading_adapters: set[str] = set()
+        self.esft_adapters: tuple[str, ...] = ()  # loaded adapters that accept requests
 
         self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), config.dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
@@ -94,10 +108,15 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises `InvalidRequestError` (a ValueError naming the field); nothing is kept then."""
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None:
+        """Queue a request (for ESFT `adapter`, None: the base model). Raises `InvalidRequestError`
+        (a ValueError naming the field; `UnknownAdapterError` for an adapter not loaded); nothing
+        is kept then."""
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"request {request_id!r} is already running")
+        slot = self._adapter_slot(adapter)
         token_ids = self._prompt_token_ids(prompt)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -112,10 +131,78 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                 f"context length {self.max_model_len}",
             )
-        request = Request(request_id, token_ids, len(token_ids), params, self.max_model_len)
+        request = Request(request_id, token_ids, len(token_ids), params, self.max_model_len,
+                          adapter=adapter, adapter_slot=slot)
         self.requests[request_id] = request
         self.output_processor.add(request)
         self.scheduler.add(request)
+
+    def _adapter_slot(self, adapter: str | None) -> int:
+        if adapter is None:
+            return -1
+        slot = self.esft.index(adapter) if self.esft is not None else None
+        if slot is None or adapter in self.unloading_adapters:
+            raise UnknownAdapterError(adapter)
+        return slot
+
+    # ---- ESFT adapters --------------------------------------------------------------
+
+    def load_esft_adapter(
+        self,
+        name: str,
+        experts: dict[int, tuple[int, ...]],
+        expert_weights: ExpertWeights | None,
+        slot: int | None = None,
+    ) -> int:
+        """Load an ESFT adapter (its tuned experts that live on this rank) into slot `slot` (None:
+        a free one). `expert_weights=None`: the provider already filled its rows (HMM memory).
+        Raises `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError` naming the field."""
+        if self.esft is None:
+            raise AdapterLimitError("this engine serves no ESFT adapters (--max-esft-adapters 0)")
+        if name in self.unloading_adapters:
+            raise AdapterConflictError(f"adapter {name!r} is still unloading")
+        slot = self.esft.load(name, experts, expert_weights, slot)
+        self._publish_adapter_names()
+        return slot
+
+    def unload_esft_adapter(self, name: str) -> bool:
+        """Stop admitting requests for `name`. With one rank it is unloaded (its rows released)
+        once none of its requests is live, now or at the end of a later step; returns True if
+        that happened now. Under EP other ranks route tokens to the experts this rank holds, so
+        the caller unloads every rank with `finish_esft_unload` once no rank `esft_adapter_in_use`."""
+        if self.esft is None or self.esft.index(name) is None:
+            raise UnknownAdapterError(name)
+        self.unloading_adapters.add(name)
+        self._publish_adapter_names()
+        if self.config.ep_size == 1:
+            self._finish_unloads()
+        return name not in self.unloading_adapters
+
+    def esft_adapter_in_use(self, name: str) -> bool:
+        return any(r.adapter == name for r in self.requests.values())
+
+    def finish_esft_unload(self, name: str) -> None:
+        """Release an unloading adapter now (EP: every rank, after none is in use)."""
+        if name not in self.unloading_adapters:
+            raise UnknownAdapterError(name)
+        if self.esft_adapter_in_use(name):
+            raise AdapterConflictError(f"adapter {name!r} still has live requests")
+        assert self.esft is not None
+        self.esft.unload(name)
+        self.unloading_adapters.discard(name)
+
+    def _publish_adapter_names(self) -> None:
+        # NOTE: one tuple assignment, so other threads (HTTP handlers listing models) read a
+        # consistent snapshot without locking the engine thread.
+        names = [] if self.esft is None else self.esft.names
+        self.esft_adapters = tuple(n for n in names if n not in self.unloading_adapters)
+
+    def _finish_unloads(self) -> None:
+        assert self.esft is not None
+        busy = {r.adapter for r in self.requests.values()}
+        for name in sorted(self.unloading_adapters - busy):
+            self.esft.unload(name)
+            self.unloading_adapters.discard(name)
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -163,6 +250,7 @@ class LLMEngine:
             if snap.request_id in self.requests:
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
             request = restore(snap, keep_kv=kv_is_shared)
+            request.adapter_slot = self._adapter_slot(snap.adapter)  # it must be loaded here too
             if request.block_ids:
                 self.block_manager.claim(request.block_ids)
                 request.status = RequestStatus.RUNNING
@@ -191,7 +279,10 @@ class LLMEngine:
         if sched.is_empty and self.config.ep_size == 1:
             return []
         logits, sample_indices = self.runner.execute(sched)
-        return self._update(sched, logits, sample_indices)
+        outputs = self._update(sched, logits, sample_indices)
+        if self.unloading_adapters and self.config.ep_size == 1:
+            self._finish_unloads()
+        return outputs
 
     def _update(self, sched: SchedulerOutput, logits: torch.Tensor, sample_indices: list[int]) -> list[RequestOutput]:
         sampling = [r for (r, _), i in zip(sched.scheduled, sample_indices, strict=True) if i >= 0]

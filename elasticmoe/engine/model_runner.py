@@ -68,7 +68,12 @@ class ModelRunner:
             meta.decode_block_table, meta.decode_mask = self._decode_metadata(decodes)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        return ids, pos, ForwardContext(attn=meta), sample_indices
+        ctx = ForwardContext(attn=meta)
+        if any(request.adapter_slot >= 0 for request, _ in sched.scheduled):  # base-only batches skip rerouting
+            slots = torch.tensor([request.adapter_slot for request, _ in sched.scheduled], dtype=torch.long)
+            counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
+            ctx.token_adapter_ids = slots.repeat_interleave(counts)
+        return ids, pos, ctx, sample_indices
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:

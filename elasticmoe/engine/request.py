@@ -37,6 +37,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    adapter: str | None = None  # ESFT adapter name; None: the base model
+    adapter_slot: int = -1  # its slot in the engine (-1: base), the AID of its tokens
 
     def __post_init__(self) -> None:
         self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # shared by every output, never copied

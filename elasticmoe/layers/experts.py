@@ -44,8 +44,28 @@ def _padded_bmm(xs: torch.Tensor, sorted_slots: torch.Tensor, counts: torch.Tens
 
 
 def grouped_experts_sorted(xs: torch.Tensor, sorted_slots: torch.Tensor, w13: torch.Tensor,
-                           w2: torch.Tensor) -> torch.Tensor:
-    """Rows of xs [N, H] grouped by ascending `sorted_slots` [N] -> expert outputs [N, H] (unweighted)."""
+                           w2: torch.Tensor, dense_slots: int | None = None) -> torch.Tensor:
+    """Rows of xs [N, H] grouped by ascending `sorted_slots` [N] -> expert outputs [N, H] (unweighted).
+
+    `dense_slots`: only slots below it are sure to hold weights (a virtual weight tensor whose
+    ESFT adapter slots are mapped sparsely); the padded bmm never reads past them, and rows
+    of adapter slots (sorted last) run per slot.
+    """
+    if dense_slots is not None and dense_slots < w13.shape[0]:
+        num_dense_rows = int(torch.searchsorted(sorted_slots, dense_slots))
+        if num_dense_rows == xs.shape[0]:
+            return grouped_experts_sorted(xs, sorted_slots, w13[:dense_slots], w2[:dense_slots])
+        ys = torch.empty_like(xs)
+        if num_dense_rows:
+            ys[:num_dense_rows] = grouped_experts_sorted(
+                xs[:num_dense_rows], sorted_slots[:num_dense_rows], w13[:dense_slots], w2[:dense_slots]
+            )
+        slots, counts = torch.unique_consecutive(sorted_slots[num_dense_rows:], return_counts=True)
+        start = num_dense_rows
+        for slot, n in zip(slots.tolist(), counts.tolist(), strict=True):
+            ys[start : start + n] = swiglu_mlp(xs[start : start + n], w13[slot], w2[slot])
+            start += n
+        return ys
     num_slots = w13.shape[0]
     if xs.shape[0] == 0:
         return xs.new_empty(xs.shape)

@@ -97,23 +97,31 @@ class DenseMLP:
 
 
 class MoEBlock:
-    """route -> reroute -> dispatch -> grouped experts -> combine (+ shared experts)."""
+    """route -> reroute -> dispatch -> grouped experts -> combine (+ shared experts).
+
+    `reroute` and `tables` are set when ESFT adapters are enabled: the weights are then
+    virtual weight tensors `[E_local + N*E_max, ...]` and the layer's expert ids extend
+    past the base experts (`elasticmoe.adapters.expert_map`).
+    """
 
     def __init__(self, route: RouteFn, w: Weights, prefix: str, dispatcher, shared: DenseMLP | None = None) -> None:
         self.route = route
-        self.w13, self.w2 = w[f"{prefix}.w13"], w[f"{prefix}.w2"]  # [E_local, 2I, H], [E_local, H, I]
+        self.prefix = prefix
+        self.w13, self.w2 = w[f"{prefix}.w13"], w[f"{prefix}.w2"]  # [E_slots, 2I, H], [E_slots, H, I]
         self.dispatcher = dispatcher
         self.shared = shared
         self.reroute: RerouteFn | None = None
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (rank, slot) of each expert id
+        self.num_base_slots: int | None = None  # set with adapter slots: rows past it are sparse
 
     def experts(self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor) -> torch.Tensor:
-        return grouped_experts_sorted(x_sorted, sorted_slot_ids, self.w13, self.w2)
+        return grouped_experts_sorted(x_sorted, sorted_slot_ids, self.w13, self.w2, self.num_base_slots)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)  # [T, k] each
-        if self.reroute is not None:
+        if self.reroute is not None and ctx.token_adapter_ids is not None:
             topk_ids = self.reroute(topk_ids, ctx)
-        out = self.dispatcher(x, topk_ids, topk_weights, self.experts)
+        out = self.dispatcher(x, topk_ids, topk_weights, self.experts, self.tables)
         if self.shared is not None:
             out = out + self.shared(x, ctx)
         return out

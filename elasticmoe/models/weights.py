@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -28,8 +28,10 @@ class ParamSpec:
 
     `sources[i]` lists checkpoint tensors concatenated along dim 0. When
     `expert_ids` is set the tensor is a stack of experts: row `i` of the stack
-    is built from `sources[i]` and holds global expert `expert_ids[i]`.
-    Otherwise there is exactly one entry in `sources`.
+    is built from `sources[i]` and holds global expert `expert_ids[i]`; rows
+    past `len(expert_ids)` (`shape[0]` may be larger: ESFT adapter slots, see
+    `with_adapter_slots`) are left unfilled. Otherwise there is exactly one
+    entry in `sources`.
     """
 
     name: str
@@ -42,6 +44,8 @@ class ParamSpec:
             raise ValueError(f"{self.name}: a non-stacked param has exactly one source group")
         if self.expert_ids is not None and len(self.expert_ids) != len(self.sources):
             raise ValueError(f"{self.name}: one source group per stacked expert")
+        if self.expert_ids is not None and self.shape[0] < len(self.expert_ids):
+            raise ValueError(f"{self.name}: {self.shape[0]} rows cannot stack {len(self.expert_ids)} experts")
 
     @property
     def is_stacked(self) -> bool:
@@ -105,13 +109,27 @@ class SafetensorsWeightProvider:
     def get(self, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(spec.shape, dtype=dtype)
         rows: Iterable[tuple[torch.Tensor, tuple[str, ...]]]
-        rows = zip(out, spec.sources, strict=True) if spec.is_stacked else [(out, spec.sources[0])]
+        if spec.is_stacked:  # rows past the experts (adapter slots) stay unwritten: no page is touched
+            rows = zip(out[: len(spec.sources)], spec.sources, strict=True)
+        else:
+            rows = [(out, spec.sources[0])]
         for dst, names in rows:
             self.read_into(dst, names)
         return out
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def with_adapter_slots(specs: list[ParamSpec], extra_rows: int) -> list[ParamSpec]:
+    """The specs with every expert stack grown by `extra_rows` unfilled rows (ESFT adapter slots:
+    `[E_local + N*E_max, ...]`, ExpertWeave's virtual weight tensor)."""
+    if extra_rows < 0:
+        raise ValueError(f"extra_rows: must be >= 0, got {extra_rows}")
+    return [
+        replace(s, shape=(s.shape[0] + extra_rows, *s.shape[1:])) if s.is_stacked and extra_rows else s
+        for s in specs
+    ]
 
 
 def load_weights(specs: list[ParamSpec], provider: WeightProvider, dtype: torch.dtype) -> dict[str, torch.Tensor]:

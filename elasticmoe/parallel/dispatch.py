@@ -21,6 +21,9 @@ from elasticmoe.parallel.expert_placement import ExpertPlacement
 
 # experts(x [N, H] with rows grouped by ascending slot, those slots [N]) -> [N, H], unweighted
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (rank of each expert id, local slot of each expert id): a layer's own tables when ESFT adapters
+# extend its id space with virtual ids (`elasticmoe.adapters.expert_map`); None: the placement's.
+ExpertTables = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _combine(num_tokens: int, pair_token_ids: torch.Tensor, pair_out: torch.Tensor, pair_weights: torch.Tensor):
@@ -34,9 +37,17 @@ class LocalDispatcher:
     def __init__(self, placement: ExpertPlacement) -> None:
         self.expert_to_slot = torch.tensor(placement.expert_to_slot, dtype=torch.long)
 
-    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertsFn):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        experts: ExpertsFn,
+        tables: ExpertTables = None,
+    ):
         num_tokens, top_k = topk_ids.shape
-        pair_slots = self.expert_to_slot.index_select(0, topk_ids.reshape(-1))  # [T*k], pair p = token p // k
+        expert_to_slot = self.expert_to_slot if tables is None else tables[1]
+        pair_slots = expert_to_slot.index_select(0, topk_ids.reshape(-1))  # [T*k], pair p = token p // k
         order = torch.argsort(pair_slots, stable=True)
         token_ids = torch.div(order, top_k, rounding_mode="floor")
         pair_out = experts(x.index_select(0, token_ids), pair_slots.index_select(0, order))
@@ -56,10 +67,18 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
         return recv
 
-    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertsFn):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        experts: ExpertsFn,
+        tables: ExpertTables = None,
+    ):
         num_tokens, top_k = topk_ids.shape
+        expert_to_rank, expert_to_slot = (self.expert_to_rank, self.expert_to_slot) if tables is None else tables
         flat_ids = topk_ids.reshape(-1)
-        dest = self.expert_to_rank.index_select(0, flat_ids)
+        dest = expert_to_rank.index_select(0, flat_ids)
         order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
         token_ids = torch.div(order, top_k, rounding_mode="floor")
         send_counts_t = torch.bincount(dest, minlength=self.num_ranks)
@@ -68,7 +87,7 @@ class AllToAllDispatcher:
         send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
 
         recv_x = self._exchange(x.index_select(0, token_ids), send_counts, recv_counts)
-        recv_slots = self._exchange(self.expert_to_slot.index_select(0, flat_ids.index_select(0, order)),
+        recv_slots = self._exchange(expert_to_slot.index_select(0, flat_ids.index_select(0, order)),
                                     send_counts, recv_counts)
         # Received rows arrive grouped by source rank; group them by slot for the experts and back.
         by_slot = torch.argsort(recv_slots, stable=True)

@@ -12,7 +12,13 @@ from hmm.memory.handle import TensorHandle
 from hmm.memory.page_pool import DEFAULT_PAGE_SIZE, PagePool
 from hmm.memory.page_table import PageAllocator, PageTable, SlotLayout, SlotPages, pages_needed
 from hmm.memory.shm import ShmBackend, list_segments, open_tensor
-from hmm.memory.vpage import VirtualTensor, VirtualTensorHandle, open_virtual_tensor
+from hmm.memory.vpage import (
+    VirtualTensor,
+    VirtualTensorHandle,
+    map_slot_pages,
+    open_virtual_tensor,
+    unmap_slot_pages,
+)
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
@@ -31,5 +37,7 @@ __all__ = [
     "list_segments",
     "open_tensor",
     "open_virtual_tensor",
+    "map_slot_pages",
+    "unmap_slot_pages",
     "pages_needed",
 ]

@@ -231,3 +231,29 @@ def open_virtual_tensor(handle: VirtualTensorHandle) -> torch.Tensor:
     finally:
         os.close(fd)
     return tensor
+
+
+def map_slot_pages(tensor: torch.Tensor, handle: VirtualTensorHandle, slot_pages: Sequence[SlotPages]) -> None:
+    """Map more slots' pages into `tensor`, a view opened from `handle` (same pool and geometry)
+    in this process: e.g. an ESFT adapter's experts that the owner mapped after the open.
+
+    NOTE: meant for page-aligned stacks (`align_slots=True`), where a slot owns its pages.
+    """
+    layout = handle.layout
+    pairs: dict[int, int] = {}
+    for sp in slot_pages:
+        pairs.update(zip(layout.span(sp.slot), sp.page_ids, strict=True))
+    addr = tensor.data_ptr()
+    fd = os.open(os.path.join(SHM_DIR, handle.pool_name), os.O_RDWR)
+    try:
+        for v, p, n in _runs(list(pairs.items())):
+            map_shared_fixed(addr + v * handle.page_size, n * handle.page_size, fd, p * handle.page_size)
+    finally:
+        os.close(fd)
+
+
+def unmap_slot_pages(tensor: torch.Tensor, handle: VirtualTensorHandle, slots: Sequence[int]) -> None:
+    """Drop this process's mapping of `slots` in a view opened from `handle` (reads zeros after)."""
+    layout, size, addr = handle.layout, handle.page_size, tensor.data_ptr()
+    for v, _, n in _runs([(v, v) for slot in slots for v in layout.span(slot)]):
+        reserve(n * size, addr + v * size)

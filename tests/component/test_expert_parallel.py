@@ -52,7 +52,10 @@ def _ep_worker(rank: int, world: int, port: int, model_dir: str, queue) -> None:
     try:
         engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, ep_rank=rank, ep_size=world, num_threads=1))
         assert engine.weights["layers.1.moe.w13"].shape[0] == engine.model_config.num_experts // world
-        queue.put((rank, _run(engine, RANK_PROMPTS[rank], MAX_TOKENS[rank], dist.group.WORLD)))
+        tokens, logits = _run(engine, RANK_PROMPTS[rank], MAX_TOKENS[rank], dist.group.WORLD)
+        # NOTE: numpy, not tensors: torch's queue shares tensors through a socket of this process,
+        # which may have exited by the time the parent reads them.
+        queue.put((rank, (tokens, [t.numpy() for t in logits])))
     except BaseException as e:  # report instead of leaving the parent waiting for a result
         queue.put((rank, f"rank {rank} failed: {e!r}"))
         raise
@@ -83,4 +86,4 @@ def test_ep2_matches_ep1(arch, tiny_model_dirs):
         assert got[0] == reference[0], f"rank {rank}: tokens differ"
         assert len(got[1]) == len(reference[1])
         for a, b in zip(got[1], reference[1], strict=True):
-            assert (a - b).abs().max().item() <= 1e-4
+            assert (torch.from_numpy(a) - b).abs().max().item() <= 1e-4

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import ray
 import torch
 from ray_hmm import ray_hmm
 
@@ -21,7 +22,7 @@ from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 from hmm.planner import scale_target
-from imm.handover import HandedOverOutput, HandoverRoutes, spliced_stream
+from imm.handover import HandedOverOutput, HandoverRoutes, RankPaused, spliced_stream
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
 
@@ -82,6 +83,11 @@ def test_switchover_hands_running_requests_to_the_new_instance(hmm, tiny_model_d
             t_pause = time.perf_counter()
             old.pause()
             snaps = old.export_requests(hand_over_kv=True)
+            # A request Ray starts on the old rank only now (sent before the pause, started after)
+            # is turned away unstreamed, for the coordinator to route again; not failed, not lost.
+            late = old.ranks[0].generate.remote("late", [1, 2, 3], REQUESTS[next(iter(REQUESTS))][1])
+            with pytest.raises(RankPaused):
+                ray.get(next(late))
             routes.publish(new.import_requests(snaps))
             t_imported = time.perf_counter()
             new.activate()

@@ -55,7 +55,9 @@ class FakeEngine:
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None:
         self._touch()
         if callable(self.add_hook):
             self.add_hook()

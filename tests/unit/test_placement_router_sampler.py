@@ -83,3 +83,25 @@ def test_sampler_greedy_seeded_and_restricted():
     assert again[1] == first[1]  # same seed, same draw
     draws = {sampler(logits[:1], [make_req(temperature=1.0)]).token_ids[0] for _ in range(200)}
     assert draws == {0, 1, 2, 3}
+
+
+def test_grouped_experts_never_read_unmapped_adapter_rows():
+    """A virtual weight tensor [E + N*E_max]: only some adapter rows hold weights (NaN elsewhere
+    stands in for unmapped pages). Decode-like batches (padded bmm over the base slots) and
+    mixed base + adapter rows give the per-row reference and never touch a NaN row."""
+    from elasticmoe.layers.experts import grouped_experts_sorted, swiglu_mlp
+
+    torch.manual_seed(0)
+    base, extra, h, i = 8, 12, 16, 8
+    w13 = torch.full((base + extra, 2 * i, h), float("nan"))
+    w2 = torch.full((base + extra, h, i), float("nan"))
+    mapped = list(range(base)) + [base + 1, base + 6]
+    for s in mapped:
+        w13[s], w2[s] = torch.randn(2 * i, h), torch.randn(h, i)
+    for slots in ([s for s in range(base) for _ in range(2)], [0, 1, 2, 3, 4, 5, 6, 7, base + 1, base + 6, base + 6]):
+        sorted_slots = torch.tensor(sorted(slots))
+        xs = torch.randn(len(slots), h)
+        got = grouped_experts_sorted(xs, sorted_slots, w13, w2, dense_slots=base)
+        want = torch.stack([swiglu_mlp(x[None], w13[s], w2[s])[0] for x, s in zip(xs, sorted_slots.tolist())])
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want)

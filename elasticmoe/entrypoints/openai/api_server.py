@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from types import FrameType
@@ -26,6 +27,11 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from elasticmoe.engine.async_llm import AsyncLLM
+from elasticmoe.entrypoints.openai.adapters_api import (
+    EngineAdapterHost,
+    add_adapter_routes,
+    read_esft_adapter,
+)
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware, ServerMetrics
 from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -34,7 +40,7 @@ from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
 logger = logging.getLogger(__name__)
 
 _ENDPOINTS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"}
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/admin/adapters"}
 )
 _CLIENT_CLOSED = 499  # nginx's "client closed request"; only ever seen in metrics
 
@@ -110,7 +116,8 @@ def add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
-    """The OpenAI-compatible app. The caller owns `async_llm` (starts and shuts it down)."""
+    """The OpenAI-compatible app with the adapter admin API. The caller owns `async_llm`
+    (starts and shuts it down)."""
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible MoE serving (single process)")
     metrics = ServerMetrics(lambda: async_llm.num_running, lambda: async_llm.num_waiting)
     serving = OpenAIServing(async_llm, served_model_name, observer=metrics)
@@ -119,6 +126,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
     app.state.serving = serving
     app.state.metrics = metrics
     add_openai_routes(app, serving)
+    engine: Any = async_llm.engine
+    add_adapter_routes(app, EngineAdapterHost(async_llm), lambda: engine.model_config, served_model_name)
 
     @app.get("/health")
     async def health() -> Response:
@@ -161,8 +170,12 @@ def run_single_server(
     kv_cache_gb: float | None = None,
     max_num_batched_tokens: int | None = None,
     log_level: str = "info",
+    max_esft_adapters: int = 0,
+    max_esft_experts: int = 0,
+    esft_adapters: dict[str, str] | None = None,
 ) -> int:
-    """Load the model, serve it until SIGINT/SIGTERM, then stop the engine. Returns an exit code."""
+    """Load the model (and the ESFT adapters `esft_adapters`: name -> path), serve it until
+    SIGINT/SIGTERM, then stop the engine. Returns an exit code."""
     import torch  # noqa: F401 - fail early and clearly if torch is missing
     import uvicorn
 
@@ -176,10 +189,20 @@ def run_single_server(
         options["kv_cache_bytes"] = int(kv_cache_gb * (1 << 30))
     if max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = max_num_batched_tokens
-    config = EngineConfig(model=model_dir, dtype=parse_dtype(dtype), **options)
+    config = EngineConfig(model=model_dir, dtype=parse_dtype(dtype), max_esft_adapters=max_esft_adapters,
+                          max_esft_experts=max_esft_experts, **options)
     name = served_model_name or Path(model_dir).resolve().name
     logger.info("loading %s as %r", model_dir, name)
-    async_llm = AsyncLLM(LLMEngine(config))
+    engine = LLMEngine(config)
+    for adapter_name, path in (esft_adapters or {}).items():
+        try:
+            adapter = read_esft_adapter(adapter_name, path, engine.model_config)
+            engine.load_esft_adapter(adapter_name, adapter.config.experts, adapter.expert_weights)
+        except (ValueError, RuntimeError) as exc:  # AdapterError, AdapterLimitError, ...
+            print(f"error: --esft-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
+            return 2
+        logger.info("ESFT adapter %r loaded from %s", adapter_name, path)
+    async_llm = AsyncLLM(engine)
     async_llm.start()
     app = build_app(async_llm, name)
     server = uvicorn.Server(

@@ -23,7 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from elasticmoe.errors import UnknownAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,10 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, RequestValidationError):
         return _from_validation_errors(exc.errors())
+    if isinstance(exc, UnknownAdapterError):  # unloaded between the model check and the engine
+        return model_not_found(exc.adapter)
+    if isinstance(exc, AdapterConflictError | AdapterLimitError):
+        return OpenAIError(str(exc), status_code=HTTPStatus.CONFLICT, param="name")
     param = getattr(exc, "param", None)
     if isinstance(exc, ValueError) and isinstance(param, str):
         return OpenAIError(str(exc), param=param)

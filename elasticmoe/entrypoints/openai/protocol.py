@@ -360,6 +360,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "elasticmoe"
     root: str | None = Field(default=None, description="Extension: the base model this id serves.")
+    parent: str | None = Field(default=None, description="Extension: for an adapter, the base model's id.")
+    adapter_type: str | None = Field(default=None, description="Extension: 'esft' for an ESFT adapter.")
     max_model_len: int | None = Field(default=None, description="Extension: context length in tokens.")
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,8 +71,12 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, adapter: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def adapter_names(self) -> Sequence[str]:
+        """ESFT adapters loaded and accepting requests (each is served as a model id)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -137,24 +141,29 @@ class OpenAIServing:
         self.observer = observer
         self.created = now()
 
-    def check_model(self, model: str) -> None:
-        if model != self.served_model_name:
-            raise model_not_found(model)
+    def check_model(self, model: str) -> str | None:
+        """The adapter a request for `model` runs with (None: the base model); 404 if unknown."""
+        if model == self.served_model_name:
+            return None
+        if model in self.engine.adapter_names():
+            return model
+        raise model_not_found(model)
 
     def show_models(self) -> ModelList:
-        card = ModelCard(
-            id=self.served_model_name,
-            created=self.created,
-            root=self.served_model_name,
-            max_model_len=self.engine.max_model_len,
-        )
-        return ModelList(data=[card])
+        base = self.served_model_name
+        cards = [ModelCard(id=base, created=self.created, root=base, max_model_len=self.engine.max_model_len)]
+        cards += [
+            ModelCard(id=name, created=self.created, root=base, parent=base, adapter_type="esft",
+                      max_model_len=self.engine.max_model_len)
+            for name in self.engine.adapter_names()
+        ]
+        return ModelList(data=cards)
 
     # ------------------------------------------------------------ completions
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEStream:
-        self.check_model(request.model)
-        started = await self._start("cmpl", request.engine_prompt, request.to_sampling_params(), {})
+        adapter = self.check_model(request.model)
+        started = await self._start("cmpl", request.engine_prompt, request.to_sampling_params(), {}, adapter)
         if request.stream:
             return SSEStream(self._completion_events(request, started), started.source)
         last, logprobs = await self._collect(started, "completions")
@@ -214,7 +223,7 @@ class OpenAIServing:
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | SSEStream:
-        self.check_model(request.model)
+        adapter = self.check_model(request.model)
         params = request.to_sampling_params()
         try:
             prompt_ids = list(self.engine.tokenizer.apply_chat_template(request.template_messages()))
@@ -223,7 +232,7 @@ class OpenAIServing:
             raise OpenAIError(
                 "messages: could not be rendered with the model's chat template", param="messages"
             ) from exc
-        started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"})
+        started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"}, adapter)
         if request.stream:
             return SSEStream(self._chat_events(request, started), started.source)
         last, logprobs = await self._collect(started, "chat_completions")
@@ -284,12 +293,18 @@ class OpenAIServing:
     # ------------------------------------------------------------ shared
 
     async def _start(
-        self, prefix: str, prompt: str | list[int], params: SamplingParams, param_renames: dict[str, str]
+        self,
+        prefix: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        param_renames: dict[str, str],
+        adapter: str | None = None,
     ) -> _Started:
-        """Submit the request and wait for its first output, so input errors become 400s here."""
+        """Submit the request and wait for its first output, so input errors become 400s here
+        (an adapter unloaded since `check_model`: 404)."""
         request_id = random_id(prefix)
         start = time.perf_counter()
-        source = self.engine.generate(prompt, params, request_id)
+        source = self.engine.generate(prompt, params, request_id, adapter)
         try:
             first = await anext(source)
         except StopAsyncIteration:

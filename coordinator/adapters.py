@@ -1,0 +1,183 @@
+"""ESFT adapters on the elastic server: one registry, the HMM's pages, every rank's expert map.
+
+Loading adapter `A` (`POST /admin/adapters`): a free slot `i` is chosen; the HMM maps
+and fills A's experts on the devices that hold the base experts they replace (its
+page pools, accounted per device); every rank of the active instance maps the new
+rows into its view and points its expert map at them. Only then does `A` appear in
+`/v1/models` and accept requests, so no token is routed to a row some rank lacks.
+
+Unloading (`DELETE`): every rank stops admitting `A` at once; a background task waits
+until no rank has a live request of `A` (under EP a rank's tokens reach experts on
+other ranks, so no rank may release early), then every rank releases it and the HMM
+returns its pages to the pools.
+
+Scaling: the HMM carries every registered adapter into the target layout (pages kept
+where an expert stays on its device, read from the adapter's files where it moves);
+`prepare_instance` points the new instance's expert maps at them before it takes
+requests. Adapter changes and scale events exclude each other (409): a scale never
+sees an adapter half-loaded, and an unloading adapter blocks scales until it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from elasticmoe.adapters.esft import EsftAdapter
+from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
+from elasticmoe.errors import UnknownAdapterError
+
+if TYPE_CHECKING:
+    from coordinator.cluster import ClusterManager
+    from imm.instance import Instance
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterState:
+    name: str
+    slot: int
+    path: str
+    experts: dict[int, tuple[int, ...]]
+    state: str = "loaded"  # loaded | unloading
+    unloaded: threading.Event = field(default_factory=threading.Event)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "type": "esft", "slot": self.slot, "path": self.path, "state": self.state,
+                "num_experts": sum(len(v) for v in self.experts.values())}
+
+
+class ClusterAdapterHost:
+    """`AdapterHost` of the coordinator (see `elasticmoe.entrypoints.openai.adapters_api`)."""
+
+    def __init__(self, cluster: ClusterManager, publish: Callable[[tuple[str, ...]], None]) -> None:
+        self.cluster = cluster
+        self.publish = publish  # what `/v1/models` and the model check see
+        self.adapters: dict[str, AdapterState] = {}
+        self.lock = threading.Lock()  # adapter changes vs scale events (see the module docstring)
+        self.poll_s = 0.05
+
+    @property
+    def max_adapters(self) -> int:
+        return self.cluster.config.max_esft_adapters
+
+    def _publish(self) -> None:
+        self.publish(tuple(n for n, a in self.adapters.items() if a.state == "loaded"))
+
+    def busy_reason(self) -> str | None:
+        """Why a scale may not start now (None: it may)."""
+        unloading = [n for n, a in self.adapters.items() if a.state == "unloading"]
+        return f"adapters {unloading} are unloading" if unloading else None
+
+    # ---- AdapterHost ------------------------------------------------------------------------
+
+    async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]:
+        return await asyncio.to_thread(self.load_blocking, adapter.name, str(adapter.path), adapter.config.experts)
+
+    def load_blocking(self, name: str, path: str, experts: dict[int, tuple[int, ...]]) -> dict[str, Any]:
+        if not self.lock.acquire(blocking=False):
+            raise AdapterConflictError("a scale or another adapter change is in progress; retry")
+        try:
+            return self._load(name, path, experts)
+        finally:
+            self.lock.release()
+
+    def _load(self, name: str, path: str, experts: dict[int, tuple[int, ...]]) -> dict[str, Any]:
+        cluster = self.cluster
+        if cluster.scale_events.running is not None:
+            raise AdapterConflictError("a scale is in progress; retry when it finished")
+        if name in self.adapters:
+            raise AdapterConflictError(f"adapter {name!r} is already loaded")
+        n, e_max = self.max_adapters, cluster.config.max_esft_experts
+        free = sorted(set(range(n)) - {a.slot for a in self.adapters.values()})
+        if not free:
+            raise AdapterLimitError(f"all {n} adapter slots are in use (--max-esft-adapters)")
+        widest = max((len(v) for v in experts.values()), default=0)
+        if widest > e_max:
+            raise AdapterLimitError(
+                f"the adapter tunes {widest} experts in a layer; a slot holds at most {e_max} (--max-esft-experts)"
+            )
+        hmm, inst = cluster.hmm, cluster.active
+        assert hmm is not None and inst is not None
+        slot = free[0]
+        pages = hmm.load_adapter(name, slot, path, experts)
+        try:
+            ray.get([
+                rank.load_esft_adapter.remote(name, slot, experts, pages.get(device, {}))
+                for rank, device in zip(inst.ranks, inst.device_ids, strict=True)
+            ])
+        except BaseException:
+            logger.exception("adapter %r: a rank failed to load it; undoing", name)
+            self._release_everywhere(name, slot, inst)
+            raise
+        self.adapters[name] = AdapterState(name, slot, path, dict(experts))
+        self._publish()
+        return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
+
+    async def unload(self, name: str) -> bool:
+        return await asyncio.to_thread(self.unload_blocking, name)
+
+    def unload_blocking(self, name: str, wait: bool = False) -> bool:
+        """Stop admitting `name` everywhere; release it in the background once no rank uses it.
+        Returns True if it is already gone (`wait=True`: waits for that)."""
+        with self.lock:
+            entry = self.adapters.get(name)
+            if entry is None or entry.state != "loaded":
+                raise UnknownAdapterError(name)
+            inst = self.cluster.active
+            assert inst is not None
+            entry.state = "unloading"
+            self._publish()
+            ray.get([rank.unload_esft_adapter.remote(name) for rank in inst.ranks])
+        threading.Thread(target=self._finish_unload, args=(entry,), name=f"unload-{name}", daemon=True).start()
+        if wait:
+            entry.unloaded.wait()
+        return entry.unloaded.is_set()
+
+    def _finish_unload(self, entry: AdapterState) -> None:
+        try:
+            while True:
+                inst = self.cluster.active
+                assert inst is not None
+                if not any(ray.get([r.esft_adapter_in_use.remote(entry.name) for r in inst.ranks])):
+                    break
+                threading.Event().wait(self.poll_s)
+            with self.lock:
+                self._release_everywhere(entry.name, entry.slot, inst)
+                del self.adapters[entry.name]
+        except Exception:  # noqa: BLE001 - the adapter stays "unloading" (visible), scales stay blocked
+            logger.exception("adapter %r: unloading failed", entry.name)
+            return
+        entry.unloaded.set()
+        logger.info("adapter %r unloaded", entry.name)
+
+    def _release_everywhere(self, name: str, slot: int, inst: Instance) -> None:
+        hmm = self.cluster.hmm
+        assert hmm is not None
+        rows = hmm.adapter_rows(name)
+        try:
+            ray.get([
+                rank.finish_esft_unload.remote(name, rows.get(device, {}))
+                for rank, device in zip(inst.ranks, inst.device_ids, strict=True)
+            ])
+        finally:
+            hmm.unload_adapter(name)
+
+    async def describe(self) -> list[dict[str, Any]]:
+        return [a.describe() for a in sorted(self.adapters.values(), key=lambda a: a.slot)]
+
+    # ---- scaling --------------------------------------------------------------------------
+
+    def prepare_instance(self, inst: Instance) -> None:
+        """Point a new instance's expert maps at the registered adapters' rows (which the HMM
+        layout it attached to already holds). Before it takes any request."""
+        for a in sorted(self.adapters.values(), key=lambda a: a.slot):
+            ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None) for rank in inst.ranks])
+

@@ -1,0 +1,141 @@
+"""Admin API for adapters, shared by the single-process server and the coordinator.
+
+    POST   /admin/adapters {"name": ..., "path": ...}   load (201), serving continues meanwhile
+    DELETE /admin/adapters/{name}                       unload once its requests finish (202/200)
+    GET    /admin/adapters                              what is loaded
+
+Requests then pick an adapter with the OpenAI `model` field (`/v1/models` lists
+them). Errors are OpenAI-format: 400 naming the field (bad name, bad path, an
+adapter the base cannot take), 404 (unknown adapter), 409 (name taken, no free
+slot, too many experts per layer for a slot: the message names the limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any, Literal, Protocol
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from elasticmoe.adapters.esft import AdapterError, EsftAdapter
+from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
+from elasticmoe.config import ModelConfig
+from elasticmoe.entrypoints.openai.errors import OpenAIError
+from elasticmoe.errors import UnknownAdapterError
+
+logger = logging.getLogger(__name__)
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+
+
+class LoadAdapterRequest(BaseModel):
+    name: str = Field(min_length=1, max_length=128, pattern=_NAME_PATTERN,
+                      description="Model id clients pass as `model` to use the adapter.")
+    path: str = Field(min_length=1, description="Adapter directory on the server (ESFT: expert_cfg.json + safetensors).")
+    type: Literal["esft"] = Field("esft", description="Adapter kind.")
+
+
+class AdapterHost(Protocol):
+    """Where adapters are loaded: one engine, or every rank of the active instance."""
+
+    async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]: ...
+    async def unload(self, name: str) -> bool: ...  # True: unloaded now; False: once its requests finish
+    async def describe(self) -> list[dict[str, Any]]: ...
+
+
+def read_esft_adapter(name: str, path: str, model_config: ModelConfig) -> EsftAdapter:
+    """Open and validate an adapter directory (blocking: run it in a thread)."""
+    return EsftAdapter.open(name, path, model_config)
+
+
+def add_adapter_routes(
+    app: FastAPI, host: AdapterHost, model_config: Callable[[], ModelConfig], base_name: str
+) -> None:
+    """The adapter admin routes; `model_config()` gives the base model's config (read on first load)."""
+    @app.post("/admin/adapters", status_code=201)
+    async def load_adapter(body: LoadAdapterRequest) -> Response:
+        if body.name == base_name:
+            raise OpenAIError(f"name: {body.name!r} is the base model's id", status_code=HTTPStatus.CONFLICT,
+                              param="name")
+        try:
+            adapter = await asyncio.to_thread(read_esft_adapter, body.name, body.path, model_config())
+            info = await host.load_esft(adapter)
+        except AdapterError as exc:
+            raise OpenAIError(str(exc), param=exc.param) from exc
+        except (AdapterConflictError, AdapterLimitError) as exc:
+            raise OpenAIError(str(exc), status_code=HTTPStatus.CONFLICT, param="name") from exc
+        except ValueError as exc:  # an adapter that does not fit the base (e.g. a dense layer)
+            raise OpenAIError(str(exc), param=getattr(exc, "param", None) or "path") from exc
+        logger.info("adapter %r loaded from %s", body.name, body.path)
+        return JSONResponse({"name": body.name, "type": body.type, "state": "loaded", **info}, status_code=201)
+
+    @app.delete("/admin/adapters/{name}")
+    async def unload_adapter(name: str) -> Response:
+        try:
+            done = await host.unload(name)
+        except UnknownAdapterError as exc:
+            raise OpenAIError(f"No adapter {name!r} is loaded.", status_code=HTTPStatus.NOT_FOUND,
+                              param="name") from exc
+        state = "unloaded" if done else "unloading"
+        return JSONResponse({"name": name, "state": state}, status_code=200 if done else 202)
+
+    @app.get("/admin/adapters")
+    async def list_adapters() -> Response:
+        return JSONResponse({"adapters": await host.describe()})
+
+
+class EngineAdapterHost:
+    """Adapters of one `AsyncLLM`'s engine. The weights are read from disk in a worker thread;
+    the engine thread only copies them into their slot rows, so serving does not pause."""
+
+    def __init__(self, async_llm: Any) -> None:
+        self.async_llm = async_llm
+
+    @property
+    def engine(self) -> Any:
+        return self.async_llm.engine
+
+    async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]:
+        engine, experts = self.engine, adapter.config.experts
+        dtype = engine.config.dtype
+        rank, placement = engine.config.ep_rank, engine.placement
+        weights = await asyncio.to_thread(read_expert_weights, adapter, rank, placement.expert_to_rank, dtype)
+        slot = await self.async_llm.run_on_loop(
+            lambda: engine.load_esft_adapter(adapter.name, experts, lambda layer, e, _: weights[(layer, e)])
+        )
+        return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
+
+    async def unload(self, name: str) -> bool:
+        engine = self.engine
+        return bool(await self.async_llm.run_on_loop(lambda: engine.unload_esft_adapter(name)))
+
+    async def describe(self) -> list[dict[str, Any]]:
+        engine = self.engine
+        return list(await self.async_llm.run_on_loop(lambda: describe_engine_adapters(engine)))
+
+
+def read_expert_weights(
+    adapter: EsftAdapter, rank: int, expert_to_rank: tuple[int, ...], dtype: Any
+) -> dict[tuple[int, int], tuple[Any, Any]]:
+    """(layer, expert) -> (w13, w2) of the tuned experts `rank` holds (blocking)."""
+    return {
+        (layer, e): adapter.expert_weights(layer, e, dtype)
+        for layer, ids in adapter.config.experts.items()
+        for e in ids
+        if expert_to_rank[e] == rank
+    }
+
+
+def describe_engine_adapters(engine: Any) -> list[dict[str, Any]]:
+    """Loaded adapters of an engine (call on its thread): name, slot, experts, bytes, state."""
+    from elasticmoe.adapters.esft_slots import describe
+
+    return [
+        {**d, "type": "esft", "state": "unloading" if d["name"] in engine.unloading_adapters else "loaded"}
+        for d in describe(engine.esft)
+    ]

@@ -1,0 +1,141 @@
+"""ESFT adapters over HTTP on the single-process server (tiny Qwen3-MoE, 2 slots of 2 experts).
+
+Load at run time with `POST /admin/adapters`, select with `model`, list in `/v1/models`;
+outputs equal the merged model's; errors in OpenAI format (400 naming the field, 404, 409
+naming the limit); `DELETE` while one of its requests streams: new requests get 404, the
+stream completes unchanged, then the slot is free for another adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from elasticmoe.config import EngineConfig
+from elasticmoe.engine.async_llm import AsyncLLM
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.entrypoints.openai.api_server import build_app
+from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
+
+MODEL = "tiny-base"
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("esft-http")
+    out = {}
+    for seed, name in enumerate(("alpha", "beta", "gamma"), start=1):
+        path = make_esft_adapter(tiny_model_dir, str(root / name), experts_per_layer=2, seed=seed, noise=0.5)
+        out[name] = (str(path), str(write_merged_model(tiny_model_dir, path, str(root / f"{name}-merged"))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, kv_cache_bytes=8 << 20,
+                                    max_esft_adapters=2, max_esft_experts=2))
+    async_llm = AsyncLLM(engine)
+    async_llm.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(build_app(async_llm, MODEL), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    uv.should_exit = True
+    thread.join(15)
+    async_llm.shutdown()
+    sock.close()
+
+
+def _reference_text(model_dir: str, max_tokens: int) -> str:
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=64))
+    engine.add_request("ref", PROMPT, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.finished]
+    return outs[0].text
+
+
+def _complete(c: httpx.Client, model: str, max_tokens: int = 8) -> httpx.Response:
+    return c.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
+                                           "temperature": 0, "ignore_eos": True})
+
+
+def test_load_select_list_and_errors(server, adapters, tiny_model_dir):
+    with httpx.Client(base_url=server, timeout=60) as c:
+        r = c.post("/admin/adapters", json={"name": "alpha", "path": adapters["alpha"][0]})
+        assert r.status_code == 201, r.text
+        assert r.json()["state"] == "loaded" and r.json()["slot"] == 0
+        ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
+        assert ids == [MODEL, "alpha"]
+        card = c.get("/v1/models").json()["data"][1]
+        assert card["parent"] == MODEL and card["adapter_type"] == "esft"
+
+        got = _complete(c, "alpha")
+        assert got.status_code == 200, got.text
+        assert got.json()["model"] == "alpha"
+        assert got.json()["choices"][0]["text"] == _reference_text(adapters["alpha"][1], 8)
+        assert _complete(c, MODEL).json()["choices"][0]["text"] == _reference_text(tiny_model_dir, 8)
+
+        cases = [
+            ({"name": "bad name!", "path": adapters["beta"][0]}, 400, "name"),
+            ({"name": "beta", "path": "/nonexistent/adapter"}, 400, "path"),
+            ({"name": "beta", "path": tiny_model_dir}, 400, "path"),  # a model, not an adapter
+            ({"name": MODEL, "path": adapters["beta"][0]}, 409, "name"),
+            ({"name": "alpha", "path": adapters["beta"][0]}, 409, "name"),
+            ({"name": "beta"}, 400, "path"),
+        ]
+        for body, status, param in cases:
+            r = c.post("/admin/adapters", json=body)
+            assert r.status_code == status, (body, r.text)
+            assert r.json()["error"]["param"] == param, (body, r.json())
+        assert c.post("/admin/adapters", json={"name": "beta", "path": adapters["beta"][0]}).status_code == 201
+        full = c.post("/admin/adapters", json={"name": "gamma", "path": adapters["gamma"][0]})
+        assert full.status_code == 409 and "2 adapter slots" in full.json()["error"]["message"]
+        assert _complete(c, "gamma").status_code == 404
+        assert c.delete("/admin/adapters/gamma").status_code == 404
+        assert [a["name"] for a in c.get("/admin/adapters").json()["adapters"]] == ["alpha", "beta"]
+        assert c.get("/health").status_code == 200
+
+
+def test_unload_waits_for_its_stream_then_frees_the_slot(server, adapters):
+    with httpx.Client(base_url=server, timeout=120) as c:
+        if "beta" not in [a["name"] for a in c.get("/admin/adapters").json()["adapters"]]:
+            assert c.post("/admin/adapters", json={"name": "beta", "path": adapters["beta"][0]}).status_code == 201
+        body = {"model": "beta", "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        text: list[str] = []
+        with c.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            text += [ch["text"] for ch in json.loads(first[6:])["choices"]]
+            r = c.delete("/admin/adapters/beta")
+            assert r.status_code == 202 and r.json()["state"] == "unloading"
+            assert _complete(c, "beta").status_code == 404  # no new requests for it
+            assert "beta" not in [m["id"] for m in c.get("/v1/models").json()["data"]]
+            for line in lines:
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk
+                    text += [ch["text"] for ch in chunk["choices"]]
+        assert "".join(text) == _reference_text(adapters["beta"][1], 300)
+        deadline = time.monotonic() + 10
+        while "beta" in [a["name"] for a in c.get("/admin/adapters").json()["adapters"]]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = c.post("/admin/adapters", json={"name": "gamma", "path": adapters["gamma"][0]})
+        assert r.status_code == 201, r.text
+        assert _complete(c, "gamma").status_code == 200

@@ -1,0 +1,143 @@
+"""ESFT adapters on the elastic cluster (tiny Qwen3-MoE, 3 devices, float32, no HTTP).
+
+Three adapters loaded through the HMM (pages on the devices holding the base experts
+they replace) serve requests equal to their merged models, base included; the same
+after DP1 -> 2 (experts moved across devices, adapters with them) and DP2 -> 1; unloading
+while one of its requests runs keeps that request unchanged, refuses new ones, and
+returns every page to the pools.
+"""
+
+from __future__ import annotations
+
+import gc
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from coordinator.cluster import ClusterManager
+from coordinator.config import CoordinatorConfig
+from coordinator.scale_events import ScaleConflict, ScaleState
+from coordinator.scaler import Scaler
+from elasticmoe.config import EngineConfig
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.errors import UnknownAdapterError
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
+from hmm.memory import list_segments
+from imm.handover import HandoverRoutes, spliced_stream
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+NAMES = ("alpha", "beta", "gamma")
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[Any, tuple[str, list[int], str]]:
+    """name -> (adapter dir, greedy tokens of its merged model, merged model dir); None -> the base."""
+    root = tmp_path_factory.mktemp("esft-elastic")
+    out: dict[Any, tuple[str, list[int], str]] = {None: ("", _reference(tiny_model_dir), tiny_model_dir)}
+    for seed, name in enumerate(NAMES, start=1):
+        path = str(make_esft_adapter(tiny_model_dir, str(root / name), experts_per_layer=2, seed=seed, noise=0.5))
+        merged = str(write_merged_model(tiny_model_dir, path, str(root / f"{name}-m")))
+        out[name] = (path, _reference(merged), merged)
+    assert len({tuple(v[1]) for v in out.values()}) == 4  # every adapter changes the output
+    return out
+
+
+def _reference(model_dir: str, params: SamplingParams = PARAMS) -> list[int]:
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=128))
+    engine.add_request("ref", PROMPT, params)
+    while engine.has_unfinished_requests():
+        done = [o for o in engine.step() if o.finished]
+    return done[0].output_token_ids
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    prefix = f"emoetest{secrets.token_hex(4)}"
+    config = CoordinatorConfig(model_dir=tiny_model_dir, num_devices=3, dp=1, dtype="float32",
+                               device_memory_bytes=64 << 20, kv_bytes_per_device=4 << 20, shm_prefix=prefix,
+                               max_esft_adapters=3, max_esft_experts=2, standby_pool=False)
+    cl = ClusterManager(config)
+    try:
+        cl.start()
+        yield cl
+    finally:
+        cl.shutdown()
+        ray.shutdown()
+        gc.collect()
+    assert list_segments(prefix) == [], "shared-memory files leaked"
+
+
+def _generate(cluster: ClusterManager, rid: str, adapter: str | None, params: SamplingParams = PARAMS) -> list[int]:
+    rank = cluster.active.ranks[hash(rid) % cluster.active.dp]
+    outs = [o for o in spliced_stream(rank.generate.remote(rid, PROMPT, params, adapter), HandoverRoutes())
+            if isinstance(o, RequestOutput)]
+    assert outs[-1].finished
+    return outs[-1].output_token_ids
+
+
+def _check_all(cluster: ClusterManager, adapters: dict, tag: str) -> None:
+    for name in (None, *NAMES):
+        for i in range(cluster.active.dp):  # every rank serves every adapter
+            assert _generate(cluster, f"{tag}-{name}-{i}", name) == adapters[name][1], (tag, name)
+
+
+def test_adapters_equal_merged_models_across_scaling(cluster, adapters):
+    hmm, host = cluster.hmm, cluster.adapters
+    used_before = {d: u.used for d, u in hmm.usage().items()}
+    for name in NAMES:
+        host.load_blocking(name, adapters[name][0], _experts(adapters[name][0]))
+    assert sum(u.used for u in hmm.usage().values()) > sum(used_before.values())  # pages for the experts
+    _check_all(cluster, adapters, "dp1")
+
+    for dp in (2, 1):
+        event = Scaler(cluster, HandoverRoutes()).scale(dp)
+        assert event.state is ScaleState.SUCCEEDED, event.error
+        _check_all(cluster, adapters, f"dp{dp}")
+
+    for name in NAMES:
+        assert host.unload_blocking(name, wait=True)
+    assert {d: u.used for d, u in hmm.usage().items()} == used_before  # every page returned
+    assert hmm.adapters == {} and host.adapters == {}
+
+
+def test_unload_under_load_then_reload(cluster, adapters):
+    hmm, host = cluster.hmm, cluster.adapters
+    used_before = {d: u.used for d, u in hmm.usage().items()}
+    host.load_blocking("alpha", adapters["alpha"][0], _experts(adapters["alpha"][0]))
+    long = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    rank = cluster.active.ranks[0]
+    stream = spliced_stream(rank.generate.remote("long-alpha", PROMPT, long, "alpha"), HandoverRoutes())
+    first = next(stream)
+    assert isinstance(first, RequestOutput) and not first.finished
+    assert host.unload_blocking("alpha") is False  # its request still runs
+    with pytest.raises(ScaleConflict, match="unloading"):
+        Scaler(cluster, HandoverRoutes()).start(2)
+    with pytest.raises(UnknownAdapterError):
+        _generate(cluster, "refused", "alpha")
+    outs = [first, *[o for o in stream if isinstance(o, RequestOutput)]]
+    assert outs[-1].finished and outs[-1].output_token_ids == _reference(adapters["alpha"][2], long)
+    deadline = time.monotonic() + 10
+    while "alpha" in host.adapters:  # released in the background once the request finished
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert {d: u.used for d, u in hmm.usage().items()} == used_before
+    host.load_blocking("alpha", adapters["alpha"][0], _experts(adapters["alpha"][0]))
+    assert _generate(cluster, "reloaded", "alpha") == adapters["alpha"][1]
+
+
+def _experts(path: str) -> dict[int, tuple[int, ...]]:
+    from elasticmoe.adapters.esft import EsftConfig
+
+    return EsftConfig.from_file(f"{path}/expert_cfg.json").experts
+
