@@ -166,11 +166,14 @@ class Scaler:
 
     def _standby(self, dp: int, strat: ScaleStrategy) -> Instance:
         cfg = self.cluster.config
+        def boot_now(n: int) -> Instance:  # all ranks at once: the scale is waiting for it
+            return Instance.create_standby(cfg.model_dir, n, engine_options=cfg.engine_options())
+
         if strat.preinit and cfg.standby_pool:
-            inst = self.cluster.standby.take(dp)
+            inst = self.cluster.standby.take(dp, factory=boot_now)
             assert isinstance(inst, Instance)
             return inst
-        return Instance.create_standby(cfg.model_dir, dp, engine_options=cfg.engine_options())
+        return boot_now(dp)
 
     def _prepare(self, event: ScaleEvent, strat: ScaleStrategy) -> tuple[Instance | None, int | str]:
         """HMM transition || standby instance, then attach + warm-up: (new instance, its

@@ -91,8 +91,9 @@ class InstanceManager:
                 dp = self.active.dp
                 self.prepare(d for d in (dp - 1, dp + 1) if 1 <= d <= max_dp)
 
-    def take(self, dp: int) -> ManagedInstance:
-        """A standby instance of `dp`, removed from the pool: a pooled one, else a fresh one."""
+    def take(self, dp: int, factory: Factory | None = None) -> ManagedInstance:
+        """A standby instance of `dp`, removed from the pool: a pooled one (or the one booting in
+        the background), else a fresh one from `factory` (default: the pool's own)."""
         while True:
             with self._lock:
                 inst = self.pool.pop(dp, None)
@@ -107,7 +108,7 @@ class InstanceManager:
                     self.num_misses += 1
                     break
             booting.wait()  # then take it from the pool (or boot, if that boot failed)
-        return self.factory(dp)
+        return (factory or self.factory)(dp)
 
     def set_active(self, inst: ManagedInstance) -> ManagedInstance | None:
         """Record `inst` as the active instance; returns the previous one (the caller drains/retires it)."""
