@@ -139,3 +139,19 @@ def test_unload_waits_for_its_stream_then_frees_the_slot(server, adapters):
         r = c.post("/admin/adapters", json={"name": "gamma", "path": adapters["gamma"][0]})
         assert r.status_code == 201, r.text
         assert _complete(c, "gamma").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--esft-adapter", "no-equals-sign"], "want NAME=DIR"),
+        (["--esft-adapter", "a=/x", "--esft-adapter", "a=/y"], "given twice"),
+        (["--esft-adapter", "a=/x", "--max-esft-adapters", "0"], "--max-esft-adapters"),
+        (["--esft-adapter", "a=/nonexistent"], "--esft-adapter a=/nonexistent"),
+    ],
+)
+def test_cli_rejects_bad_adapter_options(tiny_model_dir, capsys, args, message):
+    from elasticmoe.cli import main
+
+    assert main(["serve", "--single", "--model", tiny_model_dir, "--port", "0", *args]) == 2
+    assert message in capsys.readouterr().err
