@@ -121,6 +121,11 @@ class ClusterAdapterHost:
         self._publish()
         return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
 
+    async def load_lora(self, adapter: Any) -> dict[str, Any]:
+        # NOTE: the engine and the single-process server serve LoRA; the elastic server does not
+        # load it onto its ranks yet (issue 6): refuse clearly instead of half-serving it.
+        raise AdapterLimitError("LoRA adapters are not served by the elastic server yet (use serve --single)")
+
     async def unload(self, name: str) -> bool:
         return await asyncio.to_thread(self.unload_blocking, name)
 
@@ -135,7 +140,7 @@ class ClusterAdapterHost:
             assert inst is not None
             entry.state = "unloading"
             self._publish()
-            ray.get([rank.unload_esft_adapter.remote(name) for rank in inst.ranks])
+            ray.get([rank.unload_adapter.remote(name) for rank in inst.ranks])
         threading.Thread(target=self._finish_unload, args=(entry,), name=f"unload-{name}", daemon=True).start()
         if wait:
             entry.unloaded.wait()
@@ -146,7 +151,7 @@ class ClusterAdapterHost:
             while True:
                 inst = self.cluster.active
                 assert inst is not None
-                if not any(ray.get([r.esft_adapter_in_use.remote(entry.name) for r in inst.ranks])):
+                if not any(ray.get([r.adapter_in_use.remote(entry.name) for r in inst.ranks])):
                     break
                 threading.Event().wait(self.poll_s)
             with self.lock:
@@ -164,7 +169,7 @@ class ClusterAdapterHost:
         rows = hmm.adapter_rows(name)
         try:
             ray.get([
-                rank.finish_esft_unload.remote(name, rows.get(device, {}))
+                rank.finish_adapter_unload.remote(name, rows.get(device, {}))
                 for rank, device in zip(inst.ranks, inst.device_ids, strict=True)
             ])
         finally:

@@ -85,6 +85,72 @@ def _run_make_esft_adapter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_make_lora_adapter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-lora-adapter",
+        help="write a PEFT-format LoRA adapter for a base checkpoint",
+        description="Write a LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors with "
+        "base_model.model.<module>.lora_A/lora_B.weight per adapted module). A and B are seeded Gaussians (B is "
+        "not zero, so the adapter changes outputs) sized so that ||scaling*B@A|| is about a quarter of ||W||. "
+        "Adaptable modules: attention projections (q_proj, k_proj, v_proj, o_proj; DeepSeek-V2: q_proj or "
+        "q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj) and routed-expert projections (gate_proj, "
+        "up_proj, down_proj; Mixtral: w1, w3, w2).",
+    )
+    p.add_argument("--base", required=True, metavar="DIR", help="directory of the base HF checkpoint")
+    p.add_argument("--out", required=True, metavar="DIR", help="adapter output directory")
+    p.add_argument("--rank", type=int, default=8, metavar="R", help="LoRA rank r (default 8)")
+    p.add_argument("--alpha", type=float, default=16.0, metavar="A", help="lora_alpha (default 16)")
+    p.add_argument("--targets", default="q_proj,v_proj", metavar="NAMES",
+                   help="comma-separated module names to adapt (default q_proj,v_proj)")
+    p.add_argument("--layers", default=None, metavar="IDS",
+                   help="comma-separated layer ids to adapt (default: all; expert targets only in MoE layers)")
+    p.add_argument("--experts", default=None, metavar="IDS",
+                   help="comma-separated routed expert ids for expert targets (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed for A and B (default 0)")
+    p.add_argument("--rslora", action="store_true", help="rank-stabilised scaling alpha/sqrt(r) instead of alpha/r")
+    p.add_argument("--merged-out", default=None, metavar="DIR",
+                   help="also write the merged model (W + scaling*B@A for every adapted module) here")
+
+
+# AdapterError.param -> the option to blame
+_LORA_OPTIONS = {"rank": "--rank", "r": "--rank", "alpha": "--alpha", "lora_alpha": "--alpha",
+                 "target_modules": "--targets", "layers": "--layers", "experts": "--experts", "out": "--out",
+                 "base": "--base", "use_rslora": "--rslora"}
+
+
+def _int_list(text: str | None, option: str) -> list[int] | None:
+    """`0,1,3` -> [0, 1, 3]; raises ValueError naming `option`."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option}: want comma-separated integers, got {text!r}") from None
+
+
+def _run_make_lora_adapter(args: argparse.Namespace) -> int:
+    from elasticmoe.adapters.esft import AdapterError
+    from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
+
+    try:
+        layers, experts = _int_list(args.layers, "--layers"), _int_list(args.experts, "--experts")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    try:
+        out = make_lora_adapter(args.base, args.out, rank=args.rank, alpha=args.alpha, target_modules=targets,
+                                layers=layers, experts=experts, seed=args.seed, use_rslora=args.rslora)
+        print(f"wrote {out}")
+        if args.merged_out is not None:
+            merged = write_lora_merged_model(args.base, out, args.merged_out)
+            print(f"wrote {merged}")
+    except AdapterError as exc:
+        print(f"error: {_LORA_OPTIONS.get(exc.param, '--' + exc.param)}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -119,6 +185,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                       "memory: physical memory is used only by the experts an adapter tunes")
     esft.add_argument("--max-esft-experts", type=int, default=16, metavar="E",
                       help="most experts one adapter may tune in one layer (E_max, default 16)")
+    lora = p.add_argument_group("LoRA adapters (PEFT format; attention and expert projections)")
+    lora.add_argument("--lora-adapter", action="append", default=[], metavar="NAME=DIR",
+                      help="load a LoRA adapter (adapter_config.json + adapter_model.safetensors) at start; "
+                      "clients select it with model=NAME. Repeatable; POST /admin/adapters with type=lora "
+                      "loads more at run time")
+    lora.add_argument("--max-loras", type=int, default=0, metavar="S",
+                      help="LoRA slots, allocated at start with fixed addresses (default 0: LoRA off)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                      help="largest LoRA rank a slot holds (default 16)")
     elastic = p.add_argument_group("elastic server (without --single)")
     elastic.add_argument("--devices", type=int, default=1, metavar="N",
                          help="logical devices to create: one HMM worker process and memory budget each (default 1)")
@@ -138,33 +213,56 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                          "memory; each scale then boots its target instance, ~2 s slower)")
 
 
-def _esft_adapter_args(args: argparse.Namespace) -> dict[str, str] | None:
-    """--esft-adapter NAME=DIR options as a dict; None (after printing why) if one is malformed."""
+def _named_dirs(items: list[str], option: str) -> dict[str, str] | None:
+    """NAME=DIR options as a dict; None (after printing why) if one is malformed."""
     out: dict[str, str] = {}
-    for item in args.esft_adapter:
+    for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            print(f"error: --esft-adapter: want NAME=DIR, got {item!r}", file=sys.stderr)
+            print(f"error: {option}: want NAME=DIR, got {item!r}", file=sys.stderr)
             return None
         if name in out:
-            print(f"error: --esft-adapter: {name!r} given twice", file=sys.stderr)
+            print(f"error: {option}: {name!r} given twice", file=sys.stderr)
             return None
         out[name] = path
-    if out and args.max_esft_adapters < len(out):
-        print(f"error: --max-esft-adapters: {args.max_esft_adapters} slots for {len(out)} --esft-adapter",
-              file=sys.stderr)
+    return out
+
+
+def _adapter_args(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]] | None:
+    """(ESFT, LoRA) adapters to load at start; None (after printing why) if the options are bad."""
+    esft = _named_dirs(args.esft_adapter, "--esft-adapter")
+    lora = _named_dirs(args.lora_adapter, "--lora-adapter")
+    if esft is None or lora is None:
+        return None
+    if set(esft) & set(lora):
+        print(f"error: --lora-adapter: names {sorted(set(esft) & set(lora))} are ESFT adapters too", file=sys.stderr)
         return None
     if args.max_esft_adapters < 0 or args.max_esft_experts < 1:
         print("error: --max-esft-adapters must be >= 0 and --max-esft-experts >= 1", file=sys.stderr)
         return None
-    return out
+    if args.max_loras < 0 or args.max_lora_rank < 1:
+        print("error: --max-loras must be >= 0 and --max-lora-rank >= 1", file=sys.stderr)
+        return None
+    if esft and args.max_esft_adapters < len(esft):
+        print(f"error: --max-esft-adapters: {args.max_esft_adapters} slots for {len(esft)} --esft-adapter",
+              file=sys.stderr)
+        return None
+    if lora and args.max_loras < len(lora):
+        print(f"error: --max-loras: {args.max_loras} slots for {len(lora)} --lora-adapter", file=sys.stderr)
+        return None
+    return esft, lora
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    esft_adapters = _esft_adapter_args(args)
-    if esft_adapters is None:
+    adapters = _adapter_args(args)
+    if adapters is None:
         return 2
+    esft_adapters, lora_adapters = adapters
     if not args.single:
+        if lora_adapters or args.max_loras:
+            print("error: --max-loras / --lora-adapter: LoRA adapters are served by --single only so far",
+                  file=sys.stderr)
+            return 2
         return _run_serve_elastic(args, esft_adapters)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"error: --model: {args.model} has no config.json (make one with `elasticmoe make-model`)",
@@ -185,6 +283,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_esft_adapters=args.max_esft_adapters,
         max_esft_experts=args.max_esft_experts if args.max_esft_adapters else 0,
         esft_adapters=esft_adapters,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_adapters=lora_adapters,
     )
 
 
@@ -215,11 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_model(sub)
     _add_make_esft_adapter(sub)
+    _add_make_lora_adapter(sub)
     _add_serve(sub)
     return parser
 
 
-_COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter, "serve": _run_serve}
+_COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter,
+             "make-lora-adapter": _run_make_lora_adapter, "serve": _run_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -189,10 +189,15 @@ class EngineConfig:
     # ESFT adapters (ExpertWeave): N slots of at most E_max tuned experts per MoE layer each.
     max_esft_adapters: int = 0
     max_esft_experts: int = 0
+    # LoRA adapters: S fixed slots of rank up to max_lora_rank (attention and expert projections).
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.max_esft_adapters < 0 or self.max_esft_experts < 0:
             raise ValueError("max_esft_adapters / max_esft_experts: must be >= 0")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras: must be >= 0 and max_lora_rank >= 1")
         if self.max_esft_adapters and not self.max_esft_experts:
             raise ValueError("max_esft_experts: must be >= 1 when max_esft_adapters > 0")
         if self.block_size < 1:

@@ -229,18 +229,18 @@ class InstanceRank:
             map_slot_pages(engine.weights[param], handle, slot_pages)
         return int(await self._on_loop(lambda: engine.load_esft_adapter(name, experts, None, slot=slot)))
 
-    async def unload_esft_adapter(self, name: str) -> bool:
-        """Stop admitting requests for `name` (see `LLMEngine.unload_esft_adapter`)."""
+    async def unload_adapter(self, name: str) -> bool:
+        """Stop admitting requests for `name` (see `LLMEngine.unload_adapter`)."""
         engine = self.engine
         assert engine is not None
-        return bool(await self._on_loop(lambda: engine.unload_esft_adapter(name)))
+        return bool(await self._on_loop(lambda: engine.unload_adapter(name)))
 
-    async def esft_adapter_in_use(self, name: str) -> bool:
+    async def adapter_in_use(self, name: str) -> bool:
         engine = self.engine
         assert engine is not None
-        return bool(await self._on_loop(lambda: engine.esft_adapter_in_use(name)))
+        return bool(await self._on_loop(lambda: engine.adapter_in_use(name)))
 
-    async def finish_esft_unload(self, name: str, rows: dict[str, list[int]]) -> None:
+    async def finish_adapter_unload(self, name: str, rows: dict[str, list[int]]) -> None:
         """Release `name` in the engine (if still there) and unmap its `rows` from this view;
         the HMM then returns their pages to the pool."""
         engine, handles = self.engine, self.handle_set
@@ -248,7 +248,7 @@ class InstanceRank:
 
         def work() -> None:
             if name in engine.unloading_adapters:
-                engine.finish_esft_unload(name)
+                engine.finish_adapter_unload(name)
 
         await self._on_loop(work)
         for param, slots in rows.items():
@@ -256,8 +256,8 @@ class InstanceRank:
             assert isinstance(handle, VirtualTensorHandle)
             unmap_slot_pages(engine.weights[param], handle, slots)
 
-    def esft_adapters(self) -> tuple[str, ...]:
-        return tuple(self.engine.esft_adapters) if self.engine is not None else ()
+    def served_adapters(self) -> tuple[str, ...]:
+        return tuple(self.engine.served_adapters) if self.engine is not None else ()
 
     async def _on_loop(self, fn: Any) -> Any:
         """Run `fn` on the engine thread: through the loop if it runs, else directly (warming up)."""

@@ -163,7 +163,7 @@ class AsyncLLM:
 
     def adapter_names(self) -> tuple[str, ...]:
         """ESFT adapters accepting requests (a snapshot the engine publishes; safe from any thread)."""
-        return tuple(getattr(self.engine, "esft_adapters", ()))
+        return tuple(getattr(self.engine, "served_adapters", ()))
 
     async def run_on_loop(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the loop thread between steps (so it may touch the engine); await its result."""

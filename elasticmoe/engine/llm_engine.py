@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
+from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
@@ -76,8 +77,12 @@ class LLMEngine:
         if config.max_esft_adapters:
             self.esft = EsftSlots(self.model, self.placement, config.ep_rank, config.max_esft_adapters,
                                   config.max_esft_experts)
+        self.lora: LoraSlots | None = None
+        if config.max_loras:
+            self.lora = LoraSlots(self.model, self.placement, config.ep_rank, config.max_loras,
+                                  config.max_lora_rank, config.dtype)
         self.unloading_adapters: set[str] = set()
-        self.esft_adapters: tuple[str, ...] = ()  # loaded adapters that accept requests
+        self.served_adapters: tuple[str, ...] = ()  # loaded adapters that accept requests
 
         self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), config.dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
@@ -86,7 +91,7 @@ class LLMEngine:
 
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, lora=self.lora is not None)
         self.sampler = Sampler(config.seed)
         eos_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids)
@@ -116,7 +121,7 @@ class LLMEngine:
         is kept then."""
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"request {request_id!r} is already running")
-        slot = self._adapter_slot(adapter)
+        slot, lora_slot = self._adapter_slots(adapter)
         token_ids = self._prompt_token_ids(prompt)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -132,18 +137,23 @@ class LLMEngine:
                 f"context length {self.max_model_len}",
             )
         request = Request(request_id, token_ids, len(token_ids), params, self.max_model_len,
-                          adapter=adapter, adapter_slot=slot)
+                          adapter=adapter, adapter_slot=slot, lora_slot=lora_slot)
         self.requests[request_id] = request
         self.output_processor.add(request)
         self.scheduler.add(request)
 
-    def _adapter_slot(self, adapter: str | None) -> int:
+    def _adapter_slots(self, adapter: str | None) -> tuple[int, int]:
+        """(ESFT slot, LoRA slot) of a request for `adapter` (-1: not that kind; None: base)."""
         if adapter is None:
-            return -1
-        slot = self.esft.index(adapter) if self.esft is not None else None
-        if slot is None or adapter in self.unloading_adapters:
-            raise UnknownAdapterError(adapter)
-        return slot
+            return -1, -1
+        if adapter not in self.unloading_adapters:
+            slot = self.esft.index(adapter) if self.esft is not None else None
+            if slot is not None:
+                return slot, -1
+            slot = self.lora.index(adapter) if self.lora is not None else None
+            if slot is not None:
+                return -1, slot
+        raise UnknownAdapterError(adapter)
 
     # ---- ESFT adapters --------------------------------------------------------------
 
@@ -159,18 +169,50 @@ class LLMEngine:
         Raises `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError` naming the field."""
         if self.esft is None:
             raise AdapterLimitError("this engine serves no ESFT adapters (--max-esft-adapters 0)")
-        if name in self.unloading_adapters:
-            raise AdapterConflictError(f"adapter {name!r} is still unloading")
+        self._check_new_name(name)
         slot = self.esft.load(name, experts, expert_weights, slot)
         self._publish_adapter_names()
         return slot
 
-    def unload_esft_adapter(self, name: str) -> bool:
+    def load_lora_adapter(
+        self,
+        name: str,
+        modules: dict[str, tuple[int, int, int]],
+        weights: LoraWeights,
+        scaling: float,
+        slot: int | None = None,
+    ) -> int:
+        """Load a LoRA adapter (`modules`: base module path -> (r, in, out); `weights(path, dtype)`
+        -> (A, B)) into LoRA slot `slot` (None: a free one). Under EP only this rank's experts'
+        factors are kept. Raises `AdapterLimitError` / `AdapterConflictError` (409) or
+        `ValueError` naming the field."""
+        if self.lora is None:
+            raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
+        self._check_new_name(name)
+        slot = self.lora.load(name, modules, weights, scaling, slot)
+        self._publish_adapter_names()
+        return slot
+
+    def _check_new_name(self, name: str) -> None:
+        if name in self.unloading_adapters:
+            raise AdapterConflictError(f"adapter {name!r} is still unloading")
+        if (self.esft is not None and self.esft.index(name) is not None) or (
+            self.lora is not None and self.lora.index(name) is not None
+        ):
+            raise AdapterConflictError(f"adapter {name!r} is already loaded")
+
+    def _release(self, name: str) -> None:
+        if self.esft is not None and self.esft.index(name) is not None:
+            self.esft.unload(name)
+        elif self.lora is not None:
+            self.lora.unload(name)
+
+    def unload_adapter(self, name: str) -> bool:
         """Stop admitting requests for `name`. With one rank it is unloaded (its rows released)
         once none of its requests is live, now or at the end of a later step; returns True if
         that happened now. Under EP other ranks route tokens to the experts this rank holds, so
-        the caller unloads every rank with `finish_esft_unload` once no rank `esft_adapter_in_use`."""
-        if self.esft is None or self.esft.index(name) is None:
+        the caller unloads every rank with `finish_adapter_unload` once no rank `adapter_in_use`."""
+        if name not in self.served_adapters:
             raise UnknownAdapterError(name)
         self.unloading_adapters.add(name)
         self._publish_adapter_names()
@@ -178,30 +220,28 @@ class LLMEngine:
             self._finish_unloads()
         return name not in self.unloading_adapters
 
-    def esft_adapter_in_use(self, name: str) -> bool:
+    def adapter_in_use(self, name: str) -> bool:
         return any(r.adapter == name for r in self.requests.values())
 
-    def finish_esft_unload(self, name: str) -> None:
+    def finish_adapter_unload(self, name: str) -> None:
         """Release an unloading adapter now (EP: every rank, after none is in use)."""
         if name not in self.unloading_adapters:
             raise UnknownAdapterError(name)
-        if self.esft_adapter_in_use(name):
+        if self.adapter_in_use(name):
             raise AdapterConflictError(f"adapter {name!r} still has live requests")
-        assert self.esft is not None
-        self.esft.unload(name)
+        self._release(name)
         self.unloading_adapters.discard(name)
 
     def _publish_adapter_names(self) -> None:
         # NOTE: one tuple assignment, so other threads (HTTP handlers listing models) read a
         # consistent snapshot without locking the engine thread.
-        names = [] if self.esft is None else self.esft.names
-        self.esft_adapters = tuple(n for n in names if n not in self.unloading_adapters)
+        names = (self.esft.names if self.esft is not None else []) + (self.lora.names if self.lora is not None else [])
+        self.served_adapters = tuple(n for n in names if n not in self.unloading_adapters)
 
     def _finish_unloads(self) -> None:
-        assert self.esft is not None
         busy = {r.adapter for r in self.requests.values()}
         for name in sorted(self.unloading_adapters - busy):
-            self.esft.unload(name)
+            self._release(name)
             self.unloading_adapters.discard(name)
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
@@ -250,7 +290,7 @@ class LLMEngine:
             if snap.request_id in self.requests:
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
             request = restore(snap, keep_kv=kv_is_shared)
-            request.adapter_slot = self._adapter_slot(snap.adapter)  # it must be loaded here too
+            request.adapter_slot, request.lora_slot = self._adapter_slots(snap.adapter)  # loaded here too
             if request.block_ids:
                 self.block_manager.claim(request.block_ids)
                 request.status = RequestStatus.RUNNING

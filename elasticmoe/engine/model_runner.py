@@ -10,14 +10,16 @@ import torch
 from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import SchedulerOutput
 from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan
+from elasticmoe.layers.lora import LoraGroups
 from elasticmoe.models.common import CausalLM, ForwardContext
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int, lora: bool = False) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
+        self.lora = lora  # LoRA slots exist: every step carries the tokens' LoRA slots
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         # Plain ints: per-request tensor ops cost more than the arithmetic at decode batch sizes.
@@ -73,6 +75,11 @@ class ModelRunner:
             slots = torch.tensor([request.adapter_slot for request, _ in sched.scheduled], dtype=torch.long)
             counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
             ctx.token_adapter_ids = slots.repeat_interleave(counts)
+        if self.lora:
+            slots = torch.tensor([request.lora_slot for request, _ in sched.scheduled], dtype=torch.long)
+            counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
+            ctx.token_lora_slots = slots.repeat_interleave(counts)
+            ctx.lora_groups = LoraGroups.build(ctx.token_lora_slots)
         return ids, pos, ctx, sample_indices
 
     @torch.inference_mode()

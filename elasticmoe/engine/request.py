@@ -38,7 +38,8 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     adapter: str | None = None  # ESFT adapter name; None: the base model
-    adapter_slot: int = -1  # its slot in the engine (-1: base), the AID of its tokens
+    adapter_slot: int = -1  # ESFT slot in the engine (-1: none), the AID of its tokens
+    lora_slot: int = -1  # LoRA slot in the engine (-1: none)
 
     def __post_init__(self) -> None:
         self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # shared by every output, never copied

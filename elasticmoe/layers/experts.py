@@ -84,6 +84,17 @@ def grouped_experts_sorted(xs: torch.Tensor, sorted_slots: torch.Tensor, w13: to
     return ys
 
 
+def expert_rows_linear(xs: torch.Tensor, sorted_slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rows of xs [N, in] grouped by ascending `sorted_slots` -> `xs[i] @ w[slot_i].T` [N, out]."""
+    out = xs.new_empty((xs.shape[0], w.shape[1]))
+    slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
+    start = 0
+    for slot, n in zip(slots.tolist(), counts.tolist(), strict=True):
+        out[start : start + n] = linear(xs[start : start + n], w[slot])
+        start += n
+    return out
+
+
 def grouped_experts(x: torch.Tensor, slot_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Run each row of x [N, H] through the expert in `slot_ids` [N]; returns [N, H] in input order."""
     order = torch.argsort(slot_ids, stable=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +18,13 @@ from elasticmoe.config import ModelConfig
 from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, paged_attention
 from elasticmoe.layers.experts import grouped_experts_sorted, swiglu_mlp
 from elasticmoe.layers.linear import linear
+from elasticmoe.layers.lora import LoraGroups, LoraSite
 from elasticmoe.layers.norm import rms_norm
 from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.models.weights import ParamSpec
+
+if TYPE_CHECKING:
+    from elasticmoe.adapters.lora_slots import ExpertLora
 
 Weights = dict[str, torch.Tensor]
 # route(x [T, H]) -> (weights [T, k], expert ids [T, k])
@@ -33,7 +38,9 @@ class ForwardContext:
     """Everything a step's forward needs besides token ids and positions."""
 
     attn: AttentionMetadata
-    token_adapter_ids: torch.Tensor | None = None  # [T], -1 = base model
+    token_adapter_ids: torch.Tensor | None = None  # [T] ESFT adapter slot, -1 = base model
+    token_lora_slots: torch.Tensor | None = None  # [T] LoRA slot, -1 = none (set when LoRA is enabled)
+    lora_groups: LoraGroups | None = None  # the tokens grouped by LoRA slot (None: no LoRA token)
 
 
 # ---- param spec helpers -------------------------------------------------------------
@@ -113,15 +120,26 @@ class MoEBlock:
         self.reroute: RerouteFn | None = None
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (rank, slot) of each expert id
         self.num_base_slots: int | None = None  # set with adapter slots: rows past it are sparse
+        self.lora: ExpertLora | None = None  # LoRA on the experts' projections (elasticmoe.adapters.lora_slots)
 
-    def experts(self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor) -> torch.Tensor:
+    def experts(
+        self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor, lora_slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if lora_slots is not None and self.lora is not None:
+            return self.lora.experts(x_sorted, sorted_slot_ids, lora_slots, self.w13, self.w2)
         return grouped_experts_sorted(x_sorted, sorted_slot_ids, self.w13, self.w2, self.num_base_slots)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)  # [T, k] each
         if self.reroute is not None and ctx.token_adapter_ids is not None:
             topk_ids = self.reroute(topk_ids, ctx)
-        out = self.dispatcher(x, topk_ids, topk_weights, self.experts, self.tables)
+        pair_lora = None
+        if self.lora is not None:  # NOTE: always, under EP: every rank must exchange the same tensors
+            slots = ctx.token_lora_slots
+            if slots is None:
+                slots = torch.full((x.shape[0],), -1, dtype=torch.long)
+            pair_lora = slots.repeat_interleave(topk_ids.shape[1])
+        out = self.dispatcher(x, topk_ids, topk_weights, self.experts, self.tables, pair_lora)
         if self.shared is not None:
             out = out + self.shared(x, ctx)
         return out
@@ -138,6 +156,8 @@ class GQAAttention:
         self.eps = cfg.rms_norm_eps
         self.rope = rope
         self.attend = gqa_attend(self.head_dim**-0.5)
+        self.lora_qkv: LoraSite | None = None  # LoRA slots of q|k|v (fused) and o, when enabled
+        self.lora_o: LoraSite | None = None
 
     @staticmethod
     def specs(cfg: ModelConfig, i: int, qk_norm: bool) -> list[ParamSpec]:
@@ -158,9 +178,19 @@ class GQAAttention:
         assert self.q_norm is not None and self.k_norm is not None
         return torch.cat((self.q_norm.expand(self.num_heads, -1), self.k_norm.expand(self.num_kv_heads, -1)))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: torch.Tensor,
+        lora: LoraGroups | None = None,
+    ):
         num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = linear(x, self.qkv).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv)
+        if lora is not None and self.lora_qkv is not None:
+            qkv = qkv + lora.delta(x, self.lora_qkv.a, self.lora_qkv.b)
+        qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         # One norm and one RoPE call for q and k together: at decode batch sizes per-op overhead dominates.
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [T, H + Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:
@@ -169,8 +199,11 @@ class GQAAttention:
         q = qk[:, : self.num_heads]
         new_kv = torch.cat((qk[:, self.num_heads :], v), dim=1)  # [T, 2 * Hkv, D]: k heads, then v heads
         new_kv = new_kv.view(num_tokens, 2, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, new_kv, cache, meta, self.attend)
-        return linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o)
+        out = paged_attention(q, new_kv, cache, meta, self.attend).reshape(num_tokens, self.num_heads * self.head_dim)
+        y = linear(out, self.o)
+        if lora is not None and self.lora_o is not None:
+            y = y + lora.delta(out, self.lora_o.a, self.lora_o.b)
+        return y
 
 
 class DecoderLayer:
@@ -179,7 +212,7 @@ class DecoderLayer:
         self.eps, self.attn, self.mlp = eps, attn, mlp
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, cache: torch.Tensor):
-        h = h + self.attn(rms_norm(h, self.input_norm, self.eps), positions, ctx.attn, cache)
+        h = h + self.attn(rms_norm(h, self.input_norm, self.eps), positions, ctx.attn, cache, ctx.lora_groups)
         return h + self.mlp(rms_norm(h, self.post_norm, self.eps), ctx)
 
 

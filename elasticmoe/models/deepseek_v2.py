@@ -103,7 +103,10 @@ class MLAttention:
         )
         return out.transpose(1, 2)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor):
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor, lora=None
+    ):
+        # NOTE: `lora` is accepted for the common layer signature; LoRA on MLA projections is not supported.
         num_tokens = x.shape[0]
         if self.q_lora:
             q = linear(rms_norm(linear(x, self.q_a), self.q_a_norm, self.eps), self.q_b)

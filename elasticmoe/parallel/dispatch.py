@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 
-# experts(x [N, H] with rows grouped by ascending slot, those slots [N]) -> [N, H], unweighted
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# experts(x [N, H] with rows grouped by ascending slot, those slots [N], per-row extras [N] or None)
+# -> [N, H], unweighted. The extras travel with the rows (e.g. each row's LoRA adapter slot).
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (rank of each expert id, local slot of each expert id): a layer's own tables when ESFT adapters
 # extend its id space with virtual ids (`elasticmoe.adapters.expert_map`); None: the placement's.
 ExpertTables = tuple[torch.Tensor, torch.Tensor] | None
@@ -44,13 +45,15 @@ class LocalDispatcher:
         topk_weights: torch.Tensor,
         experts: ExpertsFn,
         tables: ExpertTables = None,
+        pair_extra: torch.Tensor | None = None,
     ):
         num_tokens, top_k = topk_ids.shape
         expert_to_slot = self.expert_to_slot if tables is None else tables[1]
         pair_slots = expert_to_slot.index_select(0, topk_ids.reshape(-1))  # [T*k], pair p = token p // k
         order = torch.argsort(pair_slots, stable=True)
         token_ids = torch.div(order, top_k, rounding_mode="floor")
-        pair_out = experts(x.index_select(0, token_ids), pair_slots.index_select(0, order))
+        extra = pair_extra.index_select(0, order) if pair_extra is not None else None
+        pair_out = experts(x.index_select(0, token_ids), pair_slots.index_select(0, order), extra)
         return _combine(num_tokens, token_ids, pair_out, topk_weights.reshape(-1).index_select(0, order))
 
 
@@ -74,6 +77,7 @@ class AllToAllDispatcher:
         topk_weights: torch.Tensor,
         experts: ExpertsFn,
         tables: ExpertTables = None,
+        pair_extra: torch.Tensor | None = None,
     ):
         num_tokens, top_k = topk_ids.shape
         expert_to_rank, expert_to_slot = (self.expert_to_rank, self.expert_to_slot) if tables is None else tables
@@ -89,9 +93,15 @@ class AllToAllDispatcher:
         recv_x = self._exchange(x.index_select(0, token_ids), send_counts, recv_counts)
         recv_slots = self._exchange(expert_to_slot.index_select(0, flat_ids.index_select(0, order)),
                                     send_counts, recv_counts)
+        # NOTE: every rank exchanges the extras or none does (all ranks of a step agree: the
+        # caller passes them whenever the instance serves LoRA adapters on experts).
+        recv_extra = None
+        if pair_extra is not None:
+            recv_extra = self._exchange(pair_extra.index_select(0, order), send_counts, recv_counts)
         # Received rows arrive grouped by source rank; group them by slot for the experts and back.
         by_slot = torch.argsort(recv_slots, stable=True)
-        out_sorted = experts(recv_x.index_select(0, by_slot), recv_slots.index_select(0, by_slot))
+        out_sorted = experts(recv_x.index_select(0, by_slot), recv_slots.index_select(0, by_slot),
+                             recv_extra.index_select(0, by_slot) if recv_extra is not None else None)
         out = torch.empty_like(out_sorted).index_copy_(0, by_slot, out_sorted)
         back = self._exchange(out, recv_counts, send_counts)
         return _combine(num_tokens, token_ids, back, topk_weights.reshape(-1).index_select(0, order))

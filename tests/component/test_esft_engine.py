@@ -74,17 +74,17 @@ def test_mixed_batch_equals_each_merged_model_alone(setup):
     base, adapters, merged = setup
     engine = _engine(base, max_esft_adapters=3, max_esft_experts=2)
     _load_all(engine, adapters)
-    assert engine.esft_adapters == NAMES
+    assert engine.served_adapters == NAMES
     requests = [(f"{a or 'base'}-{i}", p, a) for i, p in enumerate(PROMPTS) for a in (None, *NAMES)]
     got = _run(engine, requests)
 
     reference = {None: _run(_engine(base), [(f"base-{i}", p, None) for i, p in enumerate(PROMPTS)])}
     for name in NAMES:
         reference[name] = _run(_engine(merged[name]), [(f"{name}-{i}", p, None) for i, p in enumerate(PROMPTS)])
-    for rid, prompt, adapter in requests:
+    for rid, _prompt, adapter in requests:
         _same(got[rid], reference[adapter][rid])
     # The adapters really change the model (else the test could not fail).
-    assert all(reference[n]["%s-0" % n][0] != reference[None]["base-0"][0] for n in NAMES)
+    assert all(reference[n][f"{n}-0"][0] != reference[None]["base-0"][0] for n in NAMES)
 
 
 def test_errors_limits_unload_and_reload(setup):
@@ -108,16 +108,16 @@ def test_errors_limits_unload_and_reload(setup):
     # Unload waits for the adapter's running request; new ones are refused meanwhile.
     engine.add_request("a1", PROMPTS[1], PARAMS, "alpha")
     engine.step()
-    assert engine.unload_esft_adapter("alpha") is False
+    assert engine.unload_adapter("alpha") is False
     with pytest.raises(UnknownAdapterError):
         engine.add_request("a2", PROMPTS[1], PARAMS, "alpha")
     with pytest.raises(AdapterConflictError, match="unloading"):
         engine.load_esft_adapter("alpha", alpha.config.experts, alpha.expert_weights)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.esft_adapters == ("beta",) and engine.esft.index("alpha") is None
+    assert engine.served_adapters == ("beta",) and engine.esft.index("alpha") is None
     # The freed slot takes another adapter, which then serves like its merged model again.
     assert engine.load_esft_adapter("gamma", gamma.config.experts, gamma.expert_weights) == 0
-    assert engine.esft_adapters == ("gamma", "beta")
+    assert engine.served_adapters == ("gamma", "beta")
     with pytest.raises(UnknownAdapterError):
-        engine.unload_esft_adapter("alpha")
+        engine.unload_adapter("alpha")

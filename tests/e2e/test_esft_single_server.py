@@ -155,3 +155,41 @@ def test_cli_rejects_bad_adapter_options(tiny_model_dir, capsys, args, message):
 
     assert main(["serve", "--single", "--model", tiny_model_dir, "--port", "0", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_lora_adapter_over_http(tiny_model_dir, tmp_path):
+    """A LoRA adapter loaded with type=lora on a server with LoRA slots serves its merged model."""
+    from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
+
+    path = make_lora_adapter(tiny_model_dir, str(tmp_path / "l"), rank=4,
+                             target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"), seed=3)
+    merged = write_lora_merged_model(tiny_model_dir, path, str(tmp_path / "m"))
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, kv_cache_bytes=8 << 20,
+                                    max_loras=1, max_lora_rank=4))
+    async_llm = AsyncLLM(engine)
+    async_llm.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(build_app(async_llm, MODEL), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not uv.started:
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as c:
+            r = c.post("/admin/adapters", json={"name": "style", "path": str(path), "type": "lora"})
+            assert r.status_code == 201, r.text
+            assert r.json()["rank"] == 4
+            got = _complete(c, "style", 10)
+            assert got.status_code == 200 and got.json()["choices"][0]["text"] == _reference_text(str(merged), 10)
+            full = c.post("/admin/adapters", json={"name": "other", "path": str(path), "type": "lora"})
+            assert full.status_code == 409 and "1 LoRA slots" in full.json()["error"]["message"]
+            bad = c.post("/admin/adapters", json={"name": "x", "path": str(path), "type": "dora"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "type"
+            assert c.delete("/admin/adapters/style").status_code == 200  # idle: unloaded at once
+            assert _complete(c, "style").status_code == 404
+    finally:
+        uv.should_exit = True
+        thread.join(15)
+        async_llm.shutdown()
+        sock.close()

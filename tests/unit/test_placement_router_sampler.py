@@ -57,7 +57,7 @@ def test_local_dispatcher_weights_and_combines():
     x = torch.randn(3, 4)
     ids = torch.tensor([[0, 1], [1, 1], [0, 0]])
     w = torch.tensor([[0.5, 0.5], [1.0, 2.0], [0.25, 0.25]])
-    out = LocalDispatcher(ExpertPlacement.single(2))(x, ids, w, lambda h, s: h * (s + 1).unsqueeze(-1).to(h.dtype))
+    out = LocalDispatcher(ExpertPlacement.single(2))(x, ids, w, lambda h, s, _: h * (s + 1).unsqueeze(-1).to(h.dtype))
     torch.testing.assert_close(out, x * torch.tensor([[1.5], [6.0], [0.5]]))
 
 
@@ -102,6 +102,6 @@ def test_grouped_experts_never_read_unmapped_adapter_rows():
         sorted_slots = torch.tensor(sorted(slots))
         xs = torch.randn(len(slots), h)
         got = grouped_experts_sorted(xs, sorted_slots, w13, w2, dense_slots=base)
-        want = torch.stack([swiglu_mlp(x[None], w13[s], w2[s])[0] for x, s in zip(xs, sorted_slots.tolist())])
+        want = torch.stack([swiglu_mlp(x[None], w13[s], w2[s])[0] for x, s in zip(xs, sorted_slots.tolist(), strict=False)])
         assert not got.isnan().any()
         torch.testing.assert_close(got, want)

@@ -1,6 +1,6 @@
 """Admin API for adapters, shared by the single-process server and the coordinator.
 
-    POST   /admin/adapters {"name": ..., "path": ...}   load (201), serving continues meanwhile
+    POST   /admin/adapters {"name", "path", "type": "esft"|"lora"}   load (201), serving continues
     DELETE /admin/adapters/{name}                       unload once its requests finish (202/200)
     GET    /admin/adapters                              what is loaded
 
@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 
 from elasticmoe.adapters.esft import AdapterError, EsftAdapter
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
+from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.errors import UnknownAdapterError
@@ -36,14 +37,16 @@ _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
 class LoadAdapterRequest(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=_NAME_PATTERN,
                       description="Model id clients pass as `model` to use the adapter.")
-    path: str = Field(min_length=1, description="Adapter directory on the server (ESFT: expert_cfg.json + safetensors).")
-    type: Literal["esft"] = Field("esft", description="Adapter kind.")
+    path: str = Field(min_length=1, description="Adapter directory on the server (ESFT: expert_cfg.json + "
+                      "safetensors; LoRA: PEFT's adapter_config.json + adapter_model.safetensors).")
+    type: Literal["esft", "lora"] = Field("esft", description="Adapter kind.")
 
 
 class AdapterHost(Protocol):
     """Where adapters are loaded: one engine, or every rank of the active instance."""
 
     async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]: ...
+    async def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]: ...
     async def unload(self, name: str) -> bool: ...  # True: unloaded now; False: once its requests finish
     async def describe(self) -> list[dict[str, Any]]: ...
 
@@ -51,6 +54,11 @@ class AdapterHost(Protocol):
 def read_esft_adapter(name: str, path: str, model_config: ModelConfig) -> EsftAdapter:
     """Open and validate an adapter directory (blocking: run it in a thread)."""
     return EsftAdapter.open(name, path, model_config)
+
+
+def read_lora_adapter(name: str, path: str, model_config: ModelConfig) -> LoraAdapter:
+    """Open and validate a PEFT LoRA directory (blocking: run it in a thread)."""
+    return LoraAdapter.open(name, path, model_config)
 
 
 def add_adapter_routes(
@@ -63,8 +71,12 @@ def add_adapter_routes(
             raise OpenAIError(f"name: {body.name!r} is the base model's id", status_code=HTTPStatus.CONFLICT,
                               param="name")
         try:
-            adapter = await asyncio.to_thread(read_esft_adapter, body.name, body.path, model_config())
-            info = await host.load_esft(adapter)
+            if body.type == "lora":
+                lora = await asyncio.to_thread(read_lora_adapter, body.name, body.path, model_config())
+                info = await host.load_lora(lora)
+            else:
+                adapter = await asyncio.to_thread(read_esft_adapter, body.name, body.path, model_config())
+                info = await host.load_esft(adapter)
         except AdapterError as exc:
             raise OpenAIError(str(exc), param=exc.param) from exc
         except (AdapterConflictError, AdapterLimitError) as exc:
@@ -110,9 +122,19 @@ class EngineAdapterHost:
         )
         return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
 
+    async def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]:
+        engine = self.engine
+        dtype = engine.config.dtype
+        factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
+        slot = await self.async_llm.run_on_loop(
+            lambda: engine.load_lora_adapter(adapter.name, adapter.modules, lambda m, _: factors[m],
+                                             adapter.config.scaling)
+        )
+        return {"slot": slot, "rank": adapter.config.r, "num_modules": len(adapter.modules)}
+
     async def unload(self, name: str) -> bool:
         engine = self.engine
-        return bool(await self.async_llm.run_on_loop(lambda: engine.unload_esft_adapter(name)))
+        return bool(await self.async_llm.run_on_loop(lambda: engine.unload_adapter(name)))
 
     async def describe(self) -> list[dict[str, Any]]:
         engine = self.engine
@@ -135,7 +157,7 @@ def describe_engine_adapters(engine: Any) -> list[dict[str, Any]]:
     """Loaded adapters of an engine (call on its thread): name, slot, experts, bytes, state."""
     from elasticmoe.adapters.esft_slots import describe
 
-    return [
-        {**d, "type": "esft", "state": "unloading" if d["name"] in engine.unloading_adapters else "loaded"}
-        for d in describe(engine.esft)
-    ]
+    out = [{**d, "type": "esft"} for d in describe(engine.esft)]
+    if engine.lora is not None:
+        out += [{"name": n, "slot": engine.lora.slot_of[n], "type": "lora"} for n in engine.lora.names]
+    return [{**d, "state": "unloading" if d["name"] in engine.unloading_adapters else "loaded"} for d in out]

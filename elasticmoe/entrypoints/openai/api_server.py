@@ -31,6 +31,7 @@ from elasticmoe.entrypoints.openai.adapters_api import (
     EngineAdapterHost,
     add_adapter_routes,
     read_esft_adapter,
+    read_lora_adapter,
 )
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware, ServerMetrics
@@ -173,6 +174,9 @@ def run_single_server(
     max_esft_adapters: int = 0,
     max_esft_experts: int = 0,
     esft_adapters: dict[str, str] | None = None,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
+    lora_adapters: dict[str, str] | None = None,
 ) -> int:
     """Load the model (and the ESFT adapters `esft_adapters`: name -> path), serve it until
     SIGINT/SIGTERM, then stop the engine. Returns an exit code."""
@@ -190,7 +194,8 @@ def run_single_server(
     if max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = max_num_batched_tokens
     config = EngineConfig(model=model_dir, dtype=parse_dtype(dtype), max_esft_adapters=max_esft_adapters,
-                          max_esft_experts=max_esft_experts, **options)
+                          max_esft_experts=max_esft_experts, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                          **options)
     name = served_model_name or Path(model_dir).resolve().name
     logger.info("loading %s as %r", model_dir, name)
     engine = LLMEngine(config)
@@ -202,6 +207,14 @@ def run_single_server(
             print(f"error: --esft-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
             return 2
         logger.info("ESFT adapter %r loaded from %s", adapter_name, path)
+    for adapter_name, path in (lora_adapters or {}).items():
+        try:
+            lora = read_lora_adapter(adapter_name, path, engine.model_config)
+            engine.load_lora_adapter(adapter_name, lora.modules, lora.weights, lora.config.scaling)
+        except (ValueError, RuntimeError) as exc:
+            print(f"error: --lora-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
+            return 2
+        logger.info("LoRA adapter %r loaded from %s", adapter_name, path)
     async_llm = AsyncLLM(engine)
     async_llm.start()
     app = build_app(async_llm, name)

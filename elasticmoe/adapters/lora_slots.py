@@ -1,0 +1,159 @@
+"""`LoraSlots`: the LoRA adapters one engine serves, in S fixed slots (MoLoRA's hot set, §5.2).
+
+Sites (see `elasticmoe.layers.lora`): per GQA attention layer a fused q|k|v site (the three
+modules at rank offsets 0, R, 2R and their own output rows) and an o site; per MoE layer
+an `ExpertLora` with a gate|up site and a down site keyed `slot * E_local + local expert`.
+All are allocated once, at engine start, so their addresses never change and (under EP)
+every rank exchanges the same tensors in every step. Under EP a rank holds the factors of
+its own experts only: an adapter's expert LoRA follows its expert's device, and a new
+instance after a scale loads them for its own placement.
+
+Per-request routing: a request's tokens carry its slot; every site adds its delta for the
+whole mixed batch in one grouped computation. Not thread-safe: the engine's thread calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
+from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_sorted
+from elasticmoe.layers.lora import LoraGroups, LoraSite
+from elasticmoe.models.common import CausalLM, GQAAttention, MoEBlock
+from elasticmoe.parallel.expert_placement import ExpertPlacement
+
+logger = logging.getLogger(__name__)
+
+_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+# weights(module path, dtype) -> (A [r, in], B [out, r]) of one targeted module
+LoraWeights = Callable[[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
+class ExpertLora:
+    """LoRA sites of one MoE layer's experts (see the module docstring)."""
+
+    def __init__(self, num_slots: int, num_local: int, max_rank: int, hidden: int, inter: int,
+                 dtype: torch.dtype) -> None:
+        self.num_local, self.inter, self.max_rank = num_local, inter, max_rank
+        self.w13 = LoraSite(num_slots * num_local, 2 * max_rank, hidden, 2 * inter, dtype)
+        self.w2 = LoraSite(num_slots * num_local, max_rank, inter, hidden, dtype)
+
+    def experts(self, xs: torch.Tensor, slots: torch.Tensor, lora_slots: torch.Tensor,
+                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """The grouped experts of rows sorted by expert slot, plus each row's adapter's LoRA."""
+        has = (lora_slots >= 0) & (slots < self.num_local)  # ESFT adapter rows never carry a LoRA
+        groups = LoraGroups.build(torch.where(has, lora_slots * self.num_local + slots, -1))
+        if groups is None:
+            return grouped_experts_sorted(xs, slots, w13, w2, self.num_local)
+        gate_up = expert_rows_linear(xs, slots, w13) + groups.delta(xs, self.w13.a, self.w13.b)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        return expert_rows_linear(h, slots, w2) + groups.delta(h, self.w2.a, self.w2.b)
+
+
+class LoraSlots:
+    def __init__(self, model: CausalLM, placement: ExpertPlacement, rank: int, max_loras: int, max_rank: int,
+                 dtype: torch.dtype) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"lora: need max_loras >= 1 and max_lora_rank >= 1, got {max_loras}, {max_rank}")
+        self.placement, self.rank, self.max_loras, self.max_rank = placement, rank, max_loras, max_rank
+        self.attention: dict[int, GQAAttention] = {}
+        self.experts: dict[int, ExpertLora] = {}
+        num_local = len(placement.local_expert_ids(rank))
+        for i, layer in enumerate(model.layers):
+            attn = layer.attn
+            if isinstance(attn, GQAAttention):
+                q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+                hidden = attn.qkv.shape[1]
+                attn.lora_qkv = LoraSite(max_loras, 3 * max_rank, hidden, q + 2 * kv, dtype)
+                attn.lora_o = LoraSite(max_loras, max_rank, q, hidden, dtype)
+                self.attention[i] = attn
+            if isinstance(layer.mlp, MoEBlock) and num_local:
+                block = layer.mlp
+                inter, hidden = block.w2.shape[2], block.w2.shape[1]
+                block.lora = self.experts[i] = ExpertLora(max_loras, num_local, max_rank, hidden, inter, dtype)
+        self.slot_of: dict[str, int] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.slot_of, key=self.slot_of.__getitem__)
+
+    def index(self, name: str) -> int | None:
+        return self.slot_of.get(name)
+
+    def check_fits(self, name: str, modules: dict[str, tuple[int, int, int]]) -> None:
+        """Raise unless an adapter with these modules (path -> (r, in, out)) can be loaded now."""
+        if name in self.slot_of:
+            raise AdapterConflictError(f"adapter {name!r} is already loaded")
+        if len(self.slot_of) >= self.max_loras:
+            raise AdapterLimitError(f"all {self.max_loras} LoRA slots are in use (--max-loras)")
+        for path, (r, _, _) in modules.items():
+            if r > self.max_rank:
+                raise AdapterLimitError(f"{path} has rank {r}; slots hold at most {self.max_rank} (--max-lora-rank)")
+            self._site(path)  # raises for modules this model cannot serve
+
+    def _site(self, path: str) -> tuple[LoraSite, int, int, int | None]:
+        """(site, output row offset, rank offset, global expert or None) of a module path."""
+        m = _ATTN.match(path)
+        if m is not None:
+            attn = self.attention.get(int(m.group(1)))
+            if attn is None or attn.lora_qkv is None or attn.lora_o is None:
+                raise ValueError(f"target_modules: {path}: LoRA on this attention is not supported")
+            q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+            offsets = {"q_proj": (0, 0), "k_proj": (q, self.max_rank), "v_proj": (q + kv, 2 * self.max_rank)}
+            if m.group(2) == "o_proj":
+                return attn.lora_o, 0, 0, None
+            row0, rank0 = offsets[m.group(2)]
+            return attn.lora_qkv, row0, rank0, None
+        m = _EXPERT.match(path)
+        if m is not None and m.group(3) in _EXPERT_PART and int(m.group(1)) in self.experts:
+            lora, part = self.experts[int(m.group(1))], _EXPERT_PART[m.group(3)]
+            expert = int(m.group(2))
+            if part == "down":
+                return lora.w2, 0, 0, expert
+            return lora.w13, (0 if part == "gate" else lora.inter), (0 if part == "gate" else self.max_rank), expert
+        raise ValueError(f"target_modules: {path}: not a LoRA target of this model")
+
+    def load(self, name: str, modules: dict[str, tuple[int, int, int]], weights: LoraWeights, scaling: float,
+             slot: int | None = None) -> int:
+        """Write adapter `name`'s factors (scaling folded into B) into a free slot; returns it."""
+        self.check_fits(name, modules)
+        free = set(range(self.max_loras)) - set(self.slot_of.values())
+        if slot is None:
+            slot = min(free)
+        elif slot not in free:
+            raise AdapterConflictError(f"LoRA slot {slot} is in use or outside [0, {self.max_loras})")
+        self._clear(slot)
+        for path in modules:
+            site, row0, rank0, expert = self._site(path)
+            key = slot
+            if expert is not None:
+                if self.placement.expert_to_rank[expert] != self.rank:
+                    continue  # its expert's rank holds it
+                key = slot * len(self.placement.local_expert_ids(self.rank)) + self.placement.expert_to_slot[expert]
+            a, b = weights(path, site.a.dtype)
+            site.write(key, a, b * scaling, row0, rank0)
+        self.slot_of[name] = slot
+        logger.info("lora: adapter %r in slot %d (%d modules)", name, slot, len(modules))
+        return slot
+
+    def unload(self, name: str) -> None:
+        self._clear(self.slot_of.pop(name))
+
+    def _clear(self, slot: int) -> None:
+        for attn in self.attention.values():
+            assert attn.lora_qkv is not None and attn.lora_o is not None
+            attn.lora_qkv.clear(slot)
+            attn.lora_o.clear(slot)
+        for lora in self.experts.values():
+            for key in range(slot * lora.num_local, (slot + 1) * lora.num_local):
+                lora.w13.clear(key)
+                lora.w2.clear(key)

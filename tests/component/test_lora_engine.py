@@ -1,0 +1,132 @@
+"""LoRA adapters in one engine: per-request routing over S fixed slots, one batched LoRA
+computation per site for the whole mixed batch (attention q|k|v and o, expert gate|up|down).
+
+Each request's greedy tokens and top-5 logprobs equal those of the merged model
+(W + scaling * B @ A) served alone, in mixed batches of base + three LoRA adapters (+ an
+ESFT adapter) with chunked prefill; Qwen3-MoE, Mixtral, and DeepSeek-V2 (experts only: its
+MLA attention is not a LoRA target). Also: limits, unsupported targets, unload and reuse.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticmoe.adapters.esft import EsftAdapter
+from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
+from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_esft_adapter import make_esft_adapter
+from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
+EXPERT_TARGETS = {"mixtral": ("w1", "w3", "w2")}  # the others: gate_proj, up_proj, down_proj
+
+
+def _engine(model_dir: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=256, num_threads=1,
+                                  max_num_batched_tokens=8, **kwargs))
+
+
+def _run(engine: LLMEngine, requests: list[tuple[str, list[int], str | None]]) -> dict[str, tuple]:
+    for rid, prompt, adapter in requests:
+        engine.add_request(rid, prompt, PARAMS, adapter)
+    steps: dict[str, list] = {rid: [] for rid, _, _ in requests}
+    final = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            steps[o.request_id] += o.new_logprobs or []
+            if o.finished:
+                final[o.request_id] = o.output_token_ids
+    return {rid: (final[rid], [(lp.token_id, lp.logprob, [t for t, _, _ in lp.top_logprobs]) for lp in steps[rid]])
+            for rid in steps}
+
+
+def _same(got: tuple, want: tuple) -> None:
+    assert got[0] == want[0]
+    for (tok, lp, top), (wtok, wlp, wtop) in zip(got[1], want[1], strict=True):
+        assert tok == wtok and top == wtop and lp == pytest.approx(wlp, abs=1e-4)
+
+
+def _specs(arch: str) -> dict[str, dict]:
+    experts = EXPERT_TARGETS.get(arch, ("gate_proj", "up_proj", "down_proj"))
+    specs = {
+        "experts": dict(rank=4, target_modules=experts, seed=3),
+        "few": dict(rank=2, target_modules=experts[:1] + experts[2:], layers=[1], experts=[0, 3], seed=4,
+                    use_rslora=True),
+    }
+    if arch != "deepseek_v2":
+        specs["attn"] = dict(rank=4, target_modules=("q_proj", "v_proj"), seed=1)
+        specs["both"] = dict(rank=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", *experts), seed=2)
+    return specs
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "deepseek_v2"])
+def setup(request, tiny_model_dirs, tmp_path_factory):
+    arch = request.param
+    base = tiny_model_dirs[arch]
+    root = tmp_path_factory.mktemp(f"lora-{arch}")
+    cfg = ModelConfig.from_pretrained(base)
+    adapters, merged = {}, {}
+    for name, kwargs in _specs(arch).items():
+        path = make_lora_adapter(base, str(root / name), **kwargs)
+        adapters[name] = LoraAdapter.open(name, path, cfg)
+        merged[name] = str(write_lora_merged_model(base, path, str(root / f"{name}-merged")))
+    return arch, base, adapters, merged, root
+
+
+def _load(engine: LLMEngine, adapter: LoraAdapter) -> int:
+    return engine.load_lora_adapter(adapter.name, adapter.modules, adapter.weights, adapter.config.scaling)
+
+
+def test_mixed_batch_equals_each_merged_model_alone(setup):
+    arch, base, adapters, merged, root = setup
+    engine = _engine(base, max_loras=len(adapters), max_lora_rank=8, max_esft_adapters=1, max_esft_experts=2)
+    for a in adapters.values():
+        _load(engine, a)
+    esft_path = make_esft_adapter(base, str(root / "esft"), experts_per_layer=2, seed=9, noise=0.5)
+    esft = EsftAdapter.open("esft", esft_path, ModelConfig.from_pretrained(base))
+    engine.load_esft_adapter("esft", esft.config.experts, esft.expert_weights)
+
+    names = list(adapters)
+    requests = [(f"{a or 'base'}-{i}", p, a) for i, p in enumerate(PROMPTS) for a in (None, *names)]
+    got = _run(engine, requests + [("esft-0", PROMPTS[0], "esft")])
+
+    reference = {None: _run(_engine(base), [(f"base-{i}", p, None) for i, p in enumerate(PROMPTS)])}
+    for name in names:
+        reference[name] = _run(_engine(merged[name]), [(f"{name}-{i}", p, None) for i, p in enumerate(PROMPTS)])
+        # The adapter matters (else the comparison could not fail): other tokens or other logprobs.
+        (tokens, steps), (base_tokens, base_steps) = reference[name][f"{name}-0"], reference[None]["base-0"]
+        assert tokens != base_tokens or max(abs(a[1] - b[1]) for a, b in zip(steps, base_steps, strict=False)) > 1e-3, name
+    for rid, _, adapter in requests:
+        _same(got[rid], reference[adapter][rid])
+    # The ESFT request in the same batches is unaffected by the LoRA slots (and vice versa).
+    esft_alone = _engine(base, max_esft_adapters=1, max_esft_experts=2)
+    esft_alone.load_esft_adapter("esft", esft.config.experts, esft.expert_weights)
+    _same(got["esft-0"], _run(esft_alone, [("esft-0", PROMPTS[0], "esft")])["esft-0"])
+
+
+def test_limits_unsupported_targets_unload_and_reuse(setup):
+    arch, base, adapters, merged, root = setup
+    engine = _engine(base, max_loras=1, max_lora_rank=4)
+    few, experts = adapters["few"], adapters["experts"]
+    assert _load(engine, few) == 0
+    with pytest.raises(AdapterConflictError):
+        _load(engine, few)
+    with pytest.raises(AdapterLimitError, match="1 LoRA slots"):
+        _load(engine, experts)
+    assert engine.unload_adapter("few") is True  # no request uses it: gone at once
+    if "both" in adapters:
+        with pytest.raises(AdapterLimitError, match="rank 8"):
+            _load(engine, adapters["both"])  # rank 8 > --max-lora-rank 4
+    assert _load(engine, experts) == 0  # the freed slot, cleared first
+    got = _run(engine, [("e", PROMPTS[1], "experts")])
+    _same(got["e"], _run(_engine(merged["experts"]), [("e", PROMPTS[1], None)])["e"])
+    if arch == "deepseek_v2":  # MLA attention is not a LoRA target
+        attn = make_lora_adapter(base, str(root / "mla"), rank=2, target_modules=("o_proj",), seed=5)
+        a = LoraAdapter.open("mla", attn, ModelConfig.from_pretrained(base))
+        with pytest.raises(ValueError, match="target_modules"):
+            _engine(base, max_loras=1, max_lora_rank=4).load_lora_adapter(a.name, a.modules, a.weights, 1.0)
