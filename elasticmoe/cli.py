@@ -194,6 +194,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                       help="LoRA slots, allocated at start with fixed addresses (default 0: LoRA off)")
     lora.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                       help="largest LoRA rank a slot holds (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
+                      help="LoRA adapters kept loaded in host memory, >= --max-loras (default: --max-loras); "
+                      "beyond the slots they are swapped in when a request needs them")
     elastic = p.add_argument_group("elastic server (without --single)")
     elastic.add_argument("--devices", type=int, default=1, metavar="N",
                          help="logical devices to create: one HMM worker process and memory budget each (default 1)")
@@ -247,7 +250,14 @@ def _adapter_args(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, s
         print(f"error: --max-esft-adapters: {args.max_esft_adapters} slots for {len(esft)} --esft-adapter",
               file=sys.stderr)
         return None
-    if lora and args.max_loras < len(lora):
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        print("error: --max-cpu-loras: must be >= --max-loras", file=sys.stderr)
+        return None
+    cached = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+    if lora and cached < len(lora):
+        print(f"error: --max-cpu-loras: {cached} adapters fit for {len(lora)} --lora-adapter", file=sys.stderr)
+        return None
+    if lora and args.max_loras < 1:
         print(f"error: --max-loras: {args.max_loras} slots for {len(lora)} --lora-adapter", file=sys.stderr)
         return None
     return esft, lora
@@ -285,6 +295,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         esft_adapters=esft_adapters,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         lora_adapters=lora_adapters,
     )
 

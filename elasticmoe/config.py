@@ -192,6 +192,7 @@ class EngineConfig:
     # LoRA adapters: S fixed slots of rank up to max_lora_rank (attention and expert projections).
     max_loras: int = 0
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory (>= max_loras); None: max_loras
 
     def __post_init__(self) -> None:
         if self.max_esft_adapters < 0 or self.max_esft_experts < 0:

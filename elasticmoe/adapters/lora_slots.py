@@ -1,4 +1,12 @@
-"""`LoraSlots`: the LoRA adapters one engine serves, in S fixed slots (MoLoRA's hot set, §5.2).
+"""`LoraSlots`: the LoRA adapters one engine serves: S fixed device slots (MoLoRA's hot set,
+§5.2) in front of a host-memory cache of every loaded adapter.
+
+Loading an adapter reads its factors into host memory (scaling folded in) and, if a slot
+is free, into that slot. A request for an adapter that is not resident waits (its
+requests are passed over by the scheduler, not waited on) until the engine swaps it in
+between steps: into a free slot, else in place of the resident adapter with the lowest
+expected use (an exponential moving average of its request rate plus its queued
+requests: CoServe §4.3's argument against plain LRU), never one with running requests.
 
 Sites (see `elasticmoe.layers.lora`): per GQA attention layer a fused q|k|v site (the three
 modules at rank offsets 0, R, 2R and their own output rows) and an o site; per MoE layer
@@ -61,7 +69,7 @@ class ExpertLora:
 
 class LoraSlots:
     def __init__(self, model: CausalLM, placement: ExpertPlacement, rank: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, max_cached: int | None = None) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"lora: need max_loras >= 1 and max_lora_rank >= 1, got {max_loras}, {max_rank}")
         self.placement, self.rank, self.max_loras, self.max_rank = placement, rank, max_loras, max_rank
@@ -80,21 +88,35 @@ class LoraSlots:
                 block = layer.mlp
                 inter, hidden = block.w2.shape[2], block.w2.shape[1]
                 block.lora = self.experts[i] = ExpertLora(max_loras, num_local, max_rank, hidden, inter, dtype)
-        self.slot_of: dict[str, int] = {}
+        self.max_cached = max_cached if max_cached is not None else max_loras
+        if self.max_cached < max_loras:
+            raise ValueError(f"lora: max_cached ({self.max_cached}) must be >= max_loras ({max_loras})")
+        self.host: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # name -> path -> (A, sB)
+        self.slot_of: dict[str, int] = {}  # resident adapters
+        self.rate: dict[str, float] = {}  # EMA of requests per step
+        self.num_swaps_in = self.num_evictions = self.num_hits = self.num_misses = 0
 
     @property
     def names(self) -> list[str]:
-        return sorted(self.slot_of, key=self.slot_of.__getitem__)
+        """Every loaded adapter (resident or in host memory), in load order."""
+        return list(self.host)
 
     def index(self, name: str) -> int | None:
+        """The adapter's slot if it is resident."""
         return self.slot_of.get(name)
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self.host
 
     def check_fits(self, name: str, modules: dict[str, tuple[int, int, int]]) -> None:
         """Raise unless an adapter with these modules (path -> (r, in, out)) can be loaded now."""
-        if name in self.slot_of:
+        if name in self.host:
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
-        if len(self.slot_of) >= self.max_loras:
-            raise AdapterLimitError(f"all {self.max_loras} LoRA slots are in use (--max-loras)")
+        if len(self.host) >= self.max_cached:
+            raise AdapterLimitError(
+                f"all {self.max_cached} LoRA adapters the cache holds are loaded (--max-cpu-loras; "
+                f"{self.max_loras} LoRA slots, --max-loras)"
+            )
         for path, (r, _, _) in modules.items():
             if r > self.max_rank:
                 raise AdapterLimitError(f"{path} has rank {r}; slots hold at most {self.max_rank} (--max-lora-rank)")
@@ -123,30 +145,71 @@ class LoraSlots:
         raise ValueError(f"target_modules: {path}: not a LoRA target of this model")
 
     def load(self, name: str, modules: dict[str, tuple[int, int, int]], weights: LoraWeights, scaling: float,
-             slot: int | None = None) -> int:
-        """Write adapter `name`'s factors (scaling folded into B) into a free slot; returns it."""
+             slot: int | None = None) -> int | None:
+        """Read adapter `name`'s factors (this rank's share) into host memory and, if a slot is free
+        (or `slot` is given), into a slot. Returns the slot, or None if it waits in host memory."""
         self.check_fits(name, modules)
-        free = set(range(self.max_loras)) - set(self.slot_of.values())
-        if slot is None:
-            slot = min(free)
-        elif slot not in free:
-            raise AdapterConflictError(f"LoRA slot {slot} is in use or outside [0, {self.max_loras})")
-        self._clear(slot)
+        factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for path in modules:
-            site, row0, rank0, expert = self._site(path)
-            key = slot
-            if expert is not None:
-                if self.placement.expert_to_rank[expert] != self.rank:
-                    continue  # its expert's rank holds it
-                key = slot * len(self.placement.local_expert_ids(self.rank)) + self.placement.expert_to_slot[expert]
+            site, _, _, expert = self._site(path)
+            if expert is not None and self.placement.expert_to_rank[expert] != self.rank:
+                continue  # its expert's rank holds it
             a, b = weights(path, site.a.dtype)
-            site.write(key, a, b * scaling, row0, rank0)
+            factors[path] = (a.clone(), (b * scaling).to(site.b.dtype))
+        self.host[name] = factors
+        self.rate[name] = 0.0
+        free = self.free_slots()
+        if slot is not None:
+            if slot not in free:
+                del self.host[name]
+                raise AdapterConflictError(f"LoRA slot {slot} is in use or outside [0, {self.max_loras})")
+        elif free:
+            slot = free[0]
+        if slot is not None:
+            self.swap_in(name, slot)
+        logger.info("lora: adapter %r loaded (%d modules), %s", name, len(modules),
+                    f"slot {slot}" if slot is not None else "in host memory")
+        return slot
+
+    def free_slots(self) -> list[int]:
+        return sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
+
+    def swap_in(self, name: str, slot: int) -> None:
+        """Write a loaded adapter's factors into a free slot."""
+        self._clear(slot)
+        local = len(self.placement.local_expert_ids(self.rank))
+        for path, (a, b) in self.host[name].items():
+            site, row0, rank0, expert = self._site(path)
+            key = slot if expert is None else slot * local + self.placement.expert_to_slot[expert]
+            site.write(key, a, b, row0, rank0)
         self.slot_of[name] = slot
-        logger.info("lora: adapter %r in slot %d (%d modules)", name, slot, len(modules))
+        self.num_swaps_in += 1
+
+    def evict(self, name: str) -> int:
+        """Free the adapter's slot (it stays loaded in host memory); returns the slot."""
+        slot = self.slot_of.pop(name)
+        self._clear(slot)
+        self.num_evictions += 1
         return slot
 
     def unload(self, name: str) -> None:
-        self._clear(self.slot_of.pop(name))
+        if name in self.slot_of:
+            self._clear(self.slot_of.pop(name))
+        self.host.pop(name)
+        self.rate.pop(name, None)
+
+    def note_requests(self, counts: dict[str, int], decay: float = 0.9) -> None:
+        """Update each adapter's request-rate estimate with this step's new requests."""
+        for name in self.rate:
+            self.rate[name] = decay * self.rate[name] + (1 - decay) * counts.get(name, 0)
+
+    def victim(self, busy: set[str], queued: dict[str, int]) -> str | None:
+        """The resident adapter to evict: lowest expected use (rate + queued requests), never one in
+        `busy` (with running requests). None if every resident adapter is busy."""
+        candidates = [n for n in self.slot_of if n not in busy]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda n: (self.rate.get(n, 0.0) + queued.get(n, 0), self.slot_of[n]))
 
     def _clear(self, slot: int) -> None:
         for attn in self.attention.values():

@@ -21,7 +21,7 @@ from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
 from elasticmoe.engine.kv_cache import KVCacheSpec, KVProvider, LocalKVProvider, num_blocks_for_budget
 from elasticmoe.engine.model_runner import ModelRunner
 from elasticmoe.engine.output_processor import OutputProcessor
-from elasticmoe.engine.request import Request, RequestStatus
+from elasticmoe.engine.request import LORA_PENDING, Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
 from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
@@ -79,8 +79,12 @@ class LLMEngine:
                                   config.max_esft_experts)
         self.lora: LoraSlots | None = None
         if config.max_loras:
+            # NOTE: under EP a slot's expert factors serve every rank's tokens, so slots cannot be
+            # swapped per rank: there, every loaded adapter stays resident (no host-only adapters).
+            cached = config.max_cpu_loras if config.ep_size == 1 else config.max_loras
             self.lora = LoraSlots(self.model, self.placement, config.ep_rank, config.max_loras,
-                                  config.max_lora_rank, config.dtype)
+                                  config.max_lora_rank, config.dtype, max_cached=cached)
+        self._lora_arrivals: dict[str, int] = {}
         self.unloading_adapters: set[str] = set()
         self.served_adapters: tuple[str, ...] = ()  # loaded adapters that accept requests
 
@@ -138,6 +142,8 @@ class LLMEngine:
             )
         request = Request(request_id, token_ids, len(token_ids), params, self.max_model_len,
                           adapter=adapter, adapter_slot=slot, lora_slot=lora_slot)
+        if lora_slot != -1 and adapter is not None:
+            self._lora_arrivals[adapter] = self._lora_arrivals.get(adapter, 0) + 1
         self.requests[request_id] = request
         self.output_processor.add(request)
         self.scheduler.add(request)
@@ -150,8 +156,12 @@ class LLMEngine:
             slot = self.esft.index(adapter) if self.esft is not None else None
             if slot is not None:
                 return slot, -1
-            slot = self.lora.index(adapter) if self.lora is not None else None
-            if slot is not None:
+            if self.lora is not None and self.lora.is_loaded(adapter):
+                slot = self.lora.index(adapter)
+                if slot is None:
+                    self.lora.num_misses += 1
+                    return -1, LORA_PENDING  # swapped in before a later step (`_swap_lora_in`)
+                self.lora.num_hits += 1
                 return -1, slot
         raise UnknownAdapterError(adapter)
 
@@ -181,10 +191,11 @@ class LLMEngine:
         weights: LoraWeights,
         scaling: float,
         slot: int | None = None,
-    ) -> int:
+    ) -> int | None:
         """Load a LoRA adapter (`modules`: base module path -> (r, in, out); `weights(path, dtype)`
-        -> (A, B)) into LoRA slot `slot` (None: a free one). Under EP only this rank's experts'
-        factors are kept. Raises `AdapterLimitError` / `AdapterConflictError` (409) or
+        -> (A, B)) into host memory and LoRA slot `slot` (None: a free one if any; returns None
+        when it waits in host memory until a request needs it). Under EP only this rank's
+        experts' factors are kept. Raises `AdapterLimitError` / `AdapterConflictError` (409) or
         `ValueError` naming the field."""
         if self.lora is None:
             raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
@@ -193,11 +204,55 @@ class LLMEngine:
         self._publish_adapter_names()
         return slot
 
+    def _swap_lora_in(self) -> None:
+        """Give waiting requests of host-only LoRA adapters a slot: a free one, else the slot of the
+        resident adapter with the lowest expected use that has no running request."""
+        lora = self.lora
+        assert lora is not None
+        lora.note_requests(self._lora_arrivals)
+        self._lora_arrivals = {}
+        waiting = self.scheduler.waiting
+        pending: dict[str, list[Request]] = {}
+        for r in waiting:
+            if r.lora_slot == LORA_PENDING and r.adapter is not None:
+                pending.setdefault(r.adapter, []).append(r)
+        if not pending:
+            return
+        busy = {r.adapter for r in self.scheduler.running if r.adapter is not None and r.lora_slot >= 0}
+        queued: dict[str, int] = {}
+        for r in waiting:
+            if r.adapter is not None:
+                queued[r.adapter] = queued.get(r.adapter, 0) + 1
+        for name, requests in pending.items():  # the adapter of the longest-waiting request first
+            free = lora.free_slots()
+            if free:
+                slot = free[0]
+            else:
+                victim = lora.victim(busy, queued)
+                if victim is None:
+                    return  # every slot serves running requests: wait for one to finish
+                slot = lora.evict(victim)
+                for r in waiting:
+                    if r.adapter == victim:
+                        r.lora_slot = LORA_PENDING
+            lora.swap_in(name, slot)
+            for r in requests:
+                r.lora_slot = slot
+            busy.add(name)  # not evicted again in this pass
+
+    def lora_stats(self) -> dict[str, int]:
+        lora = self.lora
+        if lora is None:
+            return {}
+        return {"slots": lora.max_loras, "resident": len(lora.slot_of), "loaded": len(lora.host),
+                "swaps_in": lora.num_swaps_in, "evictions": lora.num_evictions,
+                "hits": lora.num_hits, "misses": lora.num_misses}
+
     def _check_new_name(self, name: str) -> None:
         if name in self.unloading_adapters:
             raise AdapterConflictError(f"adapter {name!r} is still unloading")
         if (self.esft is not None and self.esft.index(name) is not None) or (
-            self.lora is not None and self.lora.index(name) is not None
+            self.lora is not None and self.lora.is_loaded(name)
         ):
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
 
@@ -315,6 +370,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update. Returns outputs of requests that made progress."""
+        if self.lora is not None:
+            self._swap_lora_in()
         sched = self.scheduler.schedule()
         if sched.is_empty and self.config.ep_size == 1:
             return []

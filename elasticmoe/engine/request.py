@@ -17,6 +17,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+LORA_PENDING = -2  # `Request.lora_slot` of a request whose LoRA adapter waits in host memory
+
+
 @dataclass(eq=False)
 class Request:
     """Tokens are `prompt + output` in one list; `num_computed_tokens` of them have KV in the cache.
@@ -39,12 +42,17 @@ class Request:
     num_preemptions: int = 0
     adapter: str | None = None  # ESFT adapter name; None: the base model
     adapter_slot: int = -1  # ESFT slot in the engine (-1: none), the AID of its tokens
-    lora_slot: int = -1  # LoRA slot in the engine (-1: none)
+    lora_slot: int = -1  # LoRA slot in the engine (-1: none; LORA_PENDING: its adapter is not resident yet)
 
     def __post_init__(self) -> None:
         self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # shared by every output, never copied
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def is_ready(self) -> bool:
+        """Schedulable: not waiting for its LoRA adapter to be swapped into a slot."""
+        return self.lora_slot != LORA_PENDING
 
     @property
     def num_tokens(self) -> int:

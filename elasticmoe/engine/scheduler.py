@@ -39,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for metrics and tests
+        self.skip_window = 64  # waiting requests looked past per step while their adapter swaps in
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -66,8 +67,17 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        # NOTE: a request whose adapter is still being swapped in is passed over, not waited on,
+        # so requests for resident adapters behind it start (CoServe §4.2); at most
+        # `skip_window` of them are looked past per step, and they keep their place in line.
+        skipped: list[Request] = []
         while not out.preempted_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not request.is_ready:
+                skipped.append(self.waiting.popleft())
+                if len(skipped) >= self.skip_window:
+                    break
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, n):
                 break
@@ -77,6 +87,7 @@ class Scheduler:
             num_scheduled[request] = n
             budget -= n
 
+        self.waiting.extendleft(reversed(skipped))
         # Decodes (one token) first: the model runner batches them into one attention call.
         out.scheduled = sorted(num_scheduled.items(), key=lambda item: item[1] != 1)
         return out

@@ -130,3 +130,33 @@ def test_limits_unsupported_targets_unload_and_reuse(setup):
         a = LoraAdapter.open("mla", attn, ModelConfig.from_pretrained(base))
         with pytest.raises(ValueError, match="target_modules"):
             _engine(base, max_loras=1, max_lora_rank=4).load_lora_adapter(a.name, a.modules, a.weights, 1.0)
+
+
+def test_more_adapters_than_slots_swaps_and_never_blocks_resident_requests(setup):
+    arch, base, adapters, merged, root = setup
+    names = list(adapters)
+    engine = _engine(base, max_loras=1, max_lora_rank=8, max_cpu_loras=len(names))
+    for a in adapters.values():
+        _load(engine, a)
+    first, second = names[0], names[1]
+    assert engine.lora_stats()["resident"] == 1 and engine.lora.index(first) == 0
+
+    # `first` runs; a request for `second` (host memory only, and the one slot is busy) arrives
+    # before another request for `first`: that one starts at once, `second` waits for a slot.
+    engine.add_request("f1", PROMPTS[1], PARAMS, first)  # short: decoding after one step
+    engine.step()
+    engine.add_request("s1", PROMPTS[1], PARAMS, second)
+    engine.add_request("f2", PROMPTS[1], PARAMS, first)
+    engine.step()
+    assert engine.requests["f2"].status.name == "RUNNING"
+    assert engine.requests["s1"].status.name == "WAITING" and not engine.requests["s1"].is_ready
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    # Every adapter, interleaved, through one slot: all complete, each equal to its merged model.
+    requests = [(f"{n}-{i}", p, n) for i, p in enumerate(PROMPTS) for n in names]
+    got = _run(engine, requests)
+    for rid, prompt, name in requests:
+        _same(got[rid], _run(_engine(merged[name]), [(rid, prompt, None)])[rid])
+    stats = engine.lora_stats()
+    assert stats["swaps_in"] >= len(names) and stats["evictions"] >= len(names) - 1 and stats["misses"] > 0

@@ -176,6 +176,7 @@ def run_single_server(
     esft_adapters: dict[str, str] | None = None,
     max_loras: int = 0,
     max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
     lora_adapters: dict[str, str] | None = None,
 ) -> int:
     """Load the model (and the ESFT adapters `esft_adapters`: name -> path), serve it until
@@ -195,7 +196,7 @@ def run_single_server(
         options["max_num_batched_tokens"] = max_num_batched_tokens
     config = EngineConfig(model=model_dir, dtype=parse_dtype(dtype), max_esft_adapters=max_esft_adapters,
                           max_esft_experts=max_esft_experts, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                          **options)
+                          max_cpu_loras=max_cpu_loras, **options)
     name = served_model_name or Path(model_dir).resolve().name
     logger.info("loading %s as %r", model_dir, name)
     engine = LLMEngine(config)
