@@ -241,16 +241,12 @@ class InstanceRank:
         return bool(await self._on_loop(lambda: engine.adapter_in_use(name)))
 
     async def finish_adapter_unload(self, name: str, rows: dict[str, list[int]]) -> None:
-        """Release `name` in the engine (if still there) and unmap its `rows` from this view;
-        the HMM then returns their pages to the pool."""
+        """Release `name` in the engine (if still there, unload requested or not: this also undoes a
+        load that failed on another rank) and unmap its `rows` from this view; the HMM then
+        returns their pages to the pool."""
         engine, handles = self.engine, self.handle_set
         assert engine is not None
-
-        def work() -> None:
-            if name in engine.unloading_adapters:
-                engine.finish_adapter_unload(name)
-
-        await self._on_loop(work)
+        await self._on_loop(lambda: engine.discard_adapter(name))
         for param, slots in rows.items():
             handle = handles[param]
             assert isinstance(handle, VirtualTensorHandle)

@@ -275,6 +275,17 @@ class LLMEngine:
             self._finish_unloads()
         return name not in self.unloading_adapters
 
+    def discard_adapter(self, name: str) -> None:
+        """Release `name` now whether or not an unload was requested (undoing a load that failed on
+        another rank); a no-op if it is not loaded. Raises if a live request uses it."""
+        if name in self.unloading_adapters:
+            self.finish_adapter_unload(name)
+        elif name in self.served_adapters:
+            if self.adapter_in_use(name):
+                raise AdapterConflictError(f"adapter {name!r} still has live requests")
+            self._release(name)
+            self._publish_adapter_names()
+
     def adapter_in_use(self, name: str) -> bool:
         return any(r.adapter == name for r in self.requests.values())
 

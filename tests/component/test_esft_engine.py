@@ -121,3 +121,18 @@ def test_errors_limits_unload_and_reload(setup):
     assert engine.served_adapters == ("gamma", "beta")
     with pytest.raises(UnknownAdapterError):
         engine.unload_adapter("alpha")
+
+
+def test_discard_undoes_a_load_at_once_and_refuses_while_in_use(setup):
+    base, adapters, _ = setup
+    engine = _engine(base, max_esft_adapters=1, max_esft_experts=2)
+    alpha = adapters["alpha"]
+    engine.load_esft_adapter("alpha", alpha.config.experts, alpha.expert_weights)
+    engine.add_request("r", PROMPTS[1], PARAMS, "alpha")
+    with pytest.raises(AdapterConflictError, match="live requests"):
+        engine.discard_adapter("alpha")
+    engine.abort("r")
+    engine.discard_adapter("alpha")  # no unload was requested: released anyway (a failed load elsewhere)
+    assert engine.served_adapters == () and engine.esft.index("alpha") is None
+    engine.discard_adapter("alpha")  # not loaded: nothing to do
+    assert engine.load_esft_adapter("alpha", alpha.config.experts, alpha.expert_weights) == 0
