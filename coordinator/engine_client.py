@@ -97,9 +97,17 @@ class RouterEngineClient:
         self.adapters = tuple(names)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, adapter: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        adapter: str | None = None,
+        lora_routing: dict | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `request_id`'s outputs from one rank; the last has `finished=True`."""
+        if lora_routing is not None:
+            raise OpenAIError("lora_routing: LoRA adapters are not served by the elastic server yet",
+                              param="lora_routing")
         if self.num_queued >= self.max_queued:
             self.num_rejected += 1
             raise QueueFull(self.max_queued, self.retry_after_s)

@@ -45,7 +45,12 @@ class EngineCore(Protocol):
     def num_waiting(self) -> int: ...
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        lora_routing: dict | None = None,
     ) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def abort(self, request_id: str) -> None: ...
@@ -62,6 +67,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     adapter: str | None = None
+    lora_routing: dict | None = None
 
 
 @dataclass(slots=True)
@@ -177,7 +183,12 @@ class AsyncLLM:
         return call.result
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, adapter: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        adapter: str | None = None,
+        lora_routing: dict | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs until one has `finished=True`.
 
@@ -194,7 +205,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params, adapter))
+        self._commands.put(_Add(request_id, prompt, params, adapter, lora_routing))
         async with contextlib.aclosing(self._consume(request_id, stream, report_abort=True)) as outputs:
             async for output in outputs:
                 yield output
@@ -287,7 +298,11 @@ class AsyncLLM:
         if stream is None:  # consumer already gone
             return True
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.adapter)
+            if command.lora_routing is not None:  # only engines with LoRA know the keyword
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.adapter,
+                                        command.lora_routing)
+            else:
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.adapter)
         except Exception as exc:  # input errors belong to the caller of generate()
             self._forget(command.request_id)
             _call_soon(stream.loop, stream.queue.put_nowait, exc)

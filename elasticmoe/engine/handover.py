@@ -14,6 +14,7 @@ Snapshots are plain picklable data, so they can cross process boundaries.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ class RequestSnapshot:
     num_emitted_chars: int
     num_emitted_tokens: int
     adapter: str | None = None  # ESFT adapter; the importing engine must have it loaded
+    lora_routing: Any = None  # per-token LoRA routing (a `VocabRouting`), if any
 
 
 def snapshot(request: Request, text_state) -> RequestSnapshot:
@@ -61,6 +63,7 @@ def snapshot(request: Request, text_state) -> RequestSnapshot:
         num_emitted_chars=text_state.num_emitted_chars,
         num_emitted_tokens=text_state.num_emitted_tokens,
         adapter=request.adapter,
+        lora_routing=request.lora_routing,
     )
 
 
@@ -68,7 +71,7 @@ def restore(snap: RequestSnapshot, keep_kv: bool) -> Request:
     """A request object for the importing engine; KV kept only if `keep_kv` and it had blocks."""
     request = Request(
         snap.request_id, list(snap.token_ids), snap.num_prompt_tokens, snap.params, snap.max_total_tokens,
-        arrival_time=snap.arrival_time, adapter=snap.adapter,
+        arrival_time=snap.arrival_time, adapter=snap.adapter, lora_routing=snap.lora_routing,
     )
     if snap.generator_state is not None and request.generator is not None:
         request.generator.set_state(snap.generator_state)

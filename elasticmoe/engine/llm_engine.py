@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
+from elasticmoe.adapters.lora_routing import VocabRouting
 from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.block_manager import BlockManager
@@ -21,7 +22,7 @@ from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
 from elasticmoe.engine.kv_cache import KVCacheSpec, KVProvider, LocalKVProvider, num_blocks_for_budget
 from elasticmoe.engine.model_runner import ModelRunner
 from elasticmoe.engine.output_processor import OutputProcessor
-from elasticmoe.engine.request import LORA_PENDING, Request, RequestStatus
+from elasticmoe.engine.request import LORA_PENDING, LORA_PER_TOKEN, Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
 from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
@@ -118,14 +119,29 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        lora_routing: VocabRouting | dict | None = None,
     ) -> None:
-        """Queue a request (for ESFT `adapter`, None: the base model). Raises `InvalidRequestError`
-        (a ValueError naming the field; `UnknownAdapterError` for an adapter not loaded); nothing
-        is kept then."""
+        """Queue a request for `adapter` (ESFT or LoRA; None: the base model), or with its tokens
+        routed to LoRA adapters by vocabulary range (`lora_routing`). Raises `InvalidRequestError`
+        (a ValueError naming the field; `UnknownAdapterError` for an adapter not loaded);
+        nothing is kept then."""
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"request {request_id!r} is already running")
         slot, lora_slot = self._adapter_slots(adapter)
+        if isinstance(lora_routing, dict):
+            lora_routing = VocabRouting.from_json(lora_routing, self.model_config.vocab_size)
+        if lora_routing is not None:
+            if adapter is not None:
+                raise InvalidRequestError("lora_routing", "give either an adapter (model) or lora_routing")
+            missing = [n for n in lora_routing.names if self.lora is None or not self.lora.is_loaded(n)
+                       or n in self.unloading_adapters]
+            if missing:
+                raise UnknownAdapterError(missing[0])
         token_ids = self._prompt_token_ids(prompt)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -141,7 +157,9 @@ class LLMEngine:
                 f"context length {self.max_model_len}",
             )
         request = Request(request_id, token_ids, len(token_ids), params, self.max_model_len,
-                          adapter=adapter, adapter_slot=slot, lora_slot=lora_slot)
+                          adapter=adapter, adapter_slot=slot, lora_slot=lora_slot, lora_routing=lora_routing)
+        if lora_routing is not None:
+            self._resolve_ranges(request)
         if lora_slot != -1 and adapter is not None:
             self._lora_arrivals[adapter] = self._lora_arrivals.get(adapter, 0) + 1
         self.requests[request_id] = request
@@ -204,6 +222,23 @@ class LLMEngine:
         self._publish_adapter_names()
         return slot
 
+    def _resolve_ranges(self, request: Request) -> None:
+        """Per-token request: each range's current slot, or LORA_PENDING until all are resident."""
+        lora, routing = self.lora, request.lora_routing
+        assert lora is not None and routing is not None
+        slots = [-1 if n is None else lora.index(n) for n in routing.adapters]
+        if any(s is None for s in slots):
+            request.lora_slot, request.lora_range_slots = LORA_PENDING, None
+        else:
+            request.lora_slot = LORA_PER_TOKEN
+            request.lora_range_slots = torch.tensor(slots, dtype=torch.long)
+
+    @staticmethod
+    def _lora_names(request: Request) -> set[str]:
+        if request.lora_routing is not None:
+            return set(request.lora_routing.names)
+        return {request.adapter} if request.adapter is not None and request.adapter_slot < 0 else set()
+
     def _swap_lora_in(self) -> None:
         """Give waiting requests of host-only LoRA adapters a slot: a free one, else the slot of the
         resident adapter with the lowest expected use that has no running request."""
@@ -212,17 +247,19 @@ class LLMEngine:
         lora.note_requests(self._lora_arrivals)
         self._lora_arrivals = {}
         waiting = self.scheduler.waiting
-        pending: dict[str, list[Request]] = {}
+        pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
         for r in waiting:
-            if r.lora_slot == LORA_PENDING and r.adapter is not None:
-                pending.setdefault(r.adapter, []).append(r)
+            if r.lora_slot == LORA_PENDING:
+                for name in sorted(self._lora_names(r)):
+                    if lora.index(name) is None:
+                        pending.setdefault(name, []).append(r)
         if not pending:
             return
-        busy = {r.adapter for r in self.scheduler.running if r.adapter is not None and r.lora_slot >= 0}
+        busy = set().union(*(self._lora_names(r) for r in self.scheduler.running))
         queued: dict[str, int] = {}
         for r in waiting:
-            if r.adapter is not None:
-                queued[r.adapter] = queued.get(r.adapter, 0) + 1
+            for name in self._lora_names(r):
+                queued[name] = queued.get(name, 0) + 1
         for name, requests in pending.items():  # the adapter of the longest-waiting request first
             free = lora.free_slots()
             if free:
@@ -233,12 +270,15 @@ class LLMEngine:
                     return  # every slot serves running requests: wait for one to finish
                 slot = lora.evict(victim)
                 for r in waiting:
-                    if r.adapter == victim:
+                    if victim in self._lora_names(r):
                         r.lora_slot = LORA_PENDING
             lora.swap_in(name, slot)
-            for r in requests:
-                r.lora_slot = slot
             busy.add(name)  # not evicted again in this pass
+            for r in requests:
+                if r.lora_routing is not None:
+                    self._resolve_ranges(r)
+                else:
+                    r.lora_slot = slot
 
     def lora_stats(self) -> dict[str, int]:
         lora = self.lora
@@ -357,6 +397,8 @@ class LLMEngine:
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
             request = restore(snap, keep_kv=kv_is_shared)
             request.adapter_slot, request.lora_slot = self._adapter_slots(snap.adapter)  # loaded here too
+            if request.lora_routing is not None:
+                self._resolve_ranges(request)
             if request.block_ids:
                 self.block_manager.claim(request.block_ids)
                 request.status = RequestStatus.RUNNING

@@ -78,9 +78,24 @@ class ModelRunner:
         if self.lora:
             slots = torch.tensor([request.lora_slot for request, _ in sched.scheduled], dtype=torch.long)
             counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
-            ctx.token_lora_slots = slots.repeat_interleave(counts)
-            ctx.lora_groups = LoraGroups.build(ctx.token_lora_slots)
+            token_slots = slots.repeat_interleave(counts)
+            if any(request.lora_routing is not None for request, _ in sched.scheduled):
+                token_slots = self._per_token_slots(sched, ids, token_slots)
+            ctx.token_lora_slots = token_slots
+            ctx.lora_groups = LoraGroups.build(token_slots)
         return ids, pos, ctx, sample_indices
+
+    @staticmethod
+    def _per_token_slots(sched: SchedulerOutput, ids: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """Overwrite the tokens of vocabulary-routed requests with their ranges' slots."""
+        start = 0
+        for request, n in sched.scheduled:
+            if request.lora_routing is not None:
+                token_slots[start : start + n] = request.lora_routing.token_slots(
+                    ids[start : start + n], request.lora_range_slots
+                )
+            start += n
+        return token_slots
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ class RequestStatus(enum.Enum):
 
 
 LORA_PENDING = -2  # `Request.lora_slot` of a request whose LoRA adapter waits in host memory
+LORA_PER_TOKEN = -3  # `Request.lora_slot` of a request routed per token (its adapters are resident)
 
 
 @dataclass(eq=False)
@@ -43,6 +45,9 @@ class Request:
     adapter: str | None = None  # ESFT adapter name; None: the base model
     adapter_slot: int = -1  # ESFT slot in the engine (-1: none), the AID of its tokens
     lora_slot: int = -1  # LoRA slot in the engine (-1: none; LORA_PENDING: its adapter is not resident yet)
+    lora_routing: Any = None  # a per-token `VocabRouting` instead of one adapter (then lora_slot is
+    # LORA_PER_TOKEN or LORA_PENDING, and `lora_range_slots` holds each range's slot)
+    lora_range_slots: Any = None  # tensor [M] of slots (-1: none), set while every adapter is resident
 
     def __post_init__(self) -> None:
         self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # shared by every output, never copied

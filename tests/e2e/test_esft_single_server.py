@@ -193,3 +193,38 @@ def test_lora_adapter_over_http(tiny_model_dir, tmp_path):
         thread.join(15)
         async_llm.shutdown()
         sock.close()
+
+
+def test_lora_routing_over_http(tiny_model_dir, tmp_path):
+    """`lora_routing` on a completion: routed per token; a bad table or an unknown adapter is a
+    4xx naming the field."""
+    from elasticmoe.tools.make_lora_adapter import make_lora_adapter
+
+    path = make_lora_adapter(tiny_model_dir, str(tmp_path / "l"), rank=4, seed=3)
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, kv_cache_bytes=8 << 20,
+                                    max_loras=1, max_lora_rank=4))
+    async_llm = AsyncLLM(engine)
+    async_llm.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(build_app(async_llm, MODEL), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not uv.started:
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as c:
+            assert c.post("/admin/adapters", json={"name": "s", "path": str(path), "type": "lora"}).status_code == 201
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+            ok = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256], "adapters": ["s", None]}})
+            assert ok.status_code == 200, ok.text
+            bad = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256], "adapters": ["s"]}})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_routing"
+            unknown = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256],
+                                                                               "adapters": ["nope", None]}})
+            assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    finally:
+        uv.should_exit = True
+        thread.join(15)
+        async_llm.shutdown()
+        sock.close()

@@ -68,6 +68,12 @@ class _SamplingFields(_Request):
     ignore_eos: bool = Field(
         default=False, description="Extension: keep generating past end-of-sequence tokens."
     )
+    lora_routing: dict | None = Field(
+        default=None,
+        description='Extension: per-token LoRA routing by vocabulary range, {"type": "vocab", "breaks": '
+        '[token ids], "adapters": [LoRA adapter names or null, one per range]} (MoLoRA); with the base '
+        "model as `model`.",
+    )
     user: str | None = Field(default=None, description="End-user identifier (accepted, not used).")
 
     @field_validator("n")

@@ -71,7 +71,12 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, adapter: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        adapter: str | None = None,
+        lora_routing: dict | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def adapter_names(self) -> Sequence[str]:
@@ -163,7 +168,8 @@ class OpenAIServing:
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEStream:
         adapter = self.check_model(request.model)
-        started = await self._start("cmpl", request.engine_prompt, request.to_sampling_params(), {}, adapter)
+        started = await self._start("cmpl", request.engine_prompt, request.to_sampling_params(), {}, adapter,
+                                    request.lora_routing)
         if request.stream:
             return SSEStream(self._completion_events(request, started), started.source)
         last, logprobs = await self._collect(started, "completions")
@@ -232,7 +238,8 @@ class OpenAIServing:
             raise OpenAIError(
                 "messages: could not be rendered with the model's chat template", param="messages"
             ) from exc
-        started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"}, adapter)
+        started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"}, adapter,
+                                    request.lora_routing)
         if request.stream:
             return SSEStream(self._chat_events(request, started), started.source)
         last, logprobs = await self._collect(started, "chat_completions")
@@ -299,12 +306,14 @@ class OpenAIServing:
         params: SamplingParams,
         param_renames: dict[str, str],
         adapter: str | None = None,
+        lora_routing: dict | None = None,
     ) -> _Started:
         """Submit the request and wait for its first output, so input errors become 400s here
         (an adapter unloaded since `check_model`: 404)."""
         request_id = random_id(prefix)
         start = time.perf_counter()
-        source = self.engine.generate(prompt, params, request_id, adapter)
+        source = (self.engine.generate(prompt, params, request_id, adapter, lora_routing) if lora_routing is not None
+                  else self.engine.generate(prompt, params, request_id, adapter))
         try:
             first = await anext(source)
         except StopAsyncIteration:
