@@ -193,6 +193,7 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in host memory (>= max_loras); None: max_loras
+    max_lora_topk: int = 2  # adapters one token may combine (learned routing); fixed per step for EP
 
     def __post_init__(self) -> None:
         if self.max_esft_adapters < 0 or self.max_esft_experts < 0:

@@ -1,4 +1,5 @@
-"""Per-token LoRA routing by vocabulary range (MoLoRA §3.1) and its compositional form (§3.2).
+"""Per-token LoRA routing: by vocabulary range (MoLoRA §3.1), its compositional form (§3.2),
+and by a learned router (§4.3, `LearnedRouting`).
 
 A request may route each of its tokens to an adapter by the token's id: `breaks`
 `b_1 < ... < b_{M-1}` split the vocabulary into M ranges and `adapters[m]` serves range m
@@ -50,3 +51,19 @@ class VocabRouting:
         """token ids [n] -> LoRA slot of each token (-1: no adapter), given each range's slot."""
         ranges = torch.bucketize(token_ids, torch.tensor(self.breaks, dtype=torch.long), right=True)
         return range_slots.index_select(0, ranges)
+
+
+@dataclass(frozen=True)
+class LearnedRouting:
+    """Route each token to the top-k of `router.adapters` by the learned router (MoLoRA eq. 8)."""
+
+    router_name: str
+    router: Any  # elasticmoe.adapters.lora_router.LoraRouter
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(self.router.adapters)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.router.adapters)

@@ -49,16 +49,20 @@ class ExpertLora:
     """LoRA sites of one MoE layer's experts (see the module docstring)."""
 
     def __init__(self, num_slots: int, num_local: int, max_rank: int, hidden: int, inter: int,
-                 dtype: torch.dtype) -> None:
-        self.num_local, self.inter, self.max_rank = num_local, inter, max_rank
+                 dtype: torch.dtype, top_k: int = 1) -> None:
+        self.num_local, self.inter, self.max_rank, self.top_k = num_local, inter, max_rank, top_k
         self.w13 = LoraSite(num_slots * num_local, 2 * max_rank, hidden, 2 * inter, dtype)
         self.w2 = LoraSite(num_slots * num_local, max_rank, inter, hidden, dtype)
 
     def experts(self, xs: torch.Tensor, slots: torch.Tensor, lora_slots: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """The grouped experts of rows sorted by expert slot, plus each row's adapter's LoRA."""
-        has = (lora_slots >= 0) & (slots < self.num_local)  # ESFT adapter rows never carry a LoRA
-        groups = LoraGroups.build(torch.where(has, lora_slots * self.num_local + slots, -1))
+        """The grouped experts of rows sorted by expert slot, plus the weighted LoRA of each row's
+        adapters (`lora_slots`: per row its K slots, then their K weights, as floats)."""
+        k = lora_slots.shape[1] // 2
+        adapter, weights = lora_slots[:, :k].long(), lora_slots[:, k:]
+        local = slots.unsqueeze(1)
+        has = (adapter >= 0) & (local < self.num_local)  # ESFT adapter rows never carry a LoRA
+        groups = LoraGroups.build(torch.where(has, adapter * self.num_local + local, -1), weights)
         if groups is None:
             return grouped_experts_sorted(xs, slots, w13, w2, self.num_local)
         gate_up = expert_rows_linear(xs, slots, w13) + groups.delta(xs, self.w13.a, self.w13.b)
@@ -69,7 +73,7 @@ class ExpertLora:
 
 class LoraSlots:
     def __init__(self, model: CausalLM, placement: ExpertPlacement, rank: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, max_cached: int | None = None) -> None:
+                 dtype: torch.dtype, max_cached: int | None = None, top_k: int = 1) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"lora: need max_loras >= 1 and max_lora_rank >= 1, got {max_loras}, {max_rank}")
         self.placement, self.rank, self.max_loras, self.max_rank = placement, rank, max_loras, max_rank
@@ -87,7 +91,8 @@ class LoraSlots:
             if isinstance(layer.mlp, MoEBlock) and num_local:
                 block = layer.mlp
                 inter, hidden = block.w2.shape[2], block.w2.shape[1]
-                block.lora = self.experts[i] = ExpertLora(max_loras, num_local, max_rank, hidden, inter, dtype)
+                block.lora = self.experts[i] = ExpertLora(max_loras, num_local, max_rank, hidden, inter, dtype,
+                                                          top_k)
         self.max_cached = max_cached if max_cached is not None else max_loras
         if self.max_cached < max_loras:
             raise ValueError(f"lora: max_cached ({self.max_cached}) must be >= max_loras ({max_loras})")

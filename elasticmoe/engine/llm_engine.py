@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
-from elasticmoe.adapters.lora_routing import VocabRouting
+from elasticmoe.adapters.lora_router import LoraRouter
+from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.block_manager import BlockManager
@@ -84,7 +85,8 @@ class LLMEngine:
             # swapped per rank: there, every loaded adapter stays resident (no host-only adapters).
             cached = config.max_cpu_loras if config.ep_size == 1 else config.max_loras
             self.lora = LoraSlots(self.model, self.placement, config.ep_rank, config.max_loras,
-                                  config.max_lora_rank, config.dtype, max_cached=cached)
+                                  config.max_lora_rank, config.dtype, max_cached=cached, top_k=config.max_lora_topk)
+        self.lora_routers: dict[str, LoraRouter] = {}
         self._lora_arrivals: dict[str, int] = {}
         self.unloading_adapters: set[str] = set()
         self.served_adapters: tuple[str, ...] = ()  # loaded adapters that accept requests
@@ -96,7 +98,8 @@ class LLMEngine:
 
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, lora=self.lora is not None)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size,
+                                  lora_topk=config.max_lora_topk if self.lora is not None else 0)
         self.sampler = Sampler(config.seed)
         eos_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids)
@@ -124,7 +127,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         adapter: str | None = None,
-        lora_routing: VocabRouting | dict | None = None,
+        lora_routing: VocabRouting | LearnedRouting | dict | None = None,
     ) -> None:
         """Queue a request for `adapter` (ESFT or LoRA; None: the base model), or with its tokens
         routed to LoRA adapters by vocabulary range (`lora_routing`). Raises `InvalidRequestError`
@@ -134,7 +137,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"request {request_id!r} is already running")
         slot, lora_slot = self._adapter_slots(adapter)
         if isinstance(lora_routing, dict):
-            lora_routing = VocabRouting.from_json(lora_routing, self.model_config.vocab_size)
+            lora_routing = self._parse_routing(lora_routing)
         if lora_routing is not None:
             if adapter is not None:
                 raise InvalidRequestError("lora_routing", "give either an adapter (model) or lora_routing")
@@ -221,6 +224,29 @@ class LLMEngine:
         slot = self.lora.load(name, modules, weights, scaling, slot)
         self._publish_adapter_names()
         return slot
+
+    def _parse_routing(self, obj: dict) -> VocabRouting | LearnedRouting:
+        if obj.get("type") != "learned":
+            return VocabRouting.from_json(obj, self.model_config.vocab_size)
+        router = self.lora_routers.get(obj.get("router"))  # type: ignore[arg-type]
+        if router is None:
+            raise InvalidRequestError("lora_routing", f"router {obj.get('router')!r} is not loaded")
+        return LearnedRouting(str(obj["router"]), router)
+
+    def load_lora_router(self, name: str, router: LoraRouter) -> None:
+        """Register a learned router (MoLoRA §4.3) over loaded LoRA adapters; requests pick it
+        with `lora_routing={"type": "learned", "router": name}`."""
+        if self.lora is None:
+            raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
+        if router.top_k > self.config.max_lora_topk:
+            raise AdapterLimitError(f"router top_k {router.top_k} > {self.config.max_lora_topk} (max_lora_topk)")
+        missing = [a for a in router.adapters if not self.lora.is_loaded(a)]
+        if missing:
+            raise UnknownAdapterError(missing[0])
+        if router.w1.shape[1] != self.model_config.hidden_size:
+            raise ValueError(f"path: router input size {router.w1.shape[1]} != hidden size "
+                             f"{self.model_config.hidden_size}")
+        self.lora_routers[name] = router
 
     def _resolve_ranges(self, request: Request) -> None:
         """Per-token request: each range's current slot, or LORA_PENDING until all are resident."""

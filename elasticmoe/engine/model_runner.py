@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import SchedulerOutput
 from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan
@@ -15,11 +16,11 @@ from elasticmoe.models.common import CausalLM, ForwardContext
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int, lora: bool = False) -> None:
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int, lora_topk: int = 0) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
-        self.lora = lora  # LoRA slots exist: every step carries the tokens' LoRA slots
+        self.lora_topk = lora_topk  # > 0: LoRA slots exist; every step carries K (slot, weight) per token
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         # Plain ints: per-request tensor ops cost more than the arithmetic at decode batch sizes.
@@ -75,27 +76,44 @@ class ModelRunner:
             slots = torch.tensor([request.adapter_slot for request, _ in sched.scheduled], dtype=torch.long)
             counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
             ctx.token_adapter_ids = slots.repeat_interleave(counts)
-        if self.lora:
-            slots = torch.tensor([request.lora_slot for request, _ in sched.scheduled], dtype=torch.long)
-            counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
-            token_slots = slots.repeat_interleave(counts)
-            if any(request.lora_routing is not None for request, _ in sched.scheduled):
-                token_slots = self._per_token_slots(sched, ids, token_slots)
-            ctx.token_lora_slots = token_slots
-            ctx.lora_groups = LoraGroups.build(token_slots)
+        if self.lora_topk:
+            self._lora_inputs(sched, ids, ctx)
         return ids, pos, ctx, sample_indices
 
-    @staticmethod
-    def _per_token_slots(sched: SchedulerOutput, ids: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-        """Overwrite the tokens of vocabulary-routed requests with their ranges' slots."""
+    def _lora_inputs(self, sched: SchedulerOutput, ids: torch.Tensor, ctx: ForwardContext) -> None:
+        """Each token's K (slot, weight) pairs: its request's slot, its vocabulary range's slot, or
+        (learned routing) the router's top-k over the embeddings, computed in `before_layers`."""
+        k = self.lora_topk
+        slots = torch.tensor([request.lora_slot for request, _ in sched.scheduled], dtype=torch.long)
+        counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
+        keys = torch.full((ids.shape[0], k), -1, dtype=torch.long)
+        keys[:, 0] = slots.repeat_interleave(counts)
+        weights = torch.zeros((ids.shape[0], k))
+        weights[:, 0] = 1.0
+        learned: list[tuple[int, int, Request]] = []
         start = 0
         for request, n in sched.scheduled:
-            if request.lora_routing is not None:
-                token_slots[start : start + n] = request.lora_routing.token_slots(
-                    ids[start : start + n], request.lora_range_slots
-                )
+            routing = request.lora_routing
+            if isinstance(routing, VocabRouting):
+                keys[start : start + n, 0] = routing.token_slots(ids[start : start + n], request.lora_range_slots)
+            elif isinstance(routing, LearnedRouting):
+                learned.append((start, n, request))
             start += n
-        return token_slots
+        ctx.token_lora_slots, ctx.token_lora_weights = keys, weights
+        if not learned:
+            ctx.lora_groups = LoraGroups.build(keys, weights)
+            return
+
+        def route(h: torch.Tensor) -> None:
+            for first, n, request in learned:
+                routing = request.lora_routing
+                adapter, w = routing.router.route(h[first : first + n])
+                top = adapter.shape[1]
+                keys[first : first + n, :top] = request.lora_range_slots.index_select(0, adapter.reshape(-1)).view_as(adapter)
+                weights[first : first + n, :top] = w
+            ctx.lora_groups = LoraGroups.build(keys, weights)
+
+        ctx.before_layers = route
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:

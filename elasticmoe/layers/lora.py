@@ -18,29 +18,40 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class LoraGroups:
-    """Rows of a batch grouped by LoRA key (see the module docstring)."""
+    """(row, adapter) pairs of a batch grouped by LoRA key (see the module docstring).
+
+    A row may carry several keys with weights (learned top-k routing, MoLoRA eq. 8): its
+    LoRA output is the weighted sum over its keys.
+    """
 
     num_rows: int
-    rows: torch.Tensor  # [R] rows that have a key, grouped by key
+    rows: torch.Tensor  # [P] the row of each pair, pairs grouped by key
     keys: torch.Tensor  # [G] the distinct keys, ascending
-    pad_index: torch.Tensor  # [R] where each row sits in the padded [G * C] buffer
+    pad_index: torch.Tensor  # [P] where each pair sits in the padded [G * C] buffer
     capacity: int  # C
+    weights: torch.Tensor | None  # [P] pair weights (None: all 1)
 
     @classmethod
-    def build(cls, keys: torch.Tensor) -> LoraGroups | None:
-        """Groups of `keys` [N] (-1: no adapter); None if no row has one."""
-        rows = torch.nonzero(keys >= 0).flatten()
-        if rows.numel() == 0:
+    def build(cls, keys: torch.Tensor, weights: torch.Tensor | None = None) -> LoraGroups | None:
+        """Groups of `keys` [N] or [N, k] (-1: none) with optional `weights` of the same shape;
+        None if no row has a key."""
+        num_rows = keys.shape[0]
+        flat = keys.reshape(-1)
+        pairs = torch.nonzero(flat >= 0).flatten()
+        if pairs.numel() == 0:
             return None
-        row_keys = keys.index_select(0, rows)
-        order = torch.argsort(row_keys, stable=True)
-        rows, row_keys = rows.index_select(0, order), row_keys.index_select(0, order)
-        used, counts = torch.unique_consecutive(row_keys, return_counts=True)
+        pair_keys = flat.index_select(0, pairs)
+        order = torch.argsort(pair_keys, stable=True)
+        pairs, pair_keys = pairs.index_select(0, order), pair_keys.index_select(0, order)
+        used, counts = torch.unique_consecutive(pair_keys, return_counts=True)
         capacity = int(counts.max())
         starts = torch.cumsum(counts, 0) - counts
         group = torch.repeat_interleave(torch.arange(used.numel()), counts)
-        rank_in_group = torch.arange(rows.numel()) - starts.index_select(0, group)
-        return cls(keys.numel(), rows, used, group * capacity + rank_in_group, capacity)
+        rank_in_group = torch.arange(pairs.numel()) - starts.index_select(0, group)
+        per_row = flat.numel() // max(num_rows, 1)
+        rows = torch.div(pairs, per_row, rounding_mode="floor") if keys.dim() == 2 else pairs
+        pair_weights = weights.reshape(-1).index_select(0, pairs) if weights is not None else None
+        return cls(num_rows, rows, used, group * capacity + rank_in_group, capacity, pair_weights)
 
     def delta(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """x [N, in], a [K, r, in], b [K, out, r] -> the rows' LoRA outputs [N, out] (0 without a key)."""
@@ -49,8 +60,10 @@ class LoraGroups:
         padded.index_copy_(0, self.pad_index, x.index_select(0, self.rows))
         h = torch.bmm(padded.view(num_groups, self.capacity, width), a.index_select(0, self.keys).transpose(1, 2))
         y = torch.bmm(h, b.index_select(0, self.keys).transpose(1, 2))  # [G, C, out]
-        out = x.new_zeros((self.num_rows, y.shape[-1]))
-        return out.index_copy_(0, self.rows, y.view(-1, y.shape[-1]).index_select(0, self.pad_index))
+        pair_out = y.view(-1, y.shape[-1]).index_select(0, self.pad_index)
+        if self.weights is not None:
+            pair_out = pair_out * self.weights.unsqueeze(1).to(pair_out.dtype)
+        return x.new_zeros((self.num_rows, y.shape[-1])).index_add_(0, self.rows, pair_out)
 
 
 class LoraSite:

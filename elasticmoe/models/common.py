@@ -39,8 +39,12 @@ class ForwardContext:
 
     attn: AttentionMetadata
     token_adapter_ids: torch.Tensor | None = None  # [T] ESFT adapter slot, -1 = base model
-    token_lora_slots: torch.Tensor | None = None  # [T] LoRA slot, -1 = none (set when LoRA is enabled)
-    lora_groups: LoraGroups | None = None  # the tokens grouped by LoRA slot (None: no LoRA token)
+    # LoRA (set when the engine has LoRA slots): per token up to K (slot, weight) pairs, slot -1 =
+    # none; K is fixed per engine so EP ranks exchange equal shapes. Grouped once per step.
+    token_lora_slots: torch.Tensor | None = None  # [T, K]
+    token_lora_weights: torch.Tensor | None = None  # [T, K]
+    lora_groups: LoraGroups | None = None  # None: no LoRA token in this step
+    before_layers: Callable[[torch.Tensor], None] | None = None  # sees the embeddings (learned routing)
 
 
 # ---- param spec helpers -------------------------------------------------------------
@@ -135,10 +139,13 @@ class MoEBlock:
             topk_ids = self.reroute(topk_ids, ctx)
         pair_lora = None
         if self.lora is not None:  # NOTE: always, under EP: every rank must exchange the same tensors
-            slots = ctx.token_lora_slots
-            if slots is None:
-                slots = torch.full((x.shape[0],), -1, dtype=torch.long)
-            pair_lora = slots.repeat_interleave(topk_ids.shape[1])
+            k = self.lora.top_k
+            slots, weights = ctx.token_lora_slots, ctx.token_lora_weights
+            if slots is None or weights is None:
+                slots = torch.full((x.shape[0], k), -1, dtype=torch.long)
+                weights = torch.zeros((x.shape[0], k))
+            # (slots, weights) of each token, packed as floats (exact for slot ids), one row per pair
+            pair_lora = torch.cat((slots.float(), weights.float()), dim=1).repeat_interleave(topk_ids.shape[1], 0)
         out = self.dispatcher(x, topk_ids, topk_weights, self.experts, self.tables, pair_lora)
         if self.shared is not None:
             out = out + self.shared(x, ctx)
@@ -232,6 +239,8 @@ class CausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, kv_pool: torch.Tensor):
         """input_ids, positions: [T] -> final hidden states [T, H] (normed)."""
         h = F.embedding(input_ids, self.embed)
+        if ctx.before_layers is not None:
+            ctx.before_layers(h)
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, ctx, kv_pool[i].view(-1, *self.kv_token_shape))
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)

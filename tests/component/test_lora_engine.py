@@ -17,6 +17,7 @@ from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitErr
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.errors import InvalidRequestError
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
@@ -204,3 +205,27 @@ def test_per_token_vocabulary_routing_equals_each_token_through_its_adapter(setu
     _same(mixed["tok"], reference([first, second]))
     _same(mixed["comp"], reference([None, first]))
     assert mixed["tok"][0] != got["tok"][0] or mixed["tok"][1] != got["tok"][1]  # routing changed the output
+
+
+def test_learned_router_top1_equals_the_adapter_it_picks(setup, tmp_path):
+    """A learned router (MoLoRA §4.3) whose logits always favour one adapter serves exactly that
+    adapter's merged model; a loaded router survives a round trip through its files."""
+    from elasticmoe.adapters.lora_router import LoraRouter, random_router
+
+    arch, base, adapters, merged, root = setup
+    first, second = list(adapters)[:2]
+    cfg = ModelConfig.from_pretrained(base)
+    router = random_router((second, first), cfg.hidden_size, top_k=1, seed=2)
+    router = LoraRouter(router.adapters, 1, router.w1, router.b1, torch.zeros_like(router.w2),
+                        torch.tensor([0.0, 50.0]))  # logits independent of x: always `first`
+    router = LoraRouter.open(router.save(tmp_path / "router"))
+    engine = _engine(base, max_loras=2, max_lora_rank=8)
+    for name in (first, second):
+        _load(engine, adapters[name])
+    engine.load_lora_router("r", router)
+    engine.add_request("learned", PROMPTS[0], PARAMS, lora_routing={"type": "learned", "router": "r"})
+    got = _run(engine, [("plain", PROMPTS[1], second)])
+    _same(got["learned"], _run(_engine(merged[first]), [("learned", PROMPTS[0], None)])["learned"])
+    _same(got["plain"], _run(_engine(merged[second]), [("plain", PROMPTS[1], None)])["plain"])
+    with pytest.raises(InvalidRequestError, match="router 'nope'"):
+        engine.add_request("x", PROMPTS[1], PARAMS, lora_routing={"type": "learned", "router": "nope"})
