@@ -126,6 +126,9 @@ class ClusterAdapterHost:
         # load it onto its ranks yet (issue 6): refuse clearly instead of half-serving it.
         raise AdapterLimitError("LoRA adapters are not served by the elastic server yet (use serve --single)")
 
+    async def load_router(self, name: str, router: Any) -> dict[str, Any]:
+        raise AdapterLimitError("LoRA routers are not served by the elastic server yet (use serve --single)")
+
     async def unload(self, name: str) -> bool:
         return await asyncio.to_thread(self.unload_blocking, name)
 

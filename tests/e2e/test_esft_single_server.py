@@ -223,6 +223,16 @@ def test_lora_routing_over_http(tiny_model_dir, tmp_path):
             unknown = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256],
                                                                                "adapters": ["nope", None]}})
             assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+            # A learned router over the loaded adapter, then a request routed by it.
+            from elasticmoe.adapters.lora_router import random_router
+
+            router_dir = random_router(("s",), 64, top_k=1).save(tmp_path / "router")
+            r = c.post("/admin/adapters", json={"name": "mix", "path": str(router_dir), "type": "lora_router"})
+            assert r.status_code == 201, r.text
+            learned = c.post("/v1/completions", json={**body, "lora_routing": {"type": "learned", "router": "mix"}})
+            assert learned.status_code == 200, learned.text
+            bad_router = c.post("/admin/adapters", json={"name": "x", "path": str(tmp_path), "type": "lora_router"})
+            assert bad_router.status_code == 400 and bad_router.json()["error"]["param"] == "path"
     finally:
         uv.should_exit = True
         thread.join(15)

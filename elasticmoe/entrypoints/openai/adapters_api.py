@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 from elasticmoe.adapters.esft import AdapterError, EsftAdapter
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.errors import UnknownAdapterError
@@ -39,7 +40,10 @@ class LoadAdapterRequest(BaseModel):
                       description="Model id clients pass as `model` to use the adapter.")
     path: str = Field(min_length=1, description="Adapter directory on the server (ESFT: expert_cfg.json + "
                       "safetensors; LoRA: PEFT's adapter_config.json + adapter_model.safetensors).")
-    type: Literal["esft", "lora"] = Field("esft", description="Adapter kind.")
+    type: Literal["esft", "lora", "lora_router"] = Field(
+        "esft", description="Adapter kind; lora_router: a learned per-token router over loaded LoRA adapters "
+        "(router_config.json + router.safetensors), used with lora_routing={type: learned, router: name}."
+    )
 
 
 class AdapterHost(Protocol):
@@ -47,6 +51,7 @@ class AdapterHost(Protocol):
 
     async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]: ...
     async def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]: ...
+    async def load_router(self, name: str, router: LoraRouter) -> dict[str, Any]: ...
     async def unload(self, name: str) -> bool: ...  # True: unloaded now; False: once its requests finish
     async def describe(self) -> list[dict[str, Any]]: ...
 
@@ -71,7 +76,10 @@ def add_adapter_routes(
             raise OpenAIError(f"name: {body.name!r} is the base model's id", status_code=HTTPStatus.CONFLICT,
                               param="name")
         try:
-            if body.type == "lora":
+            if body.type == "lora_router":
+                router = await asyncio.to_thread(LoraRouter.open, body.path)
+                info = await host.load_router(body.name, router)
+            elif body.type == "lora":
                 lora = await asyncio.to_thread(read_lora_adapter, body.name, body.path, model_config())
                 info = await host.load_lora(lora)
             else:
@@ -131,6 +139,11 @@ class EngineAdapterHost:
                                              adapter.config.scaling)
         )
         return {"slot": slot, "rank": adapter.config.r, "num_modules": len(adapter.modules)}
+
+    async def load_router(self, name: str, router: LoraRouter) -> dict[str, Any]:
+        engine = self.engine
+        await self.async_llm.run_on_loop(lambda: engine.load_lora_router(name, router))
+        return {"adapters": list(router.adapters), "top_k": router.top_k}
 
     async def unload(self, name: str) -> bool:
         engine = self.engine
