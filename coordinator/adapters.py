@@ -1,4 +1,5 @@
-"""ESFT adapters on the elastic server: one registry, the HMM's pages, every rank's expert map.
+"""Adapters on the elastic server: one registry; ESFT experts in the HMM's pages and every rank's
+expert map; LoRA factors in every rank's slots (each rank keeps its own experts' share).
 
 Loading adapter `A` (`POST /admin/adapters`): a free slot `i` is chosen; the HMM maps
 and fills A's experts on the devices that hold the base experts they replace (its
@@ -47,11 +48,14 @@ class AdapterState:
     path: str
     experts: dict[int, tuple[int, ...]]
     state: str = "loaded"  # loaded | unloading
+    kind: str = "esft"  # esft | lora
     unloaded: threading.Event = field(default_factory=threading.Event)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "type": "esft", "slot": self.slot, "path": self.path, "state": self.state,
-                "num_experts": sum(len(v) for v in self.experts.values())}
+        out = {"name": self.name, "type": self.kind, "slot": self.slot, "path": self.path, "state": self.state}
+        if self.kind == "esft":
+            out["num_experts"] = sum(len(v) for v in self.experts.values())
+        return out
 
 
 class ClusterAdapterHost:
@@ -96,7 +100,7 @@ class ClusterAdapterHost:
         if name in self.adapters:
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
         n, e_max = self.max_adapters, cluster.config.max_esft_experts
-        free = sorted(set(range(n)) - {a.slot for a in self.adapters.values()})
+        free = sorted(set(range(n)) - {a.slot for a in self.adapters.values() if a.kind == "esft"})
         if not free:
             raise AdapterLimitError(f"all {n} adapter slots are in use (--max-esft-adapters)")
         widest = max((len(v) for v in experts.values()), default=0)
@@ -122,12 +126,39 @@ class ClusterAdapterHost:
         return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
 
     async def load_lora(self, adapter: Any) -> dict[str, Any]:
-        # NOTE: the engine and the single-process server serve LoRA; the elastic server does not
-        # load it onto its ranks yet (issue 6): refuse clearly instead of half-serving it.
-        raise AdapterLimitError("LoRA adapters are not served by the elastic server yet (use serve --single)")
+        return await asyncio.to_thread(self.load_lora_blocking, adapter.name, str(adapter.path))
+
+    def load_lora_blocking(self, name: str, path: str) -> dict[str, Any]:
+        """Every rank loads the adapter (its own experts' factors) into the same slot: the ranks'
+        slot tables stay equal because they load the same adapters in the same order."""
+        if not self.lock.acquire(blocking=False):
+            raise AdapterConflictError("a scale or another adapter change is in progress; retry")
+        try:
+            cluster = self.cluster
+            if cluster.config.max_loras == 0:
+                raise AdapterLimitError("this server has no LoRA slots (--max-loras 0)")
+            if cluster.scale_events.running is not None:
+                raise AdapterConflictError("a scale is in progress; retry when it finished")
+            if name in self.adapters:
+                raise AdapterConflictError(f"adapter {name!r} is already loaded")
+            inst = cluster.active
+            assert inst is not None
+            try:
+                slots = ray.get([rank.load_lora_adapter.remote(name, path) for rank in inst.ranks])
+            except BaseException:
+                logger.exception("adapter %r: a rank failed to load it; undoing", name)
+                ray.get([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks])
+                raise
+            if len(set(slots)) != 1:
+                raise RuntimeError(f"adapter {name!r}: ranks chose different slots {slots}")
+            self.adapters[name] = AdapterState(name, int(slots[0]), path, {}, kind="lora")
+            self._publish()
+            return {"slot": slots[0]}
+        finally:
+            self.lock.release()
 
     async def load_router(self, name: str, router: Any) -> dict[str, Any]:
-        raise AdapterLimitError("LoRA routers are not served by the elastic server yet (use serve --single)")
+        raise AdapterLimitError("learned LoRA routers are not served by the elastic server yet (use serve --single)")
 
     async def unload(self, name: str) -> bool:
         return await asyncio.to_thread(self.unload_blocking, name)
@@ -169,6 +200,10 @@ class ClusterAdapterHost:
     def _release_everywhere(self, name: str, slot: int, inst: Instance) -> None:
         hmm = self.cluster.hmm
         assert hmm is not None
+        entry = self.adapters.get(name)
+        if entry is not None and entry.kind == "lora":  # no HMM pages: the ranks hold the factors
+            ray.get([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks])
+            return
         rows = hmm.adapter_rows(name)
         try:
             ray.get([
@@ -186,6 +221,9 @@ class ClusterAdapterHost:
     def prepare_instance(self, inst: Instance) -> None:
         """Point a new instance's expert maps at the registered adapters' rows (which the HMM
         layout it attached to already holds). Before it takes any request."""
-        for a in sorted(self.adapters.values(), key=lambda a: a.slot):
-            ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None) for rank in inst.ranks])
+        for a in sorted(self.adapters.values(), key=lambda a: (a.kind, a.slot)):
+            if a.kind == "lora":  # read from the adapter's files for this instance's placement
+                ray.get([rank.load_lora_adapter.remote(a.name, a.path) for rank in inst.ranks])
+            else:
+                ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None) for rank in inst.ranks])
 

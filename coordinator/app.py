@@ -176,6 +176,8 @@ class Coordinator:
         for name, path in config.esft_adapters:  # --esft-adapter: a bad one fails the start
             adapter = await asyncio.to_thread(read_esft_adapter, name, path, self.model_config)
             await self.cluster.adapters.load_esft(adapter)
+        for name, path in config.lora_adapters:  # --lora-adapter
+            await asyncio.to_thread(self.cluster.adapters.load_lora_blocking, name, path)
         self.scales = ScaleRunner(scaler)
         self.metrics = CoordinatorMetrics(lambda: float(self.engine.num_queued), self._active_dp)
         self.cluster.scale_events.on_finished = self.metrics.on_scale_finished

@@ -43,6 +43,9 @@ class CoordinatorConfig:
     max_esft_adapters: int = 4  # ESFT adapter slots (0: none); address space only until loaded
     max_esft_experts: int = 16  # E_max: most experts one adapter tunes in one layer
     esft_adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
+    max_loras: int = 0  # LoRA slots per rank (0: no LoRA); under EP every loaded adapter is resident
+    max_lora_rank: int = 16
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
     max_model_len: int | None = None  # None: the model's (the KV pool may lower it)
     max_num_batched_tokens: int | None = None  # None: the engine's default
 
@@ -74,6 +77,8 @@ class CoordinatorConfig:
             raise ValueError(
                 f"--max-esft-adapters: {self.max_esft_adapters} slots for {len(self.esft_adapters)} --esft-adapter"
             )
+        if self.max_loras < 0 or self.max_lora_rank < 1 or len(self.lora_adapters) > self.max_loras:
+            raise ValueError("--max-loras: must be >= 0 and hold every --lora-adapter; --max-lora-rank >= 1")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         if not (Path(self.model_dir) / "config.json").is_file():
@@ -98,6 +103,11 @@ class CoordinatorConfig:
         options: dict[str, Any] = {"dtype": self.torch_dtype, "num_threads": self.num_threads}
         if self.max_esft_adapters:
             options.update(max_esft_adapters=self.max_esft_adapters, max_esft_experts=self.max_esft_experts)
+        if self.max_loras:
+            # NOTE: an instance of any dp may take over (dp 1 could swap through a host cache; the
+            # others cannot): keep every loaded adapter resident, the same in every instance.
+            options.update(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                           max_cpu_loras=self.max_loras)
         if self.max_model_len is not None:
             options["max_model_len"] = self.max_model_len
         if self.max_num_batched_tokens is not None:

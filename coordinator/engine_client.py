@@ -105,9 +105,6 @@ class RouterEngineClient:
         lora_routing: dict | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `request_id`'s outputs from one rank; the last has `finished=True`."""
-        if lora_routing is not None:
-            raise OpenAIError("lora_routing: LoRA adapters are not served by the elastic server yet",
-                              param="lora_routing")
         if self.num_queued >= self.max_queued:
             self.num_rejected += 1
             raise QueueFull(self.max_queued, self.retry_after_s)
@@ -117,7 +114,7 @@ class RouterEngineClient:
                 try:
                     async with self.router.route() as rank:
                         async for out in _stream_from(rank, request_id, prompt, params, self.handover_routes,
-                                                      adapter):
+                                                      adapter, lora_routing):
                             yield out
                     return
                 except RankPaused:
@@ -138,11 +135,12 @@ async def _stream_from(
     params: SamplingParams,
     routes: HandoverRoutes,
     adapter: str | None = None,
+    lora_routing: dict | None = None,
     handover_timeout_s: float = 60.0,
 ) -> AsyncGenerator[RequestOutput, None]:
     """The rank's stream for one request, followed across handovers; cancels the current
     rank stream unless it reached its finished output."""
-    stream = rank.generate.remote(request_id, prompt, params, adapter)
+    stream = rank.generate.remote(request_id, prompt, params, adapter, lora_routing)
     while True:
         finished, handed_over = False, False
         try:

@@ -269,11 +269,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     esft_adapters, lora_adapters = adapters
     if not args.single:
-        if lora_adapters or args.max_loras:
-            print("error: --max-loras / --lora-adapter: LoRA adapters are served by --single only so far",
-                  file=sys.stderr)
-            return 2
-        return _run_serve_elastic(args, esft_adapters)
+        return _run_serve_elastic(args, esft_adapters, lora_adapters)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"error: --model: {args.model} has no config.json (make one with `elasticmoe make-model`)",
               file=sys.stderr)
@@ -300,7 +296,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
 
 
-def _run_serve_elastic(args: argparse.Namespace, esft_adapters: dict[str, str]) -> int:
+def _run_serve_elastic(args: argparse.Namespace, esft_adapters: dict[str, str], lora_adapters: dict[str, str]) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.launch import serve_elastic
 
@@ -314,6 +310,8 @@ def _run_serve_elastic(args: argparse.Namespace, esft_adapters: dict[str, str]) 
             max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
             max_esft_adapters=args.max_esft_adapters, max_esft_experts=args.max_esft_experts,
             esft_adapters=tuple(esft_adapters.items()),
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            lora_adapters=tuple(lora_adapters.items()),
         )
     except ValueError as exc:
         print(f"error: {exc} (elastic server; --single runs one engine in this process)", file=sys.stderr)

@@ -36,6 +36,7 @@ from typing import Any
 import ray
 import torch.distributed as dist
 
+from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.handover import RequestSnapshot
@@ -189,7 +190,12 @@ class InstanceRank:
 
     @ray.method(num_returns="streaming")  # type: ignore[call-arg]
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        lora_routing: dict | None = None,
     ) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
         """Stream this request's `RequestOutput`s (deltas + cumulative); the last has `finished=True`,
         or is a `HandedOverOutput` when the request moved to another instance (`imm.handover`).
@@ -201,7 +207,7 @@ class InstanceRank:
         if llm.pause_requested or llm.is_paused or self.has_exported:
             raise RankPaused(request_id)
         try:
-            async for out in llm.generate(prompt, params, request_id, adapter):
+            async for out in llm.generate(prompt, params, request_id, adapter, lora_routing):
                 yield out
         except HandedOver:
             yield HandedOverOutput(request_id)
@@ -228,6 +234,17 @@ class InstanceRank:
             assert isinstance(handle, VirtualTensorHandle)
             map_slot_pages(engine.weights[param], handle, slot_pages)
         return int(await self._on_loop(lambda: engine.load_esft_adapter(name, experts, None, slot=slot)))
+
+    async def load_lora_adapter(self, name: str, path: str) -> int | None:
+        """Load a PEFT LoRA adapter from `path` (this rank keeps its own experts' factors)."""
+        engine = self.engine
+        assert engine is not None
+        adapter = await asyncio.to_thread(LoraAdapter.open, name, path, engine.model_config)
+        dtype = engine.config.dtype
+        factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
+        return await self._on_loop(
+            lambda: engine.load_lora_adapter(name, adapter.modules, lambda m, _: factors[m], adapter.config.scaling)
+        )
 
     async def unload_adapter(self, name: str) -> bool:
         """Stop admitting requests for `name` (see `LLMEngine.unload_adapter`)."""

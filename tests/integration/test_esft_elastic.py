@@ -1,10 +1,11 @@
-"""ESFT adapters on the elastic cluster (tiny Qwen3-MoE, 3 devices, float32, no HTTP).
+"""ESFT and LoRA adapters on the elastic cluster (tiny Qwen3-MoE, 3 devices, float32, no HTTP).
 
 Three adapters loaded through the HMM (pages on the devices holding the base experts
 they replace) serve requests equal to their merged models, base included; the same
 after DP1 -> 2 (experts moved across devices, adapters with them) and DP2 -> 1; unloading
 while one of its requests runs keeps that request unchanged, refuses new ones, and
-returns every page to the pools.
+returns every page to the pools. A LoRA adapter on attention and experts serves its merged
+model at DP1 and after DP1 -> 2 (each rank holds its own experts' factors), beside ESFT.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
     prefix = f"emoetest{secrets.token_hex(4)}"
     config = CoordinatorConfig(model_dir=tiny_model_dir, num_devices=3, dp=1, dtype="float32",
                                device_memory_bytes=64 << 20, kv_bytes_per_device=4 << 20, shm_prefix=prefix,
-                               max_esft_adapters=3, max_esft_experts=2, standby_pool=False)
+                               max_esft_adapters=3, max_esft_experts=2, standby_pool=False,
+                               max_loras=2, max_lora_rank=4)
     cl = ClusterManager(config)
     try:
         cl.start()
@@ -141,3 +143,30 @@ def _experts(path: str) -> dict[int, tuple[int, ...]]:
 
     return EsftConfig.from_file(f"{path}/expert_cfg.json").experts
 
+
+
+def test_lora_across_scaling(cluster, adapters, tmp_path):
+    from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
+
+    base = cluster.config.model_dir
+    path = str(make_lora_adapter(base, str(tmp_path / "lora"), rank=4, seed=11,
+                                 target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")))
+    want = _reference(str(write_lora_merged_model(base, path, str(tmp_path / "merged"))))
+    host = cluster.adapters
+    host.load_lora_blocking("style", path)
+    assert [a["type"] for a in asyncio_run(host.describe()) if a["name"] == "style"] == ["lora"]
+    for i in range(cluster.active.dp):
+        assert _generate(cluster, f"lora-dp1-{i}", "style") == want
+    event = Scaler(cluster, HandoverRoutes()).scale(2)
+    assert event.state is ScaleState.SUCCEEDED, event.error
+    for i in range(cluster.active.dp):  # the new instance loaded it for its own placement
+        assert _generate(cluster, f"lora-dp2-{i}", "style") == want
+    assert host.unload_blocking("style", wait=True)
+    with pytest.raises(UnknownAdapterError):
+        _generate(cluster, "lora-gone", "style")
+
+
+def asyncio_run(coro: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(coro)
