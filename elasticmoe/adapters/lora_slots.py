@@ -4,8 +4,9 @@
 Loading an adapter reads its factors into host memory (scaling folded in) and, if a slot
 is free, into that slot. A request for an adapter that is not resident waits (its
 requests are passed over by the scheduler, not waited on) until the engine swaps it in
-between steps: into a free slot, else in place of the resident adapter with the lowest
-expected use (an exponential moving average of its request rate plus its queued
+on a background thread (its requests keep waiting; the forward goes on beside the copy, which
+writes a slot no scheduled token reads): into a free slot, else in place of the resident
+adapter with the lowest expected use (an exponential moving average of its request rate plus its queued
 requests: CoServe §4.3's argument against plain LRU), never one with running requests.
 
 Sites (see `elasticmoe.layers.lora`): per GQA attention layer a fused q|k|v site (the three
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,8 @@ class LoraSlots:
         self.slot_of: dict[str, int] = {}  # resident adapters
         self.rate: dict[str, float] = {}  # EMA of requests per step
         self.num_swaps_in = self.num_evictions = self.num_hits = self.num_misses = 0
+        self.filling: dict[int, tuple[str, Future[None]]] = {}  # slot -> adapter copied in the background
+        self._copier: ThreadPoolExecutor | None = None
 
     @property
     def names(self) -> list[str]:
@@ -177,18 +181,43 @@ class LoraSlots:
         return slot
 
     def free_slots(self) -> list[int]:
-        return sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
+        return sorted(set(range(self.max_loras)) - set(self.slot_of.values()) - set(self.filling))
 
     def swap_in(self, name: str, slot: int) -> None:
-        """Write a loaded adapter's factors into a free slot."""
+        """Write a loaded adapter's factors into a free slot (now, on the caller's thread)."""
+        self._write(name, slot)
+        self.slot_of[name] = slot
+        self.num_swaps_in += 1
+
+    def swap_in_async(self, name: str, slot: int) -> None:
+        """Start copying `name` into the free `slot` on a background thread; `finish_swaps` makes it
+        resident once done. Safe beside the forward: no scheduled token uses a filling slot."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="lora-swap")
+        self.filling[slot] = (name, self._copier.submit(self._write, name, slot))
+
+    def is_filling(self, name: str) -> bool:
+        return any(n == name for n, _ in self.filling.values())
+
+    def finish_swaps(self, wait: bool = False) -> list[str]:
+        """Adapters whose background copy completed (now resident); `wait`: wait for every copy."""
+        done = []
+        for slot, (name, future) in list(self.filling.items()):
+            if wait or future.done():
+                future.result()  # re-raises a failed copy
+                del self.filling[slot]
+                self.slot_of[name] = slot
+                self.num_swaps_in += 1
+                done.append(name)
+        return done
+
+    def _write(self, name: str, slot: int) -> None:
         self._clear(slot)
         local = len(self.placement.local_expert_ids(self.rank))
         for path, (a, b) in self.host[name].items():
             site, row0, rank0, expert = self._site(path)
             key = slot if expert is None else slot * local + self.placement.expert_to_slot[expert]
             site.write(key, a, b, row0, rank0)
-        self.slot_of[name] = slot
-        self.num_swaps_in += 1
 
     def evict(self, name: str) -> int:
         """Free the adapter's slot (it stays loaded in host memory); returns the slot."""
@@ -198,6 +227,11 @@ class LoraSlots:
         return slot
 
     def unload(self, name: str) -> None:
+        for slot, (n, future) in list(self.filling.items()):
+            if n == name:
+                future.result()
+                del self.filling[slot]
+                self._clear(slot)
         if name in self.slot_of:
             self._clear(self.slot_of.pop(name))
         self.host.pop(name)

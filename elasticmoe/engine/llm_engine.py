@@ -88,6 +88,7 @@ class LLMEngine:
                                   config.max_lora_rank, config.dtype, max_cached=cached, top_k=config.max_lora_topk)
         self.lora_routers: dict[str, LoraRouter] = {}
         self._lora_arrivals: dict[str, int] = {}
+        self.lora_async_swaps = True  # copy adapters into slots on a background thread
         self.unloading_adapters: set[str] = set()
         self.served_adapters: tuple[str, ...] = ()  # loaded adapters that accept requests
 
@@ -273,15 +274,22 @@ class LLMEngine:
         lora.note_requests(self._lora_arrivals)
         self._lora_arrivals = {}
         waiting = self.scheduler.waiting
+        arrived = set(lora.finish_swaps())  # background copies that completed since the last step
         pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
         for r in waiting:
             if r.lora_slot == LORA_PENDING:
+                if arrived & self._lora_names(r):
+                    self._assign_lora(r)
+                    if r.lora_slot != LORA_PENDING:
+                        continue
                 for name in sorted(self._lora_names(r)):
-                    if lora.index(name) is None:
+                    if lora.index(name) is None and not lora.is_filling(name):
                         pending.setdefault(name, []).append(r)
         if not pending:
             return
-        busy = set().union(*(self._lora_names(r) for r in self.scheduler.running))
+        # NOTE: adapters that just became resident are not evicted before their requests ran once
+        # (else a one-slot hot set would swap them out again at once, forever).
+        busy = set().union(arrived, *(self._lora_names(r) for r in self.scheduler.running))
         queued: dict[str, int] = {}
         for r in waiting:
             for name in self._lora_names(r):
@@ -298,13 +306,22 @@ class LLMEngine:
                 for r in waiting:
                     if victim in self._lora_names(r):
                         r.lora_slot = LORA_PENDING
-            lora.swap_in(name, slot)
             busy.add(name)  # not evicted again in this pass
+            if self.config.ep_size == 1 and self.lora_async_swaps:
+                lora.swap_in_async(name, slot)  # its requests wait until `finish_swaps` reports it
+                continue
+            lora.swap_in(name, slot)
             for r in requests:
-                if r.lora_routing is not None:
-                    self._resolve_ranges(r)
-                else:
-                    r.lora_slot = slot
+                self._assign_lora(r)
+
+    def _assign_lora(self, request: Request) -> None:
+        """Give a waiting request its slot(s) if its adapters are resident now."""
+        if request.lora_routing is not None:
+            self._resolve_ranges(request)
+        else:
+            assert self.lora is not None and request.adapter is not None
+            slot = self.lora.index(request.adapter)
+            request.lora_slot = LORA_PENDING if slot is None else slot
 
     def lora_stats(self) -> dict[str, int]:
         lora = self.lora
