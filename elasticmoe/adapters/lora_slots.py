@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 import torch.nn.functional as F
@@ -199,11 +199,16 @@ class LoraSlots:
     def is_filling(self, name: str) -> bool:
         return any(n == name for n, _ in self.filling.values())
 
-    def finish_swaps(self, wait: bool = False) -> list[str]:
-        """Adapters whose background copy completed (now resident); `wait`: wait for every copy."""
+    def wait_for_a_swap(self) -> None:
+        """Block until one background copy is done (the engine has nothing else to run)."""
+        if self.filling:
+            wait([f for _, f in self.filling.values()], return_when=FIRST_COMPLETED)
+
+    def finish_swaps(self, block: bool = False) -> list[str]:
+        """Adapters whose background copy completed (now resident); `block`: wait for every copy."""
         done = []
         for slot, (name, future) in list(self.filling.items()):
-            if wait or future.done():
+            if block or future.done():
                 future.result()  # re-raises a failed copy
                 del self.filling[slot]
                 self.slot_of[name] = slot

@@ -469,6 +469,11 @@ class LLMEngine:
         if self.lora is not None:
             self._swap_lora_in()
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.lora is not None and self.lora.filling and self.config.ep_size == 1:
+            # Nothing can run until an adapter arrives: wait for its copy instead of spinning.
+            self.lora.wait_for_a_swap()
+            self._swap_lora_in()
+            sched = self.scheduler.schedule()
         if sched.is_empty and self.config.ep_size == 1:
             return []
         logits, sample_indices = self.runner.execute(sched)
