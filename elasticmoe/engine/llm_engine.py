@@ -131,7 +131,7 @@ class LLMEngine:
         lora_routing: VocabRouting | LearnedRouting | dict | None = None,
     ) -> None:
         """Queue a request for `adapter` (ESFT or LoRA; None: the base model), or with its tokens
-        routed to LoRA adapters by vocabulary range (`lora_routing`). Raises `InvalidRequestError`
+        routed to LoRA adapters per token (`lora_routing`: by vocabulary range or a learned router). Raises `InvalidRequestError`
         (a ValueError naming the field; `UnknownAdapterError` for an adapter not loaded);
         nothing is kept then."""
         if request_id in self.requests:
@@ -370,7 +370,8 @@ class LLMEngine:
             self._publish_adapter_names()
 
     def adapter_in_use(self, name: str) -> bool:
-        return any(r.adapter == name for r in self.requests.values())
+        """A live request uses `name`: as its adapter, or through per-token LoRA routing."""
+        return any(r.adapter == name or name in self._lora_names(r) for r in self.requests.values())
 
     def finish_adapter_unload(self, name: str) -> None:
         """Release an unloading adapter now (EP: every rank, after none is in use)."""
@@ -388,7 +389,7 @@ class LLMEngine:
         self.served_adapters = tuple(n for n in names if n not in self.unloading_adapters)
 
     def _finish_unloads(self) -> None:
-        busy = {r.adapter for r in self.requests.values()}
+        busy = {r.adapter for r in self.requests.values()}.union(*(self._lora_names(r) for r in self.requests.values()))
         for name in sorted(self.unloading_adapters - busy):
             self._release(name)
             self.unloading_adapters.discard(name)

@@ -229,3 +229,18 @@ def test_learned_router_top1_equals_the_adapter_it_picks(setup, tmp_path):
     _same(got["plain"], _run(_engine(merged[second]), [("plain", PROMPTS[1], None)])["plain"])
     with pytest.raises(InvalidRequestError, match="router 'nope'"):
         engine.add_request("x", PROMPTS[1], PARAMS, lora_routing={"type": "learned", "router": "nope"})
+
+
+def test_unload_waits_for_per_token_requests_of_the_adapter(setup):
+    arch, base, adapters, merged, root = setup
+    first, second = list(adapters)[:2]
+    engine = _engine(base, max_loras=2, max_lora_rank=8)
+    for name in (first, second):
+        _load(engine, adapters[name])
+    half = ModelConfig.from_pretrained(base).vocab_size // 2
+    engine.add_request("tok", PROMPTS[0], PARAMS, lora_routing={"breaks": [half], "adapters": [None, second]})
+    engine.step()
+    assert engine.unload_adapter(second) is False  # the per-token request still routes to it
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert second not in engine.served_adapters and engine.lora.is_loaded(second) is False
