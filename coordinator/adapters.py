@@ -65,6 +65,7 @@ class ClusterAdapterHost:
         self.cluster = cluster
         self.publish = publish  # what `/v1/models` and the model check see
         self.adapters: dict[str, AdapterState] = {}
+        self.routers: dict[str, Any] = {}  # learned LoRA routers (MoLoRA §4.3), loaded on every instance
         self.lock = threading.Lock()  # adapter changes vs scale events (see the module docstring)
         self.poll_s = 0.05
 
@@ -158,7 +159,18 @@ class ClusterAdapterHost:
             self.lock.release()
 
     async def load_router(self, name: str, router: Any) -> dict[str, Any]:
-        raise AdapterLimitError("learned LoRA routers are not served by the elastic server yet (use serve --single)")
+        return await asyncio.to_thread(self.load_router_blocking, name, router)
+
+    def load_router_blocking(self, name: str, router: Any) -> dict[str, Any]:
+        """Register a learned LoRA router on every rank (and on every later instance)."""
+        with self.lock:
+            if self.cluster.scale_events.running is not None:
+                raise AdapterConflictError("a scale is in progress; retry when it finished")
+            inst = self.cluster.active
+            assert inst is not None
+            ray.get([rank.load_lora_router.remote(name, router) for rank in inst.ranks])
+            self.routers[name] = router
+        return {"adapters": list(router.adapters), "top_k": router.top_k}
 
     async def unload(self, name: str) -> bool:
         return await asyncio.to_thread(self.unload_blocking, name)
@@ -191,6 +203,8 @@ class ClusterAdapterHost:
             with self.lock:
                 self._release_everywhere(entry.name, entry.slot, inst)
                 del self.adapters[entry.name]
+                # the engines dropped the routers over it too (`LLMEngine._release`)
+                self.routers = {k: r for k, r in self.routers.items() if entry.name not in r.adapters}
         except Exception:  # noqa: BLE001 - the adapter stays "unloading" (visible), scales stay blocked
             logger.exception("adapter %r: unloading failed", entry.name)
             return
@@ -226,4 +240,6 @@ class ClusterAdapterHost:
                 ray.get([rank.load_lora_adapter.remote(a.name, a.path) for rank in inst.ranks])
             else:
                 ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None) for rank in inst.ranks])
+        for name, router in self.routers.items():
+            ray.get([rank.load_lora_router.remote(name, router) for rank in inst.ranks])
 

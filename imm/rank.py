@@ -246,6 +246,12 @@ class InstanceRank:
             lambda: engine.load_lora_adapter(name, adapter.modules, lambda m, _: factors[m], adapter.config.scaling)
         )
 
+    async def load_lora_router(self, name: str, router: Any) -> None:
+        """Register a learned LoRA router (MoLoRA §4.3) over this engine's loaded LoRA adapters."""
+        engine = self.engine
+        assert engine is not None
+        await self._on_loop(lambda: engine.load_lora_router(name, router))
+
     async def unload_adapter(self, name: str) -> bool:
         """Stop admitting requests for `name` (see `LLMEngine.unload_adapter`)."""
         engine = self.engine

@@ -344,6 +344,8 @@ class LLMEngine:
             self.esft.unload(name)
         elif self.lora is not None:
             self.lora.unload(name)
+            # A router over a released adapter is dropped with it (its requests would wait forever).
+            self.lora_routers = {k: r for k, r in self.lora_routers.items() if name not in r.adapters}
 
     def unload_adapter(self, name: str) -> bool:
         """Stop admitting requests for `name`. With one rank it is unloaded (its rows released)

@@ -161,7 +161,19 @@ def test_lora_across_scaling(cluster, adapters, tmp_path):
     assert event.state is ScaleState.SUCCEEDED, event.error
     for i in range(cluster.active.dp):  # the new instance loaded it for its own placement
         assert _generate(cluster, f"lora-dp2-{i}", "style") == want
+    # A learned router over it, registered on the active instance and carried across a scale.
+    from elasticmoe.adapters.lora_router import LoraRouter, random_router
+
+    r = random_router(("style",), cluster.hmm.model_config.hidden_size, top_k=1)
+    host.load_router_blocking("mix", LoraRouter(r.adapters, 1, r.w1, r.b1, r.w2, r.b2))
+    assert Scaler(cluster, HandoverRoutes()).scale(1).state is ScaleState.SUCCEEDED
+    rank = cluster.active.ranks[0]
+    routed = [o for o in spliced_stream(rank.generate.remote("learned", PROMPT, PARAMS, None,
+                                                             {"type": "learned", "router": "mix"}), HandoverRoutes())
+              if isinstance(o, RequestOutput)]
+    assert routed[-1].output_token_ids == want  # top-1 of one adapter: that adapter
     assert host.unload_blocking("style", wait=True)
+    assert host.routers == {}  # dropped with its adapter
     with pytest.raises(UnknownAdapterError):
         _generate(cluster, "lora-gone", "style")
 
