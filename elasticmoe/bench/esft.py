@@ -42,13 +42,11 @@ import argparse
 import gc
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -57,6 +55,7 @@ import torch
 
 from elasticmoe.adapters.esft import EsftAdapter, EsftConfig
 from elasticmoe.adapters.expert_map import ExpertMap, reroute_naive
+from elasticmoe.bench.common import floats, fmt, ints, logger, median, model_dir, ratio, table
 from elasticmoe.bench.engine import percentile
 from elasticmoe.bench.esft_memory import (
     DEVICE_PAGE_SIZE,
@@ -65,6 +64,7 @@ from elasticmoe.bench.esft_memory import (
     kv_capacity_tokens,
     weight_memory,
 )
+from elasticmoe.bench.workload import TimedRequest, make_workload, power_law_shares
 from elasticmoe.config import EngineConfig, ModelConfig, parse_dtype
 from elasticmoe.engine.kv_cache import KVCacheSpec
 from elasticmoe.engine.llm_engine import LLMEngine
@@ -72,50 +72,14 @@ from elasticmoe.models.common import ForwardContext, MoEBlock
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter
 
+_log = logger("bench.esft")
+
 ESFT_CONFIG_DIR = Path("/work/shared/data/esft_expert_configs")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _log(msg: str) -> None:
-    print(f"[bench.esft] {msg}", file=sys.stderr, flush=True)
 
 
-# ---- workload -------------------------------------------------------------------------
-
-
-def power_law_shares(num_adapters: int, alpha: float) -> list[float]:
-    """Request share of each adapter: `((i + 1) / N)^alpha - (i / N)^alpha` (see the module doc)."""
-    if num_adapters < 1 or not alpha > 0:
-        raise ValueError(f"power law: need num_adapters >= 1 and alpha > 0, got {num_adapters}, {alpha}")
-    return [((i + 1) / num_adapters) ** alpha - (i / num_adapters) ** alpha for i in range(num_adapters)]
-
-
-@dataclass(frozen=True, slots=True)
-class TimedRequest:
-    arrival_s: float  # since the run's start
-    prompt_token_ids: list[int]
-    adapter_index: int  # into the adapter names of the run
-
-
-def make_workload(
-    num_requests: int, rps: float, shares: Sequence[float], input_len: int, vocab_size: int, seed: int
-) -> list[TimedRequest]:
-    """Poisson arrivals of rate `rps`, each on adapter `i` with probability `shares[i]`.
-
-    Arrival times and prompts depend on `seed` only, not on `shares`, so every run of a
-    repeat sees the same prompts at the same times; the adapter choices come from their
-    own stream."""
-    if num_requests < 1 or not rps > 0:
-        raise ValueError(f"workload: need num_requests >= 1 and rps > 0, got {num_requests}, {rps}")
-    timing, prompts, choice = random.Random(seed), random.Random(seed + 1), random.Random(seed + 2)
-    out, t = [], 0.0
-    indices = list(range(len(shares)))
-    for _ in range(num_requests):
-        # Ids 0..2 are pad/bos/eos in our checkpoints; stay clear of them.
-        prompt = [prompts.randrange(3, vocab_size) for _ in range(input_len)]
-        out.append(TimedRequest(t, prompt, choice.choices(indices, weights=shares)[0]))
-        t += timing.expovariate(rps)
-    return out
+# ---- runs ---------------------------------------------------------------------------
 
 
 def run_workload(
@@ -185,13 +149,8 @@ def replicas(adapters: dict[str, EsftAdapter], num_adapters: int) -> list[tuple[
 # ---- phases ---------------------------------------------------------------------------
 
 
-def _median(values: list[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return statistics.median(kept) if kept else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def bench_latency(engine: LLMEngine, names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -216,7 +175,7 @@ def bench_latency(engine: LLMEngine, names: list[str], args: argparse.Namespace)
             _log(f"N={n} repeat {rep} {_kind_name(kind):>12}: TTFT p50 {res['ttft_ms_p50']:.1f} ms, "
                  f"TPOT p50 {res['tpot_ms_p50']:.2f} ms, e2e {res['e2e_s']:.1f}s")
     keys = ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90")
-    base = {k: _median([r[k] for r in runs[None]]) for k in keys}
+    base = {k: median([r[k] for r in runs[None]]) for k in keys}
     rows = []
     for alpha in args.alphas:
         counts = [0] * n
@@ -229,14 +188,14 @@ def bench_latency(engine: LLMEngine, names: list[str], args: argparse.Namespace)
             "expected_top_share": max(shares[alpha]),
             "observed_top_share": max(counts) / len(workloads[alpha]),
             "num_adapters_used": sum(1 for c in counts if c),
-            **{k: _median([r[k] for r in runs[alpha]]) for k in keys},
+            **{k: median([r[k] for r in runs[alpha]]) for k in keys},
             "base": base,
         }
         for metric in ("ttft", "tpot"):
             for q in ("p50", "p90"):
                 key = f"{metric}_ms_{q}"
-                row[f"{metric}_overhead_{q}"] = _median(
-                    [_ratio(a[key], b[key]) for a, b in zip(runs[alpha], runs[None], strict=True)])
+                row[f"{metric}_overhead_{q}"] = median(
+                    [ratio(a[key], b[key]) for a, b in zip(runs[alpha], runs[None], strict=True)])
         row["e2e_s_runs"] = [r["e2e_s"] for r in runs[alpha]]
         rows.append(row)
     return rows
@@ -275,8 +234,8 @@ def bench_memory(
         "kv_tokens_merged": kv["merged"],
         "kv_tokens_base_only": kv["base_only"],
         # None when the merged models leave no room for KV at all (the ratio is unbounded).
-        "kv_ratio_ours_vs_merged": _ratio(kv["ours"], kv["merged"]),
-        "kv_ratio_ours_vs_padding": _ratio(kv["ours"], kv["padding"]),
+        "kv_ratio_ours_vs_merged": ratio(kv["ours"], kv["merged"]),
+        "kv_ratio_ours_vs_padding": ratio(kv["ours"], kv["padding"]),
     }
 
 
@@ -352,48 +311,41 @@ def bench_reroute(engine: LLMEngine, num_adapters: int, args: argparse.Namespace
 # ---- report ---------------------------------------------------------------------------
 
 
-def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
 
 
-def _f(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def print_tables(result: dict[str, Any]) -> None:
     out = []
     if result["latency"]:
-        out.append(_table(
+        out.append(table(
             "latency under load (medians over repeats; overhead = adapter p50 / base-only p50)",
             ["N", "dist", "top%", "TTFT p50", "p90", "base p50", "x", "TPOT p50", "p90", "base p50", "x"],
-            [[str(r["num_adapters"]), r["distribution"], _f(100 * r["observed_top_share"], ".0f"),
-              _f(r["ttft_ms_p50"], ".1f"), _f(r["ttft_ms_p90"], ".1f"), _f(r["base"]["ttft_ms_p50"], ".1f"),
-              _f(r["ttft_overhead_p50"], ".3f"), _f(r["tpot_ms_p50"], ".2f"), _f(r["tpot_ms_p90"], ".2f"),
-              _f(r["base"]["tpot_ms_p50"], ".2f"), _f(r["tpot_overhead_p50"], ".3f")]
+            [[str(r["num_adapters"]), r["distribution"], fmt(100 * r["observed_top_share"], ".0f"),
+              fmt(r["ttft_ms_p50"], ".1f"), fmt(r["ttft_ms_p90"], ".1f"), fmt(r["base"]["ttft_ms_p50"], ".1f"),
+              fmt(r["ttft_overhead_p50"], ".3f"), fmt(r["tpot_ms_p50"], ".2f"), fmt(r["tpot_ms_p90"], ".2f"),
+              fmt(r["base"]["tpot_ms_p50"], ".2f"), fmt(r["tpot_overhead_p50"], ".3f")]
              for r in result["latency"]]))
     if result["memory"]["rows"]:
         mib = 1 << 20
-        out.append(_table(
+        out.append(table(
             f"weight memory (MiB) and KV capacity (tokens) in {result['memory']['device_memory_gb']:g} GiB",
             ["N", "E_max", "needed", "ours", "padding", "merged", "Fmem ours", "Fmem pad",
              "KV ours", "KV pad", "KV merged", "ours/merged"],
-            [[str(r["num_adapters"]), str(r["e_max"]), _f(r["needed_bytes"] / mib, ".1f"),
-              _f(r["ours_bytes"] / mib, ".1f"), _f(r["padding_bytes"] / mib, ".1f"),
-              _f(r["merged_bytes"] / mib, ".1f"), _f(r["fmem_ours"], ".3f"), _f(r["fmem_padding"], ".3f"),
+            [[str(r["num_adapters"]), str(r["e_max"]), fmt(r["needed_bytes"] / mib, ".1f"),
+              fmt(r["ours_bytes"] / mib, ".1f"), fmt(r["padding_bytes"] / mib, ".1f"),
+              fmt(r["merged_bytes"] / mib, ".1f"), fmt(r["fmem_ours"], ".3f"), fmt(r["fmem_padding"], ".3f"),
               str(r["kv_tokens_ours"]), str(r["kv_tokens_padding"]), str(r["kv_tokens_merged"]),
-              "inf" if r["kv_ratio_ours_vs_merged"] is None else _f(r["kv_ratio_ours_vs_merged"], ".2f")]
+              "inf" if r["kv_ratio_ours_vs_merged"] is None else fmt(r["kv_ratio_ours_vs_merged"], ".2f")]
              for r in result["memory"]["rows"]]))
     if result["reroute"]:
         rr = result["reroute"]
-        out.append(_table(
+        out.append(table(
             f"rerouting (N={rr['num_adapters']}, layer {rr['layer']}; us, share of the MoE block without it)",
             ["T", "block", "block+fused", "fused", "%", "singleop", "%", "naive", "%"],
-            [[str(r["tokens"]), _f(r["block_us"], ".0f"), _f(r["block_fused_us"], ".0f"),
-              _f(r["fused_us"], ".1f"), _f(100 * r["fused_share"], ".2f"), _f(r["singleop_us"], ".1f"),
-              _f(100 * r["singleop_share"], ".2f"), _f(r["naive_us"], ".0f"), _f(100 * r["naive_share"], ".1f")]
+            [[str(r["tokens"]), fmt(r["block_us"], ".0f"), fmt(r["block_fused_us"], ".0f"),
+              fmt(r["fused_us"], ".1f"), fmt(100 * r["fused_share"], ".2f"), fmt(r["singleop_us"], ".1f"),
+              fmt(100 * r["singleop_share"], ".2f"), fmt(r["naive_us"], ".0f"), fmt(100 * r["naive_share"], ".1f")]
              for r in rr["rows"]]))
     print("\n\n".join(out), file=sys.stderr, flush=True)
 
@@ -401,12 +353,8 @@ def print_tables(result: dict[str, Any]) -> None:
 # ---- main -----------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -415,8 +363,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model size; the model is built under models/ if --model is not given and missing")
     p.add_argument("--model", default=None, help="base checkpoint dir (default: models/<preset>-qwen3-moe)")
     p.add_argument("--adapter-dir", default=None, help="where adapters are written/reused (default: a temp dir)")
-    p.add_argument("--num-adapters", type=_ints, default=[5, 10, 20], help="comma list of N")
-    p.add_argument("--alphas", type=_floats, default=[1.0, 0.3, 0.1],
+    p.add_argument("--num-adapters", type=ints, default=[5, 10, 20], help="comma list of N")
+    p.add_argument("--alphas", type=floats, default=[1.0, 0.3, 0.1],
                    help="power-law shapes of the adapter choice (1 = uniform)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--rps", type=float, default=8.0, help="aggregate Poisson arrival rate (req/s)")
@@ -428,7 +376,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=0.25, help="KV pool of the latency engines")
     p.add_argument("--device-memory-gb", type=float, default=4.0, help="device budget for the KV capacity figures")
     p.add_argument("--page-size", type=int, default=DEVICE_PAGE_SIZE, help="HMM physical page size (bytes)")
-    p.add_argument("--tokens", type=_ints, default=[1, 8, 32, 128], help="token counts of the rerouting bench")
+    p.add_argument("--tokens", type=ints, default=[1, 8, 32, 128], help="token counts of the rerouting bench")
     p.add_argument("--iters", type=int, default=200, help="timed iterations per rerouting measurement")
     p.add_argument("--phases", default="latency,memory,reroute", help="comma list of phases to run")
     p.add_argument("--seed", type=int, default=0)
@@ -444,30 +392,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _model_dir(args: argparse.Namespace) -> str:
-    if args.model is not None:
-        return str(args.model)
-    path = REPO_ROOT / "models" / f"{args.preset}-qwen3-moe"
-    if not (path / "config.json").exists():
-        from elasticmoe.tools.make_model import make_model
-
-        _log(f"building {path}")
-        make_model("qwen3_moe", args.preset, seed=0, out=str(path))
-    return str(path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    model_dir = _model_dir(args)
+    model = model_dir(args, _log)
     dtype = parse_dtype(args.dtype)
-    model_cfg = ModelConfig.from_pretrained(model_dir)
+    model_cfg = ModelConfig.from_pretrained(model)
     started = datetime.now(UTC).isoformat(timespec="seconds")
     load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="esft-bench-") as tmp:
         adapter_root = Path(args.adapter_dir or tmp)
-        base_adapters = build_adapters(model_dir, adapter_root, dtype)
+        base_adapters = build_adapters(model, adapter_root, dtype)
         e_max = max(a.config.max_experts_per_layer for a in base_adapters.values())
-        _log(f"adapters {sorted(base_adapters)} on {model_dir}: E_max {e_max}")
+        _log(f"adapters {sorted(base_adapters)} on {model}: E_max {e_max}")
         latency: list[dict[str, Any]] = []
         memory: list[dict[str, Any]] = []
         reroute: dict[str, Any] | None = None
@@ -475,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for i, n in enumerate(args.num_adapters):
             adapters = replicas(base_adapters, n)
             engine = LLMEngine(EngineConfig(
-                model=model_dir, dtype=dtype, max_esft_adapters=n, max_esft_experts=e_max,
+                model=model, dtype=dtype, max_esft_adapters=n, max_esft_experts=e_max,
                 num_threads=args.num_threads, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
                 max_model_len=args.input_len + args.output_len, seed=args.seed,
             ))
@@ -499,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "bench": "esft",
         "started_at": started,
-        "model": model_dir,
+        "model": model,
         "preset": args.preset,
         "dtype": args.dtype,
         "num_threads": torch.get_num_threads(),

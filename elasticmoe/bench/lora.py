@@ -49,7 +49,6 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -61,29 +60,24 @@ from typing import Any
 import torch
 
 from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.bench.common import fmt, ints, logger, median, model_dir, ratio, table
 from elasticmoe.bench.engine import percentile
-from elasticmoe.bench.esft import power_law_shares
+from elasticmoe.bench.workload import power_law_shares
 from elasticmoe.config import EngineConfig, ModelConfig, parse_dtype
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+_log = logger("bench.lora")
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FIRST_ID = 3  # ids 0..2 are pad/bos/eos in our checkpoints
 
 
-def _log(msg: str) -> None:
-    print(f"[bench.lora] {msg}", file=sys.stderr, flush=True)
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return statistics.median(kept) if kept else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 # ---- adapters and engines ---------------------------------------------------------------
@@ -212,8 +206,8 @@ def bench_routing(engine: LLMEngine, names: list[str], args: argparse.Namespace)
             "k": k, "adapters": names[:k], "breaks": [vocab * i // k for i in range(1, k)],
             "num_seqs": len(prompts), "passes_per_token": passes["per_token"],
             "passes_per_sequence": passes["per_sequence"],
-            "per_token_s": _median(walls["per_token"]), "per_sequence_s": _median(walls["per_sequence"]),
-            "speedup": _median([_ratio(s, t) for s, t in zip(walls["per_sequence"], walls["per_token"],
+            "per_token_s": median(walls["per_token"]), "per_sequence_s": median(walls["per_sequence"]),
+            "speedup": median([ratio(s, t) for s, t in zip(walls["per_sequence"], walls["per_token"],
                                                               strict=True)]),
             "per_token_s_runs": walls["per_token"], "per_sequence_s_runs": walls["per_sequence"],
         })
@@ -232,7 +226,7 @@ def _batch_metrics(run: dict[str, Any], num_requests: int) -> dict[str, float | 
         if elapsed - s >= t_all_first - 1e-9 and len(run["first_s"]) == num_requests:
             decode.append(s * 1e3)
     return {"ttft_ms_p50": percentile([v * 1e3 for v in run["first_s"].values()], 50),
-            "decode_step_ms": _median(decode), "wall_s": run["wall_s"]}
+            "decode_step_ms": median(decode), "wall_s": run["wall_s"]}
 
 
 def bench_overhead(engine: LLMEngine, names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -258,10 +252,10 @@ def bench_overhead(engine: LLMEngine, names: list[str], args: argparse.Namespace
     for n in kinds:
         rows.append({
             "num_adapters": n, "batch_size": len(prompts),
-            **{key: _median([r[key] for r in runs[n]]) for key in ("ttft_ms_p50", "decode_step_ms", "wall_s")},
-            "ttft_ratio": _median([_ratio(a["ttft_ms_p50"], b["ttft_ms_p50"]) for a, b in zip(runs[n], runs[0],
+            **{key: median([r[key] for r in runs[n]]) for key in ("ttft_ms_p50", "decode_step_ms", "wall_s")},
+            "ttft_ratio": median([ratio(a["ttft_ms_p50"], b["ttft_ms_p50"]) for a, b in zip(runs[n], runs[0],
                                                                                               strict=True)]),
-            "decode_step_ratio": _median([_ratio(a["decode_step_ms"], b["decode_step_ms"])
+            "decode_step_ratio": median([ratio(a["decode_step_ms"], b["decode_step_ms"])
                                           for a, b in zip(runs[n], runs[0], strict=True)]),
         })
     return rows
@@ -300,10 +294,10 @@ def run_closed_loop(engine: LLMEngine, workload: Sequence[tuple[list[int], int]]
     # A swap step usually also prefills the request it admitted: compare with prefills that needed none.
     prefill_ms = [s * 1e3 for s, n, f in zip(run["step_s"], run["step_swaps"], run["step_firsts"], strict=True)
                   if n == 0 and f > 0]
-    return {**delta, "hit_rate": _ratio(delta["hits"], delta["hits"] + delta["misses"]),
+    return {**delta, "hit_rate": ratio(delta["hits"], delta["hits"] + delta["misses"]),
             "num_steps": len(run["step_s"]), "num_swap_steps": len(swap_ms),
-            "swap_step_ms": _median(swap_ms), "other_step_ms": _median(other_ms),
-            "prefill_step_ms": _median(prefill_ms), "wall_s": run["wall_s"]}
+            "swap_step_ms": median(swap_ms), "other_step_ms": median(other_ms),
+            "prefill_step_ms": median(prefill_ms), "wall_s": run["wall_s"]}
 
 
 def bench_swap(model_dir: str, adapters: list[LoraAdapter], args: argparse.Namespace) -> dict[str, Any]:
@@ -336,8 +330,8 @@ def bench_swap(model_dir: str, adapters: list[LoraAdapter], args: argparse.Names
                 "swap_step_ms", "other_step_ms", "prefill_step_ms", "wall_s")
         rows.append({
             "slots": s, "is_paging_baseline": s == 1,
-            **{k: _median([r[k] for r in runs[s]]) for k in keys},
-            "speedup_vs_paging": _median([_ratio(b["wall_s"], r["wall_s"])
+            **{k: median([r[k] for r in runs[s]]) for k in keys},
+            "speedup_vs_paging": median([ratio(b["wall_s"], r["wall_s"])
                                           for r, b in zip(runs[s], runs[1], strict=True)]),
         })
     return {"num_adapters": len(adapters), "num_requests": len(workload), "alpha": args.swap_alpha,
@@ -348,44 +342,37 @@ def bench_swap(model_dir: str, adapters: list[LoraAdapter], args: argparse.Names
 # ---- report ---------------------------------------------------------------------------
 
 
-def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
 
 
-def _f(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def print_tables(result: dict[str, Any]) -> None:
     out = []
     if result["routing"]:
-        out.append(_table(
+        out.append(table(
             "per-token vs per-sequence routing, K-range interleaved sequences (medians; speedup = seq / tok)",
             ["K", "seqs", "passes tok", "passes seq", "per-token s", "per-seq s", "speedup"],
             [[str(r["k"]), str(r["num_seqs"]), str(r["passes_per_token"]), str(r["passes_per_sequence"]),
-              _f(r["per_token_s"], ".3f"), _f(r["per_sequence_s"], ".3f"), _f(r["speedup"], ".2f")]
+              fmt(r["per_token_s"], ".3f"), fmt(r["per_sequence_s"], ".3f"), fmt(r["speedup"], ".2f")]
              for r in result["routing"]]))
     if result["overhead"]:
-        out.append(_table(
+        out.append(table(
             "adapter overhead, fixed batch (N = 0: base; ratios to base of the same repeat)",
             ["N", "batch", "TTFT p50 ms", "x", "decode step ms", "x", "wall s"],
-            [[str(r["num_adapters"]), str(r["batch_size"]), _f(r["ttft_ms_p50"], ".1f"), _f(r["ttft_ratio"], ".3f"),
-              _f(r["decode_step_ms"], ".2f"), _f(r["decode_step_ratio"], ".3f"), _f(r["wall_s"], ".2f")]
+            [[str(r["num_adapters"]), str(r["batch_size"]), fmt(r["ttft_ms_p50"], ".1f"), fmt(r["ttft_ratio"], ".3f"),
+              fmt(r["decode_step_ms"], ".2f"), fmt(r["decode_step_ratio"], ".3f"), fmt(r["wall_s"], ".2f")]
              for r in result["overhead"]]))
     if result["swap"]:
         sw = result["swap"]
-        out.append(_table(
+        out.append(table(
             f"hot-set swapping: {sw['num_adapters']} adapters, {sw['num_requests']} requests (alpha "
             f"{sw['alpha']:g}, {sw['concurrency']} in flight); S = 1 is the on-demand paging baseline",
             ["S", "swaps in", "evictions", "hit rate", "swap steps", "swap step ms", "other step ms",
              "prefill no-swap ms", "wall s", "vs paging"],
-            [[str(r["slots"]), _f(r["swaps_in"], ".0f"), _f(r["evictions"], ".0f"), _f(r["hit_rate"], ".3f"),
-              f"{_f(r['num_swap_steps'], '.0f')}/{_f(r['num_steps'], '.0f')}", _f(r["swap_step_ms"], ".2f"),
-              _f(r["other_step_ms"], ".2f"), _f(r["prefill_step_ms"], ".2f"), _f(r["wall_s"], ".2f"),
-              _f(r["speedup_vs_paging"], ".2f")]
+            [[str(r["slots"]), fmt(r["swaps_in"], ".0f"), fmt(r["evictions"], ".0f"), fmt(r["hit_rate"], ".3f"),
+              f"{fmt(r['num_swap_steps'], '.0f')}/{fmt(r['num_steps'], '.0f')}", fmt(r["swap_step_ms"], ".2f"),
+              fmt(r["other_step_ms"], ".2f"), fmt(r["prefill_step_ms"], ".2f"), fmt(r["wall_s"], ".2f"),
+              fmt(r["speedup_vs_paging"], ".2f")]
              for r in sw["rows"]]))
     print("\n\n".join(out), file=sys.stderr, flush=True)
 
@@ -393,8 +380,6 @@ def print_tables(result: dict[str, Any]) -> None:
 # ---- main -----------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 PHASES = {"routing", "overhead", "swap"}
@@ -412,12 +397,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=8, help="new tokens per request")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ks", type=_ints, default=[1, 2, 4], help="routing: comma list of K (adapters / ranges)")
+    p.add_argument("--ks", type=ints, default=[1, 2, 4], help="routing: comma list of K (adapters / ranges)")
     p.add_argument("--num-seqs", type=int, default=8, help="routing: interleaved sequences per run")
-    p.add_argument("--num-adapters", type=_ints, default=[1, 4, 16], help="overhead: comma list of N")
+    p.add_argument("--num-adapters", type=ints, default=[1, 4, 16], help="overhead: comma list of N")
     p.add_argument("--batch-size", type=int, default=16, help="overhead: requests in the fixed batch")
     p.add_argument("--swap-adapters", type=int, default=8, help="swap: adapters in host memory")
-    p.add_argument("--swap-slots", type=_ints, default=[2], help="swap: hot-set sizes S (S = 1 is always added)")
+    p.add_argument("--swap-slots", type=ints, default=[2], help="swap: hot-set sizes S (S = 1 is always added)")
     p.add_argument("--swap-requests", type=int, default=32, help="swap: requests in the workload")
     p.add_argument("--swap-alpha", type=float, default=0.3, help="swap: power-law skew of the adapter choice")
     p.add_argument("--swap-concurrency", type=int, default=4, help="swap: requests in flight")
@@ -443,21 +428,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _model_dir(args: argparse.Namespace) -> str:
-    if args.model is not None:
-        return str(args.model)
-    path = REPO_ROOT / "models" / f"{args.preset}-qwen3-moe"
-    if not (path / "config.json").exists():
-        from elasticmoe.tools.make_model import make_model
-
-        _log(f"building {path}")
-        make_model("qwen3_moe", args.preset, seed=0, out=str(path))
-    return str(path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    model_dir = _model_dir(args)
+    model = model_dir(args, _log)
     started = datetime.now(UTC).isoformat(timespec="seconds")
     load_at_start = os.getloadavg()[0]
     num_needed = max([*args.ks] * ("routing" in args.phases) + [*args.num_adapters] * ("overhead" in args.phases)
@@ -466,27 +441,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overhead: list[dict[str, Any]] = []
     swap: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
-        adapters = build_adapters(model_dir, Path(args.adapter_dir or tmp), num_needed, args.rank)
+        adapters = build_adapters(model, Path(args.adapter_dir or tmp), num_needed, args.rank)
         names = [a.name for a in adapters]
-        _log(f"{len(adapters)} rank-{args.rank} adapters on {model_dir}")
+        _log(f"{len(adapters)} rank-{args.rank} adapters on {model}")
         if "routing" in args.phases:
             n = max(args.ks)
-            engine = make_engine(model_dir, args, n, adapters[:n])
+            engine = make_engine(model, args, n, adapters[:n])
             routing = bench_routing(engine, names, args)
             del engine
             gc.collect()
         if "overhead" in args.phases:
             n = max(args.num_adapters)
-            engine = make_engine(model_dir, args, max(16, n), adapters[:n])
+            engine = make_engine(model, args, max(16, n), adapters[:n])
             overhead = bench_overhead(engine, names, args)
             del engine
             gc.collect()
         if "swap" in args.phases:
-            swap = bench_swap(model_dir, adapters[: args.swap_adapters], args)
+            swap = bench_swap(model, adapters[: args.swap_adapters], args)
     result: dict[str, Any] = {
         "bench": "lora",
         "started_at": started,
-        "model": model_dir,
+        "model": model,
         "preset": args.preset,
         "dtype": args.dtype,
         "rank": args.rank,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from elasticmoe.bench.esft import make_workload, power_law_shares
 from elasticmoe.bench.esft_memory import ModelSizes, kv_bytes_per_token, kv_capacity_tokens, weight_memory
+from elasticmoe.bench.workload import make_workload, power_law_shares
 from elasticmoe.engine.kv_cache import KVCacheSpec
 
 
