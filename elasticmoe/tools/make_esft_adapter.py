@@ -12,16 +12,15 @@ import json
 import logging
 import math
 import os
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from elasticmoe.adapters.esft import EXPERT_CFG, AdapterError, EsftAdapter, EsftConfig, expert_tensors
 from elasticmoe.config import ModelConfig
 from elasticmoe.models.weights import SafetensorsWeightProvider
+from elasticmoe.tools.checkpoint import rewrite_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -110,26 +109,9 @@ def write_merged_model(base_dir: str | os.PathLike, adapter_dir: str | os.PathLi
     tensor names, so the result loads anywhere the base does.
     """
     base, out = Path(base_dir), Path(out_dir)
-    if out.resolve() == base.resolve():
-        raise AdapterError("out", "the merged model must not overwrite the base checkpoint")
     adapter = EsftAdapter.open("merged", adapter_dir, _base_config(base))
     replacements = dict(adapter.iter_tensors())
-    out.mkdir(parents=True, exist_ok=True)
-    for src in sorted(base.iterdir()):
-        if src.is_file() and src.suffix != ".safetensors":
-            shutil.copy2(src, out / src.name)
-    replaced = 0
-    for shard in sorted(base.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            metadata = f.metadata()
-            tensors = {}
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if name in replacements:
-                    t = replacements[name].to(t.dtype).contiguous()
-                    replaced += 1
-                tensors[name] = t
-        save_file(tensors, str(out / shard.name), metadata=metadata)
+    replaced = rewrite_checkpoint(base, out, lambda name, _: replacements.get(name))
     adapter.close()
     if replaced != len(replacements):
         raise AdapterError("base", f"only {replaced} of the adapter's {len(replacements)} tensors are in {base}")

@@ -13,18 +13,17 @@ import json
 import logging
 import math
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.lora import CONFIG_FILE, PREFIX, WEIGHTS_FILE, LoraAdapter, LoraConfig, lora_modules
 from elasticmoe.config import ModelConfig
 from elasticmoe.models.weights import SafetensorsWeightProvider
+from elasticmoe.tools.checkpoint import rewrite_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -124,26 +123,13 @@ def write_lora_merged_model(base_dir: str | os.PathLike, adapter_dir: str | os.P
     base's dtype), so the result loads anywhere the base does.
     """
     base, out = Path(base_dir), Path(out_dir)
-    if out.resolve() == base.resolve():
-        raise AdapterError("out", "the merged model must not overwrite the base checkpoint")
     adapter = LoraAdapter.open("merged", adapter_dir, _base_config(base), base_dir=base)
     weights = {f"{module}.weight": module for module in adapter.modules}
-    out.mkdir(parents=True, exist_ok=True)
-    for src in sorted(base.iterdir()):
-        if src.is_file() and src.suffix != ".safetensors":
-            shutil.copy2(src, out / src.name)
-    merged = 0
-    for shard in sorted(base.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            metadata = f.metadata()
-            tensors = {}
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if name in weights:
-                    t = (t.float() + adapter.delta(weights[name])).to(t.dtype).contiguous()
-                    merged += 1
-                tensors[name] = t
-        save_file(tensors, str(out / shard.name), metadata=metadata)
+
+    def merge(name: str, t: torch.Tensor) -> torch.Tensor | None:
+        return t.float() + adapter.delta(weights[name]) if name in weights else None
+
+    merged = rewrite_checkpoint(base, out, merge)
     adapter.close()
     assert merged == len(weights), "LoraAdapter.open(base_dir=...) checked every module is in the base"
     logger.info("wrote LoRA-merged model %s (%d modules from %s)", out, merged, adapter_dir)
