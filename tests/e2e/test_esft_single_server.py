@@ -8,10 +8,12 @@ stream completes unchanged, then the slot is free for another adapter.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -39,10 +41,9 @@ def adapters(tiny_model_dir, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, kv_cache_bytes=8 << 20,
-                                    max_esft_adapters=2, max_esft_experts=2))
+@contextlib.contextmanager
+def _serving(engine: LLMEngine) -> Iterator[str]:
+    """The single-process server over `engine` on a free localhost port; yields its URL."""
     async_llm = AsyncLLM(engine)
     async_llm.start()
     sock = socket.socket()
@@ -50,15 +51,24 @@ def server(tiny_model_dir):
     uv = uvicorn.Server(uvicorn.Config(build_app(async_llm, MODEL), log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv.should_exit = True
-    thread.join(15)
-    async_llm.shutdown()
-    sock.close()
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(15)
+        async_llm.shutdown()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with _serving(LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, kv_cache_bytes=8 << 20,
+                                         max_esft_adapters=2, max_esft_experts=2))) as url:
+        yield url
 
 
 def _reference_text(model_dir: str, max_tokens: int) -> str:
@@ -166,33 +176,18 @@ def test_lora_adapter_over_http(tiny_model_dir, tmp_path):
     merged = write_lora_merged_model(tiny_model_dir, path, str(tmp_path / "m"))
     engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, kv_cache_bytes=8 << 20,
                                     max_loras=1, max_lora_rank=4))
-    async_llm = AsyncLLM(engine)
-    async_llm.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(async_llm, MODEL), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not uv.started:
-            time.sleep(0.02)
-        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as c:
-            r = c.post("/admin/adapters", json={"name": "style", "path": str(path), "type": "lora"})
-            assert r.status_code == 201, r.text
-            assert r.json()["rank"] == 4
-            got = _complete(c, "style", 10)
-            assert got.status_code == 200 and got.json()["choices"][0]["text"] == _reference_text(str(merged), 10)
-            full = c.post("/admin/adapters", json={"name": "other", "path": str(path), "type": "lora"})
-            assert full.status_code == 409 and "1 LoRA slots" in full.json()["error"]["message"]
-            bad = c.post("/admin/adapters", json={"name": "x", "path": str(path), "type": "dora"})
-            assert bad.status_code == 400 and bad.json()["error"]["param"] == "type"
-            assert c.delete("/admin/adapters/style").status_code == 200  # idle: unloaded at once
-            assert _complete(c, "style").status_code == 404
-    finally:
-        uv.should_exit = True
-        thread.join(15)
-        async_llm.shutdown()
-        sock.close()
+    with _serving(engine) as url, httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/admin/adapters", json={"name": "style", "path": str(path), "type": "lora"})
+        assert r.status_code == 201, r.text
+        assert r.json()["rank"] == 4
+        got = _complete(c, "style", 10)
+        assert got.status_code == 200 and got.json()["choices"][0]["text"] == _reference_text(str(merged), 10)
+        full = c.post("/admin/adapters", json={"name": "other", "path": str(path), "type": "lora"})
+        assert full.status_code == 409 and "1 LoRA slots" in full.json()["error"]["message"]
+        bad = c.post("/admin/adapters", json={"name": "x", "path": str(path), "type": "dora"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "type"
+        assert c.delete("/admin/adapters/style").status_code == 200  # idle: unloaded at once
+        assert _complete(c, "style").status_code == 404
 
 
 def test_lora_routing_over_http(tiny_model_dir, tmp_path):
@@ -203,38 +198,23 @@ def test_lora_routing_over_http(tiny_model_dir, tmp_path):
     path = make_lora_adapter(tiny_model_dir, str(tmp_path / "l"), rank=4, seed=3)
     engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, kv_cache_bytes=8 << 20,
                                     max_loras=1, max_lora_rank=4))
-    async_llm = AsyncLLM(engine)
-    async_llm.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(async_llm, MODEL), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not uv.started:
-            time.sleep(0.02)
-        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as c:
-            assert c.post("/admin/adapters", json={"name": "s", "path": str(path), "type": "lora"}).status_code == 201
-            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
-            ok = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256], "adapters": ["s", None]}})
-            assert ok.status_code == 200, ok.text
-            bad = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256], "adapters": ["s"]}})
-            assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_routing"
-            unknown = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256],
-                                                                               "adapters": ["nope", None]}})
-            assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
-            # A learned router over the loaded adapter, then a request routed by it.
-            from elasticmoe.adapters.lora_router import random_router
+    with _serving(engine) as url, httpx.Client(base_url=url, timeout=60) as c:
+        assert c.post("/admin/adapters", json={"name": "s", "path": str(path), "type": "lora"}).status_code == 201
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+        ok = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256], "adapters": ["s", None]}})
+        assert ok.status_code == 200, ok.text
+        bad = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256], "adapters": ["s"]}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_routing"
+        unknown = c.post("/v1/completions", json={**body, "lora_routing": {"breaks": [256],
+                                                                           "adapters": ["nope", None]}})
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+        # A learned router over the loaded adapter, then a request routed by it.
+        from elasticmoe.adapters.lora_router import random_router
 
-            router_dir = random_router(("s",), 64, top_k=1).save(tmp_path / "router")
-            r = c.post("/admin/adapters", json={"name": "mix", "path": str(router_dir), "type": "lora_router"})
-            assert r.status_code == 201, r.text
-            learned = c.post("/v1/completions", json={**body, "lora_routing": {"type": "learned", "router": "mix"}})
-            assert learned.status_code == 200, learned.text
-            bad_router = c.post("/admin/adapters", json={"name": "x", "path": str(tmp_path), "type": "lora_router"})
-            assert bad_router.status_code == 400 and bad_router.json()["error"]["param"] == "path"
-    finally:
-        uv.should_exit = True
-        thread.join(15)
-        async_llm.shutdown()
-        sock.close()
+        router_dir = random_router(("s",), 64, top_k=1).save(tmp_path / "router")
+        r = c.post("/admin/adapters", json={"name": "mix", "path": str(router_dir), "type": "lora_router"})
+        assert r.status_code == 201, r.text
+        learned = c.post("/v1/completions", json={**body, "lora_routing": {"type": "learned", "router": "mix"}})
+        assert learned.status_code == 200, learned.text
+        bad_router = c.post("/admin/adapters", json={"name": "x", "path": str(tmp_path), "type": "lora_router"})
+        assert bad_router.status_code == 400 and bad_router.json()["error"]["param"] == "path"
