@@ -194,6 +194,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in host memory (>= max_loras); None: max_loras
     max_lora_topk: int = 2  # adapters one token may combine (learned routing); fixed per step for EP
+    # The first `scheduling_window` waiting requests are admitted grouped by LoRA adapter (CoServe §4.2).
+    scheduling_window: int = 16
 
     def __post_init__(self) -> None:
         if self.max_esft_adapters < 0 or self.max_esft_experts < 0:
@@ -210,5 +212,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.scheduling_window < 1:
+            raise ValueError(f"scheduling_window: must be >= 1, got {self.scheduling_window}")
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank: must be in [0, ep_size), got {self.ep_rank} of {self.ep_size}")

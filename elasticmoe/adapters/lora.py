@@ -9,7 +9,8 @@ An adapter directory holds `adapter_config.json` (PEFT's `LoraConfig`) and
 Adaptable modules are the attention projections and the routed experts' FFN
 projections; which modules an adapter adapts is exactly the pairs in its file
 (any subset of layers and experts). Dense MLPs, shared experts, the router,
-embeddings and norms are not adaptable.
+embeddings and norms are not adaptable, nor is DeepSeek-V2's `kv_b_proj`
+(see `KV_B_PROJ_UNSUPPORTED`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_pr
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 KNOWN_TARGETS = frozenset(ATTENTION_TARGETS + EXPERT_TARGETS)
 # PEFT fields that must be empty/false: (field, what we support)
+# Why MLA's kv_b_proj is rejected rather than served (an AdapterError on `target_modules`, a 400).
+KV_B_PROJ_UNSUPPORTED = (
+    "kv_b_proj cannot be adapted on this DeepSeek-V2 (MLA) base: the KV cache holds the compressed latent "
+    "and kv_b_proj is absorbed into the attention (keys and values are expanded from the cached latents, or "
+    "folded into the query at decode), so a LoRA on it would have to be applied to every cached token of "
+    "the request at every decode step; adapt q_proj (or q_a_proj/q_b_proj), kv_a_proj_with_mqa, o_proj "
+    "and the routed experts instead"
+)
 _MUST_BE_EMPTY = ("modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters", "layer_replication")
 _MUST_BE_FALSE = ("fan_in_fan_out", "use_dora", "lora_bias")
 
@@ -126,7 +135,9 @@ class LoraConfig:
         }
 
     def check_fits(self, model: ModelConfig) -> None:
-        """Every target names a module kind the base model has."""
+        """Every target names a module kind the base model has (and can serve LoRA on)."""
+        if model.is_mla and "kv_b_proj" in self.target_modules:
+            raise AdapterError("target_modules", KV_B_PROJ_UNSUPPORTED)
         kinds = {module.rsplit(".", 1)[1] for module in lora_modules(model)}
         missing = [t for t in self.target_modules if t not in kinds]
         if missing:
@@ -137,8 +148,9 @@ class LoraConfig:
 def lora_modules(model: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every adaptable module of `model`: base module path -> (in_features, out_features).
 
-    Attention projections of every layer, then the routed experts' projections
-    (names from the engine's expert `ParamSpec`s, as ESFT adapters use them).
+    Attention projections of every layer (MLA: those that act on each token alone, so
+    not `kv_b_proj`), then the routed experts' projections (names from the engine's
+    expert `ParamSpec`s, as ESFT adapters use them).
     """
     h, nh = model.hidden_size, model.num_heads
     attn: dict[str, tuple[int, int]]
@@ -151,7 +163,6 @@ def lora_modules(model: ModelConfig) -> dict[str, tuple[int, int]]:
         attn = {"q_proj": (h, q)} if qr is None else {"q_a_proj": (h, qr), "q_b_proj": (qr, q)}
         attn |= {
             "kv_a_proj_with_mqa": (h, model.kv_lora_rank + model.qk_rope_head_dim),
-            "kv_b_proj": (model.kv_lora_rank, nh * (model.qk_nope_head_dim + model.v_head_dim)),
             "o_proj": (nh * model.v_head_dim, h),
         }
     out = {f"model.layers.{i}.self_attn.{n}": shape for i in range(model.num_layers) for n, shape in attn.items()}
@@ -217,6 +228,8 @@ class LoraAdapter:
             module, _, which = key.removeprefix(PREFIX).rpartition(".lora_")
             if not key.startswith(PREFIX) or which not in ("A.weight", "B.weight"):
                 raise AdapterError("path", f"unexpected tensor {key!r} (want {PREFIX}<module>.lora_A/B.weight)")
+            if module not in base and module.endswith(".self_attn.kv_b_proj") and model_config.is_mla:
+                raise AdapterError("target_modules", f"tensor {key!r}: {KV_B_PROJ_UNSUPPORTED}")
             if module not in base:
                 raise AdapterError("path", f"tensor {key!r}: {module!r} is not an adaptable module of the base model "
                                    "(attention projections and routed experts only)")

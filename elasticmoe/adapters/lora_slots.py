@@ -10,7 +10,10 @@ adapter with the lowest expected use (an exponential moving average of its reque
 requests: CoServe §4.3's argument against plain LRU), never one with running requests.
 
 Sites (see `elasticmoe.layers.lora`): per GQA attention layer a fused q|k|v site (the three
-modules at rank offsets 0, R, 2R and their own output rows) and an o site; per MoE layer
+modules at rank offsets 0, R, 2R and their own output rows) and an o site; per MLA attention
+layer (DeepSeek-V2) a fused site of the two projections of the hidden state (q_proj or
+q_a_proj at rank offset 0, kv_a_proj_with_mqa at R), a q_b site (with q_lora_rank) and an o
+site (kv_b_proj is rejected: `elasticmoe.adapters.lora.KV_B_PROJ_UNSUPPORTED`); per MoE layer
 an `ExpertLora` with a gate|up site and a down site keyed `slot * E_local + local expert`.
 All are allocated once, at engine start, so their addresses never change and (under EP)
 every rank exchanges the same tensors in every step. Under EP a rank holds the factors of
@@ -31,20 +34,49 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 import torch.nn.functional as F
 
+from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
+from elasticmoe.adapters.lora import KV_B_PROJ_UNSUPPORTED
 from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_sorted
 from elasticmoe.layers.lora import LoraGroups, LoraSite
 from elasticmoe.models.common import CausalLM, GQAAttention, MoEBlock
+from elasticmoe.models.deepseek_v2 import MLAttention
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
 
-_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$")
+_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(\w+)$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 # weights(module path, dtype) -> (A [r, in], B [out, r]) of one targeted module
 LoraWeights = Callable[[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+# attention module name (q_proj, ...) -> (its site, output row offset, rank offset in the site)
+AttentionSites = dict[str, tuple[LoraSite, int, int]]
+
+
+def attention_sites(attn: object, num_slots: int, max_rank: int, dtype: torch.dtype) -> AttentionSites:
+    """Give one attention layer its LoRA sites (fixed from now on) and say where each module goes."""
+    r = max_rank
+    if isinstance(attn, GQAAttention):
+        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        hidden = attn.qkv.shape[1]
+        attn.lora_qkv = LoraSite(num_slots, 3 * r, hidden, q + 2 * kv, dtype)
+        attn.lora_o = LoraSite(num_slots, r, q, hidden, dtype)
+        return {"q_proj": (attn.lora_qkv, 0, 0), "k_proj": (attn.lora_qkv, q, r),
+                "v_proj": (attn.lora_qkv, q + kv, 2 * r), "o_proj": (attn.lora_o, 0, 0)}
+    if isinstance(attn, MLAttention):
+        first, name = (attn.q_a, "q_a_proj") if attn.q_lora else (attn.q, "q_proj")  # [out, hidden]
+        (q_out, hidden), kv_out = first.shape, attn.kv_a.shape[0]
+        attn.lora_x = LoraSite(num_slots, 2 * r, hidden, q_out + kv_out, dtype)
+        attn.lora_o = LoraSite(num_slots, r, attn.o.shape[1], hidden, dtype)
+        sites = {name: (attn.lora_x, 0, 0), "kv_a_proj_with_mqa": (attn.lora_x, q_out, r),
+                 "o_proj": (attn.lora_o, 0, 0)}
+        if attn.q_lora:
+            attn.lora_q_b = LoraSite(num_slots, r, attn.q_b.shape[1], attn.q_b.shape[0], dtype)
+            sites["q_b_proj"] = (attn.lora_q_b, 0, 0)
+        return sites
+    return {}
 
 
 class ExpertLora:
@@ -79,17 +111,13 @@ class LoraSlots:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"lora: need max_loras >= 1 and max_lora_rank >= 1, got {max_loras}, {max_rank}")
         self.placement, self.rank, self.max_loras, self.max_rank = placement, rank, max_loras, max_rank
-        self.attention: dict[int, GQAAttention] = {}
+        self.attention: dict[int, AttentionSites] = {}  # layer -> its attention's modules
         self.experts: dict[int, ExpertLora] = {}
         num_local = len(placement.local_expert_ids(rank))
         for i, layer in enumerate(model.layers):
-            attn = layer.attn
-            if isinstance(attn, GQAAttention):
-                q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-                hidden = attn.qkv.shape[1]
-                attn.lora_qkv = LoraSite(max_loras, 3 * max_rank, hidden, q + 2 * kv, dtype)
-                attn.lora_o = LoraSite(max_loras, max_rank, q, hidden, dtype)
-                self.attention[i] = attn
+            sites = attention_sites(layer.attn, max_loras, max_rank, dtype)
+            if sites:
+                self.attention[i] = sites
             if isinstance(layer.mlp, MoEBlock) and num_local:
                 block = layer.mlp
                 inter, hidden = block.w2.shape[2], block.w2.shape[1]
@@ -135,15 +163,13 @@ class LoraSlots:
         """(site, output row offset, rank offset, global expert or None) of a module path."""
         m = _ATTN.match(path)
         if m is not None:
-            attn = self.attention.get(int(m.group(1)))
-            if attn is None or attn.lora_qkv is None or attn.lora_o is None:
-                raise ValueError(f"target_modules: {path}: LoRA on this attention is not supported")
-            q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-            offsets = {"q_proj": (0, 0), "k_proj": (q, self.max_rank), "v_proj": (q + kv, 2 * self.max_rank)}
-            if m.group(2) == "o_proj":
-                return attn.lora_o, 0, 0, None
-            row0, rank0 = offsets[m.group(2)]
-            return attn.lora_qkv, row0, rank0, None
+            sites = self.attention.get(int(m.group(1)), {})
+            if m.group(2) in sites:
+                site, row0, rank0 = sites[m.group(2)]
+                return site, row0, rank0, None
+            if m.group(2) == "kv_b_proj" and "kv_a_proj_with_mqa" in sites:
+                raise AdapterError("target_modules", f"{path}: {KV_B_PROJ_UNSUPPORTED}")
+            raise ValueError(f"target_modules: {path}: not a LoRA target of this model's attention")
         m = _EXPERT.match(path)
         if m is not None and m.group(3) in _EXPERT_PART and int(m.group(1)) in self.experts:
             lora, part = self.experts[int(m.group(1))], _EXPERT_PART[m.group(3)]
@@ -256,10 +282,8 @@ class LoraSlots:
         return min(candidates, key=lambda n: (self.rate.get(n, 0.0) + queued.get(n, 0), self.slot_of[n]))
 
     def _clear(self, slot: int) -> None:
-        for attn in self.attention.values():
-            assert attn.lora_qkv is not None and attn.lora_o is not None
-            attn.lora_qkv.clear(slot)
-            attn.lora_o.clear(slot)
+        for site in {id(site): site for sites in self.attention.values() for site, _, _ in sites.values()}.values():
+            site.clear(slot)
         for lora in self.experts.values():
             for key in range(slot * lora.num_local, (slot + 1) * lora.num_local):
                 lora.w13.clear(key)

@@ -98,7 +98,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks)
 
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   window=config.scheduling_window)
         self.runner = ModelRunner(self.model, self.kv_pool, config.block_size,
                                   lora_topk=config.max_lora_topk if self.lora is not None else 0)
         self.sampler = Sampler(config.seed)
@@ -274,6 +275,8 @@ class LLMEngine:
         lora.note_requests(self._lora_arrivals)
         self._lora_arrivals = {}
         waiting = self.scheduler.waiting
+        # Swap in only for the scheduling window (the requests admission looks at next, CoServe §4.2).
+        window = {id(r) for r in self.scheduler.window_requests()}
         arrived = set(lora.finish_swaps())  # background copies that completed since the last step
         pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
         for r in waiting:
@@ -282,6 +285,8 @@ class LLMEngine:
                     self._assign_lora(r)
                     if r.lora_slot != LORA_PENDING:
                         continue
+                if id(r) not in window:
+                    continue
                 for name in sorted(self._lora_names(r)):
                     if lora.index(name) is None and not lora.is_filling(name):
                         pending.setdefault(name, []).append(r)

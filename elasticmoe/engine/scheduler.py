@@ -5,13 +5,16 @@ decode are one case (a request needs `num_tokens - num_computed_tokens` more
 tokens computed). Running requests go first, oldest first; when the KV pool is
 short, the newest running request is preempted (its blocks freed, its tokens
 recomputed later). Waiting requests are admitted only in steps without
-preemption, in arrival order.
+preemption, in arrival order, except that the first `window` of them are taken
+grouped by LoRA adapter (CoServe §4.2, see `Scheduler._admission_order`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.request import Request, RequestStatus
@@ -31,11 +34,24 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+def adapter_key(request: Request) -> Hashable:
+    """What admission groups a request by: its LoRA adapter (the set of them when routed per
+    token); None for the base model and ESFT adapters, so without LoRA every request is in one
+    group and admission is plain arrival order."""
+    if request.lora_routing is not None:
+        return frozenset(request.lora_routing.names)
+    return request.adapter if request.lora_slot != -1 else None
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 window: int = 16) -> None:
+        if window < 1:
+            raise ValueError(f"scheduling_window: must be >= 1, got {window}")
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.window = window  # waiting requests at the head admitted grouped by adapter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for metrics and tests
@@ -67,30 +83,72 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # NOTE: a request whose adapter is still being swapped in is passed over, not waited on,
-        # so requests for resident adapters behind it start (CoServe §4.2); at most
-        # `skip_window` of them are looked past per step, and they keep their place in line.
-        skipped: list[Request] = []
-        while not out.preempted_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        if not out.preempted_ids:
+            budget = self._admit(num_scheduled, budget)
+        # Decodes (one token) first: the model runner batches them into one attention call.
+        out.scheduled = sorted(num_scheduled.items(), key=lambda item: item[1] != 1)
+        return out
+
+    def window_requests(self) -> list[Request]:
+        """The waiting requests admission groups by adapter (the first `window`), in queue order;
+        the adapters worth swapping in now are those of the not-ready ones."""
+        return list(islice(self.waiting, self.window))
+
+    def _admission_order(self, window: list[Request]) -> list[Request]:
+        """The `window` grouped by `adapter_key`: groups in the order of their oldest request,
+        arrival order inside a group (CoServe §4.2 arranges a request behind the queued requests of
+        its expert, so each one is loaded once and its requests run together).
+
+        No request starves: readiness is the same for a whole group (it is its adapter's
+        residency), so the first request admitted in a step is always the oldest ready one in
+        the queue. Only requests inside the window (at most `window - 1` younger ones per step)
+        can pass a request, never those behind the window, and a request never moves back in
+        the queue: one with p ready requests ahead of it is admitted within p + 1 steps that
+        admit anyone (preempted requests rejoin at the front, as in plain arrival order).
+        """
+        groups: dict[Hashable, list[Request]] = {}
+        for request in window:
+            groups.setdefault(adapter_key(request), []).append(request)
+        return [request for group in groups.values() for request in group]
+
+    def _admit(self, num_scheduled: dict[Request, int], budget: int) -> int:
+        """Start waiting requests while the budget, `max_num_seqs` and the KV pool allow: the
+        window grouped by adapter, then the rest in arrival order. Returns the budget left.
+
+        NOTE: a request whose adapter is still being swapped in is passed over, not waited on,
+        so requests for resident adapters behind it start (CoServe §4.2); at most `skip_window`
+        of them are looked past per step, and every request passed over keeps its place in line.
+        """
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return budget
+        taken = [self.waiting.popleft() for _ in range(min(self.window, len(self.waiting)))]
+        num_skipped = 0
+        for request in self._candidates(taken):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if not request.is_ready:
-                skipped.append(self.waiting.popleft())
-                if len(skipped) >= self.skip_window:
+                num_skipped += 1
+                if num_skipped >= self.skip_window:
                     break
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, n):
-                break
-            self.waiting.popleft()
+                break  # the pool is full: nobody after this request starts either
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request] = n
             budget -= n
+        # `taken` is in queue order: the requests not started go back to the front as they were.
+        self.waiting.extendleft(reversed([r for r in taken if r.status is RequestStatus.WAITING]))
+        return budget
 
-        self.waiting.extendleft(reversed(skipped))
-        # Decodes (one token) first: the model runner batches them into one attention call.
-        out.scheduled = sorted(num_scheduled.items(), key=lambda item: item[1] != 1)
-        return out
+    def _candidates(self, taken: list[Request]) -> Iterator[Request]:
+        """The window (`taken`, already off the queue) in admission order, then the requests behind
+        it in arrival order, each moved from the queue to `taken` as it is offered."""
+        yield from self._admission_order(taken)
+        while self.waiting:
+            taken.append(self.waiting.popleft())
+            yield taken[-1]
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

@@ -4,6 +4,11 @@ shared experts, dense first layers, group-limited greedy routing, routed scaling
 The KV pool stores, per token, the normalised KV latent `c` [kv_lora_rank] and
 the rotated shared key `k_pe` [qk_rope_head_dim]; keys and values are expanded
 from the latent through `kv_b_proj` at attention time.
+
+LoRA (when `elasticmoe.adapters.lora_slots` gives the attention its sites) covers the
+projections that act on each token alone: `q_proj` or `q_a_proj`/`q_b_proj`,
+`kv_a_proj_with_mqa` (its delta reaches the cache through the latent) and `o_proj`.
+`kv_b_proj` is not a LoRA target: it is applied to cached latents of earlier steps.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch.nn.functional as F
 from elasticmoe.config import ModelConfig
 from elasticmoe.layers.attention import AttentionMetadata, paged_attention
 from elasticmoe.layers.linear import linear
+from elasticmoe.layers.lora import LoraGroups, LoraSite
 from elasticmoe.layers.norm import rms_norm
 from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.layers.router import group_limited_topk, softmax_topk
@@ -52,6 +58,10 @@ class MLAttention:
         self.w_uk, self.w_uv = kv_b_heads[:, : self.nope], kv_b_heads[:, self.nope :]  # [H, nope, C], [H, v, C]
         self.rope = rope
         self.scale = (self.nope + self.rope_dim) ** -0.5
+        # LoRA sites, when enabled: the two projections of x fused (q or q_a, then kv_a), q_b, o.
+        self.lora_x: LoraSite | None = None
+        self.lora_q_b: LoraSite | None = None
+        self.lora_o: LoraSite | None = None
 
     @staticmethod
     def specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
@@ -104,21 +114,37 @@ class MLAttention:
         return out.transpose(1, 2)
 
     def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor, lora=None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: torch.Tensor,
+        lora: LoraGroups | None = None,
     ):
-        # NOTE: `lora` is accepted for the common layer signature; LoRA on MLA projections is not supported.
         num_tokens = x.shape[0]
+        q_in = linear(x, self.q_a if self.q_lora else self.q)  # [T, q_lora_rank] or [T, H * (nope+rope)]
+        kv_in = linear(x, self.kv_a)  # [T, C + R]
+        if lora is not None and self.lora_x is not None:
+            delta = lora.delta(x, self.lora_x.a, self.lora_x.b)  # [T, q_in + C + R]
+            q_in, kv_in = q_in + delta[:, : q_in.shape[1]], kv_in + delta[:, q_in.shape[1] :]
         if self.q_lora:
-            q = linear(rms_norm(linear(x, self.q_a), self.q_a_norm, self.eps), self.q_b)
+            q_a = rms_norm(q_in, self.q_a_norm, self.eps)
+            q = linear(q_a, self.q_b)
+            if lora is not None and self.lora_q_b is not None:
+                q = q + lora.delta(q_a, self.lora_q_b.a, self.lora_q_b.b)
         else:
-            q = linear(x, self.q)
+            q = q_in
         q_nope, q_pe = q.view(num_tokens, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
-        latent, k_pe = linear(x, self.kv_a).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_pe = kv_in.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_norm, self.eps)
         k_pe = self.rope(k_pe.unsqueeze(1), positions).squeeze(1)
         q = torch.cat((q_nope, self.rope(q_pe, positions)), dim=-1)
         out = paged_attention(q, torch.cat((latent, k_pe), dim=-1), cache, meta, self._attend)
-        return linear(out.reshape(num_tokens, self.num_heads * self.v_dim), self.o)
+        out = out.reshape(num_tokens, self.num_heads * self.v_dim)
+        y = linear(out, self.o)
+        if lora is not None and self.lora_o is not None:
+            y = y + lora.delta(out, self.lora_o.a, self.lora_o.b)
+        return y
 
 
 def param_specs(cfg: ModelConfig, local_expert_ids: tuple[int, ...]) -> list[ParamSpec]:

@@ -81,7 +81,10 @@ def make_lora_adapter(
 
     Adapts every base module named in `target_modules` in `layers` (default:
     all; expert targets only exist in MoE layers) and, for expert targets, of
-    `experts` (default: all routed experts).
+    `experts` (default: all routed experts). Targets are the names of
+    `elasticmoe.adapters.lora.lora_modules`: on DeepSeek-V2 `q_proj` (or
+    `q_a_proj`/`q_b_proj`), `kv_a_proj_with_mqa`, `o_proj` and the experts';
+    `kv_b_proj` raises `AdapterError` (it cannot be served, see `KV_B_PROJ_UNSUPPORTED`).
     """
     if not (math.isfinite(delta_scale) and delta_scale > 0):
         raise AdapterError("delta_scale", f"must be a finite number > 0, got {delta_scale}")

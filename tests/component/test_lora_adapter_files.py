@@ -22,7 +22,7 @@ from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_mer
 SPECS = {
     "qwen3_moe": (("q_proj", "v_proj", "down_proj", "up_proj"), None, (0, 3)),
     "mixtral": (("o_proj", "k_proj", "w1", "w2"), (1,), (2,)),
-    "deepseek_v2": (("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj"), (1, 2), (5,)),
+    "deepseek_v2": (("q_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj"), (1, 2), (5,)),
 }
 ARCHS = tuple(SPECS)
 
@@ -284,3 +284,41 @@ def test_cli_help(capsys):
     assert info.value.code == 0
     text = capsys.readouterr().out
     assert "--targets" in text and "--merged-out" in text and "PEFT" in text and "w1" in text
+
+
+def test_mla_kv_b_proj_is_rejected_with_the_reason(tiny_model_dirs, adapters, tmp_path, capsys):
+    """kv_b_proj up-projects cached latents inside MLA: no LoRA on it (file, tool, HTTP 400)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from elasticmoe.entrypoints.openai.adapters_api import add_adapter_routes
+    from elasticmoe.entrypoints.openai.errors import install_exception_handlers
+
+    base = tiny_model_dirs["deepseek_v2"]
+    cfg = ModelConfig.from_pretrained(base)
+    kv_b = f"{PREFIX}model.layers.1.self_attn.kv_b_proj"
+    as_target, untargeted = (Path(shutil.copytree(adapters["deepseek_v2"], tmp_path / d)) for d in ("t", "u"))
+    for adapter_dir in (as_target, untargeted):
+        _edit_tensors(adapter_dir, lambda t: t.update({f"{kv_b}.lora_A.weight": torch.zeros(4, 32),
+                                                       f"{kv_b}.lora_B.weight": torch.zeros(128, 4)}))
+    _edit_cfg(as_target, lambda c: c["target_modules"].append("kv_b_proj"))
+    for adapter_dir in (as_target, untargeted):
+        with pytest.raises(AdapterError, match="kv_b_proj cannot be adapted.*absorbed") as info:
+            LoraAdapter.open("a", adapter_dir, cfg)
+        assert info.value.param == "target_modules"
+    with pytest.raises(AdapterError, match="kv_b_proj cannot be adapted"):
+        make_lora_adapter(base, tmp_path / "kvb", target_modules=("q_proj", "kv_b_proj"))
+    assert main(["make-lora-adapter", "--base", base, "--out", str(tmp_path / "kvb"), "--targets", "kv_b_proj"]) == 2
+    assert "error: --targets: target_modules: kv_b_proj cannot be adapted" in capsys.readouterr().err
+
+    class NoHost:  # the adapter is refused before any engine sees it
+        async def load_lora(self, adapter):
+            raise AssertionError("loaded")
+
+    app = FastAPI()
+    install_exception_handlers(app)
+    add_adapter_routes(app, NoHost(), lambda: cfg, "base")  # type: ignore[arg-type]
+    response = TestClient(app).post("/admin/adapters", json={"name": "kvb", "path": str(as_target), "type": "lora"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "target_modules" and "kv_b_proj" in error["message"]

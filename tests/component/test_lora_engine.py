@@ -3,8 +3,9 @@ computation per site for the whole mixed batch (attention q|k|v and o, expert ga
 
 Each request's greedy tokens and top-5 logprobs equal those of the merged model
 (W + scaling * B @ A) served alone, in mixed batches of base + three LoRA adapters (+ an
-ESFT adapter) with chunked prefill; Qwen3-MoE, Mixtral, and DeepSeek-V2 (experts only: its
-MLA attention is not a LoRA target). Also: limits, unsupported targets, unload and reuse.
+ESFT adapter) with chunked prefill; Qwen3-MoE, Mixtral, and DeepSeek-V2 (its MLA projections
+q_proj, kv_a_proj_with_mqa and o_proj; kv_b_proj is rejected). Also: limits, unsupported
+targets, unload and reuse. DeepSeek-V2 with q_lora_rank: tests/component/test_lora_mla.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticmoe.adapters.esft import EsftAdapter
+from elasticmoe.adapters.esft import AdapterError, EsftAdapter
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, ModelConfig
@@ -25,6 +26,7 @@ from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_mer
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
 EXPERT_TARGETS = {"mixtral": ("w1", "w3", "w2")}  # the others: gate_proj, up_proj, down_proj
+ATTENTION_TARGETS = {"deepseek_v2": ("q_proj", "kv_a_proj_with_mqa", "o_proj")}  # MLA
 
 
 def _engine(model_dir: str, **kwargs) -> LLMEngine:
@@ -59,9 +61,9 @@ def _specs(arch: str) -> dict[str, dict]:
         "few": dict(rank=2, target_modules=experts[:1] + experts[2:], layers=[1], experts=[0, 3], seed=4,
                     use_rslora=True),
     }
-    if arch != "deepseek_v2":
-        specs["attn"] = dict(rank=4, target_modules=("q_proj", "v_proj"), seed=1)
-        specs["both"] = dict(rank=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", *experts), seed=2)
+    attention = ATTENTION_TARGETS.get(arch, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    specs["attn"] = dict(rank=4, target_modules=attention[::2], seed=1)  # q_proj, v_proj / q_proj, o_proj
+    specs["both"] = dict(rank=8, target_modules=(*attention, *experts), seed=2)
     return specs
 
 
@@ -126,11 +128,13 @@ def test_limits_unsupported_targets_unload_and_reuse(setup):
     assert _load(engine, experts) == 0  # the freed slot, cleared first
     got = _run(engine, [("e", PROMPTS[1], "experts")])
     _same(got["e"], _run(_engine(merged["experts"]), [("e", PROMPTS[1], None)])["e"])
-    if arch == "deepseek_v2":  # MLA attention is not a LoRA target
-        attn = make_lora_adapter(base, str(root / "mla"), rank=2, target_modules=("o_proj",), seed=5)
-        a = LoraAdapter.open("mla", attn, ModelConfig.from_pretrained(base))
-        with pytest.raises(ValueError, match="target_modules"):
-            _engine(base, max_loras=1, max_lora_rank=4).load_lora_adapter(a.name, a.modules, a.weights, 1.0)
+    if arch == "deepseek_v2":  # kv_b_proj is absorbed into MLA over cached latents: not a LoRA target
+        layer0 = "model.layers.0.self_attn"
+        modules = {f"{layer0}.kv_b_proj": (2, 32, 128), f"{layer0}.o_proj": (2, 64, 64)}
+        with pytest.raises(AdapterError, match="kv_b_proj cannot be adapted") as info:
+            _engine(base, max_loras=1, max_lora_rank=4).load_lora_adapter(
+                "kvb", modules, lambda m, dtype: (torch.zeros(2, modules[m][1]), torch.zeros(modules[m][2], 2)), 1.0)
+        assert info.value.param == "target_modules"
 
 
 def test_more_adapters_than_slots_swaps_and_never_blocks_resident_requests(setup):
@@ -161,6 +165,24 @@ def test_more_adapters_than_slots_swaps_and_never_blocks_resident_requests(setup
         _same(got[rid], _run(_engine(merged[name]), [(rid, prompt, None)])[rid])
     stats = engine.lora_stats()
     assert stats["swaps_in"] >= len(names) and stats["evictions"] >= len(names) - 1 and stats["misses"] > 0
+
+
+def test_swaps_are_requested_only_for_the_scheduling_window(setup):
+    arch, base, adapters, merged, root = setup
+    names = list(adapters)  # experts, few (resident), attn, both (host memory only)
+    engine = _engine(base, max_loras=2, max_lora_rank=8, max_cpu_loras=len(names), scheduling_window=2)
+    for a in adapters.values():
+        _load(engine, a)
+    engine.add_request("a", PROMPTS[1], PARAMS, names[2])
+    engine.add_request("r", PROMPTS[1], PARAMS, names[0])
+    engine.add_request("b", PROMPTS[1], PARAMS, names[3])  # behind the window of two
+    engine.step()
+    lora = engine.lora
+    assert lora.index(names[2]) is not None or lora.is_filling(names[2])
+    assert lora.index(names[3]) is None and not lora.is_filling(names[3])
+    assert engine.requests["r"].status.name == "RUNNING"
+    got = _run(engine, [])
+    assert set(got) == {"a", "r", "b"}  # the later one still gets its slot once it enters the window
 
 
 def test_per_token_vocabulary_routing_equals_each_token_through_its_adapter(setup):
@@ -244,3 +266,38 @@ def test_unload_waits_for_per_token_requests_of_the_adapter(setup):
     while engine.has_unfinished_requests():
         engine.step()
     assert second not in engine.served_adapters and engine.lora.is_loaded(second) is False
+
+
+@pytest.fixture(scope="module")
+def qlora_base(tiny_model_dirs, tmp_path_factory) -> str:
+    """The tiny DeepSeek-V2 with a low-rank query (q_a_proj -> norm -> q_b_proj), as in DeepSeek-V2 itself."""
+    from unittest.mock import patch
+
+    from elasticmoe.tools import make_model as mm
+
+    preset = {**mm.PRESETS["deepseek_v2"]["tiny"], "q_lora_rank": 24}
+    with (patch.dict(mm.PRESETS["deepseek_v2"], {"tiny-q": preset}), patch.dict(mm._INIT_STD, {"tiny-q": 0.08}),
+          patch.dict(mm._SAVE_DTYPE, {"tiny-q": torch.float32})):
+        return str(mm.make_model("deepseek_v2", "tiny-q", seed=1, out=str(tmp_path_factory.mktemp("ds-q") / "m")))
+
+
+def test_mla_with_q_lora_rank_mixed_batch_equals_merged_models(qlora_base, tmp_path):
+    """q_a_proj, q_b_proj (after the q_a norm), kv_a_proj_with_mqa (its delta reaches the cached latents
+    that later decode steps attend to through the absorbed kv_b_proj) and o_proj, with and without experts."""
+    base = qlora_base
+    assert ModelConfig.from_pretrained(base).q_lora_rank == 24
+    specs = {"mla": dict(rank=4, target_modules=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"), seed=6),
+             "mla-experts": dict(rank=8, target_modules=("q_b_proj", "kv_a_proj_with_mqa", "gate_proj", "down_proj"),
+                                 seed=7)}
+    engine = _engine(base, max_loras=2, max_lora_rank=8)
+    reference = {None: _run(_engine(base), [(f"base-{i}", p, None) for i, p in enumerate(PROMPTS)])}
+    for name, kwargs in specs.items():
+        path = make_lora_adapter(base, str(tmp_path / name), **kwargs)
+        _load(engine, LoraAdapter.open(name, path, ModelConfig.from_pretrained(base)))
+        merged = str(write_lora_merged_model(base, path, str(tmp_path / f"{name}-merged")))
+        reference[name] = _run(_engine(merged), [(f"{name}-{i}", p, None) for i, p in enumerate(PROMPTS)])
+        assert reference[name][f"{name}-0"] != reference[None]["base-0"], name
+    requests = [(f"{a or 'base'}-{i}", p, a) for i, p in enumerate(PROMPTS) for a in (None, *specs)]
+    got = _run(engine, requests)
+    for rid, _, adapter in requests:
+        _same(got[rid], reference[adapter][rid])

@@ -120,8 +120,8 @@ def test_config_and_error_pickle():
      ["w1", "w2", "w3", "q_a_proj", "kv_b_proj"]),
     ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3"],
      ["gate_proj", "up_proj", "down_proj", "kv_a_proj_with_mqa"]),
-    ("deepseek_v2", ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-     ["k_proj", "v_proj", "q_a_proj", "q_b_proj", "w1"]),
+    ("deepseek_v2", ["q_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"],
+     ["k_proj", "v_proj", "q_a_proj", "q_b_proj", "w1", "kv_b_proj"]),
 ])
 def test_check_fits_allows_only_the_base_models_modules(arch, good, bad):
     model = make_model_config(arch)
@@ -145,7 +145,7 @@ def test_lora_modules_shapes():
     ds = lora_modules(make_model_config("deepseek_v2"))
     assert ds["model.layers.0.self_attn.q_proj"] == (16, 4 * 6)
     assert ds["model.layers.0.self_attn.kv_a_proj_with_mqa"] == (16, 10)
-    assert ds["model.layers.0.self_attn.kv_b_proj"] == (8, 4 * 10)
+    assert "model.layers.0.self_attn.kv_b_proj" not in ds  # absorbed into MLA: not adaptable
     assert ds["model.layers.0.self_attn.o_proj"] == (24, 16)
     assert not any(".mlp." in m for m in ds if m.startswith("model.layers.0."))  # dense layer: not adaptable
     assert "model.layers.1.mlp.experts.3.up_proj" in ds
@@ -153,3 +153,12 @@ def test_lora_modules_shapes():
     assert ds_qlora["model.layers.1.self_attn.q_a_proj"] == (16, 12)
     assert ds_qlora["model.layers.1.self_attn.q_b_proj"] == (12, 24)
     assert "model.layers.1.self_attn.q_proj" not in ds_qlora
+    LoraConfig(8, 16, ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")).check_fits(
+        make_model_config("deepseek_v2", q_lora_rank=12))
+
+
+def test_mla_kv_b_proj_is_rejected_with_the_reason():
+    with pytest.raises(AdapterError) as info:
+        LoraConfig(8, 16, ("q_proj", "kv_b_proj")).check_fits(make_model_config("deepseek_v2"))
+    assert info.value.param == "target_modules"
+    assert "kv_b_proj cannot be adapted" in info.value.message and "cached" in info.value.message
