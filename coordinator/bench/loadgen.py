@@ -10,6 +10,8 @@ Times are seconds on the monotonic clock relative to the load's start
 the server's `started_at` / `finished_at` with the records). Prompts are random
 token ids (exact lengths, no tokenizer); lengths come from small uniform ranges.
 The arrival times and request shapes depend only on the seed.
+
+`stream_completion` is the sender on its own, for other schedules (`coordinator.bench.load`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -42,6 +45,7 @@ class RequestRecord:
     num_tokens: int = 0  # from the final usage chunk, else the number of chunks
     finished_s: float | None = None
     error: str | None = None
+    model: str | None = None  # the request's `model`: the base model or an adapter
 
     @property
     def is_ok(self) -> bool:
@@ -69,6 +73,9 @@ class RequestRecord:
 class LoadResult:
     records: list[RequestRecord]
     t0_wall: float  # unix time of t=0
+    # The server's scale events seen during the load, with `start_s` / `end_s` on the records'
+    # axis (`coordinator.bench.load`); None when not watched or the server has no admin API.
+    scale_events: list[dict[str, Any]] | None = None
 
     def to_rel(self, unix_time: float) -> float:
         """A server wall-clock timestamp on the records' time axis."""
@@ -162,7 +169,7 @@ class PoissonLoad:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        return RequestRecord(request_id, arrival_s, prompt_len, max_tokens), body
+        return RequestRecord(request_id, arrival_s, prompt_len, max_tokens, model=self.model), body
 
     async def run(self, stop: asyncio.Event) -> LoadResult:
         """Send requests until `stop` is set, then wait (up to `drain_timeout_s`) for those in flight."""
@@ -197,34 +204,46 @@ class PoissonLoad:
 
     async def _send(self, client: httpx.AsyncClient, record: RequestRecord, body: dict) -> None:
         try:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                record.status = response.status_code
-                if response.status_code != 200:
-                    record.error = (await response.aread()).decode(errors="replace")[:200]
-                    return
-                async for line in response.aiter_lines():
-                    if line == "data: [DONE]":
-                        record.finished_s = self.now()
-                        break
-                    chunk = parse_sse_line(line)
-                    if chunk is None:
-                        continue
-                    if "error" in chunk:
-                        record.error = str(chunk["error"])[:200]
-                        return
-                    if chunk.get("choices"):
-                        record.token_times_s.append(self.now())
-                    if chunk.get("usage"):
-                        record.num_tokens = int(chunk["usage"]["completion_tokens"])
-                if record.finished_s is None:
-                    record.error = "stream ended without [DONE]"
-                elif record.num_tokens == 0:
-                    record.num_tokens = len(record.token_times_s)
-        except asyncio.CancelledError:
-            record.error = "cancelled"
-            raise
-        except httpx.HTTPError as exc:
-            record.error = f"{type(exc).__name__}: {exc}"[:200]
+            await stream_completion(client, record, body, self.now)
         finally:
             if self.on_record is not None and (record.finished_s is not None or record.error is not None):
                 self.on_record(record)
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, record: RequestRecord, body: dict, now: Callable[[], float]
+) -> None:
+    """POST `body` (a streaming request) to `/v1/completions` and fill in `record` as chunks arrive.
+
+    `now()` gives the records' time axis. Transport errors, non-200 replies, error chunks and
+    streams cut short end up in `record.error`; only cancellation propagates.
+    """
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            record.status = response.status_code
+            if response.status_code != 200:
+                record.error = (await response.aread()).decode(errors="replace")[:200]
+                return
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    record.finished_s = now()
+                    break
+                chunk = parse_sse_line(line)
+                if chunk is None:
+                    continue
+                if "error" in chunk:
+                    record.error = str(chunk["error"])[:200]
+                    return
+                if chunk.get("choices"):
+                    record.token_times_s.append(now())
+                if chunk.get("usage"):
+                    record.num_tokens = int(chunk["usage"]["completion_tokens"])
+            if record.finished_s is None:
+                record.error = "stream ended without [DONE]"
+            elif record.num_tokens == 0:
+                record.num_tokens = len(record.token_times_s)
+    except asyncio.CancelledError:
+        record.error = "cancelled"
+        raise
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: a chunk that is not JSON
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
