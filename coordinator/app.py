@@ -26,19 +26,22 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from ray import serve
 
+from coordinator.autoscale_loop import AutoscaleLoop
+from coordinator.autoscaler import Autoscaler
 from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.engine_client import QueueFull, RouterEngineClient
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.scale_events import ScaleConflict
+from coordinator.scale_events import ScaleConflict, ScaleEvent
 from coordinator.scaler import Scaler, loop_caller
+from coordinator.slo import SloTracker
 from coordinator.strategies import DEFAULT_STRATEGY, STRATEGIES
 from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.adapters_api import add_adapter_routes, read_esft_adapter
-from elasticmoe.entrypoints.openai.api_server import add_openai_routes
+from elasticmoe.entrypoints.openai.api_server import add_openai_routes, install_guards
+from elasticmoe.entrypoints.openai.drain import Drainer, add_drain_route
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
-from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware
-from elasticmoe.entrypoints.openai.serving import OpenAIServing
+from elasticmoe.entrypoints.openai.serving import OpenAIServing, RequestStats, ServingObserver
 from elasticmoe.tokenizer import Tokenizer
 from imm.handover import HandoverRoutes
 
@@ -55,6 +58,8 @@ ENDPOINTS = frozenset(
         "/admin/status",
         "/admin/scale",
         "/admin/adapters",
+        "/admin/autoscaler",
+        "/admin/drain",
     }
 )
 
@@ -100,16 +105,38 @@ class ScaleRunner:
             self.thread.join(timeout_s)
 
 
+class AutoscalerUpdate(BaseModel):
+    enabled: bool = Field(strict=True, description="true: (re)start deciding; false: stop.")
+
+
+class _Observers:
+    """Finished requests go to the metrics and to the SLO estimator."""
+
+    def __init__(self, *observers: ServingObserver) -> None:
+        self.observers = observers
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        for observer in self.observers:
+            observer.on_request_finished(stats)
+
+
 def build_app(
-    cluster: ClusterManager, engine: RouterEngineClient, metrics: CoordinatorMetrics, scales: ScaleRunner
+    cluster: ClusterManager,
+    engine: RouterEngineClient,
+    metrics: CoordinatorMetrics,
+    scales: ScaleRunner,
+    autoscale: AutoscaleLoop,
+    drainer: Drainer,
 ) -> FastAPI:
     """The coordinator's FastAPI app over a started `cluster`."""
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible elastic MoE serving (coordinator)")
-    serving = OpenAIServing(engine, cluster.config.model_name, observer=metrics)
+    config = cluster.config
+    serving = OpenAIServing(engine, config.model_name, observer=_Observers(metrics, autoscale.tracker))
     install_exception_handlers(app)
     app.add_exception_handler(QueueFull, _handle_queue_full)
-    app.add_middleware(RequestCountMiddleware, metrics=metrics.server, endpoints=ENDPOINTS)
+    install_guards(app, config.access, drainer, metrics.server, ENDPOINTS)
     add_openai_routes(app, serving)
+    add_drain_route(app, drainer, config.shutdown_timeout_s)
 
     @app.get("/health")
     async def health() -> Response:
@@ -122,16 +149,28 @@ def build_app(
 
     @app.get("/ready")
     async def ready() -> Response:
+        if drainer.is_draining:
+            return error_json(OpenAIError("The server is draining.", status_code=503))
         if not cluster.is_ready:
             return error_json(OpenAIError("No instance is serving.", status_code=503))
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def show_metrics() -> Response:
-        try:
-            metrics.refresh(await cluster.rank_stats())
-        except Exception as exc:  # noqa: BLE001 - stale gauges beat a failed scrape
-            logger.warning("rank stats unavailable: %r", exc)
+        # Both snapshots at once; one that fails or times out leaves its gauges stale (a stale
+        # gauge beats a failed scrape). NOTE: device workers answer after a scale's copies.
+        stats, devices = await asyncio.gather(
+            cluster.rank_stats(), cluster.device_memory(), return_exceptions=True
+        )
+        if isinstance(stats, BaseException):
+            logger.warning("rank stats unavailable: %r", stats)
+        else:
+            metrics.refresh(stats)
+        if isinstance(devices, BaseException):
+            logger.info("device memory unavailable: %r", devices)
+        else:
+            metrics.refresh_devices(devices)
+        metrics.refresh_adapters(cluster.adapter_slots())
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
@@ -139,12 +178,37 @@ def build_app(
     async def admin_status() -> Response:
         status = await asyncio.to_thread(cluster.status)
         status["requests"] = {"queued": engine.num_queued, "max_queued": engine.max_queued,
-                              "held_at_gate": cluster.router.num_held, "rejected": engine.num_rejected}
+                              "held_at_gate": cluster.router.num_held, "rejected": engine.num_rejected,
+                              "draining": drainer.is_draining}
+        status["scale_events"] = [e.to_dict() for e in cluster.scale_events.all()[-20:]]  # the latest 20
+        status["slo"] = autoscale.tracker.snapshot().to_dict()
+        status["autoscaler"] = autoscale.policy.status()
         return JSONResponse(status)
 
     @app.post("/admin/scale", status_code=202)
     async def start_scale(request: ScaleRequest) -> Response:
-        return JSONResponse({"event_id": scales.start(request.dp, request.strategy)}, status_code=202)
+        """A manual scale; it pauses the autoscaler (an operator's decision wins until resumed)."""
+        event_id = scales.start(request.dp, request.strategy)
+        policy = autoscale.policy
+        if policy.enabled:
+            policy.pause(f"manual scale {event_id}; resume with POST /admin/autoscaler")
+        return JSONResponse({"event_id": event_id, "autoscaler_paused": policy.enabled}, status_code=202)
+
+    @app.get("/admin/autoscaler")
+    async def show_autoscaler() -> Response:
+        return JSONResponse({**autoscale.policy.status(), "slo": autoscale.tracker.snapshot().to_dict()})
+
+    @app.post("/admin/autoscaler")
+    async def update_autoscaler(update: AutoscalerUpdate) -> Response:
+        policy = autoscale.policy
+        if update.enabled:
+            if drainer.is_draining:
+                raise OpenAIError("The server is draining; the autoscaler stays off.", status_code=409,
+                                  param="enabled")
+            policy.resume()
+        else:
+            policy.enabled = False
+        return JSONResponse(policy.status())
 
     @app.get("/admin/scale/{event_id}")
     async def show_scale(event_id: str) -> Response:
@@ -180,19 +244,38 @@ class Coordinator:
             await asyncio.to_thread(self.cluster.adapters.load_lora_blocking, name, path)
         self.scales = ScaleRunner(scaler)
         self.metrics = CoordinatorMetrics(lambda: float(self.engine.num_queued), self._active_dp)
-        self.cluster.scale_events.on_finished = self.metrics.on_scale_finished
+        self.drainer = Drainer()
+        tracker = SloTracker(config.autoscale.targets, config.autoscale.window_s)
+        self.engine.on_arrival, self.engine.on_failed = tracker.on_arrival, tracker.on_request_failed
+        self.autoscale = AutoscaleLoop(
+            Autoscaler(config.autoscale, config.num_devices), tracker, self.scales.start,
+            lambda: self.cluster.active.dp if self.cluster.active is not None and self.cluster.is_ready else None,
+            lambda: self.cluster.scale_events.running is not None, self.metrics.server.registry,
+        )
+        self.cluster.scale_events.on_finished = self._on_scale_finished
+        self.autoscale.start()
+
+    def _on_scale_finished(self, event: ScaleEvent) -> None:
+        self.metrics.on_scale_finished(event)
+        self.autoscale.on_scale_finished(event)
 
     def _active_dp(self) -> float:
         active = self.cluster.active
         return float(active.dp) if active is not None and self.cluster.is_ready else 0.0
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = build_app(self.cluster, self.engine, self.metrics, self.scales)
+        app = build_app(self.cluster, self.engine, self.metrics, self.scales, self.autoscale, self.drainer)
         add_adapter_routes(app, self.cluster.adapters, lambda: self.model_config, self.cluster.config.model_name)
         return app
 
+    async def drain(self, timeout_s: float | None = None) -> dict:
+        """Stop admitting `/v1/*` (503) and the autoscaler, wait for requests in flight (SIGTERM)."""
+        self.autoscale.policy.pause("draining")
+        return await self.drainer.drain(self.cluster.config.shutdown_timeout_s if timeout_s is None else timeout_s)
+
     async def shutdown_cluster(self) -> None:
         """Retire the instance and free the HMM now (before `serve.shutdown()` kills this replica)."""
+        await self.autoscale.stop()
         # NOTE: a running scale owns a second instance and the HMM's pending plan: let it end first.
         await asyncio.to_thread(self.scales.join)
         await asyncio.to_thread(self.cluster.shutdown)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -31,13 +33,57 @@ from coordinator.adapters import ClusterAdapterHost
 from coordinator.config import CoordinatorConfig
 from coordinator.router import Router
 from coordinator.scale_events import ScaleEvents
-from hmm.controller import HMMController
-from hmm.layout import DeviceSpec
+from hmm.controller import EsftEntry, HMMController
+from hmm.layout import DeviceSpec, Layout
+from hmm.memory.shm import round_up
 from imm.instance import Instance
 from imm.manager import InstanceManager, instance_factory
 from imm.rank import RankStats
 
 logger = logging.getLogger(__name__)
+
+MEMORY_KINDS = ("weights", "kv", "adapters")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemoryStats:
+    """One device's HMM memory: the accounting (every byte charged, so `used_bytes` includes
+    what a running scale has staged; `peak_bytes` since the last scale started) and the
+    committed layout's share of it by kind (`MEMORY_KINDS`; empty when the device holds none)."""
+
+    device_id: int
+    capacity_bytes: int
+    used_bytes: int
+    peak_bytes: int
+    layout_bytes: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSlotStats:
+    """Adapters registered of one kind and the slots for them (ESFT: cluster-wide; LoRA: per rank,
+    the same on every rank). Unloading adapters still hold their slot."""
+
+    kind: str  # "esft" | "lora"
+    num_loaded: int
+    num_slots: int
+
+
+def layout_memory(layout: Layout, adapters: Iterable[EsftEntry], page_size: int) -> dict[int, dict[str, int]]:
+    """device -> kind -> bytes `layout` and the ESFT `adapters` hold there, rounded as the HMM
+    charges them (dense tensors and KV pools to OS pages, expert rows to `page_size` pages)."""
+    sizes = layout.sizes
+    dense = sum(round_up(b) for _, b in sizes.dense)
+    expert = sum(round_up(b, page_size) for _, _, b in sizes.expert_stacks)
+    out = {
+        d: {"weights": dense + len(layout.local_experts(d)) * expert, "kv": round_up(kv), "adapters": 0}
+        for d, kv in zip(layout.device_ids, layout.kv_bytes, strict=True)
+    }
+    for entry in adapters:  # an adapter expert lives on the device of the base expert it replaces
+        for layer, expert_ids in entry.experts.items():
+            row = sum(round_up(b, page_size) for _, at, b in sizes.expert_stacks if at == layer)
+            for e in expert_ids:
+                out[layout.holder(e)]["adapters"] += row
+    return out
 
 
 class ClusterManager:
@@ -147,6 +193,31 @@ class ClusterManager:
         if inst is None or not inst.is_serving:
             return []
         return list(await asyncio.wait_for(asyncio.gather(*[r.stats.remote() for r in inst.ranks]), timeout_s))
+
+    async def device_memory(self, timeout_s: float = 2.0) -> list[DeviceMemoryStats]:
+        """Every registered device's memory (empty before start / after shutdown).
+
+        NOTE: a device worker runs one method at a time, so during a scale's copies this
+        waits for them (raises `TimeoutError` after `timeout_s`)."""
+        hmm = self.hmm
+        if hmm is None or self._is_shut_down:
+            return []
+        specs = sorted(hmm.devices.items())
+        layout = hmm.layout
+        by_kind = layout_memory(layout, list(hmm.adapters.values()), hmm.page_size) if layout is not None else {}
+        usage = await asyncio.wait_for(
+            asyncio.gather(*[hmm.worker(d).usage.remote() for d, _ in specs]), timeout_s
+        )
+        return [
+            DeviceMemoryStats(d, spec.budget_bytes, u.used, u.peak, by_kind.get(d, {}))
+            for (d, spec), u in zip(specs, usage, strict=True)
+        ]
+
+    def adapter_slots(self) -> list[AdapterSlotStats]:
+        """Registered adapters and slots per kind (in-process, no Ray)."""
+        kinds = [a.kind for a in list(self.adapters.adapters.values())]
+        slots = {"esft": self.config.max_esft_adapters, "lora": self.config.max_loras}
+        return [AdapterSlotStats(kind, kinds.count(kind), n) for kind, n in slots.items()]
 
     def status(self) -> dict[str, Any]:
         """Active config, instance state, devices with HMM memory, the running scale event (blocking)."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from coordinator.autoscaler import AutoscaleConfig
+from elasticmoe.entrypoints.openai.access import AccessPolicy
 from hmm.memory.shm import DEFAULT_PREFIX
 
 _GIB = 1 << 30
@@ -48,6 +50,10 @@ class CoordinatorConfig:
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
     max_model_len: int | None = None  # None: the model's (the KV pool may lower it)
     max_num_batched_tokens: int | None = None  # None: the engine's default
+    max_num_seqs: int | None = None  # requests one rank runs at once; None: the engine's default
+    autoscale: AutoscaleConfig = AutoscaleConfig()  # its SLO targets feed /metrics even when off
+    access: AccessPolicy = AccessPolicy()  # API keys and request size limits (keys never in repr)
+    shutdown_timeout_s: float = 30.0  # SIGTERM / POST /admin/drain: longest wait for requests in flight
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
@@ -67,7 +73,7 @@ class CoordinatorConfig:
             )
         if self.max_queued < 1:
             raise ValueError(f"--max-queued: must be >= 1, got {self.max_queued}")
-        for name in ("max_model_len", "max_num_batched_tokens"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
@@ -79,6 +85,10 @@ class CoordinatorConfig:
             )
         if self.max_loras < 0 or self.max_lora_rank < 1 or len(self.lora_adapters) > self.max_loras:
             raise ValueError("--max-loras: must be >= 0 and hold every --lora-adapter; --max-lora-rank >= 1")
+        if self.autoscale.min_dp > self.num_devices:
+            raise ValueError(f"--autoscale-min-dp: {self.autoscale.min_dp} exceeds the {self.num_devices} devices")
+        if not 0 <= self.shutdown_timeout_s <= 3600:
+            raise ValueError(f"--shutdown-timeout: must be between 0 and 3600 s, got {self.shutdown_timeout_s}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         if not (Path(self.model_dir) / "config.json").is_file():
@@ -112,6 +122,8 @@ class CoordinatorConfig:
             options["max_model_len"] = self.max_model_len
         if self.max_num_batched_tokens is not None:
             options["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.max_num_seqs is not None:
+            options["max_num_seqs"] = self.max_num_seqs
         return options
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import ray
@@ -40,6 +40,10 @@ from imm.handover import HandedOverOutput, HandoverRoutes, RankPaused
 logger = logging.getLogger(__name__)
 
 _MAX_ROUTES = 5  # a request turned away by pausing ranks is routed again at most this often
+
+
+def _nothing() -> None:
+    pass
 
 
 class QueueFull(OpenAIError):
@@ -76,6 +80,9 @@ class RouterEngineClient:
         self.num_queued = 0  # waiting at the gate + in flight
         self.num_rejected = 0
         self.adapters: tuple[str, ...] = ()  # ESFT adapters accepting requests (set by the adapter host)
+        # The SLO estimator's inputs: every request offered, and every one that got no answer.
+        self.on_arrival: Callable[[], None] = _nothing
+        self.on_failed: Callable[[], None] = _nothing
 
     @property
     def tokenizer(self) -> Any:
@@ -105,8 +112,10 @@ class RouterEngineClient:
         lora_routing: dict | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `request_id`'s outputs from one rank; the last has `finished=True`."""
+        self.on_arrival()
         if self.num_queued >= self.max_queued:
             self.num_rejected += 1
+            self.on_failed()
             raise QueueFull(self.max_queued, self.retry_after_s)
         self.num_queued += 1
         try:
@@ -123,7 +132,17 @@ class RouterEngineClient:
             raise OpenAIError("No inference instance accepted the request; retry later.", status_code=503)
         except NoActiveInstance as exc:
             logger.warning("request %s: %s", request_id, exc)
+            self.on_failed()
             raise OpenAIError("No inference instance is serving; retry later.", status_code=503) from exc
+        except (GeneratorExit, asyncio.CancelledError, ValueError):
+            raise  # the client went away or sent bad input: not the server's failure
+        except OpenAIError as exc:
+            if exc.status_code >= 500:
+                self.on_failed()
+            raise
+        except Exception:
+            self.on_failed()
+            raise
         finally:
             self.num_queued -= 1
 

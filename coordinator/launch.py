@@ -4,7 +4,8 @@
 activated the first instance (Serve only routes to a replica whose constructor
 finished); `ElasticServer.shutdown` undoes everything it started, in order:
 instance + HMM memory (explicitly, so no /dev/shm file outlives the server),
-then Serve, then Ray if it started it. `serve_elastic` adds SIGTERM/SIGINT.
+then Serve, then Ray if it started it. `serve_elastic` adds SIGTERM/SIGINT: drain
+(new requests 503, those in flight finish up to `shutdown_timeout_s`), then shut down.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class ElasticServer:
     owns_ray: bool
     is_shut_down: bool = False
 
+    def drain(self, timeout_s: float | None = None) -> dict:
+        """New `/v1/*` requests get 503, those in flight finish (up to `timeout_s`, default the
+        config's `shutdown_timeout_s`); the autoscaler stops. What happened, as a dict."""
+        wait = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        return self.handle.drain.remote(timeout_s).result(timeout_s=wait + 30)
+
     def shutdown(self, timeout_s: float = 120.0) -> None:
         if self.is_shut_down:
             return
@@ -51,6 +58,14 @@ class ElasticServer:
         if self.owns_ray:
             ray.shutdown()
         logger.info("elastic server stopped")
+
+
+def coordinator_app(config: CoordinatorConfig) -> Any:
+    """The Serve application of one coordinator replica for `config`."""
+    deployment = Coordinator.options(  # type: ignore[attr-defined]
+        max_ongoing_requests=config.max_queued + _ADMIN_SLACK
+    )
+    return deployment.bind(config)
 
 
 def start_elastic(
@@ -72,10 +87,7 @@ def start_elastic(
         after_ray_init()
     try:
         serve.start(http_options={"host": host, "port": port})
-        deployment = Coordinator.options(  # type: ignore[attr-defined]
-            max_ongoing_requests=config.max_queued + _ADMIN_SLACK
-        )
-        handle = serve.run(deployment.bind(config), name=APP_NAME, route_prefix="/")
+        handle = serve.run(coordinator_app(config), name=APP_NAME, route_prefix="/")
     except BaseException:
         serve.shutdown()
         if owns_ray:
@@ -94,7 +106,10 @@ def serve_elastic(
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        logger.info("received %s; shutting down", signal.Signals(signum).name)
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for the drain
+        logger.info("received %s; draining for up to %.0f s, then shutting down", signal.Signals(signum).name,
+                    config.shutdown_timeout_s)
         stop.set()
 
     def install_handlers() -> None:
@@ -109,6 +124,10 @@ def serve_elastic(
         try:
             while not stop.wait(0.5):
                 pass
+            try:
+                logger.info("drain: %s", server.drain())
+            except Exception:  # noqa: BLE001 - shut down anyway
+                logger.exception("drain failed; shutting down")
         finally:
             server.shutdown()
     finally:

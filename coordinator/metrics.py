@@ -2,11 +2,18 @@
 
 Composes `ServerMetrics` (HTTP request counts by endpoint and status, TTFT and
 e2e histograms, token counters, running/waiting gauges) with TPOT, queue
-length, KV usage, the active configuration and scale events (count by strategy
-and outcome; latency, downtime and peak memory of each), all in that one registry.
+length, KV usage, the active configuration, scale events (count by strategy
+and outcome; latency, downtime and peak memory of each), devices and their HMM
+memory, adapter slots and LoRA slot hits, all in that one registry (the SLO and
+autoscaler metrics of `coordinator.autoscale_loop` register there too). docs/metrics.md
+lists every metric.
 
-Rank counters live in the rank actors; `refresh(stats)` copies a snapshot in,
-and the gauges read the snapshot, so rendering never blocks on Ray.
+Rank counters live in the rank actors and device memory in the HMM workers;
+`refresh(stats)` / `refresh_devices(...)` / `refresh_adapters(...)` copy a
+snapshot in, and the gauges read the snapshot, so rendering never blocks on Ray.
+The ranks' LoRA counters restart with every new instance; the coordinator adds
+their growth per engine (`RankStats.engine_id`) to counters of its own, which
+only grow over the server's life.
 """
 
 from __future__ import annotations
@@ -15,13 +22,22 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from coordinator.scale_events import ScaleEvent
+from coordinator.cluster import AdapterSlotStats, DeviceMemoryStats
+from coordinator.scale_events import ScaleEvent, ScaleState
+from coordinator.strategies import DEFAULT_STRATEGY
 from elasticmoe.entrypoints.openai.metrics import ServerMetrics
 from elasticmoe.entrypoints.openai.serving import RequestStats
 from imm.rank import RankStats
 
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LORA_COUNTERS = {  # RankStats field -> (name, help); summed over ranks and instances
+    "num_lora_swaps_in": ("elasticmoe_lora_swaps_in", "LoRA adapters copied into a rank's slot."),
+    "num_lora_evictions": ("elasticmoe_lora_evictions", "LoRA adapters evicted from a rank's slot."),
+    "num_lora_hits": ("elasticmoe_lora_hits", "LoRA requests admitted with their adapter already in a slot."),
+    "num_lora_misses": ("elasticmoe_lora_misses", "LoRA requests that waited for their adapter's swap-in."),
+}
+_MAX_ENGINES = 256  # engines whose last counters are remembered (a few per scale event)
 
 
 class CoordinatorMetrics:
@@ -82,11 +98,67 @@ class CoordinatorMetrics:
             ["strategy"],
             registry=registry,
         )
+        # The default strategy's series exist (at 0) from the start, so `increase()` sees its first event.
+        for outcome in (ScaleState.SUCCEEDED, ScaleState.ROLLED_BACK, ScaleState.FAILED):
+            self.scale_events.labels(DEFAULT_STRATEGY, outcome.value)
+        self.scale_latency.labels(DEFAULT_STRATEGY)
+        self.scale_downtime.labels(DEFAULT_STRATEGY)
         self.last_scale = Gauge(
             "elasticmoe_scale_last_finished_timestamp_seconds",
             "Unix time at which the last scale event finished (Grafana annotations).",
             registry=registry,
         )
+
+        self.num_devices = Gauge(
+            "elasticmoe_num_devices", "Devices registered with the HMM (active or not).", registry=registry
+        )
+        self.device_capacity = Gauge(
+            "elasticmoe_device_memory_capacity_bytes",
+            "Memory budget of each device.",
+            ["device"],
+            registry=registry,
+        )
+        self.device_used = Gauge(
+            "elasticmoe_device_memory_used_bytes",
+            "HMM memory in use on each device (all of it: a running scale's staged tensors too).",
+            ["device"],
+            registry=registry,
+        )
+        self.device_peak = Gauge(
+            "elasticmoe_device_memory_peak_bytes",
+            "Peak HMM memory of each device since the last scale event started.",
+            ["device"],
+            registry=registry,
+        )
+        self.device_layout = Gauge(
+            "elasticmoe_device_memory_layout_bytes",
+            "HMM memory of the committed layout on each device by kind (weights, kv, adapters).",
+            ["device", "kind"],
+            registry=registry,
+        )
+
+        self.adapters_loaded = Gauge(
+            "elasticmoe_adapters_loaded",
+            "Adapters registered by kind (esft, lora).",
+            ["kind"],
+            registry=registry,
+        )
+        self.adapter_slots = Gauge(
+            "elasticmoe_adapter_slots",
+            "Adapter slots by kind (esft: of the cluster; lora: of each rank).",
+            ["kind"],
+            registry=registry,
+        )
+        self.lora_slots_used = Gauge(
+            "elasticmoe_lora_slots_used",
+            "LoRA slots holding an adapter, per DP rank of the active instance.",
+            ["rank"],
+            registry=registry,
+        )
+        self.lora_counters = {
+            field: Counter(name, doc, registry=registry) for field, (name, doc) in _LORA_COUNTERS.items()
+        }
+        self._seen_by_engine: dict[str, dict[str, int]] = {}
 
     def on_scale_finished(self, event: ScaleEvent) -> None:
         self.scale_events.labels(event.strategy, event.state.value).inc()
@@ -104,8 +176,43 @@ class CoordinatorMetrics:
         """Take a fresh snapshot of the active instance's rank counters."""
         self._stats = list(stats)
         self.kv_usage.clear()
+        self.lora_slots_used.clear()
         for s in self._stats:
             self.kv_usage.labels(str(s.rank)).set(s.kv_usage)
+            self.lora_slots_used.labels(str(s.rank)).set(s.num_lora_resident)
+            self._count(s)
+
+    def _count(self, stats: RankStats) -> None:
+        """Add the growth of one engine's LoRA counters since the highest values seen."""
+        # NOTE: a counter lower than seen is a stale snapshot (two scrapes raced), never a
+        # restart: an engine's counters only grow.
+        seen = self._seen_by_engine.pop(stats.engine_id, {})
+        for field, counter in self.lora_counters.items():
+            now, before = getattr(stats, field), seen.get(field, 0)
+            if now > before:
+                counter.inc(now - before)
+                seen[field] = now
+        self._seen_by_engine[stats.engine_id] = seen  # re-inserted last: the oldest are dropped first
+        while len(self._seen_by_engine) > _MAX_ENGINES:
+            del self._seen_by_engine[next(iter(self._seen_by_engine))]
+
+    def refresh_devices(self, devices: Sequence[DeviceMemoryStats]) -> None:
+        """Take a fresh snapshot of every device's HMM memory."""
+        self.num_devices.set(len(devices))
+        for gauge in (self.device_capacity, self.device_used, self.device_peak, self.device_layout):
+            gauge.clear()
+        for d in devices:
+            device = str(d.device_id)
+            self.device_capacity.labels(device).set(d.capacity_bytes)
+            self.device_used.labels(device).set(d.used_bytes)
+            self.device_peak.labels(device).set(d.peak_bytes)
+            for kind, num_bytes in d.layout_bytes.items():
+                self.device_layout.labels(device, kind).set(num_bytes)
+
+    def refresh_adapters(self, slots: Sequence[AdapterSlotStats]) -> None:
+        for s in slots:
+            self.adapters_loaded.labels(s.kind).set(s.num_loaded)
+            self.adapter_slots.labels(s.kind).set(s.num_slots)
 
     def on_request_finished(self, stats: RequestStats) -> None:
         self.server.on_request_finished(stats)

@@ -7,6 +7,12 @@ import logging
 import os
 import sys
 
+from elasticmoe.entrypoints.openai.access import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    AccessPolicy,
+)
+
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
     from elasticmoe.tools.make_model import PRESETS
@@ -93,7 +99,7 @@ def _add_make_lora_adapter(sub: argparse._SubParsersAction) -> None:
         "base_model.model.<module>.lora_A/lora_B.weight per adapted module). A and B are seeded Gaussians (B is "
         "not zero, so the adapter changes outputs) sized so that ||scaling*B@A|| is about a quarter of ||W||. "
         "Adaptable modules: attention projections (q_proj, k_proj, v_proj, o_proj; DeepSeek-V2: q_proj or "
-        "q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj) and routed-expert projections (gate_proj, "
+        "q_a_proj/q_b_proj, kv_a_proj_with_mqa, o_proj; not kv_b_proj, which MLA absorbs) and routed-expert projections (gate_proj, "
         "up_proj, down_proj; Mixtral: w1, w3, w2).",
     )
     p.add_argument("--base", required=True, metavar="DIR", help="directory of the base HF checkpoint")
@@ -176,6 +182,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "min(0.25, device memory / 4) elastic)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="token budget of one engine step across all requests (default: the engine's default)")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="requests one engine (one rank) runs at once; more wait in its queue (default 256)")
     esft = p.add_argument_group("ESFT adapters (expert-specialised fine-tunes over the base model)")
     esft.add_argument("--esft-adapter", action="append", default=[], metavar="NAME=DIR",
                       help="load an ESFT adapter (expert_cfg.json + safetensors) at start; clients select it with "
@@ -214,6 +222,60 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     elastic.add_argument("--no-standby-pool", action="store_true",
                          help="do not pre-initialise standby instances for dp-1 and dp+1 (saves their processes' "
                          "memory; each scale then boots its target instance, ~2 s slower)")
+    elastic.add_argument("--shm-prefix", default=None, metavar="PREFIX",
+                         help="name prefix of the HMM's /dev/shm files (default elasticmoe-hmm); give each server "
+                         "on one machine its own")
+    ops = p.add_argument_group("access and shutdown (both servers)")
+    ops.add_argument("--api-key", default=os.environ.get("ELASTICMOE_API_KEY") or None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $ELASTICMOE_API_KEY; prefer the "
+                     "variable: a flag shows in the process list); /health, /ready, /metrics stay open")
+    ops.add_argument("--admin-key", default=os.environ.get("ELASTICMOE_ADMIN_KEY") or None, metavar="KEY",
+                     help="require this key on /admin/* (default: $ELASTICMOE_ADMIN_KEY, else the API key)")
+    ops.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                     help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    ops.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES, metavar="N",
+                     help=f"larger request headers get 431 (default {DEFAULT_MAX_HEADER_BYTES})")
+    ops.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                     help="on SIGTERM/SIGINT (or POST /admin/drain) new requests get 503 and those in flight get up "
+                     "to S seconds to finish before the server stops (default 30)")
+    from coordinator.cli_options import add_autoscale_arguments
+
+    add_autoscale_arguments(p)
+
+
+def _add_drain(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "drain",
+        help="drain a running server (Kubernetes preStop)",
+        description="Ask a running server to stop taking requests (503) and wait until those in flight have "
+        "finished or the timeout passed (POST /admin/drain). Exit 0 when drained, 1 when requests were still in "
+        "flight at the timeout, 2 when the server could not be asked. The admin key comes from "
+        "$ELASTICMOE_ADMIN_KEY (else $ELASTICMOE_API_KEY).",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
+    p.add_argument("--timeout-s", type=float, default=30.0, metavar="S",
+                   help="longest wait for requests in flight (default 30)")
+
+
+def _run_drain(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    key = os.environ.get("ELASTICMOE_ADMIN_KEY") or os.environ.get("ELASTICMOE_API_KEY")
+    request = urllib.request.Request(f"{args.url.rstrip('/')}/admin/drain?timeout_s={args.timeout_s:g}",
+                                     method="POST", headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout_s + 30) as response:
+            result = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        print(f"error: {args.url}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}", file=sys.stderr)
+        return 2
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"error: {args.url}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0 if result.get("drained") else 1
 
 
 def _named_dirs(items: list[str], option: str) -> dict[str, str] | None:
@@ -263,13 +325,33 @@ def _adapter_args(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, s
     return esft, lora
 
 
+def _access_policy(args: argparse.Namespace) -> AccessPolicy | None:
+    try:
+        return AccessPolicy(api_key=args.api_key, admin_key=args.admin_key, max_body_bytes=args.max_body_bytes,
+                            max_header_bytes=args.max_header_bytes)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     adapters = _adapter_args(args)
-    if adapters is None:
+    access = _access_policy(args)
+    if adapters is None or access is None:
         return 2
+    if not 0 <= args.shutdown_timeout <= 3600:
+        print(f"error: --shutdown-timeout: must be between 0 and 3600 s, got {args.shutdown_timeout:g}",
+              file=sys.stderr)
+        return 2
+    if access.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning("serving on %s without --api-key: anyone who reaches it may use it",
+                                            args.host)
     esft_adapters, lora_adapters = adapters
     if not args.single:
-        return _run_serve_elastic(args, esft_adapters, lora_adapters)
+        return _run_serve_elastic(args, esft_adapters, lora_adapters, access)
+    if args.autoscale or args.config:
+        print("error: --autoscale/--config: the autoscaler needs the elastic server (drop --single)", file=sys.stderr)
+        return 2
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"error: --model: {args.model} has no config.json (make one with `elasticmoe make-model`)",
               file=sys.stderr)
@@ -285,6 +367,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         log_level=args.log_level.lower(),
         max_esft_adapters=args.max_esft_adapters,
         max_esft_experts=args.max_esft_experts if args.max_esft_adapters else 0,
@@ -293,10 +376,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         lora_adapters=lora_adapters,
+        access=access,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
 
 
-def _run_serve_elastic(args: argparse.Namespace, esft_adapters: dict[str, str], lora_adapters: dict[str, str]) -> int:
+def _run_serve_elastic(
+    args: argparse.Namespace, esft_adapters: dict[str, str], lora_adapters: dict[str, str], access: AccessPolicy
+) -> int:
+    from coordinator.cli_options import autoscale_config
     from coordinator.config import CoordinatorConfig
     from coordinator.launch import serve_elastic
 
@@ -308,10 +396,13 @@ def _run_serve_elastic(args: argparse.Namespace, esft_adapters: dict[str, str], 
             kv_bytes_per_device=int(kv_cache_gb * (1 << 30)), max_queued=args.max_queued,
             served_model_name=args.served_model_name, standby_pool=not args.no_standby_pool,
             max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
             max_esft_adapters=args.max_esft_adapters, max_esft_experts=args.max_esft_experts,
             esft_adapters=tuple(esft_adapters.items()),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
             lora_adapters=tuple(lora_adapters.items()),
+            autoscale=autoscale_config(args), access=access, shutdown_timeout_s=args.shutdown_timeout,
+            **({"shm_prefix": args.shm_prefix} if args.shm_prefix else {}),
         )
     except ValueError as exc:
         print(f"error: {exc} (elastic server; --single runs one engine in this process)", file=sys.stderr)
@@ -327,11 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_esft_adapter(sub)
     _add_make_lora_adapter(sub)
     _add_serve(sub)
+    _add_drain(sub)
     return parser
 
 
 _COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter,
-             "make-lora-adapter": _run_make_lora_adapter, "serve": _run_serve}
+             "make-lora-adapter": _run_make_lora_adapter, "serve": _run_serve,
+             "drain": _run_drain}
 
 
 def main(argv: list[str] | None = None) -> int:

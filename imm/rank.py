@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import socket
 import time
+import uuid
 from collections.abc import AsyncGenerator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -64,6 +65,16 @@ class RankStats:
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_steps: int
+    # Identifies the engine these counters come from (one per rank process): under one
+    # `engine_id` the `num_lora_*` counters only grow, so the coordinator can sum them
+    # across instances (`coordinator.metrics`).
+    engine_id: str = ""
+    num_lora_slots: int = 0  # LoRA slots of this rank (0: LoRA off)
+    num_lora_resident: int = 0  # LoRA adapters in a slot
+    num_lora_swaps_in: int = 0  # LoRA adapters copied into a slot (host -> slot)
+    num_lora_evictions: int = 0
+    num_lora_hits: int = 0  # requests admitted with their LoRA adapter in a slot
+    num_lora_misses: int = 0  # requests that had to wait for a swap-in
 
     @property
     def kv_usage(self) -> float:
@@ -86,6 +97,7 @@ class InstanceRank:
         self.kv_fence: KVFence | None = None
         self.has_exported = False
         self.handle_set: dict[str, Handle] = {}  # what the engine attached to (ESFT rows map into it)
+        self.engine_id = uuid.uuid4().hex  # see `RankStats.engine_id`
 
     # ---- standby -----------------------------------------------------------------------
 
@@ -375,6 +387,7 @@ class InstanceRank:
         # a consistent int, but the set of them is not one snapshot (fine for routing).
         engine = self.engine
         bm = engine.block_manager if engine is not None else None
+        lora = engine.lora_stats() if engine is not None else {}
         return RankStats(
             rank=self.rank,
             num_running=self.llm.num_running if self.llm else 0,
@@ -382,6 +395,13 @@ class InstanceRank:
             num_kv_blocks=bm.num_blocks if bm else 0,
             num_free_kv_blocks=bm.num_free_blocks if bm else 0,
             num_steps=self.llm.num_steps if self.llm else 0,
+            engine_id=self.engine_id,
+            num_lora_slots=lora.get("slots", 0),
+            num_lora_resident=lora.get("resident", 0),
+            num_lora_swaps_in=lora.get("swaps_in", 0),
+            num_lora_evictions=lora.get("evictions", 0),
+            num_lora_hits=lora.get("hits", 0),
+            num_lora_misses=lora.get("misses", 0),
         )
 
     def max_model_len(self) -> int:

@@ -21,18 +21,21 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from elasticmoe.engine.async_llm import AsyncLLM
+from elasticmoe.entrypoints.openai.access import AccessMiddleware, AccessPolicy
 from elasticmoe.entrypoints.openai.adapters_api import (
     EngineAdapterHost,
     add_adapter_routes,
     read_esft_adapter,
     read_lora_adapter,
 )
+from elasticmoe.entrypoints.openai.drain import Drainer, DrainMiddleware, add_drain_route
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware, ServerMetrics
 from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -41,7 +44,8 @@ from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
 logger = logging.getLogger(__name__)
 
 _ENDPOINTS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/admin/adapters"}
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/admin/adapters",
+     "/admin/drain"}
 )
 _CLIENT_CLOSED = 499  # nginx's "client closed request"; only ever seen in metrics
 
@@ -116,17 +120,36 @@ def add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return _to_response(serving.show_models())
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
+def install_guards(
+    app: FastAPI, access: AccessPolicy, drainer: Drainer, metrics: ServerMetrics, endpoints: frozenset[str]
+) -> None:
+    """Middleware, outermost first: request counting (sees 401/413/503 too), keys and size
+    limits, drain (counts in-flight `/v1/*`). Shared with the coordinator."""
+    app.add_middleware(DrainMiddleware, drainer=drainer)
+    app.add_middleware(AccessMiddleware, policy=access)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics, endpoints=endpoints)
+
+
+def build_app(
+    async_llm: AsyncLLM,
+    served_model_name: str,
+    access: AccessPolicy | None = None,
+    drainer: Drainer | None = None,
+    drain_timeout_s: float = 30.0,
+) -> FastAPI:
     """The OpenAI-compatible app with the adapter admin API. The caller owns `async_llm`
-    (starts and shuts it down)."""
+    (starts and shuts it down) and `drainer` (SIGTERM)."""
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible MoE serving (single process)")
     metrics = ServerMetrics(lambda: async_llm.num_running, lambda: async_llm.num_waiting)
     serving = OpenAIServing(async_llm, served_model_name, observer=metrics)
+    drainer = drainer or Drainer()
     install_exception_handlers(app)
-    app.add_middleware(RequestCountMiddleware, metrics=metrics, endpoints=_ENDPOINTS)
+    install_guards(app, access or AccessPolicy(), drainer, metrics, _ENDPOINTS)
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.drainer = drainer
     add_openai_routes(app, serving)
+    add_drain_route(app, drainer, drain_timeout_s)
     engine: Any = async_llm.engine
     add_adapter_routes(app, EngineAdapterHost(async_llm), lambda: engine.model_config, served_model_name)
 
@@ -141,6 +164,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
+        if drainer.is_draining:
+            return error_json(OpenAIError("The server is draining.", status_code=503))
         if not async_llm.is_ready:
             return error_json(OpenAIError("Engine is not ready.", status_code=503))
         return JSONResponse({"status": "ready"})
@@ -157,6 +182,30 @@ class _Terminated(Exception):
     pass
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains (new `/v1/*` requests get 503, those in flight
+    finish, up to `drain_timeout_s`) before the usual graceful shutdown; a second SIGINT forces exit."""
+
+    def __init__(self, config: uvicorn.Config, drainer: Drainer, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.drainer = drainer
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)  # re-raised by uvicorn after shutdown, as for any signal
+        logger.info("received %s: draining for up to %.0f s", signal.Signals(sig).name, self.drain_timeout_s)
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        result = await self.drainer.drain(self.drain_timeout_s)
+        logger.info("drain finished: %s", result)
+        self.should_exit = True
+
+
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise _Terminated()
 
@@ -170,6 +219,7 @@ def run_single_server(
     max_model_len: int | None = None,
     kv_cache_gb: float | None = None,
     max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
     log_level: str = "info",
     max_esft_adapters: int = 0,
     max_esft_experts: int = 0,
@@ -178,11 +228,12 @@ def run_single_server(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
     lora_adapters: dict[str, str] | None = None,
+    access: AccessPolicy | None = None,
+    shutdown_timeout_s: float = 30.0,
 ) -> int:
     """Load the model (and the ESFT adapters `esft_adapters`: name -> path), serve it until
     SIGINT/SIGTERM, then stop the engine. Returns an exit code."""
     import torch  # noqa: F401 - fail early and clearly if torch is missing
-    import uvicorn
 
     from elasticmoe.config import EngineConfig, parse_dtype
     from elasticmoe.engine.llm_engine import LLMEngine
@@ -194,6 +245,8 @@ def run_single_server(
         options["kv_cache_bytes"] = int(kv_cache_gb * (1 << 30))
     if max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = max_num_batched_tokens
+    if max_num_seqs is not None:
+        options["max_num_seqs"] = max_num_seqs
     config = EngineConfig(model=model_dir, dtype=parse_dtype(dtype), max_esft_adapters=max_esft_adapters,
                           max_esft_experts=max_esft_experts, max_loras=max_loras, max_lora_rank=max_lora_rank,
                           max_cpu_loras=max_cpu_loras, **options)
@@ -218,9 +271,12 @@ def run_single_server(
         logger.info("LoRA adapter %r loaded from %s", adapter_name, path)
     async_llm = AsyncLLM(engine)
     async_llm.start()
-    app = build_app(async_llm, name)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    drainer = Drainer()
+    app = build_app(async_llm, name, access, drainer, shutdown_timeout_s)
+    server = DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+                       h11_max_incomplete_event_size=access.max_header_bytes if access else None),
+        drainer, shutdown_timeout_s,
     )
     # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal with the
     # previous handler; make SIGTERM an exception here so that the engine is still stopped below.

@@ -1,0 +1,256 @@
+{{/* Names and labels. */}}
+{{- define "elasticmoe.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "elasticmoe.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* KubeRay derives the RayCluster (<name>-raycluster-xxxxx) and its Services
+(<cluster>-head-svc, <name>-serve-svc) from this name; keep room for the suffixes. */}}
+{{- define "elasticmoe.rayServiceName" -}}
+{{- include "elasticmoe.fullname" . | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "elasticmoe.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "elasticmoe.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "elasticmoe.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "elasticmoe.labels" -}}
+helm.sh/chart: {{ include "elasticmoe.chart" . }}
+{{ include "elasticmoe.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Every pod of this release carries the instance label: the NetworkPolicy's "this release". */}}
+{{- define "elasticmoe.releasePodSelector" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "elasticmoe.headSelectorLabels" -}}
+{{ include "elasticmoe.selectorLabels" . }}
+app.kubernetes.io/component: head
+{{- end }}
+
+{{- define "elasticmoe.workerSelectorLabels" -}}
+{{ include "elasticmoe.selectorLabels" . }}
+app.kubernetes.io/component: device-worker
+{{- end }}
+
+{{- define "elasticmoe.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The Ray custom resource each device worker pod advertises; the coordinator is pinned to it. */}}
+{{- define "elasticmoe.deviceNodeResource" -}}
+elasticmoe_device_node
+{{- end }}
+
+{{/* The pod's grace period can never be shorter than preStop sleep + drain + 10 s of slack for
+Ray to stop; a smaller terminationGracePeriodSeconds is raised to that. */}}
+{{- define "elasticmoe.terminationGracePeriodSeconds" -}}
+{{- $minimum := add .Values.drain.preStopSleepSeconds .Values.drain.timeoutSeconds 10 }}
+{{- max (int64 .Values.terminationGracePeriodSeconds) $minimum }}
+{{- end }}
+
+{{/* Invariants the schema cannot express (they mirror CoordinatorConfig.__post_init__). */}}
+{{- define "elasticmoe.validate" -}}
+{{- $c := .Values.coordinator }}
+{{- if gt (int64 $c.dp) (int64 $c.num_devices) }}
+{{- fail (printf "coordinator.dp (%v) must be <= coordinator.num_devices (%v)" $c.dp $c.num_devices) }}
+{{- end }}
+{{- if ge (float64 $c.kv_bytes_per_device) (float64 $c.device_memory_bytes) }}
+{{- fail "coordinator.kv_bytes_per_device must be below coordinator.device_memory_bytes" }}
+{{- end }}
+{{- if gt (len $c.esft_adapters) (int $c.max_esft_adapters) }}
+{{- fail "coordinator.esft_adapters: more adapters than coordinator.max_esft_adapters" }}
+{{- end }}
+{{- if gt (len $c.lora_adapters) (int $c.max_loras) }}
+{{- fail "coordinator.lora_adapters: more adapters than coordinator.max_loras" }}
+{{- end }}
+{{- $a := .Values.autoscale }}
+{{- if gt (int64 $a.min_dp) (int64 $c.num_devices) }}
+{{- fail "autoscale.min_dp must be <= coordinator.num_devices" }}
+{{- end }}
+{{- if not (kindIs "invalid" $a.max_dp) }}
+{{- if gt (int64 $a.min_dp) (int64 $a.max_dp) }}
+{{- fail "autoscale.min_dp must be <= autoscale.max_dp" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.auth.existingSecret (or .Values.auth.apiKey .Values.auth.adminKey) }}
+{{- fail "auth: set either existingSecret or apiKey/adminKey, not both" }}
+{{- end }}
+{{- end }}
+
+{{/* serveConfigV2 `args`: CoordinatorConfig fields (nulls left out, so the field's default
+applies), model_dir from model.path, and the autoscaler's mapping. */}}
+{{- define "elasticmoe.serveArgs" -}}
+{{- $args := dict "model_dir" .Values.model.path }}
+{{- range $key, $value := .Values.coordinator }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $_ := set $args $key $value }}
+{{- end }}
+{{- end }}
+{{- $autoscale := dict }}
+{{- range $key, $value := .Values.autoscale }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $_ := set $autoscale $key $value }}
+{{- end }}
+{{- end }}
+{{- $_ := set $args "autoscale" $autoscale }}
+{{- toYaml $args }}
+{{- end }}
+
+{{/* The Serve config: the same text goes into serveConfigV2 and the head's bootstrap ConfigMap. */}}
+{{- define "elasticmoe.serveConfig" -}}
+proxy_location: EveryNode
+http_options:
+  host: 0.0.0.0
+  port: {{ .Values.serve.port }}
+applications:
+  - name: elasticmoe
+    route_prefix: /
+    import_path: coordinator.deployment:app_builder
+    args:
+      {{- include "elasticmoe.serveArgs" . | nindent 6 }}
+    {{- if .Values.serve.coordinatorOnWorker }}
+    deployments:
+      - name: coordinator
+        ray_actor_options:
+          num_cpus: 0
+          resources:
+            {{ include "elasticmoe.deviceNodeResource" . }}: 0.001
+    {{- end }}
+{{- end }}
+
+{{- define "elasticmoe.authSecretName" -}}
+{{- if .Values.auth.existingSecret }}
+{{- .Values.auth.existingSecret }}
+{{- else }}
+{{- printf "%s-auth" (include "elasticmoe.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* API keys reach the containers only as secretKeyRef env. */}}
+{{- define "elasticmoe.authEnv" -}}
+{{- $secret := include "elasticmoe.authSecretName" . }}
+{{- if or .Values.auth.existingSecret .Values.auth.apiKey }}
+- name: ELASTICMOE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: api-key
+{{- end }}
+{{- if or .Values.auth.existingSecret .Values.auth.adminKey }}
+- name: ELASTICMOE_ADMIN_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: admin-key
+{{- end }}
+{{- end }}
+
+{{/* Env of every Ray container. */}}
+{{- define "elasticmoe.env" -}}
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- include "elasticmoe.authEnv" . }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The model: a read-only PVC, or an emptyDir the initContainer below fills. */}}
+{{- define "elasticmoe.modelVolume" -}}
+- name: model
+{{- if .Values.model.pvc.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.generate.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{- define "elasticmoe.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.path }}
+{{- if .Values.model.pvc.claimName }}
+  readOnly: true
+  {{- with .Values.model.pvc.subPath }}
+  subPath: {{ . }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "elasticmoe.initContainers" -}}
+{{- if not .Values.model.pvc.claimName }}
+- name: make-model
+  image: {{ include "elasticmoe.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+    - elasticmoe
+    - make-model
+    - --arch
+    - {{ .Values.model.generate.arch | quote }}
+    - --preset
+    - {{ .Values.model.generate.preset | quote }}
+    - --seed
+    - {{ .Values.model.generate.seed | quote }}
+    - --out
+    - {{ .Values.model.path | quote }}
+  volumeMounts:
+    {{- include "elasticmoe.modelMount" . | nindent 4 }}
+  {{- with .Values.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes shared by head and workers; /dev/shm is sized per group. */}}
+{{- define "elasticmoe.volumes" -}}
+{{- $ctx := index . 0 }}
+{{- $shmSizeLimit := index . 1 }}
+{{- include "elasticmoe.modelVolume" $ctx }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ $shmSizeLimit }}
+{{- with $ctx.Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "elasticmoe.volumeMounts" -}}
+{{- include "elasticmoe.modelMount" . }}
+- name: dshm
+  mountPath: /dev/shm
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* rayStartParams: values are strings for KubeRay. */}}
+{{- define "elasticmoe.rayStartParams" -}}
+{{- range $key, $value := . }}
+{{ $key }}: {{ $value | toString | quote }}
+{{- end }}
+{{- end }}

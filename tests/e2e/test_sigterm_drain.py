@@ -1,0 +1,171 @@
+"""SIGTERM on `elasticmoe serve`: stop accepting (503), finish what is in flight, release, exit.
+
+Each server runs as a real subprocess (the elastic one with its own local Ray). A
+long stream is in flight when SIGTERM arrives: it must finish in full, a new request
+must get 503 meanwhile, the process must exit 0, and afterwards no process it
+started may be alive and (elastic) no shared-memory file of its HMM may remain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hmm.memory import list_segments
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc; no psutil)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start(args: list[str], port: int, timeout_s: float) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICMOE_API_KEY": "", "ELASTICMOE_ADMIN_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "elasticmoe.cli", "serve", *args, "--port", str(port),
+                             "--served-model-name", MODEL], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited early:\n{proc.stdout.read()[-4000:]}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"server not ready in {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
+
+
+def _drain_on_sigterm(proc: subprocess.Popen, port: int) -> tuple[list[dict], httpx.Response, set[int]]:
+    """Start a long stream, SIGTERM once it streams, try a new request; returns (stream events,
+    the new request's response, the server's descendants before the signal)."""
+    url = f"http://127.0.0.1:{port}"
+    events: list[dict] = []
+    first = threading.Event()
+    errors: list[BaseException] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+                        first.set()
+                    elif line == "data: [DONE]":
+                        events.append({"done": True})
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+            first.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first.wait(60), "the stream never started"
+    family = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    refused = None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the signal is handled asynchronously: poll until refused
+        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1},
+                             timeout=30)
+        if refused.status_code == 503:
+            break
+        time.sleep(0.05)
+    thread.join(120)
+    assert not errors, errors
+    return events, refused, family
+
+
+def _check_exit(proc: subprocess.Popen, family: set[int], timeout_s: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("server did not exit after SIGTERM") from None
+    assert proc.returncode == 0, out[-4000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in family):
+        time.sleep(0.5)
+    left = sorted(p for p in family if _alive(p))
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+    return out
+
+
+def _check_stream(events: list[dict], refused: httpx.Response) -> None:
+    assert events[-1] == {"done": True}
+    assert events[-2]["choices"][0]["finish_reason"] == "length"  # all 120 tokens, not cut off
+    assert refused is not None and refused.status_code == 503, refused and refused.text
+    assert refused.json()["error"]["code"] == 503 and refused.headers["retry-after"] == "1"
+
+
+def test_single_server_drains_on_sigterm(tiny_model_dir):
+    port = _free_port()
+    proc = _start(["--single", "--model", tiny_model_dir, "--shutdown-timeout", "60"], port, 120)
+    events, refused, family = _drain_on_sigterm(proc, port)
+    _check_stream(events, refused)
+    out = _check_exit(proc, family, 60)
+    assert "drain finished" in out and "'drained': True" in out
+
+
+def test_elastic_server_drains_on_sigterm_and_releases_everything(tiny_model_dir):
+    port, prefix = _free_port(), f"emoesig{secrets.token_hex(4)}"
+    proc = _start(["--model", tiny_model_dir, "--devices", "2", "--dp", "1", "--device-memory-gb", "0.0625",
+                   "--kv-cache-gb", "0.004", "--no-standby-pool", "--shm-prefix", prefix,
+                   "--shutdown-timeout", "60"], port, 240)
+    try:
+        assert list_segments(prefix), "the HMM made no shared-memory files (wrong prefix?)"
+        events, refused, family = _drain_on_sigterm(proc, port)
+        assert len(family) > 3  # Ray's processes, the coordinator replica, device workers, ranks
+        _check_stream(events, refused)
+        out = _check_exit(proc, family, 180)
+        assert "'drained': True" in out
+        assert list_segments(prefix) == [], "shared-memory files left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
