@@ -6,7 +6,10 @@ and route wiring as the single-process server, over a `RouterEngineClient`),
 `/ready`, `/metrics`, `GET /admin/status`, and the scale API: `POST /admin/scale
 {"dp": N, "strategy": "elastic"}` (202 with the event id; the scale runs in a
 background thread, see `coordinator.scaler` and `coordinator.strategies`) and
-`GET /admin/scale/{event_id}`.
+`GET /admin/scale/{event_id}`; `GET|POST /admin/autoscaler` (the SLO-driven autoscaler of
+`coordinator.autoscaler`; a manual scale pauses it) and `POST /admin/drain`. API keys,
+size limits and the drain (503 for new `/v1/*` requests) are middleware shared with the
+single-process server (`install_guards`).
 
 The FastAPI app is built per replica after the constructor
 (`__serve_build_asgi_app__`, Serve's late-bound `@serve.ingress()`), so its

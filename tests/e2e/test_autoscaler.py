@@ -1,0 +1,174 @@
+"""The autoscaler on the elastic server under a generated ramp-then-drop load (tiny model).
+
+One server (2 devices, dp 1, one request per rank at a time so that a burst queues),
+API and admin keys on. The load: 1 rps, a step to 16 rps (well over what one
+rank serves within the SLO), then 0.5 rps. The autoscaler must scale up while
+attainment is below target, see attainment recover, scale down after the load
+drops, never scale twice within a cooldown, and no request may fail. Then the
+admin API: a manual scale pauses the autoscaler, `POST /admin/autoscaler` resumes it,
+and keys are enforced (the load itself ran with them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import secrets
+import socket
+import time
+
+import httpx
+import pytest
+
+from coordinator.autoscaler import AutoscaleConfig
+from coordinator.bench.arrivals import Ramp
+from coordinator.bench.load_report import events_on_axis
+from coordinator.bench.load_runner import LoadSpec, run_load
+from coordinator.bench.request_shapes import AdapterMix, LengthDist
+from coordinator.config import CoordinatorConfig
+from coordinator.launch import start_elastic
+from elasticmoe.entrypoints.openai.access import AccessPolicy
+from hmm.memory import list_segments
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-qwen3-moe"
+API_KEY, ADMIN_KEY = "sk-test-" + secrets.token_hex(8), "sk-admin-" + secrets.token_hex(8)
+AUTOSCALE = AutoscaleConfig(
+    enabled=True, min_dp=1, max_dp=2, slo_ttft_s=0.5, slo_tpot_s=0.25, target_attainment=0.9,
+    scale_down_attainment=0.99, window_s=5, interval_s=0.5, scale_up_after_s=2, scale_down_after_s=5,
+    cooldown_s=6, min_samples=5,
+)
+HIGH = (9.0, 17.0)  # the 16 rps step: about 1.6x what one rank serves
+DURATION = 50.0
+LOAD = Ramp(((0.0, 1.0), (8.0, 1.0), (HIGH[0], 16.0), (HIGH[1] - 1, 16.0), (HIGH[1], 0.5), (DURATION, 0.5)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    prefix = f"emoeauto{secrets.token_hex(4)}"
+    config = CoordinatorConfig(
+        model_dir=tiny_model_dir, num_devices=2, dp=1, dtype="float32", device_memory_bytes=64 << 20,
+        kv_bytes_per_device=4 << 20, served_model_name=MODEL, shm_prefix=prefix, max_num_seqs=1,
+        autoscale=AUTOSCALE, access=AccessPolicy(api_key=API_KEY, admin_key=ADMIN_KEY),
+    )
+    srv = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        gc.collect()
+    assert list_segments(prefix) == [], "shared-memory files leaked"
+
+
+def _admin(server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+
+
+def _wait_idle(server, timeout_s: float = 120) -> dict:
+    """Until no scale runs and the standby pool is ready (a fair start for the next phase)."""
+    deadline = time.monotonic() + timeout_s
+    with _admin(server) as c:
+        while time.monotonic() < deadline:
+            status = c.get("/admin/status").json()
+            if status["scale_event"] is None and not status["standby"]["preparing"]:
+                return status
+            time.sleep(0.5)
+    raise AssertionError("the server did not settle")
+
+
+def test_ramp_then_drop_scales_up_recovers_and_scales_down(server):
+    _wait_idle(server)
+    spec = LoadSpec(LOAD, duration_s=DURATION, mix=AdapterMix.single(MODEL),
+                    prompt_len=LengthDist("uniform", 8, 16), output_len=LengthDist("fixed", 48), seed=7)
+    result = asyncio.run(run_load(spec, server.url, api_key=API_KEY, admin_key=ADMIN_KEY,
+                                  watch_scale_events=True, poll_interval_s=0.5, request_timeout_s=120))
+    records = result.records
+    failed = [r for r in records if not r.is_ok]
+    assert not failed, f"{len(failed)} failed, e.g. {failed[0].status} {failed[0].error}"
+    assert len(records) > 100
+
+    # The backlog of the step drains at its own pace (on 2 cores a second rank adds little
+    # decode throughput to the tiny model): give the scale-down time to come.
+    with _admin(server) as c:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            status = c.get("/admin/autoscaler").json()
+            decisions = [d for d in status["decisions"] if d["outcome"] == "started"]
+            if len(decisions) >= 2:
+                break
+            time.sleep(1)
+        _wait_idle(server)
+        status = c.get("/admin/autoscaler").json()
+        scale_events = c.get("/admin/status").json()["scale_events"]
+    decisions = [d for d in status["decisions"] if d["outcome"] == "started"]
+    assert [(d["action"], d["dp"], d["target_dp"]) for d in decisions] == [("scale_up", 1, 2), ("scale_down", 2, 1)], (
+        status["decisions"], status["last_evaluation"], status["rank_capacity_rps"])
+    up, down = decisions
+    # Scaled up because attainment was below target (the step made one rank too slow) ...
+    assert up["inputs"]["attainment"] < AUTOSCALE.target_attainment
+    assert up["inputs"]["num_finished"] >= AUTOSCALE.min_samples
+    # ... and down after the load dropped, with attainment high (or the window idle).
+    assert down["inputs"]["attainment"] is None or down["inputs"]["attainment"] >= AUTOSCALE.scale_down_attainment
+    assert down["inputs"]["arrival_rps"] < 2.0
+
+    events = events_on_axis(scale_events, result.t0_wall)
+    assert [(e["from_dp"], e["to_dp"], e["state"]) for e in events] == [(1, 2, "succeeded"), (2, 1, "succeeded")]
+    assert HIGH[0] < events[0]["start_s"] < HIGH[1] + 5, "scaled up outside the load step"
+    assert events[1]["start_s"] > HIGH[1], "scaled down before the load dropped"
+    # At most one scale per cooldown: the next starts only after the previous one's cooldown.
+    assert events[1]["start_s"] - events[0]["end_s"] >= AUTOSCALE.cooldown_s - 0.5
+
+    # Recovery: before scaling down, the estimator saw attainment back at the top of the band,
+    # and the requests that arrived in the seconds before the scale-down met the TTFT target.
+    late = [r for r in records if events[1]["start_s"] - 5 < r.arrival_s < events[1]["start_s"]]
+    assert all(r.ttft_s <= AUTOSCALE.slo_ttft_s for r in late)
+
+
+def test_manual_scale_pauses_the_autoscaler_until_resumed(server):
+    _wait_idle(server)
+    with _admin(server) as c:
+        r = c.post("/admin/scale", json={"dp": 2})
+        assert r.status_code == 202 and r.json()["autoscaler_paused"] is True
+        paused = c.get("/admin/autoscaler").json()
+        assert paused["paused"].startswith("manual scale") and paused["enabled"] is True
+        _wait_idle(server)
+        status = c.get("/admin/status").json()
+        assert status["active_config"]["dp"] == 2
+        assert status["autoscaler"]["last_evaluation"]["reason"].startswith("paused")
+        metrics = httpx.get(f"{server.url}/metrics").text  # open without a key
+        assert "elasticmoe_autoscaler_enabled 0.0" in metrics
+        bad = c.post("/admin/autoscaler", json={"enabled": "yes"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "enabled"
+        resumed = c.post("/admin/autoscaler", json={"enabled": True}).json()
+        assert resumed["paused"] is None and resumed["enabled"] is True
+        off = c.post("/admin/autoscaler", json={"enabled": False}).json()
+        assert off["enabled"] is False
+
+
+@pytest.mark.parametrize(
+    "path, key, status",
+    [
+        ("/v1/models", None, 401),
+        ("/v1/models", ADMIN_KEY, 401),
+        ("/v1/models", API_KEY, 200),
+        ("/admin/status", API_KEY, 401),
+        ("/admin/status", ADMIN_KEY, 200),
+        ("/admin/autoscaler", None, 401),
+        ("/health", None, 200),
+        ("/ready", None, 200),
+        ("/metrics", None, 200),
+    ],
+)
+def test_keys_on_the_elastic_server(server, path, key, status):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(f"{server.url}{path}", headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    if status == 401:
+        assert r.json()["error"]["type"] == "AuthenticationError"
