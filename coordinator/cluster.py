@@ -99,6 +99,7 @@ class ClusterManager:
         self.standby = InstanceManager(instance_factory(config.model_dir, config.engine_options()), capacity=2)
         self.adapters = ClusterAdapterHost(self, publish=lambda names: None)  # the app sets `publish`
         self._standby_thread: threading.Thread | None = None
+        self._closing = threading.Event()  # ends a delayed standby preparation at shutdown
         self._is_shut_down = False
         self._lock = threading.Lock()
 
@@ -127,14 +128,17 @@ class ClusterManager:
             self.shutdown()
             raise
 
-    def prepare_standby(self) -> None:
-        """Boot standby instances for dp-1 and dp+1 of the active one, in the background."""
+    def prepare_standby(self, delay_s: float = 0.0) -> None:
+        """Boot standby instances for dp-1 and dp+1 of the active one, in the background,
+        starting `delay_s` from now (a boot takes CPU from serving when devices are cores)."""
         inst, hmm = self.active, self.hmm
         if not self.config.standby_pool or inst is None or hmm is None or self._is_shut_down:
             return
         dps = [d for d in (inst.dp + 1, inst.dp - 1) if 1 <= d <= len(hmm.devices)]
 
         def work() -> None:
+            if self._closing.wait(delay_s):
+                return
             try:
                 self.standby.prepare(dps)
             except Exception:  # noqa: BLE001 - a missing standby only makes the next scale slower
@@ -159,6 +163,7 @@ class ClusterManager:
             if self._is_shut_down:
                 return
             self._is_shut_down = True
+        self._closing.set()
         self.standby.shutdown()  # NOTE: first, so a boot that finishes now is retired, not pooled
         self.wait_standby()
         self.router.clear_active()

@@ -42,6 +42,9 @@ class CoordinatorConfig:
     shm_prefix: str = DEFAULT_PREFIX  # names of the HMM's /dev/shm files (tests use a unique one)
     max_hold_s: float = 30.0  # longest a request waits at the router's gate during a switchover
     standby_pool: bool = True  # pre-initialise standby instances for dp-1 and dp+1 (paper §4.5)
+    # Seconds after a scale before the pool is refilled: on CPU "devices" a boot competes with
+    # serving for the same cores (accelerator serving would not feel it); 0 refills at once.
+    standby_delay_s: float = 0.0
     max_esft_adapters: int = 4  # ESFT adapter slots (0: none); address space only until loaded
     max_esft_experts: int = 16  # E_max: most experts one adapter tunes in one layer
     esft_adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
@@ -87,6 +90,8 @@ class CoordinatorConfig:
             raise ValueError("--max-loras: must be >= 0 and hold every --lora-adapter; --max-lora-rank >= 1")
         if self.autoscale.min_dp > self.num_devices:
             raise ValueError(f"--autoscale-min-dp: {self.autoscale.min_dp} exceeds the {self.num_devices} devices")
+        if not 0 <= self.standby_delay_s <= 3600:
+            raise ValueError(f"--standby-delay: must be between 0 and 3600 s, got {self.standby_delay_s}")
         if not 0 <= self.shutdown_timeout_s <= 3600:
             raise ValueError(f"--shutdown-timeout: must be between 0 and 3600 s, got {self.shutdown_timeout_s}")
         if self.num_threads < 1:

@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from coordinator.router import NoActiveInstance, Router
 from elasticmoe.entrypoints.openai.errors import OpenAIError
@@ -120,15 +120,23 @@ class RouterEngineClient:
         self.num_queued += 1
         try:
             for attempt in range(_MAX_ROUTES):
+                streamed = False
                 try:
                     async with self.router.route() as rank:
                         async for out in _stream_from(rank, request_id, prompt, params, self.handover_routes,
                                                       adapter, lora_routing):
+                            streamed = True
                             yield out
                     return
                 except RankPaused:
                     # Nothing was streamed; the gate holds the next route until the switchover ends.
                     logger.info("request %s reached a pausing rank; routing it again (%d)", request_id, attempt + 1)
+                except RayActorError:
+                    # The rank was retired while this call still waited in its queue (a scale ran in
+                    # between): nothing reached the engine, so routing it again loses nothing.
+                    if streamed:
+                        raise
+                    logger.info("request %s reached a retired rank; routing it again (%d)", request_id, attempt + 1)
             raise OpenAIError("No inference instance accepted the request; retry later.", status_code=503)
         except NoActiveInstance as exc:
             logger.warning("request %s: %s", request_id, exc)

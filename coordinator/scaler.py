@@ -152,7 +152,7 @@ class Scaler:
             old.retire()
             hmm.commit()
         event.peak_memory_bytes = sum(u.peak for u in hmm.usage().values())
-        cluster.prepare_standby()
+        cluster.prepare_standby(cluster.config.standby_delay_s)
         return None
 
     def _target(self, to_dp: int, strat: ScaleStrategy) -> TargetConfig:

@@ -222,6 +222,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     elastic.add_argument("--no-standby-pool", action="store_true",
                          help="do not pre-initialise standby instances for dp-1 and dp+1 (saves their processes' "
                          "memory; each scale then boots its target instance, ~2 s slower)")
+    elastic.add_argument("--standby-delay", type=float, default=0.0, metavar="S",
+                         help="wait S seconds after a scale before booting the next standby instances (on CPU a "
+                         "boot takes cores from serving; default 0: at once)")
     elastic.add_argument("--shm-prefix", default=None, metavar="PREFIX",
                          help="name prefix of the HMM's /dev/shm files (default elasticmoe-hmm); give each server "
                          "on one machine its own")
@@ -396,7 +399,7 @@ def _run_serve_elastic(
             kv_bytes_per_device=int(kv_cache_gb * (1 << 30)), max_queued=args.max_queued,
             served_model_name=args.served_model_name, standby_pool=not args.no_standby_pool,
             max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs, standby_delay_s=args.standby_delay,
             max_esft_adapters=args.max_esft_adapters, max_esft_experts=args.max_esft_experts,
             esft_adapters=tuple(esft_adapters.items()),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

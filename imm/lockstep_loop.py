@@ -55,6 +55,7 @@ from elasticmoe.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 _RUN, _PAUSE, _STOP = 0, 1, 2
+_ADOPTED_TTL_S = 600.0  # an adopted stream nobody resumed for this long is forgotten
 
 
 class HandedOver(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -85,6 +86,9 @@ class LockstepAsyncLLM(AsyncLLM):
         self.idle_wait_s = idle_wait_s
         self.num_rounds = 0
         self.num_steps = 0
+        # Adopted streams until their `resume` (monotonic adoption time): a short request can
+        # finish here (leaving `_streams`) before its client, busy elsewhere, calls `resume`.
+        self._adopted: dict[str, tuple[float, _Stream]] = {}
         self.is_paused = False
         self.pause_requested = False  # set before the loop is asked to pause; new requests are turned away
 
@@ -149,25 +153,36 @@ class LockstepAsyncLLM(AsyncLLM):
         """Register a stream (on the caller's event loop) per imported request; `resume` reads it.
         NOTE: call before the import reaches the engine, or its first outputs have no stream."""
         loop = asyncio.get_running_loop()
+        now = time.monotonic()
         with self._lock:
             clash = [r for r in request_ids if r in self._streams]
             if clash:
                 raise ValueError(f"requests {clash} already have a stream here")
+            # A client that never came back (it went away during the handover) leaves its entry;
+            # drop those long past any handover timeout.
+            for request_id, (adopted_at, _) in list(self._adopted.items()):
+                if now - adopted_at > _ADOPTED_TTL_S:
+                    del self._adopted[request_id]
             for request_id in request_ids:
-                self._streams[request_id] = _Stream(loop, asyncio.Queue())
+                stream = _Stream(loop, asyncio.Queue())
+                self._streams[request_id] = stream
+                self._adopted[request_id] = (now, stream)
 
     def drop_streams(self, request_ids: list[str]) -> None:
         """Forget adopted streams whose import failed (nothing will be delivered to them)."""
         for request_id in request_ids:
             self._forget(request_id)
+            with self._lock:
+                self._adopted.pop(request_id, None)
 
     async def resume(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Stream an adopted request's outputs until one is finished (like `generate` after
         the add). Leaving early aborts the request in the engine."""
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
+            adopted = self._adopted.pop(request_id, None)
+        if adopted is None:
             raise KeyError(f"no handed-over request {request_id!r} here")
+        stream = adopted[1]  # its queue holds every output, the finished one too
         async with contextlib.aclosing(self._consume(request_id, stream, report_abort=False)) as outputs:
             async for output in outputs:
                 yield output

@@ -95,6 +95,48 @@ def test_pause_export_import_resume_splices_streams(tiny_model_dir):
         assert stream[-1].output_token_ids == expected[rid], rid
 
 
+def test_resume_after_the_imported_request_already_finished(tiny_model_dir):
+    """Under load a client's `resume` can arrive after its (short) request finished on the new
+    rank: the adopted stream must still deliver every output (seen once as a 500 KeyError)."""
+    old, new = LockstepAsyncLLM(_engine(tiny_model_dir), None), LockstepAsyncLLM(_engine(tiny_model_dir), None)
+    old.start()
+    new.start()
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # long enough to be paused
+
+    async def main() -> list:
+        outs: list = []
+        stream = old.generate([5, 6, 7], params, "short")
+        outs.append(await anext(stream))
+        await asyncio.to_thread(old.pause)
+        old.apply_queued_commands()
+        snaps = old.engine.export_requests(hand_over_kv=False)  # type: ignore[attr-defined]
+        assert [s.request_id for s in snaps] == ["short"]
+        old.hand_over_streams([s.request_id for s in snaps])
+        with pytest.raises(HandedOver):
+            async for out in stream:  # the outputs of the steps before the pause, then the marker
+                outs.append(out)
+        new.adopt_streams(["short"])
+        await new.run_on_loop(lambda: new.engine.import_requests(snaps, kv_is_shared=False))  # type: ignore[attr-defined]
+        for _ in range(500):  # let it run to the end before anyone resumes it
+            if not new.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        assert not new.engine.has_unfinished_requests()
+        async for out in new.resume("short"):
+            outs.append(out)
+        with pytest.raises(KeyError):  # resumed once only
+            await anext(new.resume("short"))
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        old.shutdown()
+        new.shutdown()
+    assert outs[-1].finished and len(outs[-1].output_token_ids) == 64
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].output_token_ids
+
+
 def test_kv_fence_holds_every_block_until_released():
     bm = BlockManager(8, 16)
     fence = KVFence(bm)

@@ -16,6 +16,7 @@ import gc
 import secrets
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -172,3 +173,14 @@ def test_keys_on_the_elastic_server(server, path, key, status):
     assert r.status_code == status, r.text
     if status == 401:
         assert r.json()["error"]["type"] == "AuthenticationError"
+
+
+def test_no_key_in_any_log(server):
+    """Every log of the Ray session (driver, Serve, replicas, actors) is free of both keys."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    files = [p for p in logs.rglob("*") if p.is_file()]
+    assert files
+    leaked = [p.name for p in files if API_KEY.encode() in p.read_bytes() or ADMIN_KEY.encode() in p.read_bytes()]
+    assert not leaked

@@ -1,0 +1,69 @@
+"""`RouterEngineClient.generate` routes a request again when its rank was retired before it ran
+(Ray's ActorDiedError, seen under load at a scale's switchover), never after it streamed; and
+the SLO estimator hears about arrivals and failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+import coordinator.engine_client as engine_client
+from coordinator.engine_client import RouterEngineClient
+from coordinator.router import Router
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.sampling_params import SamplingParams
+
+
+def _output(request_id: str, finished: bool) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt_token_ids=[1], new_token_ids=[7], new_text="x",
+                         output_token_ids=[7], text="x", finished=finished,
+                         finish_reason="length" if finished else None)
+
+
+def _client(monkeypatch, script):
+    """A client over ranks "old" and "new" whose streams follow `script(rank, attempt)`."""
+    calls: list[str] = []
+
+    async def fake_stream_from(rank, request_id, *args, **kwargs):
+        calls.append(rank)
+        async for out in script(rank, len(calls), request_id):
+            yield out
+
+    monkeypatch.setattr(engine_client, "_stream_from", fake_stream_from)
+    router: Router[str] = Router()
+    router.set_active(["old"])
+    client = RouterEngineClient(router, tokenizer=None, max_model_len=64, max_queued=4)
+    events: list[str] = []
+    client.on_arrival, client.on_failed = (lambda: events.append("arrival")), (lambda: events.append("failed"))
+    return client, router, calls, events
+
+
+async def _collect(client: RouterEngineClient) -> list[RequestOutput]:
+    return [o async for o in client.generate([1], SamplingParams(max_tokens=1), "r1")]
+
+
+def test_a_retired_rank_before_any_output_is_routed_again(monkeypatch):
+    async def script(rank, attempt, request_id):
+        if rank == "old":
+            router.set_active(["new"])  # the switchover happened meanwhile
+            raise ActorDiedError()
+        yield _output(request_id, finished=True)
+
+    client, router, calls, events = _client(monkeypatch, script)
+    outs = asyncio.run(_collect(client))
+    assert calls == ["old", "new"] and outs[-1].finished
+    assert events == ["arrival"] and client.num_queued == 0
+
+
+def test_a_rank_dying_after_output_fails_the_request(monkeypatch):
+    async def script(rank, attempt, request_id):
+        yield _output(request_id, finished=False)
+        raise ActorDiedError()
+
+    client, router, calls, events = _client(monkeypatch, script)
+    with pytest.raises(ActorDiedError):
+        asyncio.run(_collect(client))
+    assert calls == ["old"]  # never sent twice: its tokens were already streamed
+    assert events == ["arrival", "failed"] and client.num_queued == 0
