@@ -9,7 +9,7 @@ off: the commands are issued at fixed times, as in the paper). Per strategy
 - calibration: the workload's capacity at dp 1 and dp 2 (closed-loop bursts), so the
   load levels below mean the same on any machine;
 - scale-up (Fig. 9a): dp 1 serves a low load; at t=0 it steps to a rate dp 1 cannot
-  sustain but dp 2 can (midway between the two capacities); the scale command
+  sustain but dp 2 can (0.8 x the dp-2 capacity); the scale command
   (dp 1 -> 2) is issued `--command-delay-s` later; SLO attainment per time bin;
 - scale-down (Fig. 9b): dp 2 serves that rate; at t=0 it drops to a low one and
   dp 2 -> 1 is issued `--command-delay-s` later; attainment and attainment per device
@@ -149,7 +149,7 @@ async def experiments(bench: Bench, strategies: Sequence[str]) -> dict[str, Any]
     _progress("calibrating: capacity of the workload at dp 1 and dp 2")
     cap = {dp: await bench.capacity(dp, args.calibration_requests) for dp in (1, 2)}
     _progress(f"capacity: dp 1 {cap[1]:.2f} req/s, dp 2 {cap[2]:.2f} req/s ({cap[2] / cap[1]:.2f}x)")
-    high = args.high_rps or (cap[1] + cap[2]) / 2
+    high = args.high_rps or 0.8 * cap[2]
     low = args.low_rps or 0.4 * cap[1]
     pre, delay, duration = args.pre_s, args.command_delay_s, args.run_s
     up_load = Ramp(((0.0, low), (pre - 0.01, low), (pre, high), (pre + duration, high)))
@@ -290,11 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-requests", type=int, default=32, help="requests per capacity burst")
     p.add_argument("--low-rps", type=float, default=None, help="the low rate (default 0.4 x dp-1 capacity)")
     p.add_argument("--high-rps", type=float, default=None,
-                   help="the high rate (default midway between the dp-1 and dp-2 capacities)")
+                   help="the high rate (default 0.8 x the dp-2 capacity: Poisson arrivals queue well below "
+                   "the closed-loop capacity)")
+    p.add_argument("--standby-delay-s", type=float, default=15.0,
+                   help="the server's --standby-delay: no standby boot competes for the cores in the first S s "
+                   "after a scale (on accelerators it would not)")
     p.add_argument("--pre-s", type=float, default=6.0, help="seconds before the load step (t=0 of Fig. 9)")
     p.add_argument("--command-delay-s", type=float, default=2.0, help="scale command this long after the step")
     p.add_argument("--run-s", type=float, default=30.0, help="seconds of load after the step")
-    p.add_argument("--levels", type=_levels, default=_levels("0.6,0.9,1.1,1.3"),
+    p.add_argument("--levels", type=_levels, default=_levels("0.6,1.0,1.4"),
                    help="Fig. 10 load levels as multiples of the dp-1 capacity")
     p.add_argument("--level-s", type=float, default=25.0, help="seconds of load per level")
     p.add_argument("--command-at-s", type=float, default=4.0, help="Fig. 10: scale command at this time")
@@ -330,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=model_dir, num_devices=2, dp=1, dtype=args.dtype, device_memory_bytes=int(preset[1] * _GIB),
         kv_bytes_per_device=int(preset[2] * _GIB), max_queued=1024, shm_prefix=f"emoeauto{secrets.token_hex(4)}",
         autoscale=AutoscaleConfig(enabled=False, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s),
+        standby_delay_s=args.standby_delay_s,
     )
     _progress(f"starting the elastic server: {model_dir}, 2 devices, dp 1, {args.dtype}")
     server = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
@@ -354,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                    "prompt_len": args.prompt_len.spec(), "output_len": args.output_len.spec(),
                    "slo_ttft_s": args.slo_ttft_s, "slo_tpot_s": args.slo_tpot_s, "pre_s": args.pre_s,
                    "command_delay_s": args.command_delay_s, "run_s": args.run_s, "levels": args.levels,
-                   "level_s": args.level_s, "command_at_s": args.command_at_s, "bin_s": args.bin_s},
+                   "level_s": args.level_s, "command_at_s": args.command_at_s, "bin_s": args.bin_s,
+                   "standby_delay_s": args.standby_delay_s},
         **results,
     }
     print(format_tables(doc), file=sys.stderr)

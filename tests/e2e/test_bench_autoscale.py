@@ -28,7 +28,8 @@ def test_autoscale_bench_on_tiny_model(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "coordinator.bench.autoscale", "--preset", "tiny", "--model", tiny_model_dir,
            "--dtype", "float32", "--strategies", "elastic,cold_restart", "--levels", "0.5,1.0", "--run-s", "5",
            "--level-s", "5", "--pre-s", "2", "--command-delay-s", "1", "--command-at-s", "2",
-           "--calibration-requests", "8", "--prompt-len", "uniform:16:32", "--output-len", "8", "--json",
+           "--calibration-requests", "8", "--prompt-len", "uniform:16:32", "--output-len", "8", "--standby-delay-s", "0",
+           "--json",
            "--plot", str(plot)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
