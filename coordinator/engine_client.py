@@ -178,6 +178,7 @@ async def _stream_from(
                     raise _cause(exc) from None
                 if isinstance(out, HandedOverOutput):
                     handed_over = True  # the marker is the stream's last item
+                    routes.saw_marker(request_id)  # the scaler retires the old rank after this
                     continue
                 finished = out.finished
                 yield out

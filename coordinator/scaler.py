@@ -75,6 +75,7 @@ class Scaler:
         self.routes = routes
         self.call_on_loop = call_on_loop
         self.on_activated = on_activated  # gets the new instance's max_model_len
+        self._exported: list[str] = []  # request ids the running scale exported from the old instance
 
     def validate(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> int:
         """The current dp; raises `ValueError` naming "dp" or "strategy" for an impossible scale."""
@@ -149,7 +150,7 @@ class Scaler:
                 hmm.abort()
                 return f"rolled back at switchover: {exc}"
             self._finish(event, new, int(max_model_len), t0)
-            old.retire()
+            self._retire_after_markers(old)
             hmm.commit()
         event.peak_memory_bytes = sum(u.peak for u in hmm.usage().values())
         cluster.prepare_standby(cluster.config.standby_delay_s)
@@ -232,7 +233,8 @@ class Scaler:
             old.pause()
             snaps = old.export_requests(hand_over_kv=False)
             event.requests_in_flight = sum(len(s) for s in snaps.values())
-            old.retire()
+            self._exported = [s.request_id for ss in snaps.values() for s in ss]
+            self._retire_after_markers(old)
             hmm.unload()
             hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
                      esft_slots=cfg.esft_slots)
@@ -266,6 +268,7 @@ class Scaler:
             old.pause()
             snaps = old.export_requests(hand_over_kv=hand_over_kv)
             event.requests_in_flight = sum(len(s) for s in snaps.values())
+            self._exported = [s.request_id for ss in snaps.values() for s in ss]
             routes = new.import_requests(snaps, kv_is_shared=hand_over_kv)
             event.requests_handed_over = len(routes)
             # NOTE: publish before opening the gate; consumers of `old`'s streams block on these.
@@ -281,12 +284,24 @@ class Scaler:
             self.call_on_loop(router.open_gate)
             event.downtime_s = time.perf_counter() - t_close
 
+    def _retire_after_markers(self, old: Instance, timeout_s: float = 10.0) -> None:
+        """Retire `old` once the consumers of its exported requests have read their handover
+        markers (a rank killed earlier may take undelivered outputs with it)."""
+        missing = self.routes.wait_markers(self._exported, timeout_s)
+        if missing:
+            logger.warning("retiring %s: %d handed-over streams unread after %.0f s (clients gone?)",
+                           old, len(missing), timeout_s)
+        self._exported = []
+        old.retire()
+
     def _undo_switchover(
         self, old: Instance, new: Instance, snaps: dict[int, list[RequestSnapshot]] | None, kv_kept: bool
     ) -> None:
         # NOTE: retire the new instance first: on kept devices it shares the old KV pools and may
         # already be stepping imported requests; the old one must be their only writer again.
         new.retire()
+        self.routes.wait_markers(self._exported, 0.0)  # forget them: `old` keeps its requests
+        self._exported = []
         if old.is_paused:
             self.routes.publish(old.reinstate(snaps or {}, kv_kept))
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +124,27 @@ class HandoverRoutes:
 
     def __init__(self) -> None:
         self._routes: dict[str, Any] = {}
+        self._markers: set[str] = set()  # requests whose consumer has read the handover marker
         self._cond = threading.Condition()
+
+    def saw_marker(self, request_id: str) -> None:
+        """The consumer read `request_id`'s marker: every output before it has arrived."""
+        with self._cond:
+            self._markers.add(request_id)
+            self._cond.notify_all()
+
+    def wait_markers(self, request_ids: Iterable[str], timeout_s: float) -> set[str]:
+        """Wait until every consumer of `request_ids` read its marker (then forget them); the
+        ids still unread at the timeout (e.g. a client that went away) are returned.
+
+        NOTE: a rank reports its stream items asynchronously: killing it right after the
+        export can lose the marker and outputs before it, so retire it only after this."""
+        wanted = set(request_ids)
+        with self._cond:
+            self._cond.wait_for(lambda: wanted <= self._markers, timeout_s)
+            missing = wanted - self._markers
+            self._markers -= wanted
+            return missing
 
     def publish(self, routes: Mapping[str, Any]) -> None:
         with self._cond:

@@ -67,3 +67,19 @@ def test_a_rank_dying_after_output_fails_the_request(monkeypatch):
         asyncio.run(_collect(client))
     assert calls == ["old"]  # never sent twice: its tokens were already streamed
     assert events == ["arrival", "failed"] and client.num_queued == 0
+
+
+def test_handover_markers_are_awaited_then_forgotten():
+    import threading
+    import time
+
+    from imm.handover import HandoverRoutes
+
+    routes = HandoverRoutes()
+    assert routes.wait_markers(["a", "b"], 0.05) == {"a", "b"}  # nobody read them: timed out
+    threading.Timer(0.05, routes.saw_marker, args=("a",)).start()
+    threading.Timer(0.1, routes.saw_marker, args=("b",)).start()
+    t0 = time.monotonic()
+    assert routes.wait_markers(["a", "b"], 5.0) == set()
+    assert time.monotonic() - t0 < 4.0
+    assert routes.wait_markers(["a"], 0.0) == {"a"}  # forgotten once awaited
