@@ -36,7 +36,7 @@ rotated per repeat, so load drift on a shared machine hits all of them alike.
    critical path (and requests of other adapters wait for the slot); `--swap-slots` may add
    S = number of adapters (all resident, no swaps) as the other bound. `speedup_vs_paging` =
    total time at S = 1 / total time at S. The engine copies adapters into slots on a background
-   thread (`LLMEngine.lora_async_swaps`; a swap then counts in the step that makes it resident);
+   thread (`LoraSwapper.async_swaps`; a swap then counts in the step that makes it resident);
    `--sync-swaps` copies inside the step instead, so a swap step's time includes the copy.
 
 Progress and tables go to stderr, the JSON document to stdout.
@@ -102,8 +102,8 @@ def make_engine(model_dir: str, args: argparse.Namespace, slots: int, adapters: 
         max_lora_rank=args.rank, max_cpu_loras=max_cpu_loras, seed=args.seed,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_model_len=args.input_len + args.output_len,
     ))
-    if args.sync_swaps:
-        engine.lora_async_swaps = False  # copy on the engine thread, inside the step
+    if args.sync_swaps and engine.lora_swapper is not None:
+        engine.lora_swapper.async_swaps = False  # copy on the engine thread, inside the step
     for a in adapters:
         engine.load_lora_adapter(a.name, a.modules, a.weights, a.config.scaling)
     return engine
@@ -318,7 +318,8 @@ def bench_swap(model_dir: str, adapters: list[LoraAdapter], args: argparse.Names
                                            f"s{s}-r{rep}"))
         _log(f"swap repeat {rep}: " + ", ".join(
             f"S={s}: {runs[s][-1]['wall_s']:.2f}s, {runs[s][-1]['swaps_in']} swaps" for s in slots))
-    async_swaps = bool(getattr(engines[slots[0]], "lora_async_swaps", False))
+    swapper = engines[slots[0]].lora_swapper
+    async_swaps = swapper is not None and swapper.async_swaps
     del engines
     gc.collect()
     counts = [0] * len(adapters)

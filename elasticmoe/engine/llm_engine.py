@@ -21,9 +21,10 @@ from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
 from elasticmoe.engine.kv_cache import KVCacheSpec, KVProvider, LocalKVProvider, num_blocks_for_budget
+from elasticmoe.engine.lora_swapper import LoraSwapper
 from elasticmoe.engine.model_runner import ModelRunner
 from elasticmoe.engine.output_processor import OutputProcessor
-from elasticmoe.engine.request import LORA_PENDING, LORA_PER_TOKEN, Request, RequestStatus
+from elasticmoe.engine.request import LORA_PENDING, Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
 from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
@@ -87,8 +88,6 @@ class LLMEngine:
             self.lora = LoraSlots(self.model, self.placement, config.ep_rank, config.max_loras,
                                   config.max_lora_rank, config.dtype, max_cached=cached, top_k=config.max_lora_topk)
         self.lora_routers: dict[str, LoraRouter] = {}
-        self._lora_arrivals: dict[str, int] = {}
-        self.lora_async_swaps = True  # copy adapters into slots on a background thread
         self.unloading_adapters: set[str] = set()
         self.served_adapters: tuple[str, ...] = ()  # loaded adapters that accept requests
 
@@ -100,6 +99,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    window=config.scheduling_window)
+        self.lora_swapper = (LoraSwapper(self.lora, self.scheduler, can_swap_async=config.ep_size == 1)
+                             if self.lora is not None else None)
         self.runner = ModelRunner(self.model, self.kv_pool, config.block_size,
                                   lora_topk=config.max_lora_topk if self.lora is not None else 0)
         self.sampler = Sampler(config.seed)
@@ -163,10 +164,11 @@ class LLMEngine:
             )
         request = Request(request_id, token_ids, len(token_ids), params, self.max_model_len,
                           adapter=adapter, adapter_slot=slot, lora_slot=lora_slot, lora_routing=lora_routing)
-        if lora_routing is not None:
-            self._resolve_ranges(request)
-        if lora_slot != -1 and adapter is not None:
-            self._lora_arrivals[adapter] = self._lora_arrivals.get(adapter, 0) + 1
+        if self.lora_swapper is not None:
+            if lora_routing is not None:
+                self.lora_swapper.assign(request)
+            if lora_slot != -1 and adapter is not None:
+                self.lora_swapper.note_arrival(adapter)
         self.requests[request_id] = request
         self.output_processor.add(request)
         self.scheduler.add(request)
@@ -183,7 +185,7 @@ class LLMEngine:
                 slot = self.lora.index(adapter)
                 if slot is None:
                     self.lora.num_misses += 1
-                    return -1, LORA_PENDING  # swapped in before a later step (`_swap_lora_in`)
+                    return -1, LORA_PENDING  # swapped in before a later step (`LoraSwapper`)
                 self.lora.num_hits += 1
                 return -1, slot
         raise UnknownAdapterError(adapter)
@@ -250,84 +252,6 @@ class LLMEngine:
                              f"{self.model_config.hidden_size}")
         self.lora_routers[name] = router
 
-    def _resolve_ranges(self, request: Request) -> None:
-        """Per-token request: each range's current slot, or LORA_PENDING until all are resident."""
-        lora, routing = self.lora, request.lora_routing
-        assert lora is not None and routing is not None
-        slots = [-1 if n is None else lora.index(n) for n in routing.adapters]
-        if any(s is None for s in slots):
-            request.lora_slot, request.lora_range_slots = LORA_PENDING, None
-        else:
-            request.lora_slot = LORA_PER_TOKEN
-            request.lora_range_slots = torch.tensor(slots, dtype=torch.long)
-
-    @staticmethod
-    def _lora_names(request: Request) -> set[str]:
-        if request.lora_routing is not None:
-            return set(request.lora_routing.names)
-        return {request.adapter} if request.adapter is not None and request.adapter_slot < 0 else set()
-
-    def _swap_lora_in(self) -> None:
-        """Give waiting requests of host-only LoRA adapters a slot: a free one, else the slot of the
-        resident adapter with the lowest expected use that has no running request."""
-        lora = self.lora
-        assert lora is not None
-        lora.note_requests(self._lora_arrivals)
-        self._lora_arrivals = {}
-        waiting = self.scheduler.waiting
-        # Swap in only for the scheduling window (the requests admission looks at next, CoServe §4.2).
-        window = {id(r) for r in self.scheduler.window_requests()}
-        arrived = set(lora.finish_swaps())  # background copies that completed since the last step
-        pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
-        for r in waiting:
-            if r.lora_slot == LORA_PENDING:
-                if arrived & self._lora_names(r):
-                    self._assign_lora(r)
-                    if r.lora_slot != LORA_PENDING:
-                        continue
-                if id(r) not in window:
-                    continue
-                for name in sorted(self._lora_names(r)):
-                    if lora.index(name) is None and not lora.is_filling(name):
-                        pending.setdefault(name, []).append(r)
-        if not pending:
-            return
-        # NOTE: adapters that just became resident are not evicted before their requests ran once
-        # (else a one-slot hot set would swap them out again at once, forever).
-        busy = set().union(arrived, *(self._lora_names(r) for r in self.scheduler.running))
-        queued: dict[str, int] = {}
-        for r in waiting:
-            for name in self._lora_names(r):
-                queued[name] = queued.get(name, 0) + 1
-        for name, requests in pending.items():  # the adapter of the longest-waiting request first
-            free = lora.free_slots()
-            if free:
-                slot = free[0]
-            else:
-                victim = lora.victim(busy, queued)
-                if victim is None:
-                    return  # every slot serves running requests: wait for one to finish
-                slot = lora.evict(victim)
-                for r in waiting:
-                    if victim in self._lora_names(r):
-                        r.lora_slot = LORA_PENDING
-            busy.add(name)  # not evicted again in this pass
-            if self.config.ep_size == 1 and self.lora_async_swaps:
-                lora.swap_in_async(name, slot)  # its requests wait until `finish_swaps` reports it
-                continue
-            lora.swap_in(name, slot)
-            for r in requests:
-                self._assign_lora(r)
-
-    def _assign_lora(self, request: Request) -> None:
-        """Give a waiting request its slot(s) if its adapters are resident now."""
-        if request.lora_routing is not None:
-            self._resolve_ranges(request)
-        else:
-            assert self.lora is not None and request.adapter is not None
-            slot = self.lora.index(request.adapter)
-            request.lora_slot = LORA_PENDING if slot is None else slot
-
     def lora_stats(self) -> dict[str, int]:
         lora = self.lora
         if lora is None:
@@ -378,7 +302,7 @@ class LLMEngine:
 
     def adapter_in_use(self, name: str) -> bool:
         """A live request uses `name`: as its adapter, or through per-token LoRA routing."""
-        return any(r.adapter == name or name in self._lora_names(r) for r in self.requests.values())
+        return any(r.adapter == name or name in LoraSwapper.names(r) for r in self.requests.values())
 
     def finish_adapter_unload(self, name: str) -> None:
         """Release an unloading adapter now (EP: every rank, after none is in use)."""
@@ -396,7 +320,7 @@ class LLMEngine:
         self.served_adapters = tuple(n for n in names if n not in self.unloading_adapters)
 
     def _finish_unloads(self) -> None:
-        busy = {r.adapter for r in self.requests.values()}.union(*(self._lora_names(r) for r in self.requests.values()))
+        busy = {r.adapter for r in self.requests.values()}.union(*(LoraSwapper.names(r) for r in self.requests.values()))
         for name in sorted(self.unloading_adapters - busy):
             self._release(name)
             self.unloading_adapters.discard(name)
@@ -448,8 +372,8 @@ class LLMEngine:
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
             request = restore(snap, keep_kv=kv_is_shared)
             request.adapter_slot, request.lora_slot = self._adapter_slots(snap.adapter)  # loaded here too
-            if request.lora_routing is not None:
-                self._resolve_ranges(request)
+            if request.lora_routing is not None and self.lora_swapper is not None:
+                self.lora_swapper.assign(request)
             if request.block_ids:
                 self.block_manager.claim(request.block_ids)
                 request.status = RequestStatus.RUNNING
@@ -474,13 +398,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update. Returns outputs of requests that made progress."""
-        if self.lora is not None:
-            self._swap_lora_in()
+        swapper = self.lora_swapper
+        if swapper is not None:
+            swapper.swap_in()
         sched = self.scheduler.schedule()
-        if sched.is_empty and self.lora is not None and self.lora.filling and self.config.ep_size == 1:
+        if sched.is_empty and swapper is not None and swapper.lora.filling and self.config.ep_size == 1:
             # Nothing can run until an adapter arrives: wait for its copy instead of spinning.
-            self.lora.wait_for_a_swap()
-            self._swap_lora_in()
+            swapper.lora.wait_for_a_swap()
+            swapper.swap_in()
             sched = self.scheduler.schedule()
         if sched.is_empty and self.config.ep_size == 1:
             return []
