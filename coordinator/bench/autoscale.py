@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import sys
 import time
@@ -39,6 +38,7 @@ import httpx
 from coordinator.bench.arrivals import Constant, Poisson, Ramp, RateSchedule
 from coordinator.bench.load_report import events_on_axis, slo_attainment_over_time, summarize
 from coordinator.bench.load_runner import LoadSpec, plan_requests, run_load
+from coordinator.bench.report_output import claim_stdout, emit
 from coordinator.bench.request_shapes import AdapterMix, LengthDist, parse_length
 from coordinator.bench.scaling import PRESETS, _free_port, _wait_event, ensure_dp, resolve_model, wait_standby
 
@@ -326,9 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.launch import start_elastic
 
-    sys.stdout.flush()  # NOTE: Ray prints to fd 1; keep stdout for the JSON document alone
-    json_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    json_out = claim_stdout()
     preset = PRESETS[args.preset]
     config = CoordinatorConfig(
         model_dir=model_dir, num_devices=2, dp=1, dtype=args.dtype, device_memory_bytes=int(preset[1] * _GIB),
@@ -363,16 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                    "standby_delay_s": args.standby_delay_s},
         **results,
     }
-    print(format_tables(doc), file=sys.stderr)
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.plot:
-        plot(doc, args.plot)
-        _progress(f"plot written to {args.plot}")
-    if args.json:
-        print(text, file=json_out)
-    json_out.close()
+    emit(doc, format_tables(doc), json_out, as_json=args.json, out_path=args.out, plot_path=args.plot,
+         plot=plot, progress=_progress)
     return 0
 
 

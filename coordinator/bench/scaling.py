@@ -22,7 +22,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import socket
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 import httpx
 
 from coordinator.bench.loadgen import LoadResult, PoissonLoad, Workload
+from coordinator.bench.report_output import claim_stdout, emit
 from coordinator.bench.scale_metrics import (
     EventKey,
     baseline_window,
@@ -451,10 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.launch import start_elastic
 
-    # NOTE: Ray prints to fd 1 (raylet messages at shutdown); keep stdout for the JSON document alone.
-    sys.stdout.flush()
-    json_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    json_out = claim_stdout()
 
     config = CoordinatorConfig(
         model_dir=model_dir, num_devices=devices, dp=runs[0].from_dp, dtype=args.dtype,
@@ -482,16 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         "events": events,
         "ablation": ablation_table(events, ablation) if {"all", "ablations"} & set(args.strategy.split(",")) else [],
     }
-    print(format_tables(doc), file=sys.stderr)
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.plot:
-        plot_slo(doc, args.plot)
-        _progress(f"plot written to {args.plot}")
-    if args.json:
-        print(text, file=json_out)
-    json_out.close()
+    emit(doc, format_tables(doc), json_out, as_json=args.json, out_path=args.out, plot_path=args.plot,
+         plot=plot_slo, progress=_progress)
     return 0
 
 
