@@ -27,6 +27,7 @@ from hmm.memory import list_segments
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
+STREAM_TOKENS = 1000
 
 
 def _free_port() -> int:
@@ -88,7 +89,10 @@ def _drain_on_sigterm(proc: subprocess.Popen, port: int) -> tuple[list[dict], ht
     errors: list[BaseException] = []
 
     def stream() -> None:
-        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True, "stream": True}
+        # NOTE: long enough to still stream when the drain starts (the elastic server notices the
+        # signal within 0.5 s); a stream that ended first would let the server stop under the probes.
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+                "stream": True}
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
                 assert r.status_code == 200
@@ -113,6 +117,7 @@ def _drain_on_sigterm(proc: subprocess.Popen, port: int) -> tuple[list[dict], ht
         refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1},
                              timeout=30)
         if refused.status_code == 503:
+            assert thread.is_alive(), "the stream ended before the drain began: it proves nothing"
             break
         time.sleep(0.05)
     thread.join(120)
@@ -139,7 +144,7 @@ def _check_exit(proc: subprocess.Popen, family: set[int], timeout_s: float) -> s
 
 def _check_stream(events: list[dict], refused: httpx.Response) -> None:
     assert events[-1] == {"done": True}
-    assert events[-2]["choices"][0]["finish_reason"] == "length"  # all 120 tokens, not cut off
+    assert events[-2]["choices"][0]["finish_reason"] == "length"  # all STREAM_TOKENS, not cut off
     assert refused is not None and refused.status_code == 503, refused and refused.text
     assert refused.json()["error"]["code"] == 503 and refused.headers["retry-after"] == "1"
 
