@@ -45,6 +45,7 @@ from elasticmoe.entrypoints.openai.api_server import add_openai_routes, install_
 from elasticmoe.entrypoints.openai.drain import Drainer, add_drain_route
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.serving import OpenAIServing, RequestStats, ServingObserver
+from elasticmoe.sampling_params import MAX_INT32
 from elasticmoe.tokenizer import Tokenizer
 from imm.handover import HandoverRoutes
 
@@ -75,7 +76,8 @@ async def _handle_queue_full(request: Request, exc: Exception) -> Response:
 
 
 class ScaleRequest(BaseModel):
-    dp: int = Field(strict=True, description="Target data-/expert-parallel degree (ranks, one per device).")
+    dp: int = Field(strict=True, ge=1, le=MAX_INT32,
+                    description="Target data-/expert-parallel degree (ranks, one per device).")
     strategy: str = Field(
         DEFAULT_STRATEGY, description=f"How to scale: one of {', '.join(STRATEGIES)} (coordinator.strategies)."
     )

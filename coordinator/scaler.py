@@ -39,6 +39,7 @@ import ray
 from coordinator.scale_events import ScaleConflict, ScaleEvent
 from coordinator.strategies import DEFAULT_STRATEGY, ScaleStrategy, strategy
 from elasticmoe.engine.handover import RequestSnapshot
+from elasticmoe.errors import describe_error
 from hmm.planner import TargetConfig, scale_target
 from imm.handover import HandoverRoutes
 from imm.instance import Instance
@@ -128,7 +129,7 @@ class Scaler:
             error = self._run(event)
         except BaseException as exc:  # noqa: BLE001 - recorded on the event
             logger.exception("scale %s failed", event.event_id)
-            error, rolled_back = f"{type(exc).__name__}: {exc}", False
+            error, rolled_back = describe_error(exc), False
         self.cluster.scale_events.finish(event, error, rolled_back)
         logger.info("scale %s: %s", event.event_id, event.to_dict())
 
@@ -206,7 +207,7 @@ class Scaler:
             hmm.abort()
             if new is not None and new.state is not InstanceState.RETIRED:
                 new.retire()
-            return None, f"{type(exc).__name__}: {exc}"
+            return None, describe_error(exc)
 
     def _finish(self, event: ScaleEvent, new: Instance, max_model_len: int, t0: float) -> None:
         """The new instance is serving: make it the active one."""
@@ -277,7 +278,7 @@ class Scaler:
         except BaseException as exc:
             logger.exception("scale %s: switchover failed; handing the requests back", event.event_id)
             self._undo_switchover(old, new, snaps, hand_over_kv)
-            raise SwitchoverRolledBack(f"{type(exc).__name__}: {exc}") from exc
+            raise SwitchoverRolledBack(describe_error(exc)) from exc
         finally:
             # NOTE: after a failed undo the gate still reopens on `old`'s ranks, which answer with
             # errors (503s) instead of holding requests forever.

@@ -25,3 +25,22 @@ class UnknownAdapterError(InvalidRequestError):
 
     def __reduce__(self):
         return (type(self), (self.adapter,))
+
+
+def unwrap_remote(exc: BaseException) -> BaseException:
+    """The original exception of one re-raised in another process: Ray's `RayTaskError` keeps it
+    as `.cause`, and its own text is the remote traceback, which must never reach a client."""
+    for _ in range(8):  # a cause chain through a few actors, never a cycle
+        cause = getattr(exc, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        exc = cause
+    return exc
+
+
+def describe_error(exc: BaseException) -> str:
+    """`Type: first line of the message` of the original exception (for status pages and logs
+    that users read: no traceback, no remote frames)."""
+    original = unwrap_remote(exc)
+    lines = str(original).strip().splitlines()
+    return f"{type(original).__name__}: {lines[0] if lines else ''}".rstrip(": ")

@@ -12,6 +12,16 @@ from elasticmoe.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 
+MAX_INT32 = 2**31 - 1  # bound of every count and token id a request may carry
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator takes
+MAX_LOGPROBS = 20
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
 
 class SamplingParamError(InvalidRequestError):
     """An invalid sampling value; `.param` names the field."""
@@ -35,26 +45,32 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise SamplingParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32):
+            raise SamplingParamError("max_tokens", f"must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
+        # NOTE: `not a <= x <= b` is also true for NaN, so NaN is refused too.
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             raise SamplingParamError("temperature", f"must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise SamplingParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise SamplingParamError("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            raise SamplingParamError("top_k", f"must be -1, 0 (disabled) or an integer in [1, {MAX_INT32}], "
+                                     f"got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise SamplingParamError("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise SamplingParamError("seed", f"must be an integer in [-2^63, 2^64 - 1], got {self.seed!r}")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise SamplingParamError("stop", f"each stop sequence must be a non-empty string, got {s!r}")
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise SamplingParamError("stop", f"each stop sequence must be a string of 1 to {MAX_STOP_CHARS} "
+                                         f"characters, got {s!r:.40}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise SamplingParamError("stop_token_ids", f"each stop token id must be an integer >= 0, got {t!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise SamplingParamError("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+            if not _is_int(t) or not 0 <= t <= MAX_INT32:
+                raise SamplingParamError("stop_token_ids", f"each stop token id must be an integer in [0, {MAX_INT32}], "
+                                         f"got {t!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SamplingParamError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:

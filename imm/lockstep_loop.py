@@ -209,7 +209,9 @@ class LockstepAsyncLLM(AsyncLLM):
                     return
                 self._has_work = any_work
                 if any_work:
-                    self._deliver(self.engine.step())
+                    # NOTE: with a group, a step that raised may have left a peer inside an
+                    # all-to-all: crash (the coordinator replaces the instance); alone, fail its requests.
+                    self._deliver(self._step() if self.group is None else self.engine.step())
                     self.num_steps += 1
                 else:
                     stop_code = max(stop_code, self._wait_for_command())

@@ -102,7 +102,7 @@ class EsftConfig:
         try:
             obj = json.loads(Path(path).read_text())
         except OSError as exc:
-            raise AdapterError("path", f"cannot read {path}: {exc.strerror or exc}") from exc
+            raise AdapterError("path", f"{path}: not readable") from exc
         except json.JSONDecodeError as exc:
             raise AdapterError("path", f"{path} is not valid JSON: {exc}") from exc
         return cls.from_json(obj)
@@ -204,10 +204,11 @@ class EsftAdapter:
              dtype: torch.dtype | None = None) -> EsftAdapter:
         """Validate the adapter at `path` against the base model; raises `AdapterError`."""
         root = Path(path)
-        if not root.is_dir():
-            raise AdapterError("path", f"{root} is not a directory")
+        # NOTE: one message whether the path is missing, a file, or a directory without the config:
+        # an API caller learns nothing about which paths exist on the server.
         if not (root / EXPERT_CFG).is_file():
-            raise AdapterError("path", f"{root} has no {EXPERT_CFG} (not an ESFT adapter)")
+            raise AdapterError("path", f"{root}: no ESFT adapter here (want a directory with {EXPERT_CFG} "
+                               "and *.safetensors)")
         config = EsftConfig.from_file(root / EXPERT_CFG)
         config.check_supported()
         config.check_fits(model_config)

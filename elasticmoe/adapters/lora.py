@@ -118,7 +118,7 @@ class LoraConfig:
         try:
             obj = json.loads(Path(path).read_text())
         except OSError as exc:
-            raise AdapterError("path", f"cannot read {path}: {exc.strerror or exc}") from exc
+            raise AdapterError("path", f"{path}: not readable") from exc
         except json.JSONDecodeError as exc:
             raise AdapterError("path", f"{path} is not valid JSON: {exc}") from exc
         return cls.from_json(obj)
@@ -208,11 +208,10 @@ class LoraAdapter:
         checked against the base checkpoint's safetensors headers.
         """
         root = Path(path)
-        if not root.is_dir():
-            raise AdapterError("path", f"{root} is not a directory")
-        for file in (CONFIG_FILE, WEIGHTS_FILE):
-            if not (root / file).is_file():
-                raise AdapterError("path", f"{root} has no {file} (not a PEFT LoRA adapter)")
+        # NOTE: one message for a missing path, a file, or a directory without the files (see esft.py).
+        if not all((root / file).is_file() for file in (CONFIG_FILE, WEIGHTS_FILE)):
+            raise AdapterError("path", f"{root}: no PEFT LoRA adapter here (want a directory with {CONFIG_FILE} "
+                               f"and {WEIGHTS_FILE})")
         config = LoraConfig.from_file(root / CONFIG_FILE)
         if max_rank is not None and config.r > max_rank:
             raise AdapterError("r", f"rank {config.r} is above the maximum rank {max_rank}")

@@ -59,8 +59,8 @@ class LoraRouter:
             cfg = json.loads((root / CONFIG).read_text())
             w = load_file(str(root / WEIGHTS))
             return cls(tuple(cfg["adapters"]), int(cfg["top_k"]), w["w1"], w["b1"], w["w2"], w["b2"])
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"path: {root} is not a LoRA router directory ({exc})") from exc
+        except (OSError, KeyError, TypeError, ValueError) as exc:  # one message: no hint of what exists
+            raise ValueError(f"path: {root}: no LoRA router here (want {CONFIG} and {WEIGHTS})") from exc
 
     def save(self, path: str | Path) -> Path:
         root = Path(path)

@@ -53,6 +53,7 @@ class EngineCore(Protocol):
         lora_routing: dict | None = None,
     ) -> None: ...
     def step(self) -> list[RequestOutput]: ...
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]: ...
     def abort(self, request_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
 
@@ -118,6 +119,7 @@ class AsyncLLM:
         self._last_tick = time.monotonic()
         self.num_running = 0
         self.num_waiting = 0
+        self.num_step_failures = 0  # steps that raised; their requests failed, the loop went on
 
     # ------------------------------------------------------------ lifecycle
 
@@ -273,7 +275,7 @@ class AsyncLLM:
                 self._has_work = self.engine.has_unfinished_requests()
                 self._last_tick = time.monotonic()
                 if self._has_work:
-                    self._deliver(self.engine.step())
+                    self._deliver(self._step())
                 self.num_running = self.engine.num_running
                 self.num_waiting = self.engine.num_waiting
         except BaseException as exc:  # noqa: BLE001 - any crash must reach the consumers
@@ -282,6 +284,16 @@ class AsyncLLM:
             self._fail_all(EngineDeadError(f"engine loop crashed: {exc!r}"))
         finally:
             logger.info("engine loop stopped")
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. A step that raises (past the engine's per-request isolation) fails the
+        requests it held, not the loop: one request must never stop serving."""
+        try:
+            return self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - reported to each request's consumer
+            logger.exception("engine step failed; failing its %d live requests", self.engine.num_running)
+            self.num_step_failures += 1
+            return self.engine.fail_all(exc)
 
     def _apply(self, command: _Add | _Abort | _Stop | _Call) -> bool:
         """Run one command on the engine; False means stop the loop."""

@@ -9,6 +9,7 @@ collectives never hang.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -340,10 +341,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its KV blocks; unknown ids are ignored."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is not None:
-            self.scheduler.finish(request)
-            self.output_processor.remove(request_id)
+            self._forget(request)
 
     def export_requests(self, hand_over_kv: bool) -> list[RequestSnapshot]:
         """Remove every live request from this engine and return its state, running ones first.
@@ -397,7 +397,11 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> execute -> update. Returns outputs of requests that made progress."""
+        """schedule -> execute -> update. Returns outputs of requests that made progress.
+
+        A request whose forward or sampling raises is finished alone (`finish_reason="error"`),
+        the others go on. Under EP a failed forward raises instead: the peers may be inside
+        its all-to-all, so the instance is replaced (the coordinator resumes its requests)."""
         swapper = self.lora_swapper
         if swapper is not None:
             swapper.swap_in()
@@ -409,10 +413,30 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         if sched.is_empty and self.config.ep_size == 1:
             return []
-        logits, sample_indices = self.runner.execute(sched)
+        try:
+            logits, sample_indices = self.runner.execute(sched)
+        except Exception:
+            if self.config.ep_size > 1:
+                raise
+            logger.exception("forward of %d requests failed; running them one by one", len(sched.scheduled))
+            return self._execute_one_by_one(sched)
         outputs = self._update(sched, logits, sample_indices)
         if self.unloading_adapters and self.config.ep_size == 1:
             self._finish_unloads()
+        return outputs
+
+    def _execute_one_by_one(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """After a failed batched forward: each request's share alone, so that only the requests
+        whose own forward raises fail (re-running writes the same KV slots again)."""
+        outputs = []
+        for request, n in sched.scheduled:
+            single = SchedulerOutput(scheduled=[(request, n)])
+            try:
+                logits, sample_indices = self.runner.execute(single)
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                outputs.append(self._fail(request, exc))
+                continue
+            outputs += self._update(single, logits, sample_indices)
         return outputs
 
     def _update(self, sched: SchedulerOutput, logits: torch.Tensor, sample_indices: list[int]) -> list[RequestOutput]:
@@ -421,14 +445,65 @@ class LLMEngine:
             request.num_computed_tokens += n
         if not sampling:
             return []
-        result = self.sampler(logits, sampling)
         outputs = []
-        for request, token_id, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True):
+        for request, sampled in zip(sampling, self._sample(logits, sampling), strict=True):
+            if isinstance(sampled, Exception):
+                outputs.append(self._fail(request, sampled))
+                continue
+            token_id, logprob = sampled
             request.token_ids.append(token_id)
-            finished = self.output_processor.append_token(request, token_id, logprob)
-            outputs.append(self.output_processor.make_output(request, finished))
+            try:
+                finished = self.output_processor.append_token(request, token_id, logprob)
+                output = self.output_processor.make_output(request, finished)
+            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer error on this request's text
+                outputs.append(self._fail(request, exc))
+                continue
+            outputs.append(output)
             if finished:
-                self.scheduler.finish(request)
-                self.requests.pop(request.request_id, None)
-                self.output_processor.remove(request.request_id)
+                self._forget(request)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, Any] | Exception]:
+        """(token, logprob) per row; if the batch raises, row by row, so only the rows whose own
+        parameters raise carry the exception."""
+        try:
+            result = self.sampler(logits, requests)
+            return list(zip(result.token_ids, result.logprobs, strict=True))
+        except Exception:
+            logger.exception("sampling %d rows failed; sampling them one by one", len(requests))
+        rows: list[tuple[int, Any] | Exception] = []
+        for i, request in enumerate(requests):
+            try:
+                one = self.sampler(logits[i : i + 1], [request])
+                rows.append((one.token_ids[0], one.logprobs[0]))
+            except Exception as exc:  # noqa: BLE001 - this row's own failure
+                rows.append(exc)
+        return rows
+
+    def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
+        """Finish `request` with `finish_reason="error"` (its blocks freed); the engine goes on."""
+        logger.error("request %s failed in the engine: %r", request.request_id, exc)
+        output = self.output_processor.make_output(request, finished=True, finish_reason="error")
+        output.error = f"{type(exc).__name__}: {exc}"
+        self._forget(request)
+        return output
+
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """Finish every live request with `finish_reason="error"` (after a step that raised past the
+        per-request isolation: the engine's state is no longer trusted for them)."""
+        outputs = []
+        for request in list(self.requests.values()):
+            try:
+                outputs.append(self._fail(request, exc))
+            except Exception:  # noqa: BLE001 - its text state is broken too: drop it quietly
+                logger.exception("request %s: failing it raised", request.request_id)
+                self._forget(request)
+                outputs.append(RequestOutput(request.request_id, request.prompt_token_ids, [], "",
+                                             request.output_token_ids, "", finished=True,
+                                             finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _forget(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)
+        self.output_processor.remove(request.request_id)

@@ -22,7 +22,7 @@ import torch
 from hmm.memory.accounting import MemoryAccount
 from hmm.memory.libc import PAGE_SIZE, punch_hole
 from hmm.memory.page_table import PageAllocator
-from hmm.memory.shm import DEFAULT_PREFIX, create_segment, unique_segment_name
+from hmm.memory.shm import DEFAULT_PREFIX, create_segment, unlink_segment
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,7 @@ DEFAULT_PAGE_SIZE = 2 * 1024 * 1024
 
 
 def _close_pool(fd: int, path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    unlink_segment(path)
     os.close(fd)
 
 
@@ -61,8 +58,7 @@ class PagePool(PageAllocator):
         num_pages = account.budget // page_size if num_pages is None else num_pages
         super().__init__(num_pages, page_size, account)
         self.device_id = account.device_id
-        self.name = unique_segment_name(prefix, account.device_id, kind="pool")
-        self.fd, self.path = create_segment(self.name, 0)
+        self.fd, self.path, self.name = create_segment(prefix, account.device_id, 0, kind="pool")
         os.ftruncate(self.fd, max(num_pages * page_size, 1))  # sparse: no memory until allocate
         self._mm: mmap.mmap | None = None
         self._finalizer = weakref.finalize(self, _close_pool, self.fd, self.path)

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from hmm.memory import lease
 from hmm.memory.accounting import MemoryAccount
 from hmm.memory.handle import TensorHandle, contiguous_stride, dtype_from_str, dtype_to_str
+from hmm.memory.lease import SHM_DIR
 from hmm.memory.libc import PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "emoe"
 
 
@@ -42,36 +43,51 @@ def round_up(num_bytes: int, align: int = PAGE_SIZE) -> int:
     return -(-num_bytes // align) * align
 
 
-def unique_segment_name(prefix: str, device_id: str, kind: str = "t") -> str:
-    """`<prefix>-d<device>-<kind>-<pid>-<random>`: unique per device and process; files
-    are created with O_EXCL, so a clash fails loudly instead of sharing memory."""
-    dev = re.sub(r"[^A-Za-z0-9_.]", "_", device_id)
-    return f"{prefix}-d{dev}-{kind}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
 def list_segments(prefix: str) -> list[str]:
-    """Names of files in /dev/shm that start with `prefix-` (leak checks)."""
+    """Names of files in /dev/shm that start with `prefix-`, leases included (leak checks)."""
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"{prefix}-"))
 
 
-def create_segment(name: str, num_bytes: int) -> tuple[int, str]:
-    """Create /dev/shm/`name` with `num_bytes` allocated; return (open fd, path).
+def create_segment(prefix: str, device_id: str, num_bytes: int, kind: str = "t") -> tuple[int, str, str]:
+    """Create a new file `<prefix>-d<device>-<kind>-<owner>-<random>` in /dev/shm with `num_bytes`
+    allocated; return (open fd, path, name). The name carries this process's lease (`lease.py`),
+    so the file is reaped if the process dies holding it. Created with O_EXCL, so a clash fails
+    loudly instead of sharing memory.
 
     The memory is allocated up front (`posix_fallocate`), like a device
     allocation: a full /dev/shm fails here with ENOSPC instead of SIGBUS later.
     On any failure nothing is left behind.
     """
+    dev = re.sub(r"[^A-Za-z0-9_.]", "_", device_id)
+    owner = lease.acquire(prefix)
+    name = f"{prefix}-d{dev}-{kind}-{owner}-{secrets.token_hex(6)}"
     path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except BaseException:
+        lease.release(prefix)
+        raise
     try:
         os.ftruncate(fd, num_bytes)
         if num_bytes:
             os.posix_fallocate(fd, 0, num_bytes)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        unlink_segment(path)
         raise
-    return fd, path
+    return fd, path, name
+
+
+def unlink_segment(path: str) -> None:
+    """Remove a file made by `create_segment` (mappings stay valid until dropped) and end its
+    share of the lease. A file already gone (reaped) is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    match = lease.segment_prefix(os.path.basename(path))
+    if match is not None:
+        lease.release(match)
 
 
 def _view(mm: mmap.mmap | None, handle: TensorHandle) -> torch.Tensor:
@@ -116,10 +132,7 @@ class _Segment:
 
 def _unlink_all(segments: dict[str, _Segment]) -> None:
     for seg in segments.values():
-        try:
-            os.unlink(seg.path)
-        except FileNotFoundError:
-            pass
+        unlink_segment(seg.path)
     segments.clear()
 
 
@@ -156,19 +169,19 @@ class ShmBackend:
         handle_dtype = dtype_to_str(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         charged = round_up(nbytes)
-        name = unique_segment_name(self.prefix, self.device_id)
         self.account.reserve(charged, what=f"tensor {list(shape)} {handle_dtype}")
         try:
-            fd, path = create_segment(name, nbytes)
+            fd, path, name = create_segment(self.prefix, self.device_id, nbytes)
             try:
                 prot = mmap.PROT_READ | mmap.PROT_WRITE
                 mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot) if nbytes else None
+            except BaseException:
+                unlink_segment(path)
+                raise
             finally:
                 os.close(fd)
         except BaseException:
             self.account.release(charged)
-            if os.path.exists(os.path.join(SHM_DIR, name)):
-                os.unlink(os.path.join(SHM_DIR, name))
             raise
         handle = TensorHandle("shm", name, 0, shape, handle_dtype, contiguous_stride(shape), self.device_id)
         base = _view(mm, handle)
@@ -216,7 +229,7 @@ class ShmBackend:
             seg = self._segments.pop(name, None)
         if seg is None:
             raise KeyError(f"device {self.device_id}: no live allocation {name}")
-        os.unlink(seg.path)
+        unlink_segment(seg.path)
         self.account.release(seg.charged)
 
     def _find(self, tensor: torch.Tensor) -> _Segment:

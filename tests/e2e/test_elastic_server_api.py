@@ -19,6 +19,7 @@ import time
 
 import httpx
 import pytest
+from bad_inputs import CASES, ELASTIC_CASES, check_error
 
 from coordinator.config import CoordinatorConfig
 from coordinator.launch import ElasticServer, start_elastic
@@ -163,6 +164,27 @@ def test_bad_input_is_rejected(server, path, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_bad_input_table_each_exact_4xx_and_the_server_serves_on(server):
+    greedy = {"prompt": "the expert model", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    before = _post(server, "/v1/completions", greedy).json()["choices"][0]["text"]
+    failures = []
+    with _client(server) as c:
+        for case in CASES + ELASTIC_CASES:
+            _, method, path, body, _, _ = case
+            if isinstance(body, bytes):
+                r = c.request(method, path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = c.request(method, path, json=body) if body is not None else c.request(method, path)
+            try:
+                check_error(case, r.status_code, r.json())
+            except (AssertionError, ValueError) as exc:
+                failures.append(f"{case[0]}: {exc} ({r.status_code} {r.text[:200]!r})\n")
+        assert c.get("/health").status_code == 200 and c.get("/ready").status_code == 200
+        assert c.get("/admin/status").json()["scale_event"] is None  # no bad scale request started one
+    assert not failures, "".join(failures)
+    assert _post(server, "/v1/completions", greedy).json()["choices"][0]["text"] == before
 
 
 def test_malformed_json_is_400_and_server_healthy_after_bad_input(server):

@@ -106,6 +106,16 @@ class FakeEngine:
                 del self.requests[rid]
         return outputs
 
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        self._touch()
+        outputs = [
+            RequestOutput(rid, list(req.prompt_ids), [], "", list(req.output_ids), req.text, finished=True,
+                          finish_reason="error", error=repr(exc))
+            for rid, req in self.requests.items()
+        ]
+        self.requests.clear()
+        return outputs
+
     def abort(self, request_id: str) -> None:
         self._touch()
         if self.requests.pop(request_id, None) is not None:

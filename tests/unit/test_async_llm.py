@@ -123,13 +123,37 @@ def test_stalled_loop_fails_health_check(llm):
     llm.check_health()
 
 
-def _crash() -> None:
-    raise RuntimeError("boom")
+class _Fatal(BaseException):
+    """Not an `Exception`: what a step cannot survive (the loop itself ends)."""
 
 
-def test_engine_crash_fails_consumers_and_health():
+def test_a_step_that_raises_fails_its_requests_not_the_loop():
     engine = FakeEngine()
-    engine.step_hook = _crash
+    failures = []
+
+    def crash_once() -> None:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("boom")
+
+    engine.step_hook = crash_once
+    llm = AsyncLLM(engine)
+    llm.start()
+    outs = asyncio.run(_collect(llm, "r"))
+    assert outs[-1].finished and outs[-1].finish_reason == "error" and "boom" in outs[-1].error
+    assert llm.is_ready and llm.num_step_failures == 1
+    llm.check_health()
+    assert asyncio.run(_collect(llm, "r2"))[-1].finish_reason == "length"  # the next one is served
+    llm.shutdown()
+
+
+def test_loop_crash_fails_consumers_and_health():
+    engine = FakeEngine()
+
+    def fatal() -> None:
+        raise _Fatal()
+
+    engine.step_hook = fatal
     llm = AsyncLLM(engine)
     llm.start()
     with pytest.raises(EngineDeadError):

@@ -3,6 +3,8 @@
 - `/v1/*` needs `Authorization: Bearer <api key>` when an API key is set.
 - `/admin/*` needs the admin key when one is set, else the API key when that is set
   (an API-key holder is never an administrator by accident: set both).
+- The API's own description (`/openapi.json`, `/docs`, `/redoc`) needs the admin key too: it
+  maps every route and bound, which a server with keys does not hand to strangers.
 - `/health`, `/ready` and `/metrics` stay open (probes and scrapers carry no keys).
 - Headers larger than `max_header_bytes` get 431, bodies larger than `max_body_bytes` 413
   (by Content-Length up front, else counted while the body streams in).
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # prompts of ~1M characters; raise it for long-context models
 DEFAULT_MAX_HEADER_BYTES = 16 << 10
+API_DOCS = frozenset({"/openapi.json", "/docs", "/redoc"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,7 +46,7 @@ class AccessPolicy:
 
     def required_key(self, path: str) -> str | None:
         """The key `path` needs, or None if it is open."""
-        if path.startswith("/admin"):
+        if path.startswith("/admin") or path in API_DOCS or path.startswith("/docs/"):
             return self.admin_key or self.api_key
         if path.startswith("/v1"):
             return self.api_key
@@ -87,7 +90,7 @@ class AccessMiddleware:
         if needed is not None:
             given = _bearer(scope)
             if given is None or not hmac.compare_digest(given.encode(), needed.encode()):
-                what = "admin key" if scope.get("path", "").startswith("/admin") and policy.admin_key else "API key"
+                what = "admin key" if needed == policy.admin_key else "API key"
                 await _reply(send, 401, f"Missing or invalid {what}: send 'Authorization: Bearer <key>'.",
                              "AuthenticationError", ((b"www-authenticate", b"Bearer"),))
                 return

@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from elasticmoe.adapters.esft import AdapterError, EsftAdapter
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
@@ -28,22 +28,41 @@ from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.errors import OpenAIError
-from elasticmoe.errors import UnknownAdapterError
+from elasticmoe.errors import UnknownAdapterError, unwrap_remote
 
 logger = logging.getLogger(__name__)
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+MAX_PATH_CHARS = 4096  # PATH_MAX
+MAX_PATH_COMPONENT_BYTES = 255  # NAME_MAX
 
 
 class LoadAdapterRequest(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=_NAME_PATTERN,
                       description="Model id clients pass as `model` to use the adapter.")
-    path: str = Field(min_length=1, description="Adapter directory on the server (ESFT: expert_cfg.json + "
-                      "safetensors; LoRA: PEFT's adapter_config.json + adapter_model.safetensors).")
+    path: str = Field(min_length=1, max_length=MAX_PATH_CHARS,
+                      description="Adapter directory on the server (ESFT: expert_cfg.json + safetensors; LoRA: "
+                      "PEFT's adapter_config.json + adapter_model.safetensors). At most 4096 characters, each "
+                      "path component at most 255 bytes.")
     type: Literal["esft", "lora", "lora_router"] = Field(
         "esft", description="Adapter kind; lora_router: a learned per-token router over loaded LoRA adapters "
         "(router_config.json + router.safetensors), used with lora_routing={type: learned, router: name}."
     )
+
+
+    @field_validator("path")
+    @classmethod
+    def _a_path_the_os_takes(cls, v: str) -> str:
+        # Refused here instead of an OSError (ENAMETOOLONG, NUL) deep in a file open.
+        if "\x00" in v:
+            raise AdapterError("path", "must not contain NUL characters")
+        try:
+            too_long = any(len(part.encode("utf-8")) > MAX_PATH_COMPONENT_BYTES for part in v.split("/"))
+        except UnicodeEncodeError:
+            raise AdapterError("path", "must be valid Unicode text") from None
+        if too_long:
+            raise AdapterError("path", f"each path component must be at most {MAX_PATH_COMPONENT_BYTES} bytes")
+        return v
 
 
 class AdapterHost(Protocol):
@@ -85,12 +104,8 @@ def add_adapter_routes(
             else:
                 adapter = await asyncio.to_thread(read_esft_adapter, body.name, body.path, model_config())
                 info = await host.load_esft(adapter)
-        except AdapterError as exc:
-            raise OpenAIError(str(exc), param=exc.param) from exc
-        except (AdapterConflictError, AdapterLimitError) as exc:
-            raise OpenAIError(str(exc), status_code=HTTPStatus.CONFLICT, param="name") from exc
-        except ValueError as exc:  # an adapter that does not fit the base (e.g. a dense layer)
-            raise OpenAIError(str(exc), param=getattr(exc, "param", None) or "path") from exc
+        except (ValueError, RuntimeError) as exc:
+            raise _adapter_error(unwrap_remote(exc)) from None
         logger.info("adapter %r loaded from %s", body.name, body.path)
         return JSONResponse({"name": body.name, "type": body.type, "state": "loaded", **info}, status_code=201)
 
@@ -107,6 +122,18 @@ def add_adapter_routes(
     @app.get("/admin/adapters")
     async def list_adapters() -> Response:
         return JSONResponse({"adapters": await host.describe()})
+
+
+def _adapter_error(exc: BaseException) -> Exception:
+    """A failed load as the client sees it: its own message (never a remote traceback)."""
+    if isinstance(exc, AdapterError):
+        return OpenAIError(str(exc), param=exc.param)
+    if isinstance(exc, AdapterConflictError | AdapterLimitError):
+        return OpenAIError(str(exc), status_code=HTTPStatus.CONFLICT, param="name")
+    if isinstance(exc, ValueError):  # an adapter that does not fit the base (e.g. a dense layer)
+        return OpenAIError(str(exc), param=getattr(exc, "param", None) or "path")
+    logger.error("adapter load failed: %r", exc)
+    return OpenAIError("Internal server error.", status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 class EngineAdapterHost:

@@ -6,9 +6,13 @@ with a matching HTTP status:
 - 400 `BadRequestError`: request validation (with `param` = offending top-level
   field), malformed JSON, `ValueError`s that carry `.param` (`SamplingParamError`,
   engine input errors);
-- 404 `NotFoundError`: unknown model (`param="model"`);
+- 404 `NotFoundError`: unknown model (`param="model"`), unknown route; 405 for a known
+  route with the wrong method; a body that cannot be parsed at all (too deeply nested) is a 400;
 - 500 `InternalServerError`: anything unexpected; the message never contains
   exception text, the traceback goes to the log.
+
+The OpenAPI document says the same: every operation lists 400 (not FastAPI's 422) and a
+default response, both in this error format.
 """
 
 from __future__ import annotations
@@ -20,18 +24,21 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from elasticmoe.errors import UnknownAdapterError
+from elasticmoe.errors import UnknownAdapterError, unwrap_remote
 
 logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -74,6 +81,7 @@ def internal_error() -> OpenAIError:
 
 def to_openai_error(exc: BaseException) -> OpenAIError:
     """Classify any exception: known client errors keep their message, the rest become a bare 500."""
+    exc = unwrap_remote(exc)
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, RequestValidationError):
@@ -114,6 +122,24 @@ def _from_validation_errors(errors: Any) -> OpenAIError:
 
 async def _handle_openai_error(request: Request, exc: Exception) -> JSONResponse:
     return error_json(to_openai_error(exc))
+
+
+async def _handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (unknown route, wrong method, an unparsable body) in OpenAI's format."""
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    if status == HTTPStatus.NOT_FOUND:
+        message = f"Unknown route: {request.method} {request.url.path}."
+    elif status == HTTPStatus.METHOD_NOT_ALLOWED:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+    elif status == HTTPStatus.BAD_REQUEST:
+        message = "Malformed request body: it could not be parsed as JSON (too deeply nested?)."
+    else:
+        message = str(exc.detail) if status < 500 else "Internal server error."
+    response = error_json(OpenAIError(message, status_code=status))
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
 
 
 async def _handle_value_error(request: Request, exc: Exception) -> JSONResponse:
@@ -159,5 +185,32 @@ def install_exception_handlers(app: FastAPI) -> None:
     """Register the handlers above on `app` (call once, before serving)."""
     app.add_exception_handler(OpenAIError, _handle_openai_error)
     app.add_exception_handler(RequestValidationError, _handle_openai_error)
+    app.add_exception_handler(StarletteHTTPException, _handle_http_exception)
     app.add_exception_handler(ValueError, _handle_value_error)
     app.add_middleware(CatchAllMiddleware)
+    app.openapi = lambda: _openapi_in_openai_errors(app)  # type: ignore[method-assign]
+
+
+_ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+
+
+def _openapi_in_openai_errors(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document with its 422 replaced by the 400 this server sends, and a default
+    response in OpenAI's error format on every operation (401/404/405/409/413/503 ...)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(error_schema.pop("$defs", {}))
+    components["ErrorResponse"] = error_schema
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request; `param` names the field.", "content": _ERROR_REF}
+            responses.setdefault("default", {"description": "An error, in OpenAI's format.", "content": _ERROR_REF})
+    app.openapi_schema = schema
+    return schema

@@ -14,13 +14,26 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from elasticmoe.sampling_params import SamplingParamError, SamplingParams
+from elasticmoe.sampling_params import (
+    MAX_INT32,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParamError,
+    SamplingParams,
+)
 
-MAX_LOGPROBS = 20
+# Bounds of the HTTP schema (the OpenAPI document states them, so a fuzzer knows where they are).
+MAX_NAME_CHARS = 256  # model, user, message names
+MAX_PROMPT_TOKEN_IDS = 1 << 20  # the engine then checks the model's context length
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 256
 
 
 def random_id(prefix: str) -> str:
@@ -32,41 +45,76 @@ def now() -> int:
     return int(time.time())
 
 
+def first_unencodable_field(body: Any) -> str | None:
+    """The top-level field of `body` holding a string that is not valid Unicode (a lone surrogate,
+    which JSON's `\\ud800` escape can carry), or None. Iterative: nesting depth costs no stack."""
+    if not isinstance(body, dict):
+        return None
+    for key, value in body.items():
+        stack = [key, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return str(key) if isinstance(key, str) else None
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+    return None
+
+
 class _Request(BaseModel):
     # Unknown fields are ignored (as vLLM does) so that SDKs sending newer options keep working.
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _strings_are_unicode(cls, data: Any) -> Any:
+        field = first_unencodable_field(data)
+        if field is not None:
+            raise SamplingParamError(field, "must be valid Unicode text (it holds a lone surrogate)")
+        return data
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = Field(
-        default=False, description="Send one extra chunk before [DONE] with `usage` and empty `choices`."
+        default=False, strict=True, description="Send one extra chunk before [DONE] with `usage` and empty `choices`."
     )
 
 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
-    model: str = Field(description="Name of the served model (see GET /v1/models).")
+    model: str = Field(max_length=MAX_NAME_CHARS, description="Name of the served model (see GET /v1/models).")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling probability mass.")
     top_k: int = Field(
-        default=-1, ge=-1, description="Extension: sample from the k most likely tokens; -1 or 0 disables."
+        default=-1, ge=-1, le=MAX_INT32,
+        description="Extension: sample from the k most likely tokens; -1 or 0 disables.",
     )
-    seed: int | None = Field(default=None, description="Seed for reproducible sampling of this request.")
+    seed: int | None = Field(
+        default=None, ge=SEED_MIN, le=SEED_MAX,
+        description="Seed for reproducible sampling of this request (64 bits, signed or unsigned).",
+    )
     stop: str | list[str] | None = Field(
         default=None,
-        description="Up to 4 strings; generation stops before any of them (excluded from the output).",
+        description=f"Up to 4 strings of 1 to {MAX_STOP_CHARS} characters; generation stops before any of "
+        "them (excluded from the output).",
     )
-    stop_token_ids: list[int] | None = Field(
-        default=None, description="Extension: token ids that end generation."
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS, description="Extension: token ids that end generation."
     )
-    n: int = Field(default=1, description="Number of choices; only 1 is supported.")
-    stream: bool = Field(default=False, description="Stream partial results as server-sent events.")
+    n: int = Field(default=1, ge=1, le=1, description="Number of choices; only 1 is supported.")
+    stream: bool = Field(default=False, strict=True, description="Stream partial results as server-sent events.")
     stream_options: StreamOptions | None = Field(
         default=None, description="Streaming options; only with stream=true."
     )
     ignore_eos: bool = Field(
-        default=False, description="Extension: keep generating past end-of-sequence tokens."
+        default=False, strict=True, description="Extension: keep generating past end-of-sequence tokens."
     )
     lora_routing: dict | None = Field(
         default=None,
@@ -74,12 +122,14 @@ class _SamplingFields(_Request):
         '[token ids], "adapters": [LoRA adapter names or null, one per range]} (MoLoRA); with the base '
         "model as `model`.",
     )
-    user: str | None = Field(default=None, description="End-user identifier (accepted, not used).")
+    user: str | None = Field(
+        default=None, max_length=MAX_NAME_CHARS, description="End-user identifier (accepted, not used)."
+    )
 
-    @field_validator("n")
+    @field_validator("n", mode="before")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
+    def _only_one_choice(cls, v: Any) -> Any:
+        if isinstance(v, int) and v != 1:
             raise SamplingParamError("n", f"only n=1 is supported, got {v}")
         return v
 
@@ -88,6 +138,9 @@ class _SamplingFields(_Request):
     def _at_most_four_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise SamplingParamError("stop", f"at most 4 stop sequences are allowed, got {len(v)}")
+        for s in [v] if isinstance(v, str) else v or []:
+            if not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise SamplingParamError("stop", f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")
@@ -118,10 +171,13 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. One prompt per request."""
 
-    prompt: str | list[str] | list[int] = Field(
-        description="The prompt: a string, a list holding exactly one string, or a list of token ids."
+    prompt: str | list[str] | list[Annotated[int, Field(ge=0, le=MAX_INT32)]] = Field(
+        max_length=MAX_PROMPT_TOKEN_IDS,
+        description="The prompt: a string, a list holding exactly one string, or a list of token ids.",
     )
-    max_tokens: int | None = Field(default=16, ge=1, description="Maximum number of tokens to generate.")
+    max_tokens: int | None = Field(
+        default=16, ge=1, le=MAX_INT32, description="Maximum number of tokens to generate."
+    )
     logprobs: int | None = Field(
         default=None,
         ge=0,
@@ -129,8 +185,17 @@ class CompletionRequest(_SamplingFields):
         description="Return log-probabilities of this many top tokens per position.",
     )
     echo: bool = Field(
-        default=False, description="Echo the prompt in the completion; not supported (must be false)."
+        default=False, strict=True, description="Echo the prompt in the completion; not supported (must be false)."
     )
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_in_range(cls, v: Any) -> Any:
+        # Before the union's own checks, whose first error would be "should be a valid string".
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            if not all(0 <= t <= MAX_INT32 for t in v):
+                raise SamplingParamError("prompt", f"token ids must be integers in [0, {MAX_INT32}]")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -140,8 +205,6 @@ class CompletionRequest(_SamplingFields):
                 raise SamplingParamError("prompt", "must not be empty")
             if isinstance(v[0], str) and len(v) != 1:
                 raise SamplingParamError("prompt", f"only one prompt per request is supported, got {len(v)}")
-            if isinstance(v[0], int) and min(v) < 0:
-                raise SamplingParamError("prompt", "token ids must be >= 0")
         return v
 
     @field_validator("echo")
@@ -162,7 +225,7 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
-class TextContentPart(BaseModel):
+class TextContentPart(_Request):
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str = Field(description="The text of this part.")
 
@@ -175,8 +238,15 @@ class ChatMessage(_Request):
         default=None, description="A string, or a list of {'type': 'text', 'text': ...} parts."
     )
     name: str | None = Field(
-        default=None, description="Optional participant name (not used by the template)."
+        default=None, max_length=MAX_NAME_CHARS, description="Optional participant name (not used by the template)."
     )
+
+    @field_validator("content")
+    @classmethod
+    def _bounded_parts(cls, v: str | list[TextContentPart] | None) -> str | list[TextContentPart] | None:
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
+            raise SamplingParamError("messages", f"a message has at most {MAX_CONTENT_PARTS} content parts")
+        return v
 
     @property
     def text(self) -> str:
@@ -190,16 +260,19 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    messages: list[ChatMessage] = Field(
+        min_length=1, max_length=MAX_MESSAGES, description="The conversation so far."
+    )
     max_tokens: int | None = Field(
-        default=None, ge=1, description="Deprecated alias of max_completion_tokens."
+        default=None, ge=1, le=MAX_INT32, description="Deprecated alias of max_completion_tokens."
     )
     max_completion_tokens: int | None = Field(
         default=None,
         ge=1,
+        le=MAX_INT32,
         description="Maximum number of tokens to generate; default: up to the context length.",
     )
-    logprobs: bool = Field(default=False, description="Return log-probabilities of the output tokens.")
+    logprobs: bool = Field(default=False, strict=True, description="Return log-probabilities of the output tokens.")
     top_logprobs: int | None = Field(
         default=None,
         ge=0,

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from elasticmoe.entrypoints.openai.errors import OpenAIError, internal_error, model_not_found, to_openai_error
+from elasticmoe.entrypoints.openai.prompts import PromptRenderer
 from elasticmoe.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -49,6 +50,7 @@ from elasticmoe.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from elasticmoe.errors import InvalidRequestError
 from elasticmoe.outputs import RequestOutput, TokenLogprob
 from elasticmoe.sampling_params import SamplingParams
 
@@ -145,6 +147,9 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.observer = observer
         self.created = now()
+        # NOTE: prompts become token ids here, on the renderer's threads: never on the event loop
+        # (it serves every other request and the probes) nor on the engine thread (every stream).
+        self.prompts = PromptRenderer(engine.tokenizer, lambda: self.engine.max_model_len)
 
     def check_model(self, model: str) -> str | None:
         """The adapter a request for `model` runs with (None: the base model); 404 if unknown."""
@@ -168,8 +173,9 @@ class OpenAIServing:
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEStream:
         adapter = self.check_model(request.model)
-        started = await self._start("cmpl", request.engine_prompt, request.to_sampling_params(), {}, adapter,
-                                    request.lora_routing)
+        params = request.to_sampling_params()
+        prompt_ids = await self.prompts.completion(request.engine_prompt)
+        started = await self._start("cmpl", prompt_ids, params, {}, adapter, request.lora_routing)
         if request.stream:
             return SSEStream(self._completion_events(request, started), started.source)
         last, logprobs = await self._collect(started, "completions")
@@ -232,7 +238,9 @@ class OpenAIServing:
         adapter = self.check_model(request.model)
         params = request.to_sampling_params()
         try:
-            prompt_ids = list(self.engine.tokenizer.apply_chat_template(request.template_messages()))
+            prompt_ids = await self.prompts.chat(request.template_messages())
+        except InvalidRequestError:
+            raise
         except Exception as exc:
             logger.info("chat template failed: %r", exc)
             raise OpenAIError(

@@ -1,0 +1,71 @@
+"""Prompts to token ids, off the event loop and off the engine thread, bounded in size.
+
+Tokenizing a long prompt or rendering a chat template takes CPU time proportional to its
+length (a 3.9 MB prompt took 6-9 s). Done on the HTTP event loop it stalls every other
+request and the health probes; done on the engine thread it stalls every stream. Here it
+runs on a small pool of its own threads (the tokenizers release the GIL while they work),
+and a prompt with more characters than the context could possibly hold is refused before
+any work: `max_chars_per_token` characters per token of the context is far beyond what a
+real tokenizer produces, so nothing that fits is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from elasticmoe.errors import InvalidRequestError
+
+DEFAULT_MAX_CHARS_PER_TOKEN = 64
+DEFAULT_WORKERS = 2
+
+
+class PromptRenderer:
+    """`tokenizer` has `encode(text)` and `apply_chat_template(messages)`; `max_model_len()` is the
+    context limit now (it changes with the active instance)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: Callable[[], int],
+        max_chars_per_token: int = DEFAULT_MAX_CHARS_PER_TOKEN,
+        workers: int = DEFAULT_WORKERS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_chars_per_token = max_chars_per_token
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
+
+    def max_chars(self) -> int:
+        return self.max_model_len() * self.max_chars_per_token
+
+    def _check_size(self, num_chars: int, param: str) -> None:
+        limit = self.max_chars()
+        if num_chars > limit:
+            raise InvalidRequestError(
+                param, f"has {num_chars} characters; the {self.max_model_len()}-token context holds at most "
+                f"{limit} ({self.max_chars_per_token} per token)",
+            )
+
+    async def _run(self, fn: Callable[[], list[int]]) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def completion(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a completion prompt (ids pass through unchanged)."""
+        if not isinstance(prompt, str):
+            return prompt
+        self._check_size(len(prompt), "prompt")
+        ids = await self._run(lambda: list(self.tokenizer.encode(prompt)))
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return ids
+
+    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered with the chat template (the assistant turn opened)."""
+        self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+        return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages)))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
