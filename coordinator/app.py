@@ -34,6 +34,7 @@ from coordinator.autoscaler import Autoscaler
 from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.engine_client import QueueFull, RouterEngineClient
+from coordinator.healer import INSTANCE, Healer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.scale_events import ScaleConflict, ScaleEvent
 from coordinator.scaler import Scaler, loop_caller
@@ -45,6 +46,7 @@ from elasticmoe.entrypoints.openai.api_server import add_openai_routes, install_
 from elasticmoe.entrypoints.openai.drain import Drainer, add_drain_route
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.serving import OpenAIServing, RequestStats, ServingObserver
+from elasticmoe.errors import describe_error
 from elasticmoe.sampling_params import MAX_INT32
 from elasticmoe.tokenizer import Tokenizer
 from imm.handover import HandoverRoutes
@@ -132,10 +134,15 @@ def build_app(
     scales: ScaleRunner,
     autoscale: AutoscaleLoop,
     drainer: Drainer,
+    healer: Healer,
 ) -> FastAPI:
     """The coordinator's FastAPI app over a started `cluster`."""
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible elastic MoE serving (coordinator)")
     config = cluster.config
+
+    def is_serving() -> bool:
+        return cluster.is_ready and not healer.is_broken
+
     serving = OpenAIServing(engine, config.model_name, observer=_Observers(metrics, autoscale.tracker))
     install_exception_handlers(app)
     app.add_exception_handler(QueueFull, _handle_queue_full)
@@ -145,18 +152,26 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: 200 while every rank's loop runs ("ok") or while what failed is being repaired
+        ("degraded", with the faults); 503 once repairs keep failing (a restart is needed)."""
+        faults = dict(healer.faults)
+        if healer.has_given_up:
+            return JSONResponse({"status": "unhealthy", "faults": faults}, status_code=503)
         try:
             await cluster.check_health()
-        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
-            logger.warning("health check failed: %r", exc)
-            return error_json(OpenAIError("Engine is not healthy.", status_code=503))
+        except Exception as exc:  # noqa: BLE001 - any failure means a rank is not healthy
+            logger.warning("health check failed: %s", describe_error(exc))
+            healer.notify()
+            faults.setdefault(INSTANCE, describe_error(exc))
+        if faults:
+            return JSONResponse({"status": "degraded", "faults": faults})
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> Response:
         if drainer.is_draining:
             return error_json(OpenAIError("The server is draining.", status_code=503))
-        if not cluster.is_ready:
+        if not is_serving():
             return error_json(OpenAIError("No instance is serving.", status_code=503))
         return JSONResponse({"status": "ready"})
 
@@ -184,7 +199,9 @@ def build_app(
         status = await asyncio.to_thread(cluster.status)
         status["requests"] = {"queued": engine.num_queued, "max_queued": engine.max_queued,
                               "held_at_gate": cluster.router.num_held, "rejected": engine.num_rejected,
+                              "recovered": engine.num_recovered, "tokens_recomputed": engine.num_tokens_recomputed,
                               "draining": drainer.is_draining}
+        status["health"] = {"ready": is_serving(), **healer.status()}
         status["scale_events"] = [e.to_dict() for e in cluster.scale_events.all()[-20:]]  # the latest 20
         status["slo"] = autoscale.tracker.snapshot().to_dict()
         status["autoscaler"] = autoscale.policy.status()
@@ -237,10 +254,12 @@ class Coordinator:
         self.model_config = await asyncio.to_thread(ModelConfig.from_pretrained, config.model_dir)
         routes = HandoverRoutes()
         self.engine = RouterEngineClient(self.cluster.router, tokenizer, self.cluster.max_model_len,
-                                         config.max_queued, handover_routes=routes)
+                                         config.max_queued, handover_routes=routes,
+                                         on_rank_failure=lambda rank: self.healer.notify(rank))
         # NOTE: the router's gate is an asyncio object of this loop; the scale thread calls it here.
         scaler = Scaler(self.cluster, routes, loop_caller(asyncio.get_running_loop()),
                         on_activated=self.engine.set_max_model_len)
+        self.healer = Healer(self.cluster, scaler)
         self.cluster.adapters.publish = self.engine.set_adapters
         for name, path in config.esft_adapters:  # --esft-adapter: a bad one fails the start
             adapter = await asyncio.to_thread(read_esft_adapter, name, path, self.model_config)
@@ -258,7 +277,11 @@ class Coordinator:
             lambda: self.cluster.scale_events.running is not None, self.metrics.server.registry,
         )
         self.cluster.scale_events.on_finished = self._on_scale_finished
+        self.metrics.register_health(lambda: self.cluster.is_ready and not self.healer.is_broken,
+                                     lambda: self.healer.faults,
+                                     lambda: (self.engine.num_recovered, self.engine.num_tokens_recomputed))
         self.autoscale.start()
+        self.healer.start()
 
     def _on_scale_finished(self, event: ScaleEvent) -> None:
         self.metrics.on_scale_finished(event)
@@ -269,7 +292,8 @@ class Coordinator:
         return float(active.dp) if active is not None and self.cluster.is_ready else 0.0
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = build_app(self.cluster, self.engine, self.metrics, self.scales, self.autoscale, self.drainer)
+        app = build_app(self.cluster, self.engine, self.metrics, self.scales, self.autoscale, self.drainer,
+                        self.healer)
         add_adapter_routes(app, self.cluster.adapters, lambda: self.model_config, self.cluster.config.model_name)
         return app
 
@@ -281,12 +305,16 @@ class Coordinator:
     async def shutdown_cluster(self) -> None:
         """Retire the instance and free the HMM now (before `serve.shutdown()` kills this replica)."""
         await self.autoscale.stop()
+        await asyncio.to_thread(self.healer.stop)  # no repair may start under the shutdown
         # NOTE: a running scale owns a second instance and the HMM's pending plan: let it end first.
         await asyncio.to_thread(self.scales.join)
         await asyncio.to_thread(self.cluster.shutdown)
 
     def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown; a no-op after `shutdown_cluster`.
+        healer: Any = getattr(self, "healer", None)
+        if healer is not None:
+            healer.stop()
         cluster: Any = getattr(self, "cluster", None)
         if cluster is not None:
             cluster.shutdown()

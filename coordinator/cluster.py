@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from coordinator.router import Router
 from coordinator.scale_events import ScaleEvents
 from hmm.controller import EsftEntry, HMMController
 from hmm.layout import DeviceSpec, Layout
+from hmm.memory.lease import reap
 from hmm.memory.shm import round_up
 from imm.instance import Instance
 from imm.manager import InstanceManager, instance_factory
@@ -115,11 +117,10 @@ class ClusterManager:
             self.hmm.load(cfg.model_dir, dp=cfg.dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
                           esft_slots=cfg.esft_slots)
             inst = Instance.create_standby(cfg.model_dir, cfg.dp, engine_options=cfg.engine_options())
-            self.active = inst
+            self.active = inst  # NOTE: before attaching, so that a failed start retires it
             inst.attach(self.hmm)
             inst.warm_up()
-            inst.activate()
-            self.max_model_len = min(ray.get([r.max_model_len.remote() for r in inst.ranks]))
+            self.activate(inst, min(ray.get([r.max_model_len.remote() for r in inst.ranks])))
             self.router.set_active(inst.ranks)
             logger.info("coordinator: %s active on %d devices (timings %s)", inst, cfg.num_devices, inst.timings)
             self.prepare_standby()
@@ -127,6 +128,16 @@ class ClusterManager:
             logger.exception("coordinator: start failed; releasing what was started")
             self.shutdown()
             raise
+
+    def activate(self, inst: Instance, max_model_len: int) -> None:
+        """`inst` (warm) becomes the active instance; the router is pointed at it by the caller
+        (on the router's loop)."""
+        inst.activate()
+        self.active, self.max_model_len = inst, max_model_len
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._is_shut_down
 
     def prepare_standby(self, delay_s: float = 0.0) -> None:
         """Boot standby instances for dp-1 and dp+1 of the active one, in the background,
@@ -177,12 +188,14 @@ class ClusterManager:
                 self.hmm.shutdown()
             except Exception:  # noqa: BLE001
                 logger.exception("coordinator: HMM shutdown failed")
+        reap(self.config.shm_prefix)  # what a worker that died left on this node
         logger.info("coordinator: shut down")
 
     # ---- observation ---------------------------------------------------------------------
 
     @property
     def is_ready(self) -> bool:
+        """An instance serves (a broken one is reported by the healer, see `Healer.is_broken`)."""
         return not self._is_shut_down and self.active is not None and self.active.is_serving
 
     async def check_health(self, timeout_s: float = 5.0) -> None:
@@ -225,27 +238,34 @@ class ClusterManager:
         return [AdapterSlotStats(kind, kinds.count(kind), n) for kind, n in slots.items()]
 
     def status(self) -> dict[str, Any]:
-        """Active config, instance state, devices with HMM memory, the running scale event (blocking)."""
+        """Active config, instance state and ranks, devices with HMM memory, the running scale
+        event (blocking). A dead or busy device worker is reported as such, never an error."""
         inst, hmm = self.active, self.hmm
-        usage = hmm.usage() if hmm is not None and not self._is_shut_down else {}
-        devices = [
-            {
-                "device_id": spec.device_id,
-                "node_id": spec.node_id,
-                "budget_bytes": spec.budget_bytes,
-                "used_bytes": usage[d].used if d in usage else None,
-                "peak_bytes": usage[d].peak if d in usage else None,
-            }
-            for d, spec in sorted((hmm.devices if hmm is not None else {}).items())
-        ]
+        devices = []
+        for d, spec in sorted((hmm.devices if hmm is not None else {}).items()):
+            info: dict[str, Any] = {"device_id": spec.device_id, "node_id": spec.node_id,
+                                    "budget_bytes": spec.budget_bytes, "used_bytes": None, "peak_bytes": None,
+                                    "pid": None, "state": "alive"}
+            if hmm is not None and not self._is_shut_down:
+                try:
+                    health, usage = ray.get([hmm.worker(d).check_health.remote(), hmm.worker(d).usage.remote()],
+                                            timeout=2.0)
+                    info.update(used_bytes=usage.used, peak_bytes=usage.peak, pid=health["pid"])
+                except ray.exceptions.GetTimeoutError:
+                    info["state"] = "busy"  # a scale's copies; it answers after them
+                except Exception:  # noqa: BLE001 - the healer replaces it
+                    info["state"] = "dead"
+            devices.append(info)
         layout = hmm.layout if hmm is not None else None
         running = self.scale_events.running
         return {
             "model": self.config.model_name,
+            "coordinator": {"pid": os.getpid()},
             "active_config": None if inst is None else {"dp": inst.dp, "ep": inst.dp, "tp": 1},
-            "instance": None
-            if inst is None
-            else {"instance_id": inst.instance_id, "state": inst.state.value, "timings_s": inst.timings},
+            "instance": None if inst is None else {
+                "instance_id": inst.instance_id, "state": inst.state.value, "timings_s": inst.timings,
+                "ranks": self._rank_info(inst),
+            },
             "layout_device_ids": list(layout.device_ids) if layout is not None else [],
             "devices": devices,
             "router": {"gate_open": self.router.is_open, "in_flight": self.router.loads()},
@@ -259,3 +279,16 @@ class ClusterManager:
                 "misses": self.standby.num_misses,
             },
         }
+
+    @staticmethod
+    def _rank_info(inst: Instance) -> list[dict[str, Any]]:
+        """Each rank's device and process (None once it is gone)."""
+        out = []
+        for r, rank in enumerate(list(inst.ranks)):
+            try:
+                pid = ray.get(rank.pid.remote(), timeout=2.0)
+            except Exception:  # noqa: BLE001 - dead or hung: the healer deals with it
+                pid = None
+            device = inst.device_ids[r] if r < len(inst.device_ids) else None
+            out.append({"rank": r, "device_id": device, "pid": pid})
+        return out

@@ -16,6 +16,12 @@ Invariants:
 - A request that reaches a rank already pausing for a switchover is turned away before
   anything is streamed (`RankPaused`) and routed again: it waits at the gate and runs on
   the new instance.
+- A request whose rank fails under it (the actor died, or its step loop ended because a peer
+  of its EP group died) is not failed: the watcher is told (`on_rank_failure`), the request
+  waits until the router no longer offers that rank (the instance was replaced; the gate
+  holds it meanwhile), and continues on the new instance from its prompt and the output
+  tokens its client already has (`EngineRequest.resume`: the KV is recomputed, nothing is
+  streamed twice). After `max_recoveries` such failures it gets a 503.
 - A scale's switchover ends a rank stream with a `HandedOverOutput`; the stream then
   continues from the rank `HandoverRoutes` names (`rank.resume`), so the handler sees
   one unbroken stream (the marker is not passed on).
@@ -29,20 +35,31 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from coordinator.router import NoActiveInstance, Router
+from elasticmoe.engine.async_llm import EngineDeadError
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError
+from elasticmoe.errors import describe_error
 from elasticmoe.outputs import RequestOutput
-from elasticmoe.sampling_params import SamplingParams
 from imm.handover import HandedOverOutput, HandoverRoutes, RankPaused
 
 logger = logging.getLogger(__name__)
 
 _MAX_ROUTES = 5  # a request turned away by pausing ranks is routed again at most this often
+MAX_RECOVERIES = 3  # an instance failure under one request is survived this often (a request that
+# kills every instance it runs on is failed, not retried forever)
+# What a rank's failure looks like from here: the actor died or is unreachable, or its step loop
+# ended (a peer of its EP group died, its engine crashed).
+_INSTANCE_FAILURES = (RayActorError, ActorUnavailableError, EngineDeadError)
 
 
 def _nothing() -> None:
+    pass
+
+
+def _ignore(rank: Any) -> None:
     pass
 
 
@@ -68,6 +85,9 @@ class RouterEngineClient:
         max_queued: int,
         retry_after_s: int = 1,
         handover_routes: HandoverRoutes | None = None,
+        on_rank_failure: Callable[[Any], None] = _ignore,
+        max_recoveries: int = MAX_RECOVERIES,
+        recovery_wait_s: float = 120.0,
     ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued: must be >= 1, got {max_queued}")
@@ -77,8 +97,13 @@ class RouterEngineClient:
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
         self.handover_routes = handover_routes or HandoverRoutes()
+        self.on_rank_failure = on_rank_failure  # a stream saw this rank fail: check it now
+        self.max_recoveries = max_recoveries
+        self.recovery_wait_s = recovery_wait_s
         self.num_queued = 0  # waiting at the gate + in flight
         self.num_rejected = 0
+        self.num_recovered = 0  # requests continued on another instance after theirs failed
+        self.num_tokens_recomputed = 0  # output tokens those requests had, recomputed there
         self.adapters: tuple[str, ...] = ()  # ESFT adapters accepting requests (set by the adapter host)
         # The SLO estimator's inputs: every request offered, and every one that got no answer.
         self.on_arrival: Callable[[], None] = _nothing
@@ -103,43 +128,42 @@ class RouterEngineClient:
         """The ESFT adapters that accept requests (one tuple assignment: safe from any thread)."""
         self.adapters = tuple(names)
 
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        adapter: str | None = None,
-        lora_routing: dict | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream `request_id`'s outputs from one rank; the last has `finished=True`."""
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Stream `request`'s outputs from one rank; the last has `finished=True`. If the instance
+        serving it fails, it continues on the next one (see the module docstring)."""
         self.on_arrival()
         if self.num_queued >= self.max_queued:
             self.num_rejected += 1
             self.on_failed()
             raise QueueFull(self.max_queued, self.retry_after_s)
         self.num_queued += 1
+        progress = _Progress()
         try:
-            for attempt in range(_MAX_ROUTES):
-                streamed = False
+            num_routes = num_recoveries = 0
+            while True:
+                rank = None
                 try:
                     async with self.router.route() as rank:
-                        async for out in _stream_from(rank, request_id, prompt, params, self.handover_routes,
-                                                      adapter, lora_routing):
-                            streamed = True
+                        async for out in _stream_from(rank, progress.request(request), self.handover_routes):
+                            progress.add(out)
                             yield out
                     return
                 except RankPaused:
                     # Nothing was streamed; the gate holds the next route until the switchover ends.
-                    logger.info("request %s reached a pausing rank; routing it again (%d)", request_id, attempt + 1)
-                except RayActorError:
-                    # The rank was retired while this call still waited in its queue (a scale ran in
-                    # between): nothing reached the engine, so routing it again loses nothing.
-                    if streamed:
-                        raise
-                    logger.info("request %s reached a retired rank; routing it again (%d)", request_id, attempt + 1)
-            raise OpenAIError("No inference instance accepted the request; retry later.", status_code=503)
+                    num_routes += 1
+                    if num_routes >= _MAX_ROUTES:
+                        raise OpenAIError("No inference instance accepted the request; retry later.",
+                                          status_code=503) from None
+                    logger.info("request %s reached a pausing rank; routing it again (%d)",
+                                request.request_id, num_routes)
+                except _INSTANCE_FAILURES as exc:
+                    num_recoveries += 1
+                    if num_recoveries > self.max_recoveries:
+                        raise OpenAIError("The instances serving this request failed repeatedly; retry later.",
+                                          status_code=503) from exc
+                    await self._await_recovery(request.request_id, rank, progress, exc)
         except NoActiveInstance as exc:
-            logger.warning("request %s: %s", request_id, exc)
+            logger.warning("request %s: %s", request.request_id, exc)
             self.on_failed()
             raise OpenAIError("No inference instance is serving; retry later.", status_code=503) from exc
         except (GeneratorExit, asyncio.CancelledError, ValueError):
@@ -154,20 +178,48 @@ class RouterEngineClient:
         finally:
             self.num_queued -= 1
 
+    async def _await_recovery(self, request_id: str, rank: Any, progress: _Progress, exc: BaseException) -> None:
+        """The rank (or its whole instance) failed under this request: tell the watcher, and wait
+        until the router no longer offers that rank (the instance was replaced), so the request
+        is not sent back to the dead one. A rank of an instance that is already gone (a scale
+        retired it meanwhile) is routed again at once."""
+        logger.warning("request %s: its rank failed (%s) after %d output tokens; continuing it elsewhere",
+                       request_id, describe_error(exc), len(progress.output_token_ids))
+        if rank is not None:
+            self.on_rank_failure(rank)
+            if not await self.router.wait_replaced(rank, self.recovery_wait_s):
+                raise NoActiveInstance(f"the failed instance was not replaced within {self.recovery_wait_s:.0f}s")
+        if progress.output_token_ids:
+            self.num_recovered += 1
+            self.num_tokens_recomputed += len(progress.output_token_ids)
+
+
+class _Progress:
+    """What the client of one request has received: output tokens and text characters."""
+
+    def __init__(self) -> None:
+        self.output_token_ids: list[int] = []
+        self.num_chars = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.output_token_ids += out.new_token_ids
+        self.num_chars += len(out.new_text)
+
+    def request(self, request: EngineRequest) -> EngineRequest:
+        """`request` as it is sent now: from the start, or resuming after what was received."""
+        return request.resumed(self.output_token_ids, self.num_chars)
+
 
 async def _stream_from(
     rank: Any,
-    request_id: str,
-    prompt: str | list[int],
-    params: SamplingParams,
+    request: EngineRequest,
     routes: HandoverRoutes,
-    adapter: str | None = None,
-    lora_routing: dict | None = None,
     handover_timeout_s: float = 60.0,
 ) -> AsyncGenerator[RequestOutput, None]:
     """The rank's stream for one request, followed across handovers; cancels the current
     rank stream unless it reached its finished output."""
-    stream = rank.generate.remote(request_id, prompt, params, adapter, lora_routing)
+    request_id = request.request_id
+    stream = rank.generate.remote(request)
     while True:
         finished, handed_over = False, False
         try:
@@ -190,7 +242,8 @@ async def _stream_from(
                 # request in the engine; a stream that already ended makes this a no-op.
                 ray.cancel(stream)
         if not handed_over:
-            return
+            # A stream that ends without its finished output or a marker lost its rank.
+            raise EngineDeadError(f"the stream of {request_id!r} ended early")
         # NOTE: the route is published inside the switchover's critical section, right after
         # the new instance imported the request; wait in a thread (HandoverRoutes blocks).
         new_rank = await asyncio.to_thread(routes.take, request_id, handover_timeout_s)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from coordinator.cluster import AdapterSlotStats, DeviceMemoryStats
 from coordinator.scale_events import ScaleEvent, ScaleState
@@ -160,6 +161,23 @@ class CoordinatorMetrics:
         }
         self._seen_by_engine: dict[str, dict[str, int]] = {}
 
+    def register_health(
+        self,
+        is_ready: Callable[[], bool],
+        faults: Callable[[], dict[str, str]],
+        recoveries: Callable[[], tuple[int, int]],
+    ) -> None:
+        """What `/ready` and `/health` say, and the requests that survived an instance failure
+        (`recoveries()` = (requests continued elsewhere, output tokens recomputed for them)).
+        Repairs themselves are scale events of strategy `heal`."""
+        registry = self.server.registry
+        Gauge("elasticmoe_ready", "1 while an instance serves requests (what /ready says), else 0.",
+              registry=registry).set_function(lambda: float(is_ready()))
+        Gauge("elasticmoe_degraded_components",
+              "Components that failed and are being repaired (what /health lists).",
+              registry=registry).set_function(lambda: float(len(faults())))
+        registry.register(_RecoveryCounters(recoveries))
+
     def on_scale_finished(self, event: ScaleEvent) -> None:
         self.scale_events.labels(event.strategy, event.state.value).inc()
         self.last_scale.set(event.finished_at or 0.0)
@@ -222,3 +240,17 @@ class CoordinatorMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return self.server.render()
+
+
+class _RecoveryCounters:
+    """Counters read from the engine client at scrape time (it counts; nothing to copy)."""
+
+    def __init__(self, recoveries: Callable[[], tuple[int, int]]) -> None:
+        self.recoveries = recoveries
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        requests, tokens = self.recoveries()
+        yield CounterMetricFamily("elasticmoe_requests_recovered",
+                                  "Requests that continued on another instance after theirs failed.", value=requests)
+        yield CounterMetricFamily("elasticmoe_tokens_recomputed",
+                                  "Output tokens those requests had, whose KV was recomputed.", value=tokens)

@@ -44,6 +44,7 @@ class Router(Generic[T]):
         self._routes: _Routes[T] | None = None
         self._open = asyncio.Event()
         self._open.set()
+        self._changed = asyncio.Event()  # set (and replaced) whenever the targets change
         self.num_held = 0  # requests currently waiting at the gate (for metrics)
 
     def set_active(self, targets: Sequence[T]) -> None:
@@ -51,9 +52,33 @@ class Router(Generic[T]):
         if not targets:
             raise ValueError("router: an active instance needs at least one rank")
         self._routes = _Routes(list(targets))
+        self._announce_change()
 
     def clear_active(self) -> None:
         self._routes = None
+        self._announce_change()
+
+    def _announce_change(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def is_active_target(self, target: T) -> bool:
+        routes = self._routes
+        return routes is not None and any(t is target or t == target for t in routes.targets)
+
+    async def wait_replaced(self, target: T, timeout_s: float) -> bool:
+        """Wait until `target` is no longer one of the active targets (its instance was replaced
+        or cleared); False if it still is after `timeout_s`."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.is_active_target(target):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
 
     def close_gate(self) -> None:
         """Start of a switchover's critical section: hold new requests."""

@@ -44,6 +44,8 @@ class ScaleEvent:
     requests_in_flight: int | None = None  # at switchover
     requests_handed_over: int | None = None
     error: str | None = None
+    fault: str | None = None  # a heal (strategy "heal"): what failed and was replaced
+    detected_at: float | None = None  # a heal: when the fault was seen (epoch seconds)
 
     def to_dict(self) -> dict:
         d = asdict(self)

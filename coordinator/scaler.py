@@ -30,16 +30,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from coordinator.scale_events import ScaleConflict, ScaleEvent
 from coordinator.strategies import DEFAULT_STRATEGY, ScaleStrategy, strategy
+from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.handover import RequestSnapshot
-from elasticmoe.errors import describe_error
+from elasticmoe.errors import describe_error, unwrap_remote
 from hmm.planner import TargetConfig, scale_target
 from imm.handover import HandoverRoutes
 from imm.instance import Instance
@@ -56,6 +59,25 @@ LoopCaller = Callable[[Callable[[], None]], None]
 
 def _call_here(fn: Callable[[], None]) -> None:
     fn()
+
+
+HEAL = "heal"  # the strategy name of a scale nobody asked for: replacing what failed
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    """What a heal replaces (see `Scaler.heal`)."""
+
+    fault: str  # what was detected, for the event and the logs
+    old_is_dead: bool  # its ranks cannot pause or export: their requests resume from the clients' side
+    recompute_devices: frozenset[int] = frozenset()  # its KV pool there is not the HMM's (a restored device)
+    detected_at: float | None = None  # epoch seconds
+
+
+def is_instance_death(exc: BaseException) -> bool:
+    """`exc` (from a call on an instance's ranks) means a rank is gone or its step loop ended."""
+    original = unwrap_remote(exc)
+    return isinstance(original, RayActorError | ActorUnavailableError | EngineDeadError)
 
 
 class SwitchoverRolledBack(RuntimeError):
@@ -122,40 +144,93 @@ class Scaler:
         self.run(event)
         return event
 
-    def run(self, event: ScaleEvent) -> None:
-        """Run a started event to its end; never raises (the outcome is on the event)."""
+    def heal(self, repair: Repair) -> ScaleEvent:
+        """Replace the active instance after a fault (blocking; the outcome is on the returned
+        event, strategy `heal`). The target is a standby instance of the same dp if the pool has
+        one, else a pooled neighbour (dp+1 while a device is free, else dp-1) reached by the same
+        HMM transition as a scale, else a new instance of the same dp booted now. Raises
+        `ScaleConflict` while a scale runs (its own switchover handles an old instance that died)."""
+        old = self.cluster.active
+        if old is None:
+            raise RuntimeError("heal: no instance to replace")
+        event = self.cluster.scale_events.start(old.dp, self._heal_dp(old.dp), HEAL)
+        event.fault, event.detected_at = repair.fault, repair.detected_at
+        self.run(event, repair)
+        return event
+
+    def _heal_dp(self, dp: int) -> int:
+        pooled, hmm = set(self.cluster.standby.pool), self.cluster.hmm
+        num_devices = len(hmm.devices) if hmm is not None else dp
+        for candidate in (dp, dp + 1, dp - 1):
+            if candidate in pooled and 1 <= candidate <= num_devices:
+                return candidate
+        return dp
+
+    def run(self, event: ScaleEvent, repair: Repair | None = None) -> None:
+        """Run a started event to its end; never raises (the outcome is on the event). The standby
+        pool is refilled after every outcome, so the next scale finds it warm."""
         rolled_back = True
         try:
-            error = self._run(event)
+            error = self._run(event, repair)
         except BaseException as exc:  # noqa: BLE001 - recorded on the event
             logger.exception("scale %s failed", event.event_id)
             error, rolled_back = describe_error(exc), False
+        finally:
+            self.cluster.prepare_standby(self.cluster.config.standby_delay_s)
         self.cluster.scale_events.finish(event, error, rolled_back)
         logger.info("scale %s: %s", event.event_id, event.to_dict())
 
-    def _run(self, event: ScaleEvent) -> str | None:
+    def _run(self, event: ScaleEvent, repair: Repair | None) -> str | None:
         cluster, t0 = self.cluster, time.perf_counter()
         hmm, old = cluster.hmm, cluster.active
         assert hmm is not None and old is not None
-        strat = strategy(event.strategy)
+        strat = strategy(DEFAULT_STRATEGY if repair is not None else event.strategy)
         hmm.reset_peak()
         if strat.placement == "stop_first":
             self._cold_restart(event, old, t0)
+        elif repair is not None and repair.old_is_dead:
+            self._replace_dead(event, old, strat, t0)
         else:
-            new, max_model_len = self._prepare(event, strat)
+            recompute = repair.recompute_devices if repair is not None else frozenset()
+            fenced = [d for d in old.device_ids if d not in recompute] if strat.hands_over_kv else []
+            new, max_model_len = self._prepare(event, strat, fenced)
             if new is None:
                 return f"rolled back before switchover: {max_model_len}"
             try:
-                self._switch_over(event, old, new, strat.hands_over_kv)
+                self._switch_over(event, old, new, strat.hands_over_kv, recompute)
             except SwitchoverRolledBack as exc:
                 hmm.abort()
                 return f"rolled back at switchover: {exc}"
             self._finish(event, new, int(max_model_len), t0)
-            self._retire_after_markers(old)
+            if old.state is not InstanceState.RETIRED:
+                self._retire_after_markers(old)
             hmm.commit()
         event.peak_memory_bytes = sum(u.peak for u in hmm.usage().values())
-        cluster.prepare_standby(cluster.config.standby_delay_s)
         return None
+
+    def _replace_dead(self, event: ScaleEvent, old: Instance, strat: ScaleStrategy, t0: float) -> None:
+        """Heal: the old instance died (a rank or its loop). New requests wait at the gate from
+        now; the old ranks are killed (none may write a KV pool the new ranks will use), the
+        new instance is prepared on the HMM's pools and takes the traffic. The requests that ran
+        on the old one continue there (the engine client resumes them). If preparing fails, the
+        gate reopens with no instance (503s) and the event is failed: the watcher tries again."""
+        router = self.cluster.router
+        t_close = time.perf_counter()
+        self.call_on_loop(router.close_gate)
+        try:
+            if old.state is not InstanceState.RETIRED:  # else a failed repair before this one retired it
+                old.retire(wait_dead_s=10.0)
+            new, max_model_len = self._prepare(event, strat, fenced=())
+            if new is None:
+                self.call_on_loop(router.clear_active)
+                raise RuntimeError(f"no replacement instance: {max_model_len}")
+            self.call_on_loop(lambda: router.set_active(new.ranks))
+            self._finish(event, new, int(max_model_len), t0)
+        finally:
+            self.call_on_loop(router.open_gate)
+            event.downtime_s = time.perf_counter() - t_close
+        assert self.cluster.hmm is not None
+        self.cluster.hmm.commit()
 
     def _target(self, to_dp: int, strat: ScaleStrategy) -> TargetConfig:
         hmm, cfg = self.cluster.hmm, self.cluster.config
@@ -177,9 +252,13 @@ class Scaler:
             return inst
         return boot_now(dp)
 
-    def _prepare(self, event: ScaleEvent, strat: ScaleStrategy) -> tuple[Instance | None, int | str]:
+    def _prepare(
+        self, event: ScaleEvent, strat: ScaleStrategy, fenced: Sequence[int]
+    ) -> tuple[Instance | None, int | str]:
         """HMM transition || standby instance, then attach + warm-up: (new instance, its
-        max_model_len), or (None, error) after rolling back (the old instance never stopped)."""
+        max_model_len), or (None, error) after rolling back (the old instance never stopped).
+        `fenced`: devices whose KV pool the old instance still allocates from (shared with the
+        new one until the handover)."""
         hmm, old = self.cluster.hmm, self.cluster.active
         assert hmm is not None and old is not None
         new: Instance | None = None
@@ -196,8 +275,6 @@ class Scaler:
                 if any(errors):
                     raise next(e for e in errors if e is not None)
             assert new is not None
-            # Only a new instance sharing the old KV pools must wait (fenced) for the handover.
-            fenced = old.device_ids if strat.hands_over_kv else ()
             new.attach(hmm, pending=True, fenced_device_ids=fenced)
             self.cluster.adapters.prepare_instance(new)  # the pending layout carries their rows
             new.warm_up()
@@ -211,10 +288,9 @@ class Scaler:
 
     def _finish(self, event: ScaleEvent, new: Instance, max_model_len: int, t0: float) -> None:
         """The new instance is serving: make it the active one."""
-        self.cluster.active, self.cluster.max_model_len = new, max_model_len
+        self.cluster.activate(new, max_model_len)
         if self.on_activated is not None:
             self.on_activated(max_model_len)
-        new.activate()
         event.scale_latency_s = time.perf_counter() - t0
 
     def _cold_restart(self, event: ScaleEvent, old: Instance, t0: float) -> None:
@@ -252,12 +328,21 @@ class Scaler:
             self.call_on_loop(router.open_gate)
             event.downtime_s = time.perf_counter() - t_close
 
-    def _switch_over(self, event: ScaleEvent, old: Instance, new: Instance, hand_over_kv: bool) -> None:
+    def _switch_over(
+        self,
+        event: ScaleEvent,
+        old: Instance,
+        new: Instance,
+        hand_over_kv: bool,
+        recompute_devices: frozenset[int] = frozenset(),
+    ) -> None:
         """The critical section: from closing the gate to reopening it on the new ranks.
 
         Raises `SwitchoverRolledBack` after a failure it undid: the new instance retired, the
         old one running again with every request it had (streams resume there); any other
-        error means the undo failed too.
+        error means the undo failed too. If the old instance cannot pause or export (a rank died,
+        its loop is stuck), the scale finishes on the new one instead: the old ranks are killed
+        and their requests continue on the new instance from what their clients received.
         """
         router = self.cluster.router
         # NOTE: close the gate on the router's loop: once it returns, every request that got a
@@ -266,11 +351,20 @@ class Scaler:
         self.call_on_loop(router.close_gate)
         snaps: dict[int, list[RequestSnapshot]] | None = None
         try:
-            old.pause()
-            snaps = old.export_requests(hand_over_kv=hand_over_kv)
+            try:
+                old.pause()
+                snaps = old.export_requests(hand_over_kv=hand_over_kv)
+            except Exception as exc:  # noqa: BLE001 - dead, stuck or broken: it cannot take its requests back either
+                logger.warning("scale %s: the old instance failed at the switchover (%s); finishing on the new one",
+                               event.event_id, describe_error(exc))
+                event.fault = f"old instance failed at the switchover: {describe_error(exc)}"
+                old.retire(wait_dead_s=10.0)  # none of its ranks may write a KV pool the new ranks share
+                new.import_requests({}, kv_is_shared=True)  # nothing to import: this lifts the KV fences
+                self.call_on_loop(lambda: router.set_active(new.ranks))
+                return
             event.requests_in_flight = sum(len(s) for s in snaps.values())
             self._exported = [s.request_id for ss in snaps.values() for s in ss]
-            routes = new.import_requests(snaps, kv_is_shared=hand_over_kv)
+            routes = new.import_requests(snaps, kv_is_shared=hand_over_kv, recompute_devices=recompute_devices)
             event.requests_handed_over = len(routes)
             # NOTE: publish before opening the gate; consumers of `old`'s streams block on these.
             self.routes.publish(routes)

@@ -39,7 +39,7 @@ from hmm.memory import MemoryUsage
 from hmm.memory.page_table import SlotPages
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, Transfer
-from hmm.planner import TargetConfig, load_plan, plan
+from hmm.planner import TargetConfig, load_plan, plan, restore_plan
 from hmm.scale_plan import DiskLoad, Free, InvalidPlan, LocalCopy, P2PCopy, ScalePlan
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 from hmm.worker import DeviceWorker, DeviceWorkerActor
@@ -117,6 +117,59 @@ class HMMController:
         self.devices[spec.device_id], self.workers[spec.device_id] = spec, worker
         if self.use_ray and self.p2p != "fast":
             self._rebuild_group()
+
+    def restore_device(self, device_id: int) -> dict[str, int]:
+        """Replace the worker of `device_id` (dead, or to be replaced) with a new one and refill
+        its share of the committed layout (`restore_plan`: replicated tensors by p2p from a live
+        replica, its experts from disk, an empty KV pool, its ESFT adapter rows from their files).
+        The new worker frees what the dead one left in /dev/shm (`lease.reap`); an instance still
+        mapping that memory keeps it until it retires. A pending plan is aborted first. Returns
+        bytes by source (`bytes_disk`, `bytes_p2p_*`)."""
+        if device_id not in self.devices:
+            raise ValueError(f"hmm: device {device_id} is not registered")
+        if self.pending is not None:
+            try:
+                self.abort()
+            except Exception:  # noqa: BLE001 - the dead worker cannot abort; the others did
+                logger.exception("hmm: aborting the pending plan before restoring device %d", device_id)
+                self.pending = None
+        old = self.workers[device_id]
+        if self.use_ray:
+            ray.kill(old)  # it may be hung rather than dead: it must not free anything now
+            worker: Any = DeviceWorkerActor.remote(self.devices[device_id], self.page_size, self.prefix)
+        else:
+            worker = DeviceWorker(self.devices[device_id], self.page_size, self.prefix)
+        self.workers[device_id] = worker
+        if self.use_ray and self.p2p != "fast":
+            self._rebuild_group()
+        layout = self.layout
+        if layout is None or device_id not in layout.device_ids:
+            return {}
+        p = restore_plan(layout, device_id)
+        specs = self._specs(layout, device_id)
+        rows = [r for entry in self.adapters.values() for r in self._adapter_rows(layout, entry).get(device_id, [])]
+        kv = layout.kv_bytes[layout.rank_of(device_id)]
+        staged = self._gather([self._call(device_id, "begin", specs, self.dtype, kv, DEFAULT_OPTIONS, rows)])[0]
+        disk = [s.key for s in p.steps if isinstance(s, DiskLoad)]
+        expected = {s.key for s in p.steps if isinstance(s, DiskLoad | P2PCopy)}
+        try:
+            if set(staged) != expected:
+                raise InvalidPlan(f"device {device_id}: staged {len(staged)} tensors, the restore fills {len(expected)}")
+            read = self._gather([self._call(device_id, "load_from_disk", self.model_dir, _subset(specs, disk),
+                                            self.dtype)])[0]
+            stats = {"bytes_disk": read, **self._p2p(p)}
+            self._gather([self._call(device_id, "commit")])
+        except BaseException:
+            self._gather([self._call(device_id, "abort")])
+            raise
+        self.bytes_read_from_disk += read
+        logger.info("hmm: device %d restored: %s", device_id, stats)
+        return stats
+
+    def reap(self) -> list[str]:
+        """Free, on every node with a device, the /dev/shm files whose owner process is gone."""
+        by_node = {spec.node_id: d for d, spec in self.devices.items()}
+        return [name for names in self._all(list(by_node.values()), "reap") for name in names]
 
     def _rebuild_group(self) -> None:
         ids = list(self.devices)
@@ -415,9 +468,18 @@ class HMMController:
         self._all(list(self.devices), "reset_peak")
 
     def shutdown(self) -> None:
-        """Abort anything pending, free all device memory, stop the workers."""
-        self.abort()
-        self._all(list(self.devices), "shutdown")
+        """Abort anything pending, free all device memory, stop the workers. A dead worker does
+        not stop the others' shutdown (its files are reaped: `reap`, `lease.reap`)."""
+        try:
+            self.abort()
+        except Exception:  # noqa: BLE001 - a dead worker cannot abort; free what the others hold
+            logger.exception("hmm: abort at shutdown failed")
+        calls = [self._call(d, "shutdown") for d in self.devices]
+        for d, call in zip(list(self.devices), calls, strict=True):
+            try:
+                self._gather([call])
+            except Exception:  # noqa: BLE001
+                logger.warning("hmm: device %d did not shut down cleanly", d, exc_info=True)
         if self.use_ray:
             for w in self.workers.values():
                 ray.kill(w)

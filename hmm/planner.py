@@ -217,6 +217,30 @@ def load_plan(target: Layout) -> ScalePlan:
     return result
 
 
+def restore_plan(layout: Layout, device_id: int) -> ScalePlan:
+    """Refill one device of `layout` that lost everything (its worker died): an empty KV pool,
+    every replicated (non-expert) tensor copied from a live replica (same node first, spread
+    over the senders), and what only it held (its experts) read from disk. The other devices
+    only send: the plan starts from `layout` and ends at it."""
+    if device_id not in layout.device_ids:
+        raise ValueError(f"restore: device {device_id} is not in the layout {layout.device_ids}")
+    node = {d.device_id: d.node_id for d in layout.devices}
+    others = [d for d in layout.device_ids if d != device_id]
+    sent = dict.fromkeys(others, 0)
+    steps: list[Step] = []
+    for key, nbytes in sorted(layout.tensors(device_id).items(), key=lambda kv: (-kv[1], kv[0].name)):
+        steps.append(Alloc(device_id, key, nbytes))
+        if key.kind == "kv":
+            continue
+        if key.kind == "expert" or not others:
+            steps.append(DiskLoad(device_id, key, nbytes))
+            continue
+        src = min(others, key=lambda s: (node[s] != node[device_id], sent[s], s))
+        sent[src] += nbytes
+        steps.append(P2PCopy(src, device_id, key, nbytes))
+    return ScalePlan(layout, layout, tuple(steps))
+
+
 def naive_full_copy_plan(current: Layout, target: TargetConfig) -> ScalePlan:
     """Baseline: the new instance gets a second full copy (weights and KV pools)
     loaded from disk while the old one serves; every old buffer is freed at commit.

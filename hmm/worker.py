@@ -25,6 +25,7 @@ from elasticmoe.models.weights import ParamSpec
 from hmm.device_memory import DEVICE_PAGE_SIZE, AdapterRow, DeviceMemory, Handle
 from hmm.layout import DeviceSpec, TensorKey
 from hmm.memory import MemoryUsage
+from hmm.memory.lease import reap
 from hmm.memory.page_table import SlotPages
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, P2PGroup, Transfer, copy_from_handles
@@ -45,6 +46,10 @@ class DeviceWorker:
     ) -> None:
         torch.set_num_threads(1)
         self.spec = spec
+        # A worker that replaces a dead one (or a restarted coordinator's) frees its predecessor's
+        # memory first: files whose owner process is gone (`hmm.memory.lease`).
+        self.prefix = prefix
+        self.reap()
         self.memory = DeviceMemory(spec.device_id, spec.budget_bytes, page_size, prefix)
         self.group = P2PGroup()
         self._fail: set[str] = set()
@@ -62,6 +67,10 @@ class DeviceWorker:
             "pid": os.getpid(),
             "group_epoch": self.group.spec and self.group.spec.epoch,
         }
+
+    def reap(self) -> list[str]:
+        """Unlink this node's /dev/shm files of our prefix whose owner process is gone."""
+        return reap(self.prefix)
 
     def node_address(self) -> str:
         return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,15 +91,20 @@ def assign_snapshots(
     device_ids: Sequence[int],
     loads: Sequence[int],
     kv_is_shared: bool = True,
+    recompute_devices: Collection[int] = (),
 ) -> dict[int, tuple[list[RequestSnapshot], list[RequestSnapshot]]]:
     """new rank -> (snapshots continuing on a shared KV pool, snapshots to recompute).
 
     A request whose KV lives on a device the new instance keeps goes to the rank on that
     device; the others go, one by one, to the rank with the fewest requests (`loads`
     counts the requests a rank already has; ties -> lowest rank). `kv_is_shared=False`
-    (the new instance has its own KV pools): every request is recomputed.
+    (the new instance has its own KV pools): every request is recomputed; so are those from
+    `recompute_devices` (a device whose pool the new instance does not share: restored after
+    its worker died).
     """
-    rank_of = {d: r for r, d in enumerate(device_ids)} if kv_is_shared else {}
+    rank_of = (
+        {d: r for r, d in enumerate(device_ids) if d not in set(recompute_devices)} if kv_is_shared else {}
+    )
     out: dict[int, tuple[list[RequestSnapshot], list[RequestSnapshot]]] = {
         r: ([], []) for r in range(len(device_ids))
     }

@@ -18,12 +18,13 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import ray
 
 from elasticmoe.engine.handover import RequestSnapshot
+from elasticmoe.errors import describe_error
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from hmm.controller import HMMController
 from hmm.p2p import GroupSpec
@@ -248,7 +249,10 @@ class Instance:
         return self._transition(S.ACTIVE, work)
 
     def import_requests(
-        self, snaps_by_device: Mapping[int, Sequence[RequestSnapshot]], kv_is_shared: bool = True
+        self,
+        snaps_by_device: Mapping[int, Sequence[RequestSnapshot]],
+        kv_is_shared: bool = True,
+        recompute_devices: Collection[int] = (),
     ) -> dict[str, Any]:
         """Continue the exported requests here; returns request id -> rank actor to `resume` on.
 
@@ -256,13 +260,13 @@ class Instance:
         KV (no recomputation); the others go to the least-loaded ranks and recompute. Every
         rank receives its shared-KV import (possibly empty) first, which ends its `KVFence`.
         `kv_is_shared=False`: this instance has its own KV pools (a baseline strategy), so
-        every request is recomputed.
+        every request is recomputed; so are those from `recompute_devices` (see `assign_snapshots`).
         NOTE: call only once every old rank exported (it still owns the shared pools before).
         """
         if self.state not in (S.WARM, S.ACTIVE):
             raise RuntimeError(f"{self}: import_requests needs a warm or active instance")
         loads = [s.num_running + s.num_waiting for s in self.stats()]
-        plan = assign_snapshots(snaps_by_device, self.device_ids, loads, kv_is_shared)
+        plan = assign_snapshots(snaps_by_device, self.device_ids, loads, kv_is_shared, recompute_devices)
         with self._lock:
             reports: list[ImportReport] = self._get(
                 [rank.import_requests.remote(plan[r][0], True) for r, rank in enumerate(self.ranks)]
@@ -273,16 +277,24 @@ class Instance:
         self.import_reports = reports
         return {s.request_id: self.ranks[r] for r, (shared, moved) in plan.items() for s in shared + moved}
 
-    def retire(self) -> None:
-        """Stop the loops, shut the ranks down and kill the actors. Best effort, never leaves actors."""
+    def retire(self, wait_dead_s: float = 0.0) -> None:
+        """Stop the loops, shut the ranks down and kill the actors. Best effort, never leaves actors.
+
+        `wait_dead_s` > 0: also wait (up to that long) until every rank process is gone, for a
+        caller that hands their KV pools to another instance (a hung rank must not write there)."""
+
+        # A dying instance's ranks are killed soon anyway: do not wait long for their orderly shutdown.
+        shutdown_timeout_s = min(self.timeout_s, 2.0) if wait_dead_s else self.timeout_s
 
         def work() -> None:
             try:
-                ray.get([rank.shutdown.remote() for rank in self.ranks], timeout=self.timeout_s)
-            except Exception:  # noqa: BLE001 - dead or hung ranks are killed below anyway
-                logger.exception("%s: shutdown failed; killing the ranks", self.instance_id)
+                ray.get([rank.shutdown.remote() for rank in self.ranks], timeout=shutdown_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - dead or hung ranks are killed below anyway
+                logger.warning("%s: shutdown failed (%s); killing the ranks", self.instance_id, describe_error(exc))
             for rank in self.ranks:
                 ray.kill(rank)
+            if wait_dead_s:
+                _wait_dead(self.ranks, wait_dead_s)
             self.ranks = []
 
         self._transition(S.RETIRED, work)
@@ -304,3 +316,24 @@ class Instance:
 
     def check_health(self) -> None:
         self._get([rank.check_health.remote() for rank in self.ranks])
+
+
+def _wait_dead(actors: Sequence[Any], timeout_s: float) -> None:
+    """Return once every actor is gone (a call on it raises `RayActorError`), or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(actors)
+    while alive and time.monotonic() < deadline:
+        still = []
+        for actor in alive:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=0.5)
+                still.append(actor)
+            except ray.exceptions.RayActorError:
+                pass
+            except ray.exceptions.GetTimeoutError:
+                still.append(actor)
+        alive = still
+        if alive:
+            time.sleep(0.05)
+    if alive:
+        logger.warning("%d rank processes still alive %.0f s after being killed", len(alive), timeout_s)

@@ -40,15 +40,15 @@ import torch
 import torch.distributed as dist
 
 from elasticmoe.engine.async_llm import (
+    AbortCommand,
+    AddCommand,
     AsyncLLM,
+    CallCommand,
     EngineCore,
     EngineDeadError,
-    _Abort,
-    _Add,
-    _Call,
-    _call_soon,
-    _Stop,
-    _Stream,
+    StopCommand,
+    Stream,
+    call_soon,
 )
 from elasticmoe.outputs import RequestOutput
 
@@ -66,7 +66,7 @@ class HandedOver(Exception):  # noqa: N818 - a control-flow signal, not an error
         self.request_id = request_id
 
 
-class _Pause(_Stop):
+class _Pause(StopCommand):
     """Leave the loop at the next round boundary, keeping the consumers waiting."""
 
 
@@ -88,7 +88,7 @@ class LockstepAsyncLLM(AsyncLLM):
         self.num_steps = 0
         # Adopted streams until their `resume` (monotonic adoption time): a short request can
         # finish here (leaving `_streams`) before its client, busy elsewhere, calls `resume`.
-        self._adopted: dict[str, tuple[float, _Stream]] = {}
+        self._adopted: dict[str, tuple[float, Stream]] = {}
         self.is_paused = False
         self.pause_requested = False  # set before the loop is asked to pause; new requests are turned away
 
@@ -123,7 +123,7 @@ class LockstepAsyncLLM(AsyncLLM):
 
     def apply_queued_commands(self) -> None:
         """After a pause, on the caller's thread: apply the adds and aborts that arrived too late
-        for the loop (so those requests are exported too) and fail any pending `_Call`."""
+        for the loop (so those requests are exported too) and fail any pending `CallCommand`."""
         if not self.is_paused:
             raise RuntimeError("apply_queued_commands: not paused")
         while True:
@@ -131,10 +131,10 @@ class LockstepAsyncLLM(AsyncLLM):
                 command: Any = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Call):
+            if isinstance(command, CallCommand):
                 command.error = EngineDeadError("engine paused")
                 command.done.set()
-            elif isinstance(command, _Add | _Abort):
+            elif isinstance(command, AddCommand | AbortCommand):
                 self._apply(command)
 
     def hand_over_streams(self, request_ids: list[str]) -> None:
@@ -147,7 +147,7 @@ class LockstepAsyncLLM(AsyncLLM):
             item: BaseException = (
                 HandedOver(request_id) if request_id in exported else EngineDeadError("engine paused")
             )
-            _call_soon(stream.loop, stream.queue.put_nowait, item)
+            call_soon(stream.loop, stream.queue.put_nowait, item)
 
     def adopt_streams(self, request_ids: list[str]) -> None:
         """Register a stream (on the caller's event loop) per imported request; `resume` reads it.
@@ -164,7 +164,7 @@ class LockstepAsyncLLM(AsyncLLM):
                 if now - adopted_at > _ADOPTED_TTL_S:
                     del self._adopted[request_id]
             for request_id in request_ids:
-                stream = _Stream(loop, asyncio.Queue())
+                stream = Stream(loop, asyncio.Queue())
                 self._streams[request_id] = stream
                 self._adopted[request_id] = (now, stream)
 
@@ -256,11 +256,11 @@ class LockstepAsyncLLM(AsyncLLM):
     def _apply_lockstep(self, command: Any) -> int:
         if isinstance(command, _Pause):
             return _PAUSE
-        if isinstance(command, _Stop):
+        if isinstance(command, StopCommand):
             return _STOP
-        if isinstance(command, _Call):
+        if isinstance(command, CallCommand):
             command.run()
             return _RUN
-        assert isinstance(command, _Add | _Abort)
+        assert isinstance(command, AddCommand | AbortCommand)
         self._apply(command)
         return _RUN

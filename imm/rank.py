@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 import time
 import uuid
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.async_llm import EngineDeadError
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
@@ -184,7 +186,8 @@ class InstanceRank:
         if self.kv_fence is not None:
             return 0.0
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        async for _ in self._llm().generate([1, 2, 3], params, f"warmup-{self.rank}-{time.monotonic_ns()}"):
+        async for _ in self._llm().generate(EngineRequest(f"warmup-{self.rank}-{time.monotonic_ns()}", [1, 2, 3],
+                                                          params)):
             pass
         return time.perf_counter() - t0
 
@@ -201,14 +204,7 @@ class InstanceRank:
         return self.llm
 
     @ray.method(num_returns="streaming")  # type: ignore[call-arg]
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        adapter: str | None = None,
-        lora_routing: dict | None = None,
-    ) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
         """Stream this request's `RequestOutput`s (deltas + cumulative); the last has `finished=True`,
         or is a `HandedOverOutput` when the request moved to another instance (`imm.handover`).
 
@@ -216,10 +212,11 @@ class InstanceRank:
         cancels this coroutine, whose cleanup aborts the request in the engine.
         """
         llm = self._llm()
+        request_id = request.request_id
         if llm.pause_requested or llm.is_paused or self.has_exported:
             raise RankPaused(request_id)
         try:
-            async for out in llm.generate(prompt, params, request_id, adapter, lora_routing):
+            async for out in llm.generate(request):
                 yield out
         except HandedOver:
             yield HandedOverOutput(request_id)
@@ -403,6 +400,10 @@ class InstanceRank:
             num_lora_hits=lora.get("hits", 0),
             num_lora_misses=lora.get("misses", 0),
         )
+
+    def pid(self) -> int:
+        """This rank's process (operators and chaos tests kill it by this)."""
+        return os.getpid()
 
     def max_model_len(self) -> int:
         """The attached engine's context limit (the KV pool may lower the model's)."""

@@ -46,6 +46,7 @@ class RequestRecord:
     finished_s: float | None = None
     error: str | None = None
     model: str | None = None  # the request's `model`: the base model or an adapter
+    text: str = ""  # what was streamed (chaos runs compare it with an undisturbed run)
 
     @property
     def is_ok(self) -> bool:
@@ -236,6 +237,7 @@ async def stream_completion(
                     return
                 if chunk.get("choices"):
                     record.token_times_s.append(now())
+                    record.text += chunk["choices"][0].get("text") or ""
                 if chunk.get("usage"):
                     record.num_tokens = int(chunk["usage"]["completion_tokens"])
             if record.finished_s is None:

@@ -26,8 +26,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.outputs import RequestOutput
-from elasticmoe.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +44,7 @@ class EngineCore(Protocol):
     @property
     def num_waiting(self) -> int: ...
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        adapter: str | None = None,
-        lora_routing: dict | None = None,
-    ) -> None: ...
+    def add(self, request: EngineRequest) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def fail_all(self, exc: BaseException) -> list[RequestOutput]: ...
     def abort(self, request_id: str) -> None: ...
@@ -63,16 +56,14 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    adapter: str | None = None
-    lora_routing: dict | None = None
+class AddCommand:
+    """Queue `request` in the engine (its errors go to the request's consumer)."""
+
+    request: EngineRequest
 
 
 @dataclass(slots=True)
-class _Call:
+class CallCommand:
     """Run `fn` on the loop thread between steps; its result or error goes to `done`."""
 
     fn: Callable[[], Any]
@@ -89,16 +80,21 @@ class _Call:
 
 
 @dataclass(slots=True)
-class _Abort:
+class AbortCommand:
     request_id: str
 
 
-class _Stop:
-    pass
+class StopCommand:
+    """Leave the loop at the next step boundary, failing every consumer still waiting."""
+
+
+Command = AddCommand | AbortCommand | StopCommand | CallCommand
 
 
 @dataclass(slots=True)
-class _Stream:
+class Stream:
+    """Where one request's outputs go: its consumer's event loop and queue."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException | None]  # None: aborted from outside
 
@@ -109,8 +105,8 @@ class AsyncLLM:
     def __init__(self, engine: EngineCore, *, stall_timeout_s: float = 60.0) -> None:
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
-        self._commands: queue.Queue[_Add | _Abort | _Stop | _Call] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()  # guards _streams
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -161,7 +157,7 @@ class AsyncLLM:
         self._stopping = True
         thread = self._thread
         if thread is not None and thread.is_alive():
-            self._commands.put(_Stop())
+            self._commands.put(StopCommand())
             thread.join(timeout_s)
             if thread.is_alive():
                 logger.warning("engine loop did not stop within %.0fs", timeout_s)
@@ -177,24 +173,17 @@ class AsyncLLM:
         """Run `fn` on the loop thread between steps (so it may touch the engine); await its result."""
         if not self.is_ready:
             raise EngineDeadError("the engine loop is not running")
-        call = _Call(fn)
+        call = CallCommand(fn)
         self._commands.put(call)
         await asyncio.to_thread(call.done.wait)
         if call.error is not None:
             raise call.error
         return call.result
 
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        adapter: str | None = None,
-        lora_routing: dict | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs until one has `finished=True`.
 
-        Input errors from `LLMEngine.add_request` (a `ValueError` with `.param`)
+        Input errors from `LLMEngine.add` (a `ValueError` with `.param`)
         are raised here, before anything is yielded. If the request is aborted
         from elsewhere (`abort`), the last item has `finish_reason="abort"`.
         Leaving early aborts the request in the engine.
@@ -202,18 +191,19 @@ class AsyncLLM:
         if not self.is_ready:
             self.check_health()
             raise EngineDeadError("engine loop is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        request_id = request.request_id
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params, adapter, lora_routing))
+        self._commands.put(AddCommand(request))
         async with contextlib.aclosing(self._consume(request_id, stream, report_abort=True)) as outputs:
             async for output in outputs:
                 yield output
 
     async def _consume(
-        self, request_id: str, stream: _Stream, *, report_abort: bool
+        self, request_id: str, stream: Stream, *, report_abort: bool
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield a request's queued outputs until one is finished; leaving early aborts it
         in the engine. An abort from elsewhere ends the stream, with a final
@@ -239,18 +229,18 @@ class AsyncLLM:
         finally:
             if not done:
                 self._forget(request_id)
-                self._commands.put(_Abort(request_id))
+                self._commands.put(AbortCommand(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its `generate` consumer (if any) ends with `finish_reason="abort"`."""
         stream = self._forget(request_id)
-        self._commands.put(_Abort(request_id))
+        self._commands.put(AbortCommand(request_id))
         if stream is not None:
-            _call_soon(stream.loop, stream.queue.put_nowait, None)
+            call_soon(stream.loop, stream.queue.put_nowait, None)
 
     # ------------------------------------------------------------ loop thread
 
-    def _forget(self, request_id: str) -> _Stream | None:
+    def _forget(self, request_id: str) -> Stream | None:
         with self._lock:
             return self._streams.pop(request_id, None)
 
@@ -295,34 +285,31 @@ class AsyncLLM:
             self.num_step_failures += 1
             return self.engine.fail_all(exc)
 
-    def _apply(self, command: _Add | _Abort | _Stop | _Call) -> bool:
+    def _apply(self, command: Command) -> bool:
         """Run one command on the engine; False means stop the loop."""
-        if isinstance(command, _Stop):
+        if isinstance(command, StopCommand):
             return False
-        if isinstance(command, _Call):
+        if isinstance(command, CallCommand):
             command.run()
             return True
-        if isinstance(command, _Abort):
+        if isinstance(command, AbortCommand):
             self.engine.abort(command.request_id)
             return True
+        request = command.request
         with self._lock:
-            stream = self._streams.get(command.request_id)
+            stream = self._streams.get(request.request_id)
         if stream is None:  # consumer already gone
             return True
         try:
-            if command.lora_routing is not None:  # only engines with LoRA know the keyword
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.adapter,
-                                        command.lora_routing)
-            else:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.adapter)
+            self.engine.add(request)
         except Exception as exc:  # input errors belong to the caller of generate()
-            self._forget(command.request_id)
-            _call_soon(stream.loop, stream.queue.put_nowait, exc)
+            self._forget(request.request_id)
+            call_soon(stream.loop, stream.queue.put_nowait, exc)
         return True
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Route outputs to their consumers' queues, one wake-up per event loop."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[Stream, RequestOutput]]] = {}
         with self._lock:
             for out in outputs:
                 stream = (
@@ -333,22 +320,23 @@ class AsyncLLM:
                 if stream is not None:
                     batches.setdefault(stream.loop, []).append((stream, out))
         for loop, batch in batches.items():
-            _call_soon(loop, _put_all, batch)
+            call_soon(loop, _put_all, batch)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
-            _call_soon(stream.loop, stream.queue.put_nowait, exc)
+            call_soon(stream.loop, stream.queue.put_nowait, exc)
 
 
-def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(batch: list[tuple[Stream, RequestOutput]]) -> None:
     for stream, out in batch:
         stream.queue.put_nowait(out)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+def call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """Run `fn(*args)` on `loop` from any thread; a closed loop (its consumer gone) is ignored."""
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the consumer's loop is closed; nobody is listening

@@ -20,6 +20,7 @@ from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.block_manager import BlockManager
+from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
 from elasticmoe.engine.kv_cache import KVCacheSpec, KVProvider, LocalKVProvider, num_blocks_for_budget
 from elasticmoe.engine.lora_swapper import LoraSwapper
@@ -133,23 +134,28 @@ class LLMEngine:
         adapter: str | None = None,
         lora_routing: VocabRouting | LearnedRouting | dict | None = None,
     ) -> None:
-        """Queue a request for `adapter` (ESFT or LoRA; None: the base model), or with its tokens
-        routed to LoRA adapters per token (`lora_routing`: by vocabulary range or a learned router). Raises `InvalidRequestError`
-        (a ValueError naming the field; `UnknownAdapterError` for an adapter not loaded);
-        nothing is kept then."""
+        """`add` with the request's fields as arguments (the offline API and tests)."""
+        self.add(EngineRequest(request_id, prompt, params, AdapterRef(adapter, lora_routing)))  # type: ignore[arg-type]
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request for its adapter (ESFT or LoRA; None: the base model), or with its tokens
+        routed to LoRA adapters per token (`adapter.routing`: by vocabulary range or a learned
+        router); with `resume`, continuing after the output tokens its client already has.
+        Raises `InvalidRequestError` (a ValueError naming the field; `UnknownAdapterError` for an
+        adapter not loaded); nothing is kept then."""
+        request_id, params = request.request_id, request.params
+        adapter, lora_routing = request.adapter.name, request.adapter.routing
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"request {request_id!r} is already running")
         slot, lora_slot = self._adapter_slots(adapter)
-        if isinstance(lora_routing, dict):
-            lora_routing = self._parse_routing(lora_routing)
-        if lora_routing is not None:
-            if adapter is not None:
-                raise InvalidRequestError("lora_routing", "give either an adapter (model) or lora_routing")
-            missing = [n for n in lora_routing.names if self.lora is None or not self.lora.is_loaded(n)
+        routing = self._parse_routing(lora_routing) if isinstance(lora_routing, dict) else lora_routing
+        if routing is not None:
+            missing = [n for n in routing.names if self.lora is None or not self.lora.is_loaded(n)
                        or n in self.unloading_adapters]
             if missing:
                 raise UnknownAdapterError(missing[0])
-        token_ids = self._prompt_token_ids(prompt)
+        token_ids = self._prompt_token_ids(request.prompt)
+        output_ids = self._resumed_output_ids(request)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"token ids must be < vocab size {vocab}")
@@ -163,16 +169,32 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                 f"context length {self.max_model_len}",
             )
-        request = Request(request_id, token_ids, len(token_ids), params, self.max_model_len,
-                          adapter=adapter, adapter_slot=slot, lora_slot=lora_slot, lora_routing=lora_routing)
+        state = Request(request_id, token_ids + output_ids, len(token_ids), params, self.max_model_len,
+                        adapter=adapter, adapter_slot=slot, lora_slot=lora_slot, lora_routing=routing)
+        if state.generator is not None and not params.is_greedy:
+            Sampler.replay(state.generator, len(output_ids), vocab)
         if self.lora_swapper is not None:
-            if lora_routing is not None:
-                self.lora_swapper.assign(request)
+            if routing is not None:
+                self.lora_swapper.assign(state)
             if lora_slot != -1 and adapter is not None:
                 self.lora_swapper.note_arrival(adapter)
-        self.requests[request_id] = request
-        self.output_processor.add(request)
-        self.scheduler.add(request)
+        self.requests[request_id] = state
+        self.output_processor.add(state)
+        if request.resume is not None:
+            self.output_processor.resume(state, request.resume.num_emitted_chars)
+        self.scheduler.add(state)
+
+    def _resumed_output_ids(self, request: EngineRequest) -> list[int]:
+        """The output tokens a resumed request's client already has (checked like a prompt)."""
+        if request.resume is None:
+            return []
+        ids = list(request.resume.output_token_ids)
+        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in ids):
+            raise InvalidRequestError("resume", f"output token ids must be in [0, {self.model_config.vocab_size})")
+        limit = request.params.max_tokens
+        if limit is not None and len(ids) >= limit:
+            raise InvalidRequestError("resume", f"{len(ids)} output tokens already reach max_tokens {limit}")
+        return ids
 
     def _adapter_slots(self, adapter: str | None) -> tuple[int, int]:
         """(ESFT slot, LoRA slot) of a request for `adapter` (-1: not that kind; None: base)."""

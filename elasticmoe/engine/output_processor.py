@@ -37,6 +37,17 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
         self.states[request.request_id] = RequestTextState(detok)
 
+    def resume(self, request: Request, num_emitted_chars: int) -> None:
+        """Text state of a request continuing after output tokens its client already has (see
+        `EngineRequest.resume`): the detokenizer replays them; what was emitted is not again."""
+        state = self.states[request.request_id]
+        for token_id in request.output_token_ids:
+            if token_id in self.eos_token_ids and not request.params.ignore_eos:
+                continue  # never in the text (see `append_token`)
+            state.text += state.detokenizer.add(token_id)
+        state.num_emitted_tokens = request.num_output_tokens
+        state.num_emitted_chars = min(num_emitted_chars, len(state.text))
+
     def restore(self, request: Request, snap) -> None:
         """Text state of a handed-over request (see engine/handover.py)."""
         detok = IncrementalDetokenizer(self.tokenizer, [], request.params.skip_special_tokens)

@@ -38,6 +38,15 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
+    @staticmethod
+    def replay(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+        """Advance a seeded request's generator past `num_tokens` sampled tokens exactly as
+        `__call__` does (one exponential draw over the vocabulary per token), so a request
+        resumed after its instance died samples what the undisturbed run would have."""
+        noise = torch.empty(vocab_size, dtype=torch.float32)
+        for _ in range(num_tokens):
+            noise.exponential_(generator=generator)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         num_rows = logits.shape[0]
         token_ids = logits.argmax(dim=-1)
@@ -53,6 +62,7 @@ class Sampler:
                 )
             probs = scaled.softmax(dim=-1)
             # Exponential race (Gumbel-max equivalent): argmax(p / E), E ~ Exp(1).
+            # NOTE: `replay` mirrors these draws; keep the two in step.
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
                 noise[j].exponential_(generator=requests[i].generator or self.generator)

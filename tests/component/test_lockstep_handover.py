@@ -14,6 +14,7 @@ import torch
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.block_manager import BlockManager
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ def test_pause_export_import_resume_splices_streams(tiny_model_dir):
         async def consume(rid: str) -> None:
             prompt, params = REQUESTS[rid]
             try:
-                async for out in old.generate(prompt, params, rid):
+                async for out in old.generate(EngineRequest(rid, prompt, params)):
                     outs[rid].append(out)
                     if len(outs[rid]) == 2 and all(outs.values()):
                         started.set()
@@ -65,7 +66,7 @@ def test_pause_export_import_resume_splices_streams(tiny_model_dir):
         await asyncio.to_thread(old.pause)
         assert old.is_paused and not any(o[-1].finished for o in outs.values())
         with pytest.raises(EngineDeadError):
-            await anext(old.generate([1, 2], SamplingParams(max_tokens=2), "late"))
+            await anext(old.generate(EngineRequest("late", [1, 2], SamplingParams(max_tokens=2))))
         old.apply_queued_commands()
         snaps = old.engine.export_requests(hand_over_kv=False)  # type: ignore[attr-defined]
         old.hand_over_streams([s.request_id for s in snaps])
@@ -105,7 +106,7 @@ def test_resume_after_the_imported_request_already_finished(tiny_model_dir):
 
     async def main() -> list:
         outs: list = []
-        stream = old.generate([5, 6, 7], params, "short")
+        stream = old.generate(EngineRequest("short", [5, 6, 7], params))
         outs.append(await anext(stream))
         await asyncio.to_thread(old.pause)
         old.apply_queued_commands()

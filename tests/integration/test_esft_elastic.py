@@ -25,6 +25,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.scale_events import ScaleConflict, ScaleState
 from coordinator.scaler import Scaler
 from elasticmoe.config import EngineConfig
+from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.errors import UnknownAdapterError
 from elasticmoe.outputs import RequestOutput
@@ -82,7 +83,7 @@ def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
 
 def _generate(cluster: ClusterManager, rid: str, adapter: str | None, params: SamplingParams = PARAMS) -> list[int]:
     rank = cluster.active.ranks[hash(rid) % cluster.active.dp]
-    outs = [o for o in spliced_stream(rank.generate.remote(rid, PROMPT, params, adapter), HandoverRoutes())
+    outs = [o for o in spliced_stream(rank.generate.remote(EngineRequest(rid, PROMPT, params, AdapterRef(adapter))), HandoverRoutes())
             if isinstance(o, RequestOutput)]
     assert outs[-1].finished
     return outs[-1].output_token_ids
@@ -119,7 +120,7 @@ def test_unload_under_load_then_reload(cluster, adapters):
     host.load_blocking("alpha", adapters["alpha"][0], _experts(adapters["alpha"][0]))
     long = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
     rank = cluster.active.ranks[0]
-    stream = spliced_stream(rank.generate.remote("long-alpha", PROMPT, long, "alpha"), HandoverRoutes())
+    stream = spliced_stream(rank.generate.remote(EngineRequest("long-alpha", PROMPT, long, AdapterRef("alpha"))), HandoverRoutes())
     first = next(stream)
     assert isinstance(first, RequestOutput) and not first.finished
     assert host.unload_blocking("alpha") is False  # its request still runs
@@ -168,8 +169,8 @@ def test_lora_across_scaling(cluster, adapters, tmp_path):
     host.load_router_blocking("mix", LoraRouter(r.adapters, 1, r.w1, r.b1, r.w2, r.b2))
     assert Scaler(cluster, HandoverRoutes()).scale(1).state is ScaleState.SUCCEEDED
     rank = cluster.active.ranks[0]
-    routed = [o for o in spliced_stream(rank.generate.remote("learned", PROMPT, PARAMS, None,
-                                                             {"type": "learned", "router": "mix"}), HandoverRoutes())
+    routed = [o for o in spliced_stream(rank.generate.remote(EngineRequest(
+        "learned", PROMPT, PARAMS, AdapterRef(routing={"type": "learned", "router": "mix"}))), HandoverRoutes())
               if isinstance(o, RequestOutput)]
     assert routed[-1].output_token_ids == want  # top-1 of one adapter: that adapter
     assert host.unload_blocking("style", wait=True)

@@ -181,3 +181,42 @@ def test_load_dp2_over_gloo_reads_each_tensor_once(prefix, tiny_model_dir):
                 assert torch.equal(open_handle(hs[spec.name]), reader.get(spec, torch.float32)), spec.name
     finally:
         ctl.shutdown()
+
+
+@pytest.mark.parametrize("p2p", ["gloo", "auto"])
+def test_a_killed_device_worker_is_restored_and_its_files_reaped(prefix, tiny_model_dir, p2p):
+    """kill -9 of a device worker's process: a new worker reaps the dead one's /dev/shm files, gets
+    its replicated tensors by p2p from the other device and its experts from disk; every tensor
+    equals the checkpoint, the other device's are untouched, and the layout scales as before."""
+    import os
+    import signal
+
+    ctl = HMMController(use_ray=True, p2p=p2p, page_size=PAGE, prefix=prefix)
+    try:
+        for d in range(2):
+            ctl.add_device(DeviceSpec(d, 0, BUDGET))
+        ctl.load(tiny_model_dir, dp=2, dtype=torch.float32, kv_bytes=KV)
+        kept = ctl.handle_set(0)
+        pid = ray.get(ctl.worker(1).check_health.remote())["pid"]
+        dead_files = {n for n in list_segments(prefix) if f"-{pid}o" in n}
+        assert dead_files  # its tensors, page pool and lease
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(ctl.worker(1).check_health.remote(), timeout=30)
+        read_before = ctl.bytes_read_from_disk
+        stats = ctl.restore_device(1)
+        assert not dead_files & set(list_segments(prefix))  # the dead worker's memory is freed
+        assert stats["bytes_p2p_fast"] + stats["bytes_p2p_gloo"] > 0  # replicas from device 0
+        assert stats["bytes_disk"] == ctl.bytes_read_from_disk - read_before > 0  # its experts
+        reader = SafetensorsWeightProvider(tiny_model_dir)
+        cfg = ModelConfig.from_pretrained(tiny_model_dir)
+        for rank in range(2):
+            hs = ctl.handle_set(rank)
+            for spec in model_family(cfg.arch).param_specs(cfg, ctl.layout.local_experts(rank)):
+                assert torch.equal(open_handle(hs[spec.name]), reader.get(spec, torch.float32)), spec.name
+        assert ctl.handle_set(0) == kept
+        ctl.add_device(DeviceSpec(2, 0, BUDGET))  # and it scales on: the p2p group includes it
+        ctl.execute(ctl.plan(scale_target(ctl.layout, 3, [DeviceSpec(2, 0, BUDGET)], kv_bytes=KV)))
+        ctl.commit()
+    finally:
+        ctl.shutdown()

@@ -18,6 +18,7 @@ import torch
 from ray_hmm import ray_hmm
 
 from elasticmoe.config import EngineConfig
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
@@ -67,7 +68,7 @@ def test_switchover_hands_running_requests_to_the_new_instance(hmm, tiny_model_d
 
         def consume(rid: str) -> None:
             prompt, params = REQUESTS[rid]
-            for item in spliced_stream(old.ranks[0].generate.remote(rid, prompt, params), routes):
+            for item in spliced_stream(old.ranks[0].generate.remote(EngineRequest(rid, prompt, params)), routes):
                 items[rid].append(item)
                 if len(items[rid]) == 3:
                     started.wait(timeout=60)
@@ -85,7 +86,7 @@ def test_switchover_hands_running_requests_to_the_new_instance(hmm, tiny_model_d
             snaps = old.export_requests(hand_over_kv=True)
             # A request Ray starts on the old rank only now (sent before the pause, started after)
             # is turned away unstreamed, for the coordinator to route again; not failed, not lost.
-            late = old.ranks[0].generate.remote("late", [1, 2, 3], REQUESTS[next(iter(REQUESTS))][1])
+            late = old.ranks[0].generate.remote(EngineRequest("late", [1, 2, 3], REQUESTS[next(iter(REQUESTS))][1]))
             with pytest.raises(RankPaused):
                 ray.get(next(late))
             routes.publish(new.import_requests(snaps))

@@ -15,6 +15,7 @@ import torch
 from ray_hmm import ray_hmm
 
 from elasticmoe.config import EngineConfig
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
 from imm.instance import Instance
@@ -49,7 +50,7 @@ def _reference(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 def _stream(rank, request_id: str, prompt: list[int], params: SamplingParams, on_output=None) -> list:
     outs = []
-    for ref in rank.generate.remote(request_id, prompt, params):
+    for ref in rank.generate.remote(EngineRequest(request_id, prompt, params)):
         outs.append(ray.get(ref))
         if on_output is not None:
             on_output(outs)
@@ -113,7 +114,7 @@ def test_instance_lifecycle_on_hmm_handles(hmm, tiny_model_dir):
 
         # Cancelling the Ray generator (client gone) aborts the request in the engine.
         steps_before = inst.stats()[1].num_steps
-        gen = inst.ranks[1].generate.remote("gone", list(range(20, 60)), _greedy(200))
+        gen = inst.ranks[1].generate.remote(EngineRequest("gone", list(range(20, 60)), _greedy(200)))
         ray.get(next(gen))
         ray.cancel(gen)
         _wait(lambda: (s := inst.stats()[1]).num_free_kv_blocks == s.num_kv_blocks and s.num_running == 0)

@@ -22,6 +22,7 @@ from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.scale_events import ScaleState
 from coordinator.scaler import Scaler
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.models.registry import model_family
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
@@ -66,7 +67,7 @@ def _run_stream(
 ) -> list[Any]:
     assert cluster.active is not None
     items: list[Any] = []
-    for item in spliced_stream(cluster.active.ranks[0].generate.remote(rid, PROMPT, PARAMS), routes):
+    for item in spliced_stream(cluster.active.ranks[0].generate.remote(EngineRequest(rid, PROMPT, PARAMS)), routes):
         items.append(item)
         if len(items) == 3:
             started.set()

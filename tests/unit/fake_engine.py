@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.errors import InvalidRequestError
 from elasticmoe.outputs import RequestOutput, TokenLogprob
 from elasticmoe.sampling_params import SamplingParams
@@ -54,6 +55,9 @@ class FakeEngine:
 
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
+
+    def add(self, request: EngineRequest) -> None:
+        self.add_request(request.request_id, request.prompt, request.params, request.adapter.name)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None

@@ -10,6 +10,7 @@ import pytest
 from fake_engine import FakeEngine
 
 from elasticmoe.engine.async_llm import AsyncLLM, EngineDeadError
+from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.sampling_params import SamplingParams
 
 
@@ -31,7 +32,7 @@ def llm():
 
 
 async def _collect(async_llm: AsyncLLM, rid: str, max_tokens: int = 3):
-    return [out async for out in async_llm.generate("a bb ccc", SamplingParams(max_tokens=max_tokens), rid)]
+    return [out async for out in async_llm.generate(EngineRequest(rid, "a bb ccc", SamplingParams(max_tokens=max_tokens)))]
 
 
 def test_concurrent_requests_are_routed_and_finish(llm):
@@ -51,7 +52,7 @@ def test_concurrent_requests_are_routed_and_finish(llm):
 def test_add_request_error_reaches_the_caller(llm):
     async def main():
         with pytest.raises(ValueError) as info:
-            async for _ in llm.generate(list(range(100)), SamplingParams(), "too-long"):
+            async for _ in llm.generate(EngineRequest("too-long", list(range(100)), SamplingParams())):
                 pass
         return info.value
 
@@ -63,7 +64,7 @@ def test_add_request_error_reaches_the_caller(llm):
 @pytest.mark.parametrize("how", ["break", "cancel"])
 def test_consumer_leaving_early_aborts_in_engine(llm, how):
     async def consume():
-        async for out in llm.generate("x", SamplingParams(max_tokens=None), "r"):
+        async for out in llm.generate(EngineRequest("r", "x", SamplingParams(max_tokens=None))):
             if how == "break":
                 break
             assert out.new_text
@@ -87,7 +88,7 @@ def test_consumer_leaving_early_aborts_in_engine(llm, how):
 def test_abort_from_outside_ends_the_stream(llm):
     async def main():
         outs = []
-        async for out in llm.generate("x", SamplingParams(max_tokens=None), "r"):
+        async for out in llm.generate(EngineRequest("r", "x", SamplingParams(max_tokens=None))):
             outs.append(out)
             if len(outs) == 2:
                 await llm.abort("r")

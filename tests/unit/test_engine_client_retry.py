@@ -1,6 +1,7 @@
 """`RouterEngineClient.generate` routes a request again when its rank was retired before it ran
-(Ray's ActorDiedError, seen under load at a scale's switchover), never after it streamed; and
-the SLO estimator hears about arrivals and failures."""
+(Ray's ActorDiedError, seen under load at a scale's switchover); when its rank dies after it
+streamed, it continues on the replacement from what the client has (never twice the same
+token), a bounded number of times; and the SLO estimator hears about arrivals and failures."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 import coordinator.engine_client as engine_client
-from coordinator.engine_client import RouterEngineClient
+from coordinator.engine_client import MAX_RECOVERIES, RouterEngineClient
 from coordinator.router import Router
+from elasticmoe.engine.engine_request import EngineRequest
+from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 
@@ -26,22 +29,28 @@ def _client(monkeypatch, script):
     """A client over ranks "old" and "new" whose streams follow `script(rank, attempt)`."""
     calls: list[str] = []
 
-    async def fake_stream_from(rank, request_id, *args, **kwargs):
+    async def fake_stream_from(rank, request, *args, **kwargs):
         calls.append(rank)
-        async for out in script(rank, len(calls), request_id):
+        sent.append(request)
+        async for out in script(rank, len(calls), request.request_id):
             yield out
+
+    sent: list[EngineRequest] = []
 
     monkeypatch.setattr(engine_client, "_stream_from", fake_stream_from)
     router: Router[str] = Router()
     router.set_active(["old"])
-    client = RouterEngineClient(router, tokenizer=None, max_model_len=64, max_queued=4)
+    failed_ranks: list[str] = []
+    client = RouterEngineClient(router, tokenizer=None, max_model_len=64, max_queued=4,
+                                on_rank_failure=failed_ranks.append, recovery_wait_s=5)
     events: list[str] = []
     client.on_arrival, client.on_failed = (lambda: events.append("arrival")), (lambda: events.append("failed"))
+    client.sent, client.failed_ranks = sent, failed_ranks  # type: ignore[attr-defined]
     return client, router, calls, events
 
 
 async def _collect(client: RouterEngineClient) -> list[RequestOutput]:
-    return [o async for o in client.generate([1], SamplingParams(max_tokens=1), "r1")]
+    return [o async for o in client.generate(EngineRequest("r1", [1], SamplingParams(max_tokens=4)))]
 
 
 def test_a_retired_rank_before_any_output_is_routed_again(monkeypatch):
@@ -57,16 +66,48 @@ def test_a_retired_rank_before_any_output_is_routed_again(monkeypatch):
     assert events == ["arrival"] and client.num_queued == 0
 
 
-def test_a_rank_dying_after_output_fails_the_request(monkeypatch):
+def test_a_rank_dying_after_output_continues_on_the_replacement(monkeypatch):
+    async def script(rank, attempt, request_id):
+        if rank == "old":
+            yield _output(request_id, finished=False)
+            asyncio.get_running_loop().call_later(0.05, router.set_active, ["new"])  # the watcher replaces it
+            raise ActorDiedError()
+        yield _output(request_id, finished=True)
+
+    client, router, calls, events = _client(monkeypatch, script)
+    outs = asyncio.run(_collect(client))
+    assert calls == ["old", "new"] and client.failed_ranks == ["old"]
+    assert [o.new_token_ids for o in outs] == [[7], [7]] and outs[-1].finished
+    first, resumed = client.sent
+    assert first.resume is None
+    assert resumed.resume is not None and resumed.resume.output_token_ids == (7,)  # what the client has
+    assert resumed.resume.num_emitted_chars == 1 and resumed.prompt == [1]
+    assert events == ["arrival"] and client.num_recovered == 1 and client.num_queued == 0
+
+
+def test_a_request_that_kills_every_instance_gets_a_503(monkeypatch):
+    async def script(rank, attempt, request_id):
+        yield _output(request_id, finished=False)
+        asyncio.get_running_loop().call_soon(router.set_active, [f"r{attempt}"])
+        raise ActorDiedError()
+
+    client, router, calls, events = _client(monkeypatch, script)
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(_collect(client))
+    assert info.value.status_code == 503
+    assert len(calls) == MAX_RECOVERIES + 1 and events == ["arrival", "failed"] and client.num_queued == 0
+
+
+def test_a_failed_rank_that_is_never_replaced_is_a_503(monkeypatch):
     async def script(rank, attempt, request_id):
         yield _output(request_id, finished=False)
         raise ActorDiedError()
 
     client, router, calls, events = _client(monkeypatch, script)
-    with pytest.raises(ActorDiedError):
+    client.recovery_wait_s = 0.1
+    with pytest.raises(OpenAIError) as info:
         asyncio.run(_collect(client))
-    assert calls == ["old"]  # never sent twice: its tokens were already streamed
-    assert events == ["arrival", "failed"] and client.num_queued == 0
+    assert info.value.status_code == 503 and calls == ["old"]
 
 
 def test_handover_markers_are_awaited_then_forgotten():

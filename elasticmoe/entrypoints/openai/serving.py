@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
+from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError, internal_error, model_not_found, to_openai_error
 from elasticmoe.entrypoints.openai.prompts import PromptRenderer
 from elasticmoe.entrypoints.openai.protocol import (
@@ -72,14 +73,7 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        adapter: str | None = None,
-        lora_routing: dict | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]: ...
+    def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
     def adapter_names(self) -> Sequence[str]:
         """ESFT adapters loaded and accepting requests (each is served as a model id)."""
@@ -175,7 +169,7 @@ class OpenAIServing:
         adapter = self.check_model(request.model)
         params = request.to_sampling_params()
         prompt_ids = await self.prompts.completion(request.engine_prompt)
-        started = await self._start("cmpl", prompt_ids, params, {}, adapter, request.lora_routing)
+        started = await self._start("cmpl", prompt_ids, params, {}, AdapterRef(adapter, request.lora_routing))
         if request.stream:
             return SSEStream(self._completion_events(request, started), started.source)
         last, logprobs = await self._collect(started, "completions")
@@ -246,8 +240,8 @@ class OpenAIServing:
             raise OpenAIError(
                 "messages: could not be rendered with the model's chat template", param="messages"
             ) from exc
-        started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"}, adapter,
-                                    request.lora_routing)
+        started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"},
+                                    AdapterRef(adapter, request.lora_routing))
         if request.stream:
             return SSEStream(self._chat_events(request, started), started.source)
         last, logprobs = await self._collect(started, "chat_completions")
@@ -310,18 +304,16 @@ class OpenAIServing:
     async def _start(
         self,
         prefix: str,
-        prompt: str | list[int],
+        prompt_ids: list[int],
         params: SamplingParams,
         param_renames: dict[str, str],
-        adapter: str | None = None,
-        lora_routing: dict | None = None,
+        adapter: AdapterRef,
     ) -> _Started:
         """Submit the request and wait for its first output, so input errors become 400s here
         (an adapter unloaded since `check_model`: 404)."""
         request_id = random_id(prefix)
         start = time.perf_counter()
-        source = (self.engine.generate(prompt, params, request_id, adapter, lora_routing) if lora_routing is not None
-                  else self.engine.generate(prompt, params, request_id, adapter))
+        source = self.engine.generate(EngineRequest(request_id, prompt_ids, params, adapter))
         try:
             first = await anext(source)
         except StopAsyncIteration:
