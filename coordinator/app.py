@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
@@ -49,6 +51,7 @@ from elasticmoe.entrypoints.openai.serving import OpenAIServing, RequestStats, S
 from elasticmoe.errors import describe_error
 from elasticmoe.sampling_params import MAX_INT32
 from elasticmoe.tokenizer import Tokenizer
+from hmm.lifeline import in_ray_actor, watch_parent
 from imm.handover import HandoverRoutes
 
 logger = logging.getLogger(__name__)
@@ -248,6 +251,8 @@ class Coordinator:
     """One replica: starts the cluster in its constructor, serves, and frees it on shutdown."""
 
     async def __init__(self, config: CoordinatorConfig) -> None:  # type: ignore[misc]
+        if in_ray_actor():  # exit with the node's raylet (see hmm.lifeline)
+            watch_parent()
         self.cluster = ClusterManager(config)
         await asyncio.to_thread(self.cluster.start)
         tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
@@ -296,6 +301,10 @@ class Coordinator:
                         self.healer)
         add_adapter_routes(app, self.cluster.adapters, lambda: self.model_config, self.cluster.config.model_name)
         return app
+
+    def process(self) -> tuple[str, int]:
+        """(node address, pid) of this replica (the driver watches it while it drains)."""
+        return ray.util.get_node_ip_address(), os.getpid()
 
     async def drain(self, timeout_s: float | None = None) -> dict:
         """Stop admitting `/v1/*` (503) and the autoscaler, wait for requests in flight (SIGTERM)."""

@@ -120,22 +120,25 @@ class Healer:
                 logger.exception("healer: a check failed")
 
     def check_once(self) -> None:
-        """Probe, and repair what is dead (blocking)."""
+        """Probe, publish what is dead, and repair it (blocking). While a scale runs only the
+        probe: the scale owns the instances and its switchover finishes on the new one if the
+        old one died; what is left is repaired once it is over."""
         cluster = self.cluster
         if cluster.is_shut_down or cluster.active is None or cluster.hmm is None:
             return
-        if cluster.scale_events.running is not None:
-            return  # the scale owns the instances; look again when it is over
+        scaling = cluster.scale_events.running is not None
         probe = self.probe()
         detected_at = time.time()
         faults = {f"device {d}": "worker died" for d in probe.dead_devices}
         self._unanswered = self._unanswered + 1 if probe.unanswered_ranks else 0
         # Not serving and no scale running: a repair before this one failed half-way.
-        not_serving = not cluster.active.is_serving
+        not_serving = not cluster.active.is_serving and not scaling
         instance_dead = bool(probe.dead_ranks) or self._unanswered >= self.max_unanswered or not_serving
         if instance_dead:
             faults[INSTANCE] = probe.detail or f"no instance serves ({cluster.active})"
         self.faults = faults
+        if scaling or cluster.scale_events.running is not None:
+            return
         for device_id in probe.dead_devices:
             self._repair_device(device_id, instance_dead, detected_at)
         if instance_dead and INSTANCE in self.faults:

@@ -4,8 +4,13 @@
 activated the first instance (Serve only routes to a replica whose constructor
 finished); `ElasticServer.shutdown` undoes everything it started, in order:
 instance + HMM memory (explicitly, so no /dev/shm file outlives the server),
-then Serve, then Ray if it started it. `serve_elastic` adds SIGTERM/SIGINT: drain
-(new requests 503, those in flight finish up to `shutdown_timeout_s`), then shut down.
+then Serve, then Ray if it started it, then whatever Ray left behind, then the
+/dev/shm files of any owner that died. Every step has a time bound. `serve_elastic` adds
+SIGTERM/SIGINT: drain (new requests 503, those in flight finish up to
+`shutdown_timeout_s`), then shut down. A process group SIGTERMed at once (systemd's
+default) ends the same way: Ray's raylet goes first, our actors see it and exit
+(device workers free their memory, `hmm.lifeline`), the drain notices the coordinator is
+gone, and the shutdown ends the rest.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -23,6 +29,8 @@ from ray import serve
 
 from coordinator.app import Coordinator
 from coordinator.config import CoordinatorConfig
+from coordinator.process_tree import become_subreaper, call_with_timeout, end_children, is_alive, parent_of
+from hmm.memory.lease import reap
 
 logger = logging.getLogger(__name__)
 
@@ -32,31 +40,62 @@ _ADMIN_SLACK = 64  # Serve slots beyond --max-queued, so that overflow reaches o
 
 @dataclasses.dataclass
 class ElasticServer:
-    """A running elastic server; `shutdown()` is idempotent."""
+    """A running elastic server; `shutdown()` is idempotent and bounded in time: a cluster that is
+    half gone (its raylet SIGTERMed with the rest of the process group) is torn down anyway."""
 
     url: str
     config: CoordinatorConfig
     handle: Any  # DeploymentHandle of the coordinator
     owns_ray: bool
+    coordinator_pid: int | None = None  # the replica's process, when it runs on this node
+    raylet_pid: int | None = None  # its parent: this node's raylet
     is_shut_down: bool = False
+
+    def coordinator_alive(self) -> bool:
+        """False once the coordinator replica's process is gone (only known on its node)."""
+        return self.coordinator_pid is None or is_alive(self.coordinator_pid)
+
+    def is_collapsing(self) -> bool:
+        """This node's Ray is going down (its raylet or the coordinator is gone): Ray's own calls
+        may then hang, so they get short time bounds."""
+        return not self.coordinator_alive() or (self.raylet_pid is not None and not is_alive(self.raylet_pid))
 
     def drain(self, timeout_s: float | None = None) -> dict:
         """New `/v1/*` requests get 503, those in flight finish (up to `timeout_s`, default the
-        config's `shutdown_timeout_s`); the autoscaler stops. What happened, as a dict."""
+        config's `shutdown_timeout_s`); the autoscaler stops. What happened, as a dict. Gives up at
+        once if the coordinator's process is gone."""
         wait = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
-        return self.handle.drain.remote(timeout_s).result(timeout_s=wait + 30)
+        return self._result(self.handle.drain.remote(timeout_s), wait + 30, "drain")
+
+    def _result(self, response: Any, timeout_s: float, what: str) -> Any:
+        """A coordinator call's result; raises as soon as the coordinator's process is gone."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.coordinator_alive():
+                raise RuntimeError(f"{what}: the coordinator's process is gone")
+            try:
+                return response.result(timeout_s=0.5)
+            except TimeoutError:
+                continue
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         if self.is_shut_down:
             return
         self.is_shut_down = True
+        # A coordinator that is gone means the cluster is going down (its raylet died): do not
+        # wait long for anything of Ray's then.
         try:
-            self.handle.shutdown_cluster.remote().result(timeout_s=timeout_s)
-        except Exception:  # noqa: BLE001 - Serve's shutdown runs the replica's destructor anyway
-            logger.exception("coordinator shutdown failed")
-        serve.shutdown()
+            self._result(self.handle.shutdown_cluster.remote(), timeout_s, "coordinator shutdown")
+        except Exception as exc:  # noqa: BLE001 - the rest still runs
+            logger.warning("coordinator shutdown failed (%s)", exc)
+        # NOTE: a collapsing node (raylet gone) answers none of Ray's calls: stop waiting then.
+        call_with_timeout(serve.shutdown, 60, "serve.shutdown", give_up=self.is_collapsing)
         if self.owns_ray:
-            ray.shutdown()
+            call_with_timeout(ray.shutdown, 60 if not self.is_collapsing() else 10, "ray.shutdown")
+            end_children()  # what Ray left behind (its raylet died before its workers)
+        # NOTE: a device worker that died (or was killed before freeing) leaves its files here.
+        reap(self.config.shm_prefix)
         logger.info("elastic server stopped")
 
 
@@ -82,6 +121,7 @@ def start_elastic(
     """
     owns_ray = not ray.is_initialized()
     if owns_ray:
+        become_subreaper()  # Ray's workers outliving their raylet become ours to end (process_tree)
         ray.init(address=address, include_dashboard=False, **(ray_init_kwargs or {}))
     if after_ray_init is not None:
         after_ray_init()
@@ -96,7 +136,9 @@ def start_elastic(
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     logger.info("elastic server ready at %s: %s, %d devices, dp %d", url, config.model_name,
                 config.num_devices, config.dp)
-    return ElasticServer(url, config, handle, owns_ray)
+    node, pid = handle.process.remote().result(timeout_s=30)
+    local_pid = pid if node == ray.util.get_node_ip_address() else None
+    return ElasticServer(url, config, handle, owns_ray, local_pid, parent_of(local_pid) if local_pid else None)
 
 
 def serve_elastic(
@@ -126,8 +168,8 @@ def serve_elastic(
                 pass
             try:
                 logger.info("drain: %s", server.drain())
-            except Exception:  # noqa: BLE001 - shut down anyway
-                logger.exception("drain failed; shutting down")
+            except Exception as exc:  # noqa: BLE001 - shut down anyway
+                logger.warning("drain failed (%s); shutting down", exc)
         finally:
             server.shutdown()
     finally:

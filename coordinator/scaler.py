@@ -358,6 +358,7 @@ class Scaler:
                 logger.warning("scale %s: the old instance failed at the switchover (%s); finishing on the new one",
                                event.event_id, describe_error(exc))
                 event.fault = f"old instance failed at the switchover: {describe_error(exc)}"
+                event.detected_at = time.time()
                 old.retire(wait_dead_s=10.0)  # none of its ranks may write a KV pool the new ranks share
                 new.import_requests({}, kv_is_shared=True)  # nothing to import: this lifts the KV fences
                 self.call_on_loop(lambda: router.set_active(new.ranks))

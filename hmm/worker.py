@@ -24,6 +24,7 @@ import torch
 from elasticmoe.models.weights import ParamSpec
 from hmm.device_memory import DEVICE_PAGE_SIZE, AdapterRow, DeviceMemory, Handle
 from hmm.layout import DeviceSpec, TensorKey
+from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory import MemoryUsage
 from hmm.memory.lease import reap
 from hmm.memory.page_table import SlotPages
@@ -51,6 +52,8 @@ class DeviceWorker:
         self.prefix = prefix
         self.reap()
         self.memory = DeviceMemory(spec.device_id, spec.budget_bytes, page_size, prefix)
+        if in_ray_actor():  # its files must not outlive the node's raylet (see hmm.lifeline)
+            watch_parent(self.memory.close)
         self.group = P2PGroup()
         self._fail: set[str] = set()
 

@@ -48,6 +48,7 @@ from elasticmoe.outputs import RequestOutput
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tokenizer import Tokenizer
+from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory import TensorHandle, VirtualTensorHandle, map_slot_pages, unmap_slot_pages
 from hmm.memory.page_table import SlotPages
 from hmm.p2p import GroupSpec
@@ -100,6 +101,8 @@ class InstanceRank:
         self.has_exported = False
         self.handle_set: dict[str, Handle] = {}  # what the engine attached to (ESFT rows map into it)
         self.engine_id = uuid.uuid4().hex  # see `RankStats.engine_id`
+        if in_ray_actor():  # it maps device memory: exit with the node's raylet (see hmm.lifeline)
+            watch_parent()
 
     # ---- standby -----------------------------------------------------------------------
 
@@ -412,8 +415,12 @@ class InstanceRank:
         return int(self.engine.max_model_len)
 
     def check_health(self) -> bool:
-        """Raise `EngineDeadError` unless the loop runs and ticks; True otherwise."""
-        self._llm().check_health()
+        """Raise `EngineDeadError` unless the loop runs and ticks (or is paused for a switchover,
+        on purpose); True otherwise."""
+        llm = self._llm()
+        if llm.is_paused or self.has_exported:  # a paused loop ended cleanly (a crash is not a pause)
+            return True
+        llm.check_health()
         return True
 
     async def shutdown(self) -> None:

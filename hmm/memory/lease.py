@@ -115,8 +115,9 @@ def _owner_is_gone(path: str) -> bool:
     return True
 
 
-def reap(prefix: str) -> list[str]:
-    """Unlink every file of `prefix` whose owner is gone, and the dead leases; returns their names.
+def reap(prefix: str, dry_run: bool = False) -> list[str]:
+    """Unlink every file of `prefix` whose owner is gone, and the dead leases; returns their names
+    (`dry_run`: only name them).
 
     Files are listed before leases: a file created after its lease (always) whose lease is
     not found afterwards has lost its owner. Files of live owners are never touched."""
@@ -132,10 +133,10 @@ def reap(prefix: str) -> list[str]:
             continue  # not ours (another prefix that starts like this one, or a foreign file)
         owner = match["owner"]
         if owner in gone or owner not in leases:
-            reaped += _unlink(name)
+            reaped += [name] if dry_run else _unlink(name)
     for owner in gone:
-        reaped += _unlink(leases[owner])
-    if reaped:
+        reaped += [leases[owner]] if dry_run else _unlink(leases[owner])
+    if reaped and not dry_run:
         logger.warning("reaped %d shared-memory files of %s whose owners are gone", len(reaped), prefix)
     return reaped
 

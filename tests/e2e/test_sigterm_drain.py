@@ -4,6 +4,9 @@ Each server runs as a real subprocess (the elastic one with its own local Ray). 
 long stream is in flight when SIGTERM arrives: it must finish in full, a new request
 must get 503 meanwhile, the process must exit 0, and afterwards no process it
 started may be alive and (elastic) no shared-memory file of its HMM may remain.
+Also SIGTERM to the whole process group at once (systemd's default; Ray's raylet goes
+down with the rest): everything exits within 60 s (what systemd waits before SIGKILL),
+the server with 0, and no shared-memory file is left.
 """
 
 from __future__ import annotations
@@ -173,4 +176,24 @@ def test_elastic_server_drains_on_sigterm_and_releases_everything(tiny_model_dir
         assert list_segments(prefix) == [], "shared-memory files left behind"
     finally:
         if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_elastic_server_exits_cleanly_when_its_whole_process_group_is_sigtermed(tiny_model_dir):
+    port, prefix = _free_port(), f"emoesig{secrets.token_hex(4)}"
+    proc = _start(["--model", tiny_model_dir, "--devices", "2", "--dp", "1", "--device-memory-gb", "0.0625",
+                   "--kv-cache-gb", "0.004", "--no-standby-pool", "--shm-prefix", prefix,
+                   "--shutdown-timeout", "60"], port, 240)
+    try:
+        assert list_segments(prefix), "the HMM made no shared-memory files (wrong prefix?)"
+        family = _descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in family)):
+            time.sleep(0.2)
+        left = sorted(p for p in family if _alive(p))
+        assert proc.poll() == 0 and not left, f"after 60 s: server {proc.poll()}, processes left {left}"
+        assert list_segments(prefix) == [], "shared-memory files left behind"
+    finally:
+        if proc.poll() is None or any(_alive(p) for p in _descendants(proc.pid)):
             os.killpg(proc.pid, signal.SIGKILL)

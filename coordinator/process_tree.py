@@ -1,0 +1,126 @@
+"""The driver of a local Ray cluster as a supervisor: what it started ends with it.
+
+`elasticmoe serve` starts Ray's processes; Ray's workers are children of the raylet. If the
+raylet dies first (a process group SIGTERMed at once, as systemd does), its workers are
+re-parented: to init normally, so nobody would end them. `become_subreaper()` makes this
+process their new parent instead, so that at the end of an orderly shutdown
+`end_children()` finds whatever is left (Serve's controller and proxy, say) and ends it.
+Linux only (`prctl(PR_SET_CHILD_SUBREAPER)`); elsewhere both are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants become this process's children (True if the kernel agreed)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def is_alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _is_ray_process(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return cmdline.startswith(b"ray::") or b"/ray/" in cmdline
+
+
+def end_children(grace_s: float = 5.0) -> list[int]:
+    """SIGTERM every live child of this process that is one of Ray's (a worker `ray::...` or a
+    Ray binary), SIGKILL those alive after `grace_s`, reap them. Returns the pids it ended."""
+    children = [p for p in _children(os.getpid()) if is_alive(p) and _is_ray_process(p)]
+    for pid in children:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(is_alive(p) for p in children):
+        time.sleep(0.1)
+    for pid in children:
+        if is_alive(pid):
+            _signal(pid, signal.SIGKILL)
+    for pid in children:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    if children:
+        logger.warning("ended %d processes left behind by Ray: %s", len(children), children)
+    return children
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def call_with_timeout(
+    fn: Callable[[], Any], timeout_s: float, what: str, give_up: Callable[[], bool] = lambda: False
+) -> bool:
+    """Run `fn` on a daemon thread; False if it raised, or did not return within `timeout_s` or
+    before `give_up()` turned true (it is then abandoned: shutting down must not hang on a
+    half-dead cluster)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=what, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    while thread.is_alive() and time.monotonic() - t0 < timeout_s and not give_up():
+        thread.join(0.2)
+    if thread.is_alive():
+        logger.warning("%s: gave up after %.1f s; going on", what, time.monotonic() - t0)
+        return False
+    if errors:
+        logger.warning("%s failed: %r", what, errors[0])
+        return False
+    return True
