@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
 import time
@@ -55,10 +56,9 @@ class ElasticServer:
         """False once the coordinator replica's process is gone (only known on its node)."""
         return self.coordinator_pid is None or is_alive(self.coordinator_pid)
 
-    def is_collapsing(self) -> bool:
-        """This node's Ray is going down (its raylet or the coordinator is gone): Ray's own calls
-        may then hang, so they get short time bounds."""
-        return not self.coordinator_alive() or (self.raylet_pid is not None and not is_alive(self.raylet_pid))
+    def raylet_gone(self) -> bool:
+        """This node's raylet died (the process group was SIGTERMed at once): Ray's calls hang."""
+        return self.raylet_pid is not None and not is_alive(self.raylet_pid)
 
     def drain(self, timeout_s: float | None = None) -> dict:
         """New `/v1/*` requests get 503, those in flight finish (up to `timeout_s`, default the
@@ -79,24 +79,29 @@ class ElasticServer:
                 continue
         raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
 
-    def shutdown(self, timeout_s: float = 120.0) -> None:
+    def shutdown(self, timeout_s: float = 120.0) -> bool:
+        """Everything started is stopped and this node's /dev/shm files of dead owners are freed.
+        Returns False if Ray could not be shut down in order (its raylet died under it): then
+        Ray's processes were ended by signal, and a process should `os._exit` rather than run
+        Ray's exit hooks."""
         if self.is_shut_down:
-            return
+            return True
         self.is_shut_down = True
-        # A coordinator that is gone means the cluster is going down (its raylet died): do not
-        # wait long for anything of Ray's then.
         try:
             self._result(self.handle.shutdown_cluster.remote(), timeout_s, "coordinator shutdown")
         except Exception as exc:  # noqa: BLE001 - the rest still runs
             logger.warning("coordinator shutdown failed (%s)", exc)
-        # NOTE: a collapsing node (raylet gone) answers none of Ray's calls: stop waiting then.
-        call_with_timeout(serve.shutdown, 60, "serve.shutdown", give_up=self.is_collapsing)
+        # NOTE: with the raylet gone none of Ray's calls returns; serve.shutdown is then abandoned
+        # on its thread, and Ray must not be shut down under it (that aborts the process).
+        orderly = call_with_timeout(serve.shutdown, 60, "serve.shutdown", give_up=self.raylet_gone)
         if self.owns_ray:
-            call_with_timeout(ray.shutdown, 60 if not self.is_collapsing() else 10, "ray.shutdown")
-            end_children()  # what Ray left behind (its raylet died before its workers)
+            if orderly:
+                ray.shutdown()  # NOTE: on this thread: Ray aborts when shut down from another one
+            end_children()  # what Ray left behind (its raylet died before its workers), or all of it
         # NOTE: a device worker that died (or was killed before freeing) leaves its files here.
         reap(self.config.shm_prefix)
         logger.info("elastic server stopped")
+        return orderly
 
 
 def coordinator_app(config: CoordinatorConfig) -> Any:
@@ -171,8 +176,13 @@ def serve_elastic(
             except Exception as exc:  # noqa: BLE001 - shut down anyway
                 logger.warning("drain failed (%s); shutting down", exc)
         finally:
-            server.shutdown()
+            orderly = server.shutdown()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if not orderly:
+        # Ray's exit hooks would wait on (or abort in) a cluster whose raylet is gone; everything
+        # of ours is already stopped and freed.
+        logging.shutdown()
+        os._exit(0)
     return 0

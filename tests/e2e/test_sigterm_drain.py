@@ -187,12 +187,16 @@ def test_elastic_server_exits_cleanly_when_its_whole_process_group_is_sigtermed(
     try:
         assert list_segments(prefix), "the HMM made no shared-memory files (wrong prefix?)"
         family = _descendants(proc.pid)
+        t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in family)):
+        try:
+            out, _ = proc.communicate(timeout=60)  # NOTE: reads its output meanwhile (a full pipe blocks it)
+        except subprocess.TimeoutExpired:
+            out = ""
+        while time.monotonic() - t0 < 60 and any(_alive(p) for p in family):
             time.sleep(0.2)
         left = sorted(p for p in family if _alive(p))
-        assert proc.poll() == 0 and not left, f"after 60 s: server {proc.poll()}, processes left {left}"
+        assert proc.poll() == 0 and not left, f"after 60 s: server {proc.poll()}, left {left}:\n{out[-3000:]}"
         assert list_segments(prefix) == [], "shared-memory files left behind"
     finally:
         if proc.poll() is None or any(_alive(p) for p in _descendants(proc.pid)):
