@@ -30,7 +30,13 @@ from ray import serve
 
 from coordinator.app import Coordinator
 from coordinator.config import CoordinatorConfig
-from coordinator.process_tree import become_subreaper, call_with_timeout, end_children, is_alive, parent_of
+from coordinator.process_tree import (
+    become_subreaper,
+    call_with_timeout,
+    child_running,
+    end_children,
+    is_alive,
+)
 from hmm.memory.lease import reap
 
 logger = logging.getLogger(__name__)
@@ -128,6 +134,7 @@ def start_elastic(
     if owns_ray:
         become_subreaper()  # Ray's workers outliving their raylet become ours to end (process_tree)
         ray.init(address=address, include_dashboard=False, **(ray_init_kwargs or {}))
+        _RAYLET.pid = child_running("raylet/raylet") if address is None else None
     if after_ray_init is not None:
         after_ray_init()
     try:
@@ -141,9 +148,45 @@ def start_elastic(
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     logger.info("elastic server ready at %s: %s, %d devices, dp %d", url, config.model_name,
                 config.num_devices, config.dp)
-    node, pid = handle.process.remote().result(timeout_s=30)
-    local_pid = pid if node == ray.util.get_node_ip_address() else None
-    return ElasticServer(url, config, handle, owns_ray, local_pid, parent_of(local_pid) if local_pid else None)
+    try:
+        node, pid = handle.process.remote().result(timeout_s=10)
+        local_pid = pid if node == ray.util.get_node_ip_address() else None
+    except Exception as exc:  # noqa: BLE001 - only the shutdown's shortcuts need it
+        logger.warning("the coordinator's process is unknown (%s)", exc)
+        local_pid = None
+    return ElasticServer(url, config, handle, owns_ray, local_pid, _RAYLET.pid if owns_ray else None)
+
+
+@dataclasses.dataclass
+class _Raylet:
+    """This node's raylet, once `ray.init` started it as our child (None: not ours, or unknown)."""
+
+    pid: int | None = None
+
+
+_RAYLET = _Raylet()
+_COLLAPSE_GRACE_S = 15.0
+
+
+def _start_collapse_watchdog(shm_prefix: str) -> None:
+    """After a signal: if our raylet died (the whole process group was SIGTERMed) and the orderly
+    shutdown has not ended `_COLLAPSE_GRACE_S` later (a call into the dead cluster hangs, at any
+    stage, the start included), end Ray's processes, free dead owners' files and exit 0."""
+    def watch() -> None:
+        gone_at: float | None = None
+        while True:
+            time.sleep(0.5)
+            pid = _RAYLET.pid  # NOTE: read each time: the signal may come before `ray.init` returned
+            if pid is not None and not is_alive(pid):
+                gone_at = gone_at or time.monotonic()
+            if gone_at is not None and time.monotonic() - gone_at > _COLLAPSE_GRACE_S:
+                logger.warning("Ray's raylet is gone and the shutdown is stuck; ending what is left")
+                end_children(grace_s=2)
+                reap(shm_prefix)
+                logging.shutdown()
+                os._exit(0)
+
+    threading.Thread(target=watch, name="collapse-watchdog", daemon=True).start()
 
 
 def serve_elastic(
@@ -157,6 +200,8 @@ def serve_elastic(
             raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for the drain
         logger.info("received %s; draining for up to %.0f s, then shutting down", signal.Signals(signum).name,
                     config.shutdown_timeout_s)
+        if not stop.is_set() and address is None:
+            _start_collapse_watchdog(config.shm_prefix)
         stop.set()
 
     def install_handlers() -> None:

@@ -43,11 +43,16 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def parent_of(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+def child_running(binary: str) -> int | None:
+    """The pid of a live child of this process whose command line names `binary` (e.g. Ray's
+    `raylet`, which `ray.init` starts as our child)."""
+    for pid in _children(os.getpid()):
+        try:
+            if binary.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() and is_alive(pid):
+                return pid
+        except OSError:
+            continue
+    return None
 
 
 def _children(pid: int) -> list[int]:

@@ -26,8 +26,8 @@ def test_autoscale_bench_on_tiny_model(tiny_model_dir, tmp_path):
     before = _segments()
     plot = tmp_path / "autoscale.png"
     cmd = [sys.executable, "-m", "coordinator.bench.autoscale", "--preset", "tiny", "--model", tiny_model_dir,
-           "--dtype", "float32", "--strategies", "elastic,cold_restart", "--levels", "0.5,1.0", "--run-s", "5",
-           "--level-s", "5", "--pre-s", "2", "--command-delay-s", "1", "--command-at-s", "2",
+           "--dtype", "float32", "--strategies", "elastic,cold_restart", "--levels", "0.5,1.0", "--run-s", "3",
+           "--level-s", "3", "--pre-s", "2", "--command-delay-s", "1", "--command-at-s", "2",
            "--calibration-requests", "8", "--prompt-len", "uniform:16:32", "--output-len", "8", "--standby-delay-s", "0",
            "--json",
            "--plot", str(plot)]

@@ -191,8 +191,8 @@ def test_elastic_server_exits_cleanly_when_its_whole_process_group_is_sigtermed(
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             out, _ = proc.communicate(timeout=60)  # NOTE: reads its output meanwhile (a full pipe blocks it)
-        except subprocess.TimeoutExpired:
-            out = ""
+        except subprocess.TimeoutExpired as exc:
+            out = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
         while time.monotonic() - t0 < 60 and any(_alive(p) for p in family):
             time.sleep(0.2)
         left = sorted(p for p in family if _alive(p))

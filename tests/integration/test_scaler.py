@@ -35,7 +35,7 @@ from imm.lifecycle import InstanceState
 pytestmark = pytest.mark.slow
 
 PROMPT = [5, 6, 7, 8, 9, 10]
-PARAMS = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +141,8 @@ def test_failure_before_switchover_rolls_back(cluster, baseline, monkeypatch):
     (new,) = created
     assert new.state is InstanceState.RETIRED and new.ranks == []
     assert cluster.scale_events.running is None
+    cluster.wait_standby(120)  # the pool is refilled after a rollback too: the next scale finds it warm
+    assert 2 in cluster.standby.pool
 
 
 def test_failure_in_the_switchover_hands_the_requests_back(cluster, baseline, monkeypatch):
@@ -188,7 +190,7 @@ def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
 
     def warm_up_then_start_stream(self: Instance) -> list[float]:
         # Start the request only once the new instance is warm: the switchover follows within
-        # milliseconds, so the 1500-token request is surely in flight at the pause however
+        # milliseconds, so the 400-token request is surely in flight at the pause however
         # fast this machine decodes (starting it before the ~2 s standby boot was a race).
         out = original_warm_up(self)
         stream.start()

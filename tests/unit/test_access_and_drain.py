@@ -58,6 +58,14 @@ AUTH_TABLE = [
     ((None, ADMIN_KEY), "GET", "/v1/models", {}, 200),
     ((None, ADMIN_KEY), "POST", "/admin/drain?timeout_s=0", {}, 401),
     ((None, None), "POST", "/admin/drain?timeout_s=0", {}, 200),
+    # The API's description maps every route and bound: the admin key's, when keys are set.
+    ((API_KEY, ADMIN_KEY), "GET", "/openapi.json", {}, 401),
+    ((API_KEY, ADMIN_KEY), "GET", "/openapi.json", bearer(API_KEY), 401),
+    ((API_KEY, ADMIN_KEY), "GET", "/openapi.json", bearer(ADMIN_KEY), 200),
+    ((API_KEY, ADMIN_KEY), "GET", "/docs", {}, 401),
+    ((API_KEY, ADMIN_KEY), "GET", "/redoc", bearer(ADMIN_KEY), 200),
+    ((API_KEY, None), "GET", "/docs", bearer(API_KEY), 200),
+    ((None, None), "GET", "/openapi.json", {}, 200),
 ]
 
 
