@@ -43,7 +43,7 @@ from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.errors import describe_error
 from elasticmoe.outputs import RequestOutput
-from imm.handover import HandedOverOutput, HandoverRoutes, RankPaused
+from imm.handover import HandedOverOutput, HandoverAbandoned, HandoverRoutes, RankPaused
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,14 @@ MAX_RECOVERIES = 3  # an instance failure under one request is survived this oft
 # What a rank's failure looks like from here: the actor died or is unreachable, or its step loop
 # ended (a peer of its EP group died, its engine crashed).
 _INSTANCE_FAILURES = (RayActorError, ActorUnavailableError, EngineDeadError)
+
+
+class RankFailed(Exception):  # noqa: N818 - carries the failure of one rank to the retry loop
+    """The rank a stream was reading from failed (`cause`): the request continues elsewhere."""
+
+    def __init__(self, rank: Any, cause: BaseException) -> None:
+        super().__init__(describe_error(cause))
+        self.rank, self.cause = rank, cause
 
 
 def _nothing() -> None:
@@ -156,12 +164,13 @@ class RouterEngineClient:
                                           status_code=503) from None
                     logger.info("request %s reached a pausing rank; routing it again (%d)",
                                 request.request_id, num_routes)
-                except _INSTANCE_FAILURES as exc:
+                except (RankFailed, *_INSTANCE_FAILURES) as exc:
+                    failed_rank, cause = (exc.rank, exc.cause) if isinstance(exc, RankFailed) else (rank, exc)
                     num_recoveries += 1
                     if num_recoveries > self.max_recoveries:
                         raise OpenAIError("The instances serving this request failed repeatedly; retry later.",
-                                          status_code=503) from exc
-                    await self._await_recovery(request.request_id, rank, progress, exc)
+                                          status_code=503) from cause
+                    await self._await_recovery(request.request_id, failed_rank, progress, cause)
         except NoActiveInstance as exc:
             logger.warning("request %s: %s", request.request_id, exc)
             self.on_failed()
@@ -223,11 +232,14 @@ async def _stream_from(
     while True:
         finished, handed_over = False, False
         try:
-            async for ref in stream:
+            async for ref in _failing_as(rank, stream):
                 try:
                     out: RequestOutput | HandedOverOutput = await ref
                 except RayTaskError as exc:
-                    raise _cause(exc) from None
+                    cause = _cause(exc)
+                    raise (RankFailed(rank, cause) if isinstance(cause, _INSTANCE_FAILURES) else cause) from None
+                except _INSTANCE_FAILURES as exc:
+                    raise RankFailed(rank, exc) from None
                 if isinstance(out, HandedOverOutput):
                     handed_over = True  # the marker is the stream's last item
                     routes.saw_marker(request_id)  # the scaler retires the old rank after this
@@ -243,11 +255,23 @@ async def _stream_from(
                 ray.cancel(stream)
         if not handed_over:
             # A stream that ends without its finished output or a marker lost its rank.
-            raise EngineDeadError(f"the stream of {request_id!r} ended early")
+            raise RankFailed(rank, EngineDeadError(f"the stream of {request_id!r} ended early"))
         # NOTE: the route is published inside the switchover's critical section, right after
         # the new instance imported the request; wait in a thread (HandoverRoutes blocks).
-        new_rank = await asyncio.to_thread(routes.take, request_id, handover_timeout_s)
-        stream = new_rank.resume.remote(request_id)
+        try:
+            new_rank = await asyncio.to_thread(routes.take, request_id, handover_timeout_s)
+        except HandoverAbandoned as exc:
+            raise RankFailed(rank, exc) from None
+        rank, stream = new_rank, new_rank.resume.remote(request_id)
+
+
+async def _failing_as(rank: Any, stream: Any) -> AsyncGenerator[Any, None]:
+    """`stream`'s items; a failure of the rank behind it raised as `RankFailed(rank)`."""
+    try:
+        async for ref in stream:
+            yield ref
+    except _INSTANCE_FAILURES as exc:
+        raise RankFailed(rank, exc) from exc
 
 
 def _cause(exc: RayTaskError) -> BaseException:

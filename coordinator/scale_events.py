@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -61,18 +62,20 @@ class ScaleEvents:
         self._events: dict[str, ScaleEvent] = {}
         self._ids = itertools.count(1)
         self._running: ScaleEvent | None = None
+        self._lock = threading.Lock()  # a manual scale, the autoscaler and a repair may start at once
 
     @property
     def running(self) -> ScaleEvent | None:
         return self._running
 
     def start(self, from_dp: int, to_dp: int, strategy: str) -> ScaleEvent:
-        if self._running is not None:
-            raise ScaleConflict(self._running.event_id)
-        event = ScaleEvent(f"scale-{next(self._ids)}", from_dp, to_dp, strategy)
-        self._events[event.event_id] = event
-        self._running = event
-        return event
+        with self._lock:
+            if self._running is not None:
+                raise ScaleConflict(self._running.event_id)
+            event = ScaleEvent(f"scale-{next(self._ids)}", from_dp, to_dp, strategy)
+            self._events[event.event_id] = event
+            self._running = event
+            return event
 
     def finish(self, event: ScaleEvent, error: str | None = None, rolled_back: bool = True) -> None:
         """Close a running event: succeeded, or with `error` rolled back (else failed)."""

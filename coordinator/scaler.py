@@ -213,7 +213,8 @@ class Scaler:
         now; the old ranks are killed (none may write a KV pool the new ranks will use), the
         new instance is prepared on the HMM's pools and takes the traffic. The requests that ran
         on the old one continue there (the engine client resumes them). If preparing fails, the
-        gate reopens with no instance (503s) and the event is failed: the watcher tries again."""
+        event is failed and the watcher tries again; requests wait for it (up to the engine
+        client's `recovery_wait_s`)."""
         router = self.cluster.router
         t_close = time.perf_counter()
         self.call_on_loop(router.close_gate)
@@ -222,7 +223,8 @@ class Scaler:
                 old.retire(wait_dead_s=10.0)
             new, max_model_len = self._prepare(event, strat, fenced=())
             if new is None:
-                self.call_on_loop(router.clear_active)
+                # NOTE: the router keeps the dead ranks: requests wait for the next attempt
+                # (`RouterEngineClient` waits until they are replaced) instead of failing now.
                 raise RuntimeError(f"no replacement instance: {max_model_len}")
             self.call_on_loop(lambda: router.set_active(new.ranks))
             self._finish(event, new, int(max_model_len), t0)
@@ -362,6 +364,7 @@ class Scaler:
                 old.retire(wait_dead_s=10.0)  # none of its ranks may write a KV pool the new ranks share
                 new.import_requests({}, kv_is_shared=True)  # nothing to import: this lifts the KV fences
                 self.call_on_loop(lambda: router.set_active(new.ranks))
+                self.routes.abandon_waiting()  # what a half-done export handed over resumes elsewhere
                 return
             event.requests_in_flight = sum(len(s) for s in snaps.values())
             self._exported = [s.request_id for ss in snaps.values() for s in ss]

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.outputs import RequestOutput
@@ -48,6 +49,11 @@ class RankPaused(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.request_id,))
+
+
+class HandoverAbandoned(EngineDeadError):
+    """No rank continues a handed-over request: its stream is lost where it was, so the client's
+    side continues it (an `EngineDeadError`: the engine client treats it as a rank failure)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +136,7 @@ class HandoverRoutes:
     def __init__(self) -> None:
         self._routes: dict[str, Any] = {}
         self._markers: set[str] = set()  # requests whose consumer has read the handover marker
+        self._epoch = 0  # advanced by `abandon_waiting`
         self._cond = threading.Condition()
 
     def saw_marker(self, request_id: str) -> None:
@@ -157,10 +164,23 @@ class HandoverRoutes:
             self._cond.notify_all()
 
     def wait(self, request_id: str, timeout_s: float = 60.0) -> Any:
+        """The rank that continues `request_id`. Raises `HandoverAbandoned` if no route comes: the
+        switchover ended without one (its old instance died during the export, `abandon_waiting`),
+        or none within `timeout_s`; the caller continues the request from what its client has."""
         with self._cond:
-            if not self._cond.wait_for(lambda: request_id in self._routes, timeout_s):
-                raise TimeoutError(f"no handover route for {request_id!r} within {timeout_s}s")
+            epoch = self._epoch
+            if not self._cond.wait_for(lambda: request_id in self._routes or self._epoch != epoch, timeout_s):
+                raise HandoverAbandoned(f"no handover route for {request_id!r} within {timeout_s}s")
+            if request_id not in self._routes:
+                raise HandoverAbandoned(f"the handover of {request_id!r} was abandoned")
             return self._routes[request_id]
+
+    def abandon_waiting(self) -> None:
+        """Every consumer waiting for a route now gets `HandoverAbandoned` (a switchover whose old
+        instance died half-way through its export: no route will come for what it exported)."""
+        with self._cond:
+            self._epoch += 1
+            self._cond.notify_all()
 
     def take(self, request_id: str, timeout_s: float = 60.0) -> Any:
         """`wait`, then forget the route, so that a later handover of the same request (a

@@ -124,3 +124,29 @@ def test_handover_markers_are_awaited_then_forgotten():
     assert routes.wait_markers(["a", "b"], 5.0) == set()
     assert time.monotonic() - t0 < 4.0
     assert routes.wait_markers(["a"], 0.0) == {"a"}  # forgotten once awaited
+
+
+def test_a_waiting_handover_is_abandoned_when_its_export_died_half_way():
+    import threading
+
+    from imm.handover import HandoverAbandoned, HandoverRoutes
+
+    routes = HandoverRoutes()
+    errors: list[BaseException] = []
+
+    def consumer() -> None:
+        try:
+            routes.take("exported", 30.0)
+        except BaseException as exc:  # noqa: BLE001 - examined below
+            errors.append(exc)
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    routes.abandon_waiting()  # the old instance died after exporting some of its requests
+    thread.join(5)
+    assert not thread.is_alive() and isinstance(errors[0], HandoverAbandoned)
+    assert isinstance(errors[0], engine_client.EngineDeadError)  # the engine client resumes it elsewhere
+    routes.publish({"later": "rank"})  # a later handover is not affected
+    assert routes.take("later", 1.0) == "rank"
+    with pytest.raises(HandoverAbandoned):
+        routes.take("never", 0.05)  # no route in time: resumed from the client's side too
