@@ -281,6 +281,30 @@ def _run_drain(args: argparse.Namespace) -> int:
     return 0 if result.get("drained") else 1
 
 
+def _add_reap_shm(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "reap-shm",
+        help="free shared memory that dead servers left on this node",
+        description="Unlink this node's /dev/shm files of the HMM whose owner process is gone (a server or "
+        "device worker killed with SIGKILL before it could free them). Files of running servers are never "
+        "touched: each owner holds a lock on its lease file for as long as it lives. Prints the files freed.",
+    )
+    p.add_argument("--prefix", default=None, metavar="PREFIX",
+                   help="the servers' --shm-prefix (default: emoe, the servers' default)")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be freed")
+
+
+def _run_reap_shm(args: argparse.Namespace) -> int:
+    from hmm.memory.lease import reap
+    from hmm.memory.shm import DEFAULT_PREFIX
+
+    names = reap(args.prefix or DEFAULT_PREFIX, dry_run=args.dry_run)
+    for name in names:
+        print(name)
+    print(f"{'would free' if args.dry_run else 'freed'} {len(names)} files", file=sys.stderr)
+    return 0
+
+
 def _named_dirs(items: list[str], option: str) -> dict[str, str] | None:
     """NAME=DIR options as a dict; None (after printing why) if one is malformed."""
     out: dict[str, str] = {}
@@ -422,12 +446,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_lora_adapter(sub)
     _add_serve(sub)
     _add_drain(sub)
+    _add_reap_shm(sub)
     return parser
 
 
 _COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter,
              "make-lora-adapter": _run_make_lora_adapter, "serve": _run_serve,
-             "drain": _run_drain}
+             "drain": _run_drain, "reap-shm": _run_reap_shm}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,3 +86,26 @@ def test_orderly_close_leaves_nothing_and_other_prefixes_are_untouched(prefix):
     assert list_segments(prefix) == []
     pool.close()
     assert list_segments(other) == []
+
+
+def test_reap_shm_command_lists_then_frees_only_dead_owners_files(prefix, capsys):
+    from elasticmoe.cli import main
+
+    proc = _owner_process(prefix)
+    mine = ShmBackend(MemoryAccount("d1", 1 << 20), prefix=prefix)
+    kept = mine.allocate((16,), torch.float32)
+    try:
+        theirs = [n for n in list_segments(prefix) if f"-{proc.pid}o" in n]
+        assert main(["reap-shm", "--prefix", prefix, "--dry-run"]) == 0
+        assert capsys.readouterr().out.split() == []  # its owner lives
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert main(["reap-shm", "--prefix", prefix, "--dry-run"]) == 0
+        assert sorted(capsys.readouterr().out.split()) == sorted(theirs)
+        assert set(theirs) <= set(list_segments(prefix))  # a dry run frees nothing
+        assert main(["reap-shm", "--prefix", prefix]) == 0
+        assert sorted(capsys.readouterr().out.split()) == sorted(theirs)
+        assert not set(theirs) & set(list_segments(prefix)) and mine.names()  # ours untouched
+    finally:
+        proc.kill()
+        mine.free(kept)
