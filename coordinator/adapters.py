@@ -26,7 +26,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
@@ -35,7 +35,9 @@ from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitErr
 from elasticmoe.errors import UnknownAdapterError
 
 if TYPE_CHECKING:
-    from coordinator.cluster import ClusterManager
+    from coordinator.config import CoordinatorConfig
+    from coordinator.scale_events import ScaleEvents
+    from hmm.controller import HMMController
     from imm.instance import Instance
 
 logger = logging.getLogger(__name__)
@@ -58,10 +60,21 @@ class AdapterState:
         return out
 
 
+class AdapterCluster(Protocol):
+    """What the adapter host needs of the cluster (`coordinator.cluster.ClusterManager` is one)."""
+
+    config: CoordinatorConfig
+    hmm: HMMController | None
+    scale_events: ScaleEvents
+
+    @property
+    def active(self) -> Instance | None: ...
+
+
 class ClusterAdapterHost:
     """`AdapterHost` of the coordinator (see `elasticmoe.entrypoints.openai.adapters_api`)."""
 
-    def __init__(self, cluster: ClusterManager, publish: Callable[[tuple[str, ...]], None]) -> None:
+    def __init__(self, cluster: AdapterCluster, publish: Callable[[tuple[str, ...]], None]) -> None:
         self.cluster = cluster
         self.publish = publish  # what `/v1/models` and the model check see
         self.adapters: dict[str, AdapterState] = {}

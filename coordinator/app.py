@@ -37,9 +37,10 @@ from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.engine_client import QueueFull, RouterEngineClient
 from coordinator.healer import INSTANCE, Healer
+from coordinator.loop_caller import loop_caller
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.scale_events import ScaleConflict, ScaleEvent
-from coordinator.scaler import Scaler, loop_caller
+from coordinator.scaler import Scaler
 from coordinator.slo import SloTracker
 from coordinator.strategies import DEFAULT_STRATEGY, STRATEGIES
 from elasticmoe.config import ModelConfig
@@ -253,19 +254,17 @@ class Coordinator:
     async def __init__(self, config: CoordinatorConfig) -> None:  # type: ignore[misc]
         if in_ray_actor():  # exit with the node's raylet (see hmm.lifeline)
             watch_parent()
-        self.cluster = ClusterManager(config)
+        # NOTE: the router's gate and snapshot are asyncio objects of this loop; other threads
+        # (start-up, scales, repairs) reach them through this caller.
+        self.cluster = ClusterManager(config, loop_caller(asyncio.get_running_loop()))
         await asyncio.to_thread(self.cluster.start)
         tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
         self.model_config = await asyncio.to_thread(ModelConfig.from_pretrained, config.model_dir)
         routes = HandoverRoutes()
-        self.engine = RouterEngineClient(self.cluster.router, tokenizer, self.cluster.max_model_len,
-                                         config.max_queued, handover_routes=routes,
+        self.engine = RouterEngineClient(self.cluster.router, tokenizer, config.max_queued, handover_routes=routes,
                                          on_rank_failure=lambda rank: self.healer.notify(rank))
-        # NOTE: the router's gate is an asyncio object of this loop; the scale thread calls it here.
-        scaler = Scaler(self.cluster, routes, loop_caller(asyncio.get_running_loop()),
-                        on_activated=self.engine.set_max_model_len)
+        scaler = Scaler(self.cluster, routes)
         self.healer = Healer(self.cluster, scaler)
-        self.cluster.adapters.publish = self.engine.set_adapters
         for name, path in config.esft_adapters:  # --esft-adapter: a bad one fails the start
             adapter = await asyncio.to_thread(read_esft_adapter, name, path, self.model_config)
             await self.cluster.adapters.load_esft(adapter)

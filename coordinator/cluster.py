@@ -30,8 +30,10 @@ from typing import Any
 
 import ray
 
+from coordinator.active import ActiveInstance
 from coordinator.adapters import ClusterAdapterHost
 from coordinator.config import CoordinatorConfig
+from coordinator.loop_caller import LoopCaller, call_here
 from coordinator.router import Router
 from coordinator.scale_events import ScaleEvents
 from hmm.controller import EsftEntry, HMMController
@@ -39,6 +41,7 @@ from hmm.layout import DeviceSpec, Layout
 from hmm.memory.lease import reap
 from hmm.memory.shm import round_up
 from imm.instance import Instance
+from imm.lifecycle import InstanceState
 from imm.manager import InstanceManager, instance_factory
 from imm.rank import RankStats
 
@@ -91,15 +94,16 @@ def layout_memory(layout: Layout, adapters: Iterable[EsftEntry], page_size: int)
 class ClusterManager:
     """Owns the HMM and the active `Instance`; the router serves the active instance's ranks."""
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, config: CoordinatorConfig, call_on_loop: LoopCaller = call_here) -> None:
         self.config = config
         self.router: Router[Any] = Router(max_hold_s=config.max_hold_s)
+        self.call_on_loop = call_on_loop  # runs a call on the router's event loop (asyncio is not thread-safe)
         self.scale_events = ScaleEvents()
         self.hmm: HMMController | None = None
-        self.active: Instance | None = None
-        self.max_model_len = 0
         self.standby = InstanceManager(instance_factory(config.model_dir, config.engine_options()), capacity=2)
-        self.adapters = ClusterAdapterHost(self, publish=lambda names: None)  # the app sets `publish`
+        self.adapters = ClusterAdapterHost(self, publish=self.publish_adapters)
+        self._adapter_names: tuple[str, ...] = ()  # carried into every snapshot (see `publish`)
+        self._starting: Instance | None = None  # the first instance until it is published
         self._standby_thread: threading.Thread | None = None
         self._closing = threading.Event()  # ends a delayed standby preparation at shutdown
         self._is_shut_down = False
@@ -116,12 +120,11 @@ class ClusterManager:
                 self.hmm.add_device(DeviceSpec(device_id, 0, cfg.device_memory_bytes))
             self.hmm.load(cfg.model_dir, dp=cfg.dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
                           esft_slots=cfg.esft_slots)
-            inst = Instance.create_standby(cfg.model_dir, cfg.dp, engine_options=cfg.engine_options())
-            self.active = inst  # NOTE: before attaching, so that a failed start retires it
+            inst = self._starting = Instance.create_standby(cfg.model_dir, cfg.dp, engine_options=cfg.engine_options())
             inst.attach(self.hmm)
             inst.warm_up()
-            self.activate(inst, min(ray.get([r.max_model_len.remote() for r in inst.ranks])))
-            self.router.set_active(inst.ranks)
+            self.publish(inst, min(ray.get([r.max_model_len.remote() for r in inst.ranks])))
+            inst.activate()
             logger.info("coordinator: %s active on %d devices (timings %s)", inst, cfg.num_devices, inst.timings)
             self.prepare_standby()
         except BaseException:
@@ -129,11 +132,33 @@ class ClusterManager:
             self.shutdown()
             raise
 
-    def activate(self, inst: Instance, max_model_len: int) -> None:
-        """`inst` (warm) becomes the active instance; the router is pointed at it by the caller
-        (on the router's loop)."""
-        inst.activate()
-        self.active, self.max_model_len = inst, max_model_len
+    # ---- what is active: one snapshot, published here only (see coordinator.active) ------------
+
+    @property
+    def active(self) -> Instance | None:
+        """The instance of the router's current snapshot (None before the first, after shutdown)."""
+        snapshot = self.router.active
+        return snapshot.instance if snapshot is not None else None
+
+    def publish(self, inst: Instance, max_model_len: int) -> None:
+        """Make `inst` (warm, its ranks attached) the one the router serves, in one step on the
+        router's loop; the snapshot carries the adapters accepting requests."""
+
+        def switch() -> None:
+            self.router.set_active(ActiveInstance(inst, tuple(inst.ranks), tuple(inst.device_ids), max_model_len,
+                                                  self._adapter_names))
+
+        self.call_on_loop(switch)
+
+    def publish_adapters(self, names: tuple[str, ...]) -> None:
+        """The adapters accepting requests changed: a new snapshot of the same instance."""
+        self._adapter_names = tuple(names)
+
+        def update() -> None:  # NOTE: built on the loop, from the snapshot current there
+            if self.router.active is not None:
+                self.router.set_active(self.router.active.with_adapters(self._adapter_names))
+
+        self.call_on_loop(update)
 
     @property
     def is_shut_down(self) -> bool:
@@ -177,12 +202,16 @@ class ClusterManager:
         self._closing.set()
         self.standby.shutdown()  # NOTE: first, so a boot that finishes now is retired, not pooled
         self.wait_standby()
-        self.router.clear_active()
-        if self.active is not None:
+        inst = self.active or self._starting
+        try:
+            self.call_on_loop(self.router.clear_active)
+        except Exception:  # noqa: BLE001 - the loop is gone (the replica is being destroyed)
+            self.router.clear_active()
+        if inst is not None and inst.state is not InstanceState.RETIRED:
             try:
-                self.active.retire()
+                inst.retire()
             except Exception:  # noqa: BLE001 - the HMM must still be freed
-                logger.exception("coordinator: retiring %s failed", self.active)
+                logger.exception("coordinator: retiring %s failed", inst)
         if self.hmm is not None:
             try:
                 self.hmm.shutdown()

@@ -1,5 +1,8 @@
 """`RouterEngineClient`: the `EngineClient` of the OpenAI handlers, over the active instance's ranks.
 
+Its limits and adapter names are those of the router's `ActiveInstance` snapshot: it keeps
+no copy of its own.
+
 Each `generate` call is admitted against a bound (`max_queued` requests waiting
 at the router's gate or in flight; one more raises `QueueFull`, a 503), routed
 by the `Router` to the least-loaded rank, and streamed back from
@@ -89,7 +92,6 @@ class RouterEngineClient:
         self,
         router: Router[Any],
         tokenizer: Any,
-        max_model_len: int,
         max_queued: int,
         retry_after_s: int = 1,
         handover_routes: HandoverRoutes | None = None,
@@ -101,7 +103,6 @@ class RouterEngineClient:
             raise ValueError(f"max_queued: must be >= 1, got {max_queued}")
         self.router = router
         self._tokenizer = tokenizer
-        self._max_model_len = max_model_len
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
         self.handover_routes = handover_routes or HandoverRoutes()
@@ -112,7 +113,6 @@ class RouterEngineClient:
         self.num_rejected = 0
         self.num_recovered = 0  # requests continued on another instance after theirs failed
         self.num_tokens_recomputed = 0  # output tokens those requests had, recomputed there
-        self.adapters: tuple[str, ...] = ()  # ESFT adapters accepting requests (set by the adapter host)
         # The SLO estimator's inputs: every request offered, and every one that got no answer.
         self.on_arrival: Callable[[], None] = _nothing
         self.on_failed: Callable[[], None] = _nothing
@@ -123,18 +123,14 @@ class RouterEngineClient:
 
     @property
     def max_model_len(self) -> int:
-        return self._max_model_len
-
-    def set_max_model_len(self, max_model_len: int) -> None:
-        """The active instance's limit (the smallest over its ranks); set on each activation."""
-        self._max_model_len = max_model_len
+        """The active instance's context limit (the router's snapshot; 0 before the first one)."""
+        active = self.router.active
+        return active.max_model_len if active is not None else 0
 
     def adapter_names(self) -> tuple[str, ...]:
-        return self.adapters
-
-    def set_adapters(self, names: tuple[str, ...]) -> None:
-        """The ESFT adapters that accept requests (one tuple assignment: safe from any thread)."""
-        self.adapters = tuple(names)
+        """The adapters accepting requests (the router's snapshot)."""
+        active = self.router.active
+        return active.adapters if active is not None else ()
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream `request`'s outputs from one rank; the last has `finished=True`. If the instance

@@ -5,7 +5,7 @@ e2e histograms, token counters, running/waiting gauges) with TPOT, queue
 length, KV usage, the active configuration, scale events (count by strategy
 and outcome; latency, downtime and peak memory of each), devices and their HMM
 memory, adapter slots and LoRA slot hits, all in that one registry (the SLO and
-autoscaler metrics of `coordinator.autoscale_loop` register there too). The README
+autoscaler metrics of `coordinator.autoscale_loop` register there too). docs/operations.md
 lists every metric.
 
 Rank counters live in the rank actors and device memory in the HMM workers;

@@ -1,7 +1,8 @@
 """Request routing: the active instance's least-loaded DP rank, held during a switchover.
 
-The router knows ranks only as opaque targets with a load count, so it can be
-tested without Ray. A switchover's critical section (old instance stopped at a
+The router holds the current `ActiveInstance` snapshot (what the cluster published last)
+and knows its ranks only as opaque targets with a load count, so it can be tested
+without Ray. A switchover's critical section (old instance stopped at a
 step boundary, sequences handed over, new instance not yet active) closes the
 gate: new requests wait at the gate instead of failing, for at most
 `max_hold_s`, and are then routed to whatever instance is active.
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from coordinator.active import ActiveInstance
 
 T = TypeVar("T")
 
@@ -41,21 +44,24 @@ class Router(Generic[T]):
 
     def __init__(self, max_hold_s: float = 30.0) -> None:
         self.max_hold_s = max_hold_s
+        self.active: ActiveInstance | None = None  # the last snapshot published (see coordinator.active)
         self._routes: _Routes[T] | None = None
         self._open = asyncio.Event()
         self._open.set()
         self._changed = asyncio.Event()  # set (and replaced) whenever the targets change
         self.num_held = 0  # requests currently waiting at the gate (for metrics)
 
-    def set_active(self, targets: Sequence[T]) -> None:
-        """Route new requests to `targets` (the ranks of the newly active instance)."""
-        if not targets:
-            raise ValueError("router: an active instance needs at least one rank")
-        self._routes = _Routes(list(targets))
-        self._announce_change()
+    def set_active(self, active: ActiveInstance) -> None:
+        """Route new requests to `active`'s ranks (a new instance), or take its other facts (the
+        same ranks: only its adapters changed; in-flight counts are kept then)."""
+        if self.active is None or self._routes is None or active.ranks != self.active.ranks:
+            self._routes = _Routes(list(active.ranks))
+            self._announce_change()
+        self.active = active
 
     def clear_active(self) -> None:
         self._routes = None
+        self.active = None
         self._announce_change()
 
     def _announce_change(self) -> None:

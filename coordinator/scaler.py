@@ -27,10 +27,9 @@ pools), their streams resume there, then `hmm.abort()`. Only if that undo fails,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,14 +51,6 @@ if TYPE_CHECKING:
     from coordinator.cluster import ClusterManager
 
 logger = logging.getLogger(__name__)
-
-# Runs a router call on the thread that owns the router's asyncio loop and waits for it.
-LoopCaller = Callable[[Callable[[], None]], None]
-
-
-def _call_here(fn: Callable[[], None]) -> None:
-    fn()
-
 
 HEAL = "heal"  # the strategy name of a scale nobody asked for: replacing what failed
 
@@ -87,17 +78,10 @@ class SwitchoverRolledBack(RuntimeError):
 class Scaler:
     """Scales `cluster`'s active instance; one scale at a time (`ScaleEvents` enforces it)."""
 
-    def __init__(
-        self,
-        cluster: ClusterManager,
-        routes: HandoverRoutes,
-        call_on_loop: LoopCaller = _call_here,
-        on_activated: Callable[[int], None] | None = None,
-    ) -> None:
+    def __init__(self, cluster: ClusterManager, routes: HandoverRoutes) -> None:
         self.cluster = cluster
         self.routes = routes
-        self.call_on_loop = call_on_loop
-        self.on_activated = on_activated  # gets the new instance's max_model_len
+        self.call_on_loop = cluster.call_on_loop  # the router's gate belongs to its event loop
         self._exported: list[str] = []  # request ids the running scale exported from the old instance
 
     def validate(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> int:
@@ -197,11 +181,11 @@ class Scaler:
             if new is None:
                 return f"rolled back before switchover: {max_model_len}"
             try:
-                self._switch_over(event, old, new, strat.hands_over_kv, recompute)
+                self._switch_over(event, old, new, int(max_model_len), strat.hands_over_kv, recompute)
             except SwitchoverRolledBack as exc:
                 hmm.abort()
                 return f"rolled back at switchover: {exc}"
-            self._finish(event, new, int(max_model_len), t0)
+            self._finish(event, new, t0)
             if old.state is not InstanceState.RETIRED:
                 self._retire_after_markers(old)
             hmm.commit()
@@ -226,8 +210,8 @@ class Scaler:
                 # NOTE: the router keeps the dead ranks: requests wait for the next attempt
                 # (`RouterEngineClient` waits until they are replaced) instead of failing now.
                 raise RuntimeError(f"no replacement instance: {max_model_len}")
-            self.call_on_loop(lambda: router.set_active(new.ranks))
-            self._finish(event, new, int(max_model_len), t0)
+            self.cluster.publish(new, int(max_model_len))
+            self._finish(event, new, t0)
         finally:
             self.call_on_loop(router.open_gate)
             event.downtime_s = time.perf_counter() - t_close
@@ -288,11 +272,9 @@ class Scaler:
                 new.retire()
             return None, describe_error(exc)
 
-    def _finish(self, event: ScaleEvent, new: Instance, max_model_len: int, t0: float) -> None:
-        """The new instance is serving: make it the active one."""
-        self.cluster.activate(new, max_model_len)
-        if self.on_activated is not None:
-            self.on_activated(max_model_len)
+    def _finish(self, event: ScaleEvent, new: Instance, t0: float) -> None:
+        """The new instance, published to the router in the critical section, is active."""
+        new.activate()
         event.scale_latency_s = time.perf_counter() - t0
 
     def _cold_restart(self, event: ScaleEvent, old: Instance, t0: float) -> None:
@@ -324,8 +306,8 @@ class Scaler:
             routes = new.import_requests(snaps, kv_is_shared=False)
             event.requests_handed_over = len(routes)
             self.routes.publish(routes)
-            self.call_on_loop(lambda: router.set_active(new.ranks))
-            self._finish(event, new, min(ray.get([r.max_model_len.remote() for r in new.ranks])), t0)
+            self.cluster.publish(new, min(ray.get([r.max_model_len.remote() for r in new.ranks])))
+            self._finish(event, new, t0)
         finally:
             self.call_on_loop(router.open_gate)
             event.downtime_s = time.perf_counter() - t_close
@@ -335,6 +317,7 @@ class Scaler:
         event: ScaleEvent,
         old: Instance,
         new: Instance,
+        max_model_len: int,
         hand_over_kv: bool,
         recompute_devices: frozenset[int] = frozenset(),
     ) -> None:
@@ -363,7 +346,7 @@ class Scaler:
                 event.detected_at = time.time()
                 old.retire(wait_dead_s=10.0)  # none of its ranks may write a KV pool the new ranks share
                 new.import_requests({}, kv_is_shared=True)  # nothing to import: this lifts the KV fences
-                self.call_on_loop(lambda: router.set_active(new.ranks))
+                self.cluster.publish(new, max_model_len)
                 self.routes.abandon_waiting()  # what a half-done export handed over resumes elsewhere
                 return
             event.requests_in_flight = sum(len(s) for s in snaps.values())
@@ -372,7 +355,7 @@ class Scaler:
             event.requests_handed_over = len(routes)
             # NOTE: publish before opening the gate; consumers of `old`'s streams block on these.
             self.routes.publish(routes)
-            self.call_on_loop(lambda: router.set_active(new.ranks))
+            self.cluster.publish(new, max_model_len)
         except BaseException as exc:
             logger.exception("scale %s: switchover failed; handing the requests back", event.event_id)
             self._undo_switchover(old, new, snaps, hand_over_kv)
@@ -403,15 +386,3 @@ class Scaler:
         self._exported = []
         if old.is_paused:
             self.routes.publish(old.reinstate(snaps or {}, kv_kept))
-
-
-def loop_caller(loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> LoopCaller:
-    """A `LoopCaller` for a router owned by `loop` (asyncio objects are not thread-safe)."""
-
-    def call(fn: Callable[[], None]) -> None:
-        async def run() -> None:
-            fn()
-
-        asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=timeout_s)
-
-    return call

@@ -1,4 +1,4 @@
-"""`InstanceManager`: the active instance plus an LRU pool of standby instances (paper §4.5).
+"""`InstanceManager`: an LRU pool of standby instances (paper §4.5).
 
 Standby instances (processes up, group formed, skeleton built, no weights) are
 kept for anticipated configurations, typically dp-1 and dp+1 of the active one,
@@ -7,7 +7,8 @@ at most `capacity` instances; adding one more retires the least recently used.
 
 Invariants: every pooled instance is in state `standby`; an instance is either
 in the pool or handed out (`take`), never both, so eviction never retires an
-instance somebody is attaching; at most one instance is `active`.
+instance somebody is attaching. Which instance is active is the coordinator's business
+(`coordinator.active`), not the pool's.
 NOTE: `prepare` boots outside the lock (a boot takes ~2 s), so a `take` never
 waits behind the boot of another configuration; a `take` of the configuration
 being booted waits for that boot (it finishes sooner than a second one, which
@@ -54,7 +55,6 @@ class InstanceManager:
             raise ValueError(f"capacity: must be >= 0, got {capacity}")
         self.factory, self.capacity = factory, capacity
         self.pool: OrderedDict[int, ManagedInstance] = OrderedDict()  # dp -> standby, oldest first
-        self.active: ManagedInstance | None = None
         self.num_hits = self.num_misses = self.num_evictions = 0
         self._closed = False
         self._booting: dict[int, threading.Event] = {}  # dp -> set when its background boot ends
@@ -84,13 +84,6 @@ class InstanceManager:
                     del self._booting[dp]
                 booted.set()
 
-    def prepare_neighbours(self, max_dp: int) -> None:
-        """Pre-initialise dp-1 and dp+1 of the active instance, within [1, max_dp]."""
-        with self._lock:
-            if self.active is not None:
-                dp = self.active.dp
-                self.prepare(d for d in (dp - 1, dp + 1) if 1 <= d <= max_dp)
-
     def take(self, dp: int, factory: Factory | None = None) -> ManagedInstance:
         """A standby instance of `dp`, removed from the pool: a pooled one (or the one booting in
         the background), else a fresh one from `factory` (default: the pool's own)."""
@@ -110,14 +103,6 @@ class InstanceManager:
             booting.wait()  # then take it from the pool (or boot, if that boot failed)
         return (factory or self.factory)(dp)
 
-    def set_active(self, inst: ManagedInstance) -> ManagedInstance | None:
-        """Record `inst` as the active instance; returns the previous one (the caller drains/retires it)."""
-        if inst.state is not InstanceState.ACTIVE:
-            raise ValueError(f"set_active: instance is {inst.state.value}, not active")
-        with self._lock:
-            old, self.active = self.active, inst
-            return old
-
     def _put(self, inst: ManagedInstance) -> None:
         if self.capacity == 0:
             inst.retire()
@@ -130,12 +115,11 @@ class InstanceManager:
             victim.retire()
 
     def shutdown(self) -> None:
-        """Retire the pool and the active instance."""
+        """Retire the pool (and every instance that finishes booting later)."""
         with self._lock:
             self._closed = True
-            instances = [*self.pool.values(), *([self.active] if self.active else [])]
+            instances = list(self.pool.values())
             self.pool.clear()
-            self.active = None
         for inst in instances:
             if inst.state is not InstanceState.RETIRED:
                 inst.retire()

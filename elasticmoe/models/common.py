@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +23,25 @@ from elasticmoe.layers.norm import rms_norm
 from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.models.weights import ParamSpec
 
-if TYPE_CHECKING:
-    from elasticmoe.adapters.lora_slots import ExpertLora
-
 Weights = dict[str, torch.Tensor]
 # route(x [T, H]) -> (weights [T, k], expert ids [T, k])
 RouteFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # reroute(expert ids [T, k], ctx) -> ids [T, k]; where ESFT adapters swap base experts for their own
 RerouteFn = Callable[[torch.Tensor, "ForwardContext"], torch.Tensor]
+
+
+class ExpertsHook(Protocol):
+    """What a MoE layer's experts run instead of the plain grouped GEMM when per-token adapters
+    ride on them (LoRA: `elasticmoe.adapters.lora_slots.ExpertLora` installs one). The model
+    defines the seam; the adapter packages fill it from outside."""
+
+    top_k: int  # (slot, weight) pairs each token carries
+
+    def experts(self, xs: torch.Tensor, slots: torch.Tensor, lora_slots: torch.Tensor,
+                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Rows `xs` [N, H] sorted by expert slot `slots` [N], each with its adapters' (slots,
+        weights) `lora_slots` [N, 2K] -> the experts' output [N, H]."""
+        ...
 
 
 @dataclass
@@ -124,7 +135,7 @@ class MoEBlock:
         self.reroute: RerouteFn | None = None
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (rank, slot) of each expert id
         self.num_base_slots: int | None = None  # set with adapter slots: rows past it are sparse
-        self.lora: ExpertLora | None = None  # LoRA on the experts' projections (elasticmoe.adapters.lora_slots)
+        self.lora: ExpertsHook | None = None  # per-token adapters on the experts (see `ExpertsHook`)
 
     def experts(
         self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor, lora_slots: torch.Tensor | None = None

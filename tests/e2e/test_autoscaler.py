@@ -12,7 +12,6 @@ and keys are enforced (the load itself ran with them).
 from __future__ import annotations
 
 import asyncio
-import gc
 import secrets
 import socket
 import time
@@ -20,16 +19,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from elastic_server import running, tiny_config
 
 from coordinator.autoscaler import AutoscaleConfig
 from coordinator.bench.arrivals import Ramp
 from coordinator.bench.load_report import events_on_axis
 from coordinator.bench.load_runner import LoadSpec, run_load
 from coordinator.bench.request_shapes import AdapterMix, LengthDist
-from coordinator.config import CoordinatorConfig
-from coordinator.launch import start_elastic
 from elasticmoe.entrypoints.openai.access import AccessPolicy
-from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow
 
@@ -53,19 +50,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    prefix = f"emoeauto{secrets.token_hex(4)}"
-    config = CoordinatorConfig(
-        model_dir=tiny_model_dir, num_devices=2, dp=1, dtype="float32", device_memory_bytes=64 << 20,
-        kv_bytes_per_device=4 << 20, served_model_name=MODEL, shm_prefix=prefix, max_num_seqs=1,
-        autoscale=AUTOSCALE, access=AccessPolicy(api_key=API_KEY, admin_key=ADMIN_KEY),
-    )
-    srv = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
-    try:
+    config = tiny_config(tiny_model_dir, served_model_name=MODEL, max_num_seqs=1, autoscale=AUTOSCALE,
+                         access=AccessPolicy(api_key=API_KEY, admin_key=ADMIN_KEY))
+    with running(config) as srv:
         yield srv
-    finally:
-        srv.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _admin(server) -> httpx.Client:

@@ -14,18 +14,14 @@ shutdown no /dev/shm file is left. The harness is `coordinator.bench.chaos_fault
 from __future__ import annotations
 
 import asyncio
-import gc
-import secrets
-import socket
 
 import httpx
 import pytest
+from elastic_server import running, tiny_config
 
 from coordinator.bench.chaos import prompts
 from coordinator.bench.chaos_faults import FaultResult, run_fault, settle, undisturbed
-from coordinator.config import CoordinatorConfig
-from coordinator.launch import ElasticServer, start_elastic
-from hmm.memory import list_segments
+from coordinator.launch import ElasticServer
 
 pytestmark = pytest.mark.slow
 
@@ -35,20 +31,8 @@ PROMPTS = prompts(4, 12, 512, seed=0)
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    config = CoordinatorConfig(model_dir=tiny_model_dir, num_devices=3, dp=1, dtype="float32",
-                               device_memory_bytes=64 << 20, kv_bytes_per_device=4 << 20,
-                               served_model_name=MODEL, shm_prefix=prefix)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    srv = start_elastic(config, port=port, ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
-    try:
+    with running(tiny_config(tiny_model_dir, num_devices=3, served_model_name=MODEL)) as srv:
         yield srv
-    finally:
-        srv.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 @pytest.fixture(scope="module")

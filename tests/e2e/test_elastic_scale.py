@@ -11,9 +11,7 @@ runs is a 409, an unknown event id is a 404. Teardown must leave no /dev/shm fil
 
 from __future__ import annotations
 
-import gc
 import json
-import secrets
 import socket
 import threading
 import time
@@ -22,13 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+from elastic_server import running, tiny_config
 
-from coordinator.config import CoordinatorConfig
-from coordinator.launch import ElasticServer, start_elastic
+from coordinator.launch import ElasticServer
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
-from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow
 
@@ -61,24 +58,9 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, reference):
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    config = CoordinatorConfig(
-        model_dir=tiny_model_dir,
-        num_devices=3,
-        dp=1,
-        dtype="float32",
-        device_memory_bytes=64 << 20,
-        kv_bytes_per_device=8 << 20,
-        served_model_name=MODEL,
-        shm_prefix=prefix,
-    )
-    srv = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
-    try:
+    with running(tiny_config(tiny_model_dir, num_devices=3, kv_bytes_per_device=8 << 20,
+                             served_model_name=MODEL)) as srv:
         yield srv
-    finally:
-        srv.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _client(server: ElasticServer) -> httpx.Client:

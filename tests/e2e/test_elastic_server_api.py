@@ -11,19 +11,16 @@ Retry-After). Teardown must leave no /dev/shm file behind.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
-import secrets
 import socket
 import time
 
 import httpx
 import pytest
 from bad_inputs import CASES, ELASTIC_CASES, check_error
+from elastic_server import running, tiny_config
 
-from coordinator.config import CoordinatorConfig
-from coordinator.launch import ElasticServer, start_elastic
-from hmm.memory import list_segments
+from coordinator.launch import ElasticServer
 
 pytestmark = pytest.mark.slow
 
@@ -40,27 +37,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    config = CoordinatorConfig(
-        model_dir=tiny_model_dir,
-        num_devices=2,
-        dp=2,
-        dtype="float32",
-        device_memory_bytes=64 << 20,
-        kv_bytes_per_device=4 << 20,
-        max_queued=MAX_QUEUED,
-        served_model_name=MODEL,
-        shm_prefix=prefix,
-    )
-    t0 = time.perf_counter()
-    srv = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
-    print(f"\nelastic server up in {time.perf_counter() - t0:.1f}s")
-    try:
+    with running(tiny_config(tiny_model_dir, dp=2, max_queued=MAX_QUEUED, served_model_name=MODEL)) as srv:
         yield srv
-    finally:
-        srv.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _client(server: ElasticServer, timeout: float = 60) -> httpx.Client:

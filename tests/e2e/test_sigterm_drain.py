@@ -161,11 +161,17 @@ def test_single_server_drains_on_sigterm(tiny_model_dir):
     assert "drain finished" in out and "'drained': True" in out
 
 
-def test_elastic_server_drains_on_sigterm_and_releases_everything(tiny_model_dir):
+def _start_elastic(model_dir: str) -> tuple[subprocess.Popen, int, str]:
+    """`elasticmoe serve` (2 devices, dp 1, no standby pool) as a subprocess: (process, port, shm prefix)."""
     port, prefix = _free_port(), f"emoesig{secrets.token_hex(4)}"
-    proc = _start(["--model", tiny_model_dir, "--devices", "2", "--dp", "1", "--device-memory-gb", "0.0625",
+    proc = _start(["--model", model_dir, "--devices", "2", "--dp", "1", "--device-memory-gb", "0.0625",
                    "--kv-cache-gb", "0.004", "--no-standby-pool", "--shm-prefix", prefix,
                    "--shutdown-timeout", "60"], port, 240)
+    return proc, port, prefix
+
+
+def test_elastic_server_drains_on_sigterm_and_releases_everything(tiny_model_dir):
+    proc, port, prefix = _start_elastic(tiny_model_dir)
     try:
         assert list_segments(prefix), "the HMM made no shared-memory files (wrong prefix?)"
         events, refused, family = _drain_on_sigterm(proc, port)
@@ -180,10 +186,7 @@ def test_elastic_server_drains_on_sigterm_and_releases_everything(tiny_model_dir
 
 
 def test_elastic_server_exits_cleanly_when_its_whole_process_group_is_sigtermed(tiny_model_dir):
-    port, prefix = _free_port(), f"emoesig{secrets.token_hex(4)}"
-    proc = _start(["--model", tiny_model_dir, "--devices", "2", "--dp", "1", "--device-memory-gb", "0.0625",
-                   "--kv-cache-gb", "0.004", "--no-standby-pool", "--shm-prefix", prefix,
-                   "--shutdown-timeout", "60"], port, 240)
+    proc, _, prefix = _start_elastic(tiny_model_dir)
     try:
         assert list_segments(prefix), "the HMM made no shared-memory files (wrong prefix?)"
         family = _descendants(proc.pid)

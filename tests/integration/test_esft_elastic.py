@@ -10,18 +10,15 @@ model at DP1 and after DP1 -> 2 (each rank holds its own experts' factors), besi
 
 from __future__ import annotations
 
-import gc
-import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ray
 import torch
+from elastic_server import cluster_of, tiny_config
 
 from coordinator.cluster import ClusterManager
-from coordinator.config import CoordinatorConfig
 from coordinator.scale_events import ScaleConflict, ScaleState
 from coordinator.scaler import Scaler
 from elasticmoe.config import EngineConfig
@@ -31,7 +28,6 @@ from elasticmoe.errors import UnknownAdapterError
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
-from hmm.memory import list_segments
 from imm.handover import HandoverRoutes, spliced_stream
 
 pytestmark = pytest.mark.slow
@@ -64,21 +60,10 @@ def _reference(model_dir: str, params: SamplingParams = PARAMS) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    config = CoordinatorConfig(model_dir=tiny_model_dir, num_devices=3, dp=1, dtype="float32",
-                               device_memory_bytes=64 << 20, kv_bytes_per_device=4 << 20, shm_prefix=prefix,
-                               max_esft_adapters=3, max_esft_experts=2, standby_pool=False,
-                               max_loras=2, max_lora_rank=4)
-    cl = ClusterManager(config)
-    try:
-        cl.start()
+    config = tiny_config(tiny_model_dir, num_devices=3, max_esft_adapters=3, max_esft_experts=2,
+                         standby_pool=False, max_loras=2, max_lora_rank=4)
+    with cluster_of(config) as cl:
         yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _generate(cluster: ClusterManager, rid: str, adapter: str | None, params: SamplingParams = PARAMS) -> list[int]:

@@ -76,6 +76,16 @@ def _generate(engine: LLMEngine, prompts, group=None) -> list[list[int]]:
     return [o.output_token_ids for o in sorted(outs, key=lambda o: o.request_id) if o.finished]
 
 
+def _check_layout_holds_the_checkpoint(ctl: HMMController, model_dir: str) -> None:
+    """Every rank's handles of the committed layout read exactly the checkpoint's tensors."""
+    reader = SafetensorsWeightProvider(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    for rank in range(ctl.layout.dp):
+        hs = ctl.handle_set(rank)
+        for spec in model_family(cfg.arch).param_specs(cfg, ctl.layout.local_experts(ctl.layout.device_ids[rank])):
+            assert torch.equal(open_handle(hs[spec.name]), reader.get(spec, torch.float32)), spec.name
+
+
 def _ep_rank(rank: int, port: int, model_dir: str, handles, placement, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -173,12 +183,7 @@ def test_load_dp2_over_gloo_reads_each_tensor_once(prefix, tiny_model_dir):
         p = ctl.load(tiny_model_dir, dp=2, dtype=torch.float32, kv_bytes=KV)
         assert ctl.bytes_read_from_disk == _checkpoint_bytes(tiny_model_dir)  # replicas came by p2p
         assert p.bytes_p2p > 0 and ctl.group is not None and ctl.group.world_size == 2
-        reader = SafetensorsWeightProvider(tiny_model_dir)
-        cfg = ModelConfig.from_pretrained(tiny_model_dir)
-        for rank in range(2):
-            hs = ctl.handle_set(rank)
-            for spec in model_family(cfg.arch).param_specs(cfg, ctl.layout.local_experts(rank)):
-                assert torch.equal(open_handle(hs[spec.name]), reader.get(spec, torch.float32)), spec.name
+        _check_layout_holds_the_checkpoint(ctl, tiny_model_dir)
     finally:
         ctl.shutdown()
 
@@ -208,12 +213,7 @@ def test_a_killed_device_worker_is_restored_and_its_files_reaped(prefix, tiny_mo
         assert not dead_files & set(list_segments(prefix))  # the dead worker's memory is freed
         assert stats["bytes_p2p_fast"] + stats["bytes_p2p_gloo"] > 0  # replicas from device 0
         assert stats["bytes_disk"] == ctl.bytes_read_from_disk - read_before > 0  # its experts
-        reader = SafetensorsWeightProvider(tiny_model_dir)
-        cfg = ModelConfig.from_pretrained(tiny_model_dir)
-        for rank in range(2):
-            hs = ctl.handle_set(rank)
-            for spec in model_family(cfg.arch).param_specs(cfg, ctl.layout.local_experts(rank)):
-                assert torch.equal(open_handle(hs[spec.name]), reader.get(spec, torch.float32)), spec.name
+        _check_layout_holds_the_checkpoint(ctl, tiny_model_dir)
         assert ctl.handle_set(0) == kept
         ctl.add_device(DeviceSpec(2, 0, BUDGET))  # and it scales on: the p2p group includes it
         ctl.execute(ctl.plan(scale_target(ctl.layout, 3, [DeviceSpec(2, 0, BUDGET)], kv_bytes=KV)))

@@ -142,6 +142,7 @@ def test_instance_lifecycle_on_hmm_handles(hmm, tiny_model_dir):
 
 def test_manager_pools_standby_instances(hmm, tiny_model_dir):
     mgr = InstanceManager(instance_factory(tiny_model_dir, OPTIONS), capacity=1)
+    inst = None
     try:
         mgr.prepare([1])
         dp1 = mgr.pool[1]
@@ -154,13 +155,14 @@ def test_manager_pools_standby_instances(hmm, tiny_model_dir):
         inst.warm_up()
         inst.activate()
         switch_s = time.perf_counter() - t0
-        assert mgr.set_active(inst) is None
         prompt, n = PROMPTS[0]
         outs = _stream(inst.ranks[inst.least_loaded_rank()], "m", prompt, _greedy(n))
         assert outs[-1].output_token_ids == _reference(tiny_model_dir, prompt, n)
         print(f"\nstandby dp=2 -> active in {switch_s:.3f}s (attach + warm-up + activate)")
     finally:
         mgr.shutdown()
+        if inst is not None:
+            inst.retire()  # handed out: the caller's to retire, not the pool's
     assert inst.state is InstanceState.RETIRED and not mgr.pool
 
 

@@ -11,10 +11,8 @@ substituted) through Prometheus's HTTP API and requires a non-empty result from 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -24,10 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from elastic_server import running, tiny_config
 
-from coordinator.config import CoordinatorConfig
-from coordinator.launch import ElasticServer, start_elastic
-from hmm.memory import list_segments
+from coordinator.launch import ElasticServer
 
 pytestmark = pytest.mark.slow
 
@@ -98,30 +95,11 @@ def adapter_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, adapter_dirs) -> Iterator[ElasticServer]:
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    config = CoordinatorConfig(
-        model_dir=tiny_model_dir,
-        num_devices=2,
-        dp=1,
-        dtype="float32",
-        device_memory_bytes=64 << 20,
-        kv_bytes_per_device=4 << 20,
-        served_model_name=MODEL,
-        shm_prefix=prefix,
-        max_esft_adapters=2,
-        max_esft_experts=2,
-        esft_adapters=((ESFT, adapter_dirs[ESFT]),),
-        max_loras=1,
-        max_lora_rank=4,
-        lora_adapters=((LORA, adapter_dirs[LORA]),),
-    )
-    srv = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
-    try:
+    config = tiny_config(tiny_model_dir, served_model_name=MODEL, max_esft_adapters=2, max_esft_experts=2,
+                         esft_adapters=((ESFT, adapter_dirs[ESFT]),), max_loras=1, max_lora_rank=4,
+                         lora_adapters=((LORA, adapter_dirs[LORA]),))
+    with running(config) as srv:
         yield srv
-    finally:
-        srv.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,15 @@ tokens unchanged, memory back to exactly the layout's bytes."""
 
 from __future__ import annotations
 
-import gc
 import secrets
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import ray
+from elastic_server import cluster_of, tiny_config
 
 from coordinator.cluster import ClusterManager
-from coordinator.config import CoordinatorConfig
 from coordinator.scale_events import ScaleState
 from coordinator.scaler import Scaler
 from elasticmoe.engine.engine_request import EngineRequest
@@ -27,7 +25,6 @@ from elasticmoe.models.registry import model_family
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 from hmm.device_memory import DeviceMemory
-from hmm.memory import list_segments
 from imm.handover import HandedOverOutput, HandoverRoutes, spliced_stream
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
@@ -40,26 +37,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    config = CoordinatorConfig(
-        model_dir=tiny_model_dir,
-        num_devices=4,
-        dp=1,
-        dtype="float32",
-        device_memory_bytes=64 << 20,
-        kv_bytes_per_device=4 << 20,
-        shm_prefix=prefix,
-    )
-    cl = ClusterManager(config)
-    try:
-        cl.start()
+    with cluster_of(tiny_config(tiny_model_dir, num_devices=4)) as cl:
         yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
-        gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _run_stream(

@@ -3,7 +3,7 @@
 Each dashboard parses, picks its datasource through the `DS_PROMETHEUS` variable, every
 panel (rows aside) queries Prometheus, and every `elasticmoe_*` name in a panel or
 annotation expression is a sample name of the coordinator's registry (or of the SLO /
-autoscaler gauges registered on it). Every exported metric is documented in the README.
+autoscaler gauges registered on it). Every exported metric is documented in docs/operations.md.
 The queries themselves run against a live server in
 tests/integration/test_prometheus_dashboards.py.
 """
@@ -102,12 +102,12 @@ def test_every_metric_in_a_query_is_exported(path, exported):
 
 
 def test_every_metric_is_documented():
-    doc = (ROOT / "README.md").read_text()
+    doc = (ROOT / "docs" / "operations.md").read_text()
     documented = set(re.findall(r"`(elasticmoe_[a-zA-Z0-9_]+)", doc))
     families = coordinator_families()
     exposed = {name + "_total" if f"{name}_total" in samples else name for name, samples in families.items()}
     missing = sorted((exposed | SLO_METRICS) - documented)
-    assert not missing, f"the README lacks {missing}"
+    assert not missing, f"docs/operations.md lacks {missing}"
 
 
 def test_lora_counters_add_growth_per_engine_and_ignore_stale_snapshots():

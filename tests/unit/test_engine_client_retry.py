@@ -11,6 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 import coordinator.engine_client as engine_client
+from coordinator.active import ActiveInstance
 from coordinator.engine_client import MAX_RECOVERIES, RouterEngineClient
 from coordinator.router import Router
 from elasticmoe.engine.engine_request import EngineRequest
@@ -18,6 +19,10 @@ from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 
+
+def serving(*ranks: str) -> ActiveInstance:
+    """A snapshot of an instance with these ranks (the router sees nothing else of it)."""
+    return ActiveInstance(None, ranks, (), max_model_len=64)
 
 def _output(request_id: str, finished: bool) -> RequestOutput:
     return RequestOutput(request_id=request_id, prompt_token_ids=[1], new_token_ids=[7], new_text="x",
@@ -39,9 +44,9 @@ def _client(monkeypatch, script):
 
     monkeypatch.setattr(engine_client, "_stream_from", fake_stream_from)
     router: Router[str] = Router()
-    router.set_active(["old"])
+    router.set_active(serving("old"))
     failed_ranks: list[str] = []
-    client = RouterEngineClient(router, tokenizer=None, max_model_len=64, max_queued=4,
+    client = RouterEngineClient(router, tokenizer=None, max_queued=4,
                                 on_rank_failure=failed_ranks.append, recovery_wait_s=5)
     events: list[str] = []
     client.on_arrival, client.on_failed = (lambda: events.append("arrival")), (lambda: events.append("failed"))
@@ -56,7 +61,7 @@ async def _collect(client: RouterEngineClient) -> list[RequestOutput]:
 def test_a_retired_rank_before_any_output_is_routed_again(monkeypatch):
     async def script(rank, attempt, request_id):
         if rank == "old":
-            router.set_active(["new"])  # the switchover happened meanwhile
+            router.set_active(serving("new"))  # the switchover happened meanwhile
             raise ActorDiedError()
         yield _output(request_id, finished=True)
 
@@ -70,7 +75,7 @@ def test_a_rank_dying_after_output_continues_on_the_replacement(monkeypatch):
     async def script(rank, attempt, request_id):
         if rank == "old":
             yield _output(request_id, finished=False)
-            asyncio.get_running_loop().call_later(0.05, router.set_active, ["new"])  # the watcher replaces it
+            asyncio.get_running_loop().call_later(0.05, router.set_active, serving("new"))  # the watcher replaces it
             raise ActorDiedError()
         yield _output(request_id, finished=True)
 
@@ -88,7 +93,7 @@ def test_a_rank_dying_after_output_continues_on_the_replacement(monkeypatch):
 def test_a_request_that_kills_every_instance_gets_a_503(monkeypatch):
     async def script(rank, attempt, request_id):
         yield _output(request_id, finished=False)
-        asyncio.get_running_loop().call_soon(router.set_active, [f"r{attempt}"])
+        asyncio.get_running_loop().call_soon(router.set_active, serving(f"r{attempt}"))
         raise ActorDiedError()
 
     client, router, calls, events = _client(monkeypatch, script)

@@ -74,19 +74,6 @@ def test_take_hits_then_misses():
     assert inst.state is S.STANDBY and fresh.state is S.STANDBY
 
 
-def test_prepare_neighbours_and_active():
-    mgr, _ = make_manager(capacity=3)
-    active = FakeInstance(1)
-    with pytest.raises(ValueError, match="not active"):
-        mgr.set_active(active)
-    active.state = S.ACTIVE
-    assert mgr.set_active(active) is None
-    mgr.prepare_neighbours(max_dp=2)
-    assert list(mgr.pool) == [2]  # dp 0 does not exist
-    mgr.shutdown()
-    assert active.state is S.RETIRED and not mgr.pool and mgr.active is None
-
-
 def test_zero_capacity_keeps_nothing():
     mgr, created = make_manager(capacity=0)
     mgr.prepare([2])

@@ -1,0 +1,274 @@
+"""`AdapterManager`: every adapter of one engine, behind the few calls the engine makes around a step.
+
+It owns the ESFT slots (ExpertWeave: adapter experts as rows of the virtual weight
+tensor), the LoRA slots with their host cache and swapper (MoLoRA's hot set, admitted
+by CoServe's scheduling window), the learned LoRA routers, and which adapters accept
+requests. The adapter packages attach to the model from outside, through the hooks the
+model defines (`models.common.ExpertsHook`, the LoRA sites, `MoEBlock.reroute`).
+
+The engine calls, on its thread:
+
+- `bind(request, ref)` when a request arrives: its ESFT slot, its LoRA slot(s), or "waiting
+  for a swap"; raises `UnknownAdapterError` (nothing kept) for an adapter not loaded;
+- `rebind(request)` when a handed-over request arrives (its adapters are loaded here too);
+- `before_step()`: swap in the adapters the scheduling window needs;
+- `wait_for_swap()`: nothing could be scheduled; wait for a copy in flight (one rank only);
+- `after_step()`: release the adapters whose unload was asked once no live request uses them
+  (one rank only; under EP the coordinator does it for every rank at once).
+
+The server calls `load_esft` / `load_lora` / `load_router` / `unload` / `discard` /
+`finish_unload` / `in_use` / `stats`, through the engine's thread too. `served` is one tuple
+assignment, so any thread may read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
+from elasticmoe.adapters.lora_router import LoraRouter
+from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
+from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
+from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.engine_request import AdapterRef
+from elasticmoe.engine.lora_swapper import LoraSwapper
+from elasticmoe.engine.request import LORA_PENDING, Request
+from elasticmoe.engine.scheduler import Scheduler
+from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
+from elasticmoe.models.common import CausalLM
+from elasticmoe.parallel.expert_placement import ExpertPlacement
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        model: CausalLM,
+        placement: ExpertPlacement,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        scheduler: Scheduler,
+        live: Callable[[], Iterable[Request]],
+    ) -> None:
+        self.config, self.model_config, self.live = config, model_config, live
+        self.is_single_rank = config.ep_size == 1
+        self.esft: EsftSlots | None = None
+        if config.max_esft_adapters:
+            self.esft = EsftSlots(model, placement, config.ep_rank, config.max_esft_adapters, config.max_esft_experts)
+        self.lora: LoraSlots | None = None
+        self.swapper: LoraSwapper | None = None
+        if config.max_loras:
+            # NOTE: under EP a slot's expert factors serve every rank's tokens, so slots cannot be
+            # swapped per rank: there, every loaded adapter stays resident (no host-only adapters).
+            cached = config.max_cpu_loras if self.is_single_rank else config.max_loras
+            self.lora = LoraSlots(model, placement, config.ep_rank, config.max_loras, config.max_lora_rank,
+                                  config.dtype, max_cached=cached, top_k=config.max_lora_topk)
+            self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank)
+        self.routers: dict[str, LoraRouter] = {}
+        self.unloading: set[str] = set()
+        self.served: tuple[str, ...] = ()  # loaded adapters that accept requests
+
+    @property
+    def lora_topk(self) -> int:
+        """(slot, weight) pairs every token carries through the model (0: LoRA off)."""
+        return self.config.max_lora_topk if self.lora is not None else 0
+
+    # ---- around a step -----------------------------------------------------------------------
+
+    def bind(self, request: Request, ref: AdapterRef) -> None:
+        """Set `request`'s adapter, slots and routing from `ref`; raises (request untouched) if
+        an adapter is not loaded or the routing is malformed."""
+        esft_slot, lora_slot = self._slots(ref.name)
+        routing = self._parse_routing(ref.routing) if ref.routing is not None else None
+        if routing is not None:
+            missing = [n for n in routing.names if self.lora is None or not self.lora.is_loaded(n)
+                       or n in self.unloading]
+            if missing:
+                raise UnknownAdapterError(missing[0])
+        request.adapter, request.adapter_slot, request.lora_slot = ref.name, esft_slot, lora_slot
+        request.lora_routing = routing
+        if self.swapper is not None:
+            if routing is not None:
+                self.swapper.assign(request)
+            if lora_slot != -1 and ref.name is not None:
+                self.swapper.note_arrival(ref.name)
+
+    def rebind(self, request: Request) -> None:
+        """A handed-over request: its slots here (its adapters are loaded here too)."""
+        request.adapter_slot, request.lora_slot = self._slots(request.adapter)
+        if request.lora_routing is not None and self.swapper is not None:
+            self.swapper.assign(request)
+
+    def before_step(self) -> None:
+        if self.swapper is not None:
+            self.swapper.swap_in()
+
+    def wait_for_swap(self) -> bool:
+        """Nothing could be scheduled: if that is because an adapter is still being copied in,
+        wait for it instead of spinning, and return True (schedule again)."""
+        swapper = self.swapper
+        if swapper is None or not swapper.lora.filling or not self.is_single_rank:
+            return False
+        swapper.lora.wait_for_a_swap()
+        swapper.swap_in()
+        return True
+
+    def after_step(self) -> None:
+        if self.unloading and self.is_single_rank:
+            self._finish_unloads()
+
+    # ---- loading and unloading ---------------------------------------------------------------
+
+    def load_esft(self, name: str, experts: dict[int, tuple[int, ...]], expert_weights: ExpertWeights | None,
+                  slot: int | None = None) -> int:
+        """Load an ESFT adapter (its tuned experts that live on this rank) into slot `slot` (None:
+        a free one). `expert_weights=None`: the provider already filled its rows (HMM memory).
+        Raises `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError` naming the field."""
+        if self.esft is None:
+            raise AdapterLimitError("this engine serves no ESFT adapters (--max-esft-adapters 0)")
+        self._check_new_name(name)
+        slot = self.esft.load(name, experts, expert_weights, slot)
+        self._publish()
+        return slot
+
+    def load_lora(self, name: str, modules: dict[str, tuple[int, int, int]], weights: LoraWeights, scaling: float,
+                  slot: int | None = None) -> int | None:
+        """Load a LoRA adapter (`modules`: base module path -> (r, in, out); `weights(path, dtype)`
+        -> (A, B)) into host memory and LoRA slot `slot` (None: a free one if any; returns None
+        when it waits in host memory until a request needs it). Under EP only this rank's
+        experts' factors are kept. Raises `AdapterLimitError` / `AdapterConflictError` (409) or
+        `ValueError` naming the field."""
+        if self.lora is None:
+            raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
+        self._check_new_name(name)
+        slot = self.lora.load(name, modules, weights, scaling, slot)
+        self._publish()
+        return slot
+
+    def load_router(self, name: str, router: LoraRouter) -> None:
+        """Register a learned router (MoLoRA §4.3) over loaded LoRA adapters; requests pick it
+        with `lora_routing={"type": "learned", "router": name}`."""
+        if self.lora is None:
+            raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
+        if router.top_k > self.config.max_lora_topk:
+            raise AdapterLimitError(f"router top_k {router.top_k} > {self.config.max_lora_topk} (max_lora_topk)")
+        missing = [a for a in router.adapters if not self.lora.is_loaded(a)]
+        if missing:
+            raise UnknownAdapterError(missing[0])
+        if router.w1.shape[1] != self.model_config.hidden_size:
+            raise ValueError(f"path: router input size {router.w1.shape[1]} != hidden size "
+                             f"{self.model_config.hidden_size}")
+        self.routers[name] = router
+
+    def unload(self, name: str) -> bool:
+        """Stop admitting requests for `name`. With one rank it is unloaded (its rows released)
+        once none of its requests is live, now or at the end of a later step; returns True if
+        that happened now. Under EP other ranks route tokens to the experts this rank holds, so
+        the caller unloads every rank with `finish_unload` once no rank is `in_use`."""
+        if name not in self.served:
+            raise UnknownAdapterError(name)
+        self.unloading.add(name)
+        self._publish()
+        if self.is_single_rank:
+            self._finish_unloads()
+        return name not in self.unloading
+
+    def discard(self, name: str) -> None:
+        """Release `name` now whether or not an unload was requested (undoing a load that failed on
+        another rank); a no-op if it is not loaded. Raises if a live request uses it."""
+        if name in self.unloading:
+            self.finish_unload(name)
+        elif name in self.served:
+            if self.in_use(name):
+                raise AdapterConflictError(f"adapter {name!r} still has live requests")
+            self._release(name)
+            self._publish()
+
+    def in_use(self, name: str) -> bool:
+        """A live request uses `name`: as its adapter, or through per-token LoRA routing."""
+        return any(r.adapter == name or name in LoraSwapper.names(r) for r in self.live())
+
+    def finish_unload(self, name: str) -> None:
+        """Release an unloading adapter now (EP: every rank, after none is in use)."""
+        if name not in self.unloading:
+            raise UnknownAdapterError(name)
+        if self.in_use(name):
+            raise AdapterConflictError(f"adapter {name!r} still has live requests")
+        self._release(name)
+        self.unloading.discard(name)
+
+    def stats(self) -> dict[str, int]:
+        """LoRA slot counters (empty without LoRA)."""
+        lora = self.lora
+        if lora is None:
+            return {}
+        return {"slots": lora.max_loras, "resident": len(lora.slot_of), "loaded": len(lora.host),
+                "swaps_in": lora.num_swaps_in, "evictions": lora.num_evictions,
+                "hits": lora.num_hits, "misses": lora.num_misses}
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Loaded adapters: name, slot, kind, experts and bytes (ESFT), state."""
+        from elasticmoe.adapters.esft_slots import describe
+
+        out = [{**d, "type": "esft"} for d in describe(self.esft)]
+        if self.lora is not None:
+            out += [{"name": n, "slot": self.lora.slot_of[n], "type": "lora"} for n in self.lora.names]
+        return [{**d, "state": "unloading" if d["name"] in self.unloading else "loaded"} for d in out]
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _slots(self, adapter: str | None) -> tuple[int, int]:
+        """(ESFT slot, LoRA slot) of a request for `adapter` (-1: not that kind; None: base)."""
+        if adapter is None:
+            return -1, -1
+        if adapter not in self.unloading:
+            slot = self.esft.index(adapter) if self.esft is not None else None
+            if slot is not None:
+                return slot, -1
+            if self.lora is not None and self.lora.is_loaded(adapter):
+                slot = self.lora.index(adapter)
+                if slot is None:
+                    self.lora.num_misses += 1
+                    return -1, LORA_PENDING  # swapped in before a later step (`LoraSwapper`)
+                self.lora.num_hits += 1
+                return -1, slot
+        raise UnknownAdapterError(adapter)
+
+    def _parse_routing(self, obj: Any) -> VocabRouting | LearnedRouting:
+        if not isinstance(obj, dict):  # already parsed (the offline API passes a routing object)
+            return obj
+        if obj.get("type") != "learned":
+            return VocabRouting.from_json(obj, self.model_config.vocab_size)
+        router = self.routers.get(obj.get("router"))  # type: ignore[arg-type]
+        if router is None:
+            raise InvalidRequestError("lora_routing", f"router {obj.get('router')!r} is not loaded")
+        return LearnedRouting(str(obj["router"]), router)
+
+    def _check_new_name(self, name: str) -> None:
+        if name in self.unloading:
+            raise AdapterConflictError(f"adapter {name!r} is still unloading")
+        if (self.esft is not None and self.esft.index(name) is not None) or (
+            self.lora is not None and self.lora.is_loaded(name)
+        ):
+            raise AdapterConflictError(f"adapter {name!r} is already loaded")
+
+    def _release(self, name: str) -> None:
+        if self.esft is not None and self.esft.index(name) is not None:
+            self.esft.unload(name)
+        elif self.lora is not None:
+            self.lora.unload(name)
+            # A router over a released adapter is dropped with it (its requests would wait forever).
+            self.routers = {k: r for k, r in self.routers.items() if name not in r.adapters}
+
+    def _publish(self) -> None:
+        # NOTE: one tuple assignment, so other threads (HTTP handlers listing models) read a
+        # consistent snapshot without locking the engine thread.
+        names = (self.esft.names if self.esft is not None else []) + (self.lora.names if self.lora is not None else [])
+        self.served = tuple(n for n in names if n not in self.unloading)
+
+    def _finish_unloads(self) -> None:
+        live = list(self.live())
+        busy = {r.adapter for r in live}.union(*(LoraSwapper.names(r) for r in live))
+        for name in sorted(self.unloading - busy):
+            self._release(name)
+            self.unloading.discard(name)

@@ -1,0 +1,66 @@
+"""The elastic server in tests: one configuration factory and one lifetime, shared by every module.
+
+`tiny_config(model_dir, **overrides)` is a `CoordinatorConfig` on the tiny model (float32,
+small devices, a shared-memory prefix of its own); `running(config)` starts the server
+on a free localhost port with a local Ray, and on exit shuts it down and checks that no
+shared-memory file of it is left. `cluster_of(config)` does the same for a
+`ClusterManager` without HTTP. Each module holds one of them as a module fixture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import secrets
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+
+from coordinator.cluster import ClusterManager
+from coordinator.config import CoordinatorConfig
+from coordinator.launch import ElasticServer, start_elastic
+from hmm.memory import list_segments
+
+MODEL = "tiny-qwen3-moe"
+RAY = {"num_cpus": 2, "log_to_driver": False}
+
+
+def tiny_config(model_dir: str, **overrides: Any) -> CoordinatorConfig:
+    defaults: dict[str, Any] = {
+        "model_dir": model_dir, "num_devices": 2, "dp": 1, "dtype": "float32", "device_memory_bytes": 64 << 20,
+        "kv_bytes_per_device": 4 << 20, "served_model_name": MODEL, "shm_prefix": f"emoetest{secrets.token_hex(4)}",
+    }
+    return CoordinatorConfig(**{**defaults, **overrides})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running(config: CoordinatorConfig) -> Iterator[ElasticServer]:
+    server = start_elastic(config, port=free_port(), ray_init_kwargs=RAY)
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        gc.collect()
+    assert list_segments(config.shm_prefix) == [], "shared-memory files leaked"
+
+
+@contextlib.contextmanager
+def cluster_of(config: CoordinatorConfig) -> Iterator[ClusterManager]:
+    ray.init(**RAY, include_dashboard=False)
+    cluster = ClusterManager(config)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.shutdown()
+        ray.shutdown()
+        gc.collect()
+    assert list_segments(config.shm_prefix) == [], "shared-memory files leaked"
