@@ -165,7 +165,7 @@ class _Raylet:
 
 
 _RAYLET = _Raylet()
-_COLLAPSE_GRACE_S = 15.0
+_COLLAPSE_GRACE_S = 10.0
 
 
 def _start_collapse_watchdog(shm_prefix: str) -> None:

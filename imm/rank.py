@@ -245,7 +245,7 @@ class InstanceRank:
             handle = handles[param]
             assert isinstance(handle, VirtualTensorHandle)
             map_slot_pages(engine.weights[param], handle, slot_pages)
-        return int(await self._on_loop(lambda: engine.load_esft_adapter(name, experts, None, slot=slot)))
+        return int(await self._on_loop(lambda: engine.adapters.load_esft(name, experts, None, slot=slot)))
 
     async def load_lora_adapter(self, name: str, path: str) -> int | None:
         """Load a PEFT LoRA adapter from `path` (this rank keeps its own experts' factors)."""
@@ -255,25 +255,25 @@ class InstanceRank:
         dtype = engine.config.dtype
         factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
         return await self._on_loop(
-            lambda: engine.load_lora_adapter(name, adapter.modules, lambda m, _: factors[m], adapter.config.scaling)
+            lambda: engine.adapters.load_lora(name, adapter.modules, lambda m, _: factors[m], adapter.config.scaling)
         )
 
     async def load_lora_router(self, name: str, router: Any) -> None:
         """Register a learned LoRA router (MoLoRA §4.3) over this engine's loaded LoRA adapters."""
         engine = self.engine
         assert engine is not None
-        await self._on_loop(lambda: engine.load_lora_router(name, router))
+        await self._on_loop(lambda: engine.adapters.load_router(name, router))
 
     async def unload_adapter(self, name: str) -> bool:
         """Stop admitting requests for `name` (see `LLMEngine.unload_adapter`)."""
         engine = self.engine
         assert engine is not None
-        return bool(await self._on_loop(lambda: engine.unload_adapter(name)))
+        return bool(await self._on_loop(lambda: engine.adapters.unload(name)))
 
     async def adapter_in_use(self, name: str) -> bool:
         engine = self.engine
         assert engine is not None
-        return bool(await self._on_loop(lambda: engine.adapter_in_use(name)))
+        return bool(await self._on_loop(lambda: engine.adapters.in_use(name)))
 
     async def finish_adapter_unload(self, name: str, rows: dict[str, list[int]]) -> None:
         """Release `name` in the engine (if still there, unload requested or not: this also undoes a
@@ -281,14 +281,14 @@ class InstanceRank:
         returns their pages to the pool."""
         engine, handles = self.engine, self.handle_set
         assert engine is not None
-        await self._on_loop(lambda: engine.discard_adapter(name))
+        await self._on_loop(lambda: engine.adapters.discard(name))
         for param, slots in rows.items():
             handle = handles[param]
             assert isinstance(handle, VirtualTensorHandle)
             unmap_slot_pages(engine.weights[param], handle, slots)
 
     def served_adapters(self) -> tuple[str, ...]:
-        return tuple(self.engine.served_adapters) if self.engine is not None else ()
+        return tuple(self.engine.adapters.served) if self.engine is not None else ()
 
     async def _on_loop(self, fn: Any) -> Any:
         """Run `fn` on the engine thread: through the loop if it runs, else directly (warming up)."""
@@ -387,7 +387,7 @@ class InstanceRank:
         # a consistent int, but the set of them is not one snapshot (fine for routing).
         engine = self.engine
         bm = engine.block_manager if engine is not None else None
-        lora = engine.lora_stats() if engine is not None else {}
+        lora = engine.adapters.stats() if engine is not None else {}
         return RankStats(
             rank=self.rank,
             num_running=self.llm.num_running if self.llm else 0,

@@ -241,8 +241,8 @@ def bench_memory(
 
 def _rerouted_block(engine: LLMEngine) -> tuple[int, MoEBlock, ExpertMap]:
     """The MoE block whose layer has the most tuned adapter experts."""
-    assert engine.esft is not None
-    slots = engine.esft
+    assert engine.adapters.esft is not None
+    slots = engine.adapters.esft
     layer = max(slots.maps, key=lambda lyr: int((slots.maps[lyr].pi[1:] >= slots.maps[lyr].num_experts).sum()))
     return layer, slots.blocks[layer], slots.maps[layer]
 
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 max_model_len=args.input_len + args.output_len, seed=args.seed,
             ))
             for name, adapter in adapters:
-                engine.load_esft_adapter(name, adapter.config.experts, adapter.expert_weights)
+                engine.adapters.load_esft(name, adapter.config.experts, adapter.expert_weights)
             names = [name for name, _ in adapters]
             _log(f"N={n}: engine ready, {len(names)} adapters loaded")
             if "latency" in args.phases:
@@ -426,9 +426,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             kv_per_token = kv_bytes_per_token(engine.kv_spec)
             if "memory" in args.phases:
                 row = bench_memory(model_cfg, dtype, adapters, e_max, engine.kv_spec, args)
-                assert engine.esft is not None
+                assert engine.adapters.esft is not None
                 # Cross-check: the engine's bytes of tuned experts = what the arithmetic calls needed.
-                row["engine_adapter_bytes"] = sum(engine.esft.nbytes_of.values())
+                row["engine_adapter_bytes"] = sum(engine.adapters.esft.nbytes_of.values())
                 memory.append(row)
             if "reroute" in args.phases and i == len(args.num_adapters) - 1:
                 reroute = bench_reroute(engine, n, args)

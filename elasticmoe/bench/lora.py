@@ -27,7 +27,7 @@ rotated per repeat, so load drift on a shared machine hits all of them alike.
    (default 2), `--swap-requests` requests whose adapter follows the power-law shares of
    `elasticmoe.bench.esft` (alpha `--swap-alpha`: adapter 0 is the most popular), served in a
    closed loop of `--swap-concurrency` requests in flight (a new one as soon as one finishes).
-   Every `engine.step()` is timed; a step "swapped" when `lora_stats()["swaps_in"]` grew in it.
+   Every `engine.step()` is timed; a step "swapped" when `adapters.stats()["swaps_in"]` grew in it.
    Reported per S: swaps in, evictions, hit rate = hits / (hits + misses) (the engine's counts,
    deltas over the run), median step time with and without a swap (and of the no-swap steps that
    finished a prefill: a swap step usually also prefills the request it let in), and total wall time. The
@@ -102,10 +102,10 @@ def make_engine(model_dir: str, args: argparse.Namespace, slots: int, adapters: 
         max_lora_rank=args.rank, max_cpu_loras=max_cpu_loras, seed=args.seed,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_model_len=args.input_len + args.output_len,
     ))
-    if args.sync_swaps and engine.lora_swapper is not None:
-        engine.lora_swapper.async_swaps = False  # copy on the engine thread, inside the step
+    if args.sync_swaps and engine.adapters.swapper is not None:
+        engine.adapters.swapper.async_swaps = False  # copy on the engine thread, inside the step
     for a in adapters:
-        engine.load_lora_adapter(a.name, a.modules, a.weights, a.config.scaling)
+        engine.adapters.load_lora(a.name, a.modules, a.weights, a.config.scaling)
     return engine
 
 
@@ -127,12 +127,12 @@ def drain(engine: LLMEngine, on_finish: Callable[[str], None] | None = None,
     t0 = last_progress = time.perf_counter()
     while engine.has_unfinished_requests():
         if time.perf_counter() - last_progress > stall_s:
-            raise RuntimeError(f"engine made no progress for {stall_s:g}s: {engine.lora_stats()}")
-        swaps = engine.lora_stats()["swaps_in"]
+            raise RuntimeError(f"engine made no progress for {stall_s:g}s: {engine.adapters.stats()}")
+        swaps = engine.adapters.stats()["swaps_in"]
         t = time.perf_counter()
         outputs = engine.step()
         step_s.append(time.perf_counter() - t)
-        step_swaps.append(engine.lora_stats()["swaps_in"] - swaps)
+        step_swaps.append(engine.adapters.stats()["swaps_in"] - swaps)
         step_firsts.append(0)
         if outputs:
             last_progress = time.perf_counter()
@@ -276,7 +276,7 @@ def swap_workload(num_requests: int, num_adapters: int, alpha: float, input_len:
 def run_closed_loop(engine: LLMEngine, workload: Sequence[tuple[list[int], int]], names: list[str],
                     concurrency: int, params: SamplingParams, tag: str) -> dict[str, Any]:
     """Serve `workload` in order with at most `concurrency` requests in flight; swap figures of the run."""
-    before = engine.lora_stats()
+    before = engine.adapters.stats()
     pending = list(enumerate(workload))[::-1]
 
     def submit_next(_: str | None = None) -> None:
@@ -287,7 +287,7 @@ def run_closed_loop(engine: LLMEngine, workload: Sequence[tuple[list[int], int]]
     for _ in range(concurrency):
         submit_next()
     run = drain(engine, on_finish=submit_next)
-    after = engine.lora_stats()
+    after = engine.adapters.stats()
     delta = {k: after[k] - before[k] for k in ("swaps_in", "evictions", "hits", "misses")}
     swap_ms = [s * 1e3 for s, n in zip(run["step_s"], run["step_swaps"], strict=True) if n > 0]
     other_ms = [s * 1e3 for s, n in zip(run["step_s"], run["step_swaps"], strict=True) if n == 0]
@@ -318,7 +318,7 @@ def bench_swap(model_dir: str, adapters: list[LoraAdapter], args: argparse.Names
                                            f"s{s}-r{rep}"))
         _log(f"swap repeat {rep}: " + ", ".join(
             f"S={s}: {runs[s][-1]['wall_s']:.2f}s, {runs[s][-1]['swaps_in']} swaps" for s in slots))
-    swapper = engines[slots[0]].lora_swapper
+    swapper = engines[slots[0]].adapters.swapper
     async_swaps = swapper is not None and swapper.async_swaps
     del engines
     gc.collect()

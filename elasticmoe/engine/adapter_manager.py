@@ -33,7 +33,7 @@ from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.engine_request import AdapterRef
 from elasticmoe.engine.lora_swapper import LoraSwapper
-from elasticmoe.engine.request import LORA_PENDING, Request
+from elasticmoe.engine.request import AdapterBinding, Request
 from elasticmoe.engine.scheduler import Scheduler
 from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
 from elasticmoe.models.common import CausalLM
@@ -85,18 +85,22 @@ class AdapterManager:
                        or n in self.unloading]
             if missing:
                 raise UnknownAdapterError(missing[0])
-        request.adapter, request.adapter_slot, request.lora_slot = ref.name, esft_slot, lora_slot
-        request.lora_routing = routing
+        request.binding = AdapterBinding(ref.name, esft_slot, lora_slot, routing)
         if self.swapper is not None:
             if routing is not None:
                 self.swapper.assign(request)
-            if lora_slot != -1 and ref.name is not None:
+            elif ref.name is not None and esft_slot < 0:  # a LoRA adapter, resident or not
+                if lora_slot < 0:
+                    request.binding.wait()
                 self.swapper.note_arrival(ref.name)
 
     def rebind(self, request: Request) -> None:
         """A handed-over request: its slots here (its adapters are loaded here too)."""
-        request.adapter_slot, request.lora_slot = self._slots(request.adapter)
-        if request.lora_routing is not None and self.swapper is not None:
+        binding = request.binding
+        binding.esft_slot, binding.lora_slot = self._slots(binding.name)
+        if binding.name is not None and binding.esft_slot < 0 and binding.lora_slot < 0:
+            binding.wait()
+        if binding.routing is not None and self.swapper is not None:
             self.swapper.assign(request)
 
     def before_step(self) -> None:
@@ -186,7 +190,7 @@ class AdapterManager:
 
     def in_use(self, name: str) -> bool:
         """A live request uses `name`: as its adapter, or through per-token LoRA routing."""
-        return any(r.adapter == name or name in LoraSwapper.names(r) for r in self.live())
+        return any(r.binding.name == name or name in r.binding.lora_names for r in self.live())
 
     def finish_unload(self, name: str) -> None:
         """Release an unloading adapter now (EP: every rank, after none is in use)."""
@@ -218,7 +222,8 @@ class AdapterManager:
     # ---- internals ---------------------------------------------------------------------------
 
     def _slots(self, adapter: str | None) -> tuple[int, int]:
-        """(ESFT slot, LoRA slot) of a request for `adapter` (-1: not that kind; None: base)."""
+        """(ESFT slot, LoRA slot) of a request for `adapter` (-1: not that kind, or a LoRA adapter
+        not resident yet; None: base)."""
         if adapter is None:
             return -1, -1
         if adapter not in self.unloading:
@@ -229,7 +234,7 @@ class AdapterManager:
                 slot = self.lora.index(adapter)
                 if slot is None:
                     self.lora.num_misses += 1
-                    return -1, LORA_PENDING  # swapped in before a later step (`LoraSwapper`)
+                    return -1, -1  # it waits: swapped in before a later step (`LoraSwapper`)
                 self.lora.num_hits += 1
                 return -1, slot
         raise UnknownAdapterError(adapter)
@@ -268,7 +273,7 @@ class AdapterManager:
 
     def _finish_unloads(self) -> None:
         live = list(self.live())
-        busy = {r.adapter for r in live}.union(*(LoraSwapper.names(r) for r in live))
+        busy = {r.binding.name for r in live}.union(*(r.binding.lora_names for r in live))
         for name in sorted(self.unloading - busy):
             self._release(name)
             self.unloading.discard(name)

@@ -167,7 +167,8 @@ class AsyncLLM:
 
     def adapter_names(self) -> tuple[str, ...]:
         """ESFT adapters accepting requests (a snapshot the engine publishes; safe from any thread)."""
-        return tuple(getattr(self.engine, "served_adapters", ()))
+        adapters = getattr(self.engine, "adapters", None)  # `AdapterManager` (engines without one serve none)
+        return tuple(adapters.served) if adapters is not None else ()
 
     async def run_on_loop(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the loop thread between steps (so it may touch the engine); await its result."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elasticmoe.engine.request import Request, RequestStatus
+from elasticmoe.engine.request import AdapterBinding, Request, RequestStatus
 from elasticmoe.sampling_params import SamplingParams
 
 
@@ -62,8 +62,8 @@ def snapshot(request: Request, text_state) -> RequestSnapshot:
         text=text_state.text,
         num_emitted_chars=text_state.num_emitted_chars,
         num_emitted_tokens=text_state.num_emitted_tokens,
-        adapter=request.adapter,
-        lora_routing=request.lora_routing,
+        adapter=request.binding.name,
+        lora_routing=request.binding.routing,
     )
 
 
@@ -71,7 +71,7 @@ def restore(snap: RequestSnapshot, keep_kv: bool) -> Request:
     """A request object for the importing engine; KV kept only if `keep_kv` and it had blocks."""
     request = Request(
         snap.request_id, list(snap.token_ids), snap.num_prompt_tokens, snap.params, snap.max_total_tokens,
-        arrival_time=snap.arrival_time, adapter=snap.adapter, lora_routing=snap.lora_routing,
+        arrival_time=snap.arrival_time, binding=AdapterBinding(snap.adapter, routing=snap.lora_routing),
     )
     if snap.generator_state is not None and request.generator is not None:
         request.generator.set_state(snap.generator_state)

@@ -14,22 +14,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
-from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
-from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.adapter_manager import AdapterManager
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
 from elasticmoe.engine.kv_cache import KVCacheSpec, KVProvider, LocalKVProvider, num_blocks_for_budget
-from elasticmoe.engine.lora_swapper import LoraSwapper
 from elasticmoe.engine.model_runner import ModelRunner
 from elasticmoe.engine.output_processor import OutputProcessor
-from elasticmoe.engine.request import LORA_PENDING, Request, RequestStatus
+from elasticmoe.engine.request import Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
-from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
+from elasticmoe.errors import InvalidRequestError
 from elasticmoe.models.registry import model_family
 from elasticmoe.models.weights import (
     SafetensorsWeightProvider,
@@ -78,21 +75,6 @@ class LLMEngine:
         else:
             dispatcher = AllToAllDispatcher(self.placement, config.ep_rank, ep_group)
         self.model = family.build(cfg, self.weights, dispatcher)
-        self.esft: EsftSlots | None = None
-        if config.max_esft_adapters:
-            self.esft = EsftSlots(self.model, self.placement, config.ep_rank, config.max_esft_adapters,
-                                  config.max_esft_experts)
-        self.lora: LoraSlots | None = None
-        if config.max_loras:
-            # NOTE: under EP a slot's expert factors serve every rank's tokens, so slots cannot be
-            # swapped per rank: there, every loaded adapter stays resident (no host-only adapters).
-            cached = config.max_cpu_loras if config.ep_size == 1 else config.max_loras
-            self.lora = LoraSlots(self.model, self.placement, config.ep_rank, config.max_loras,
-                                  config.max_lora_rank, config.dtype, max_cached=cached, top_k=config.max_lora_topk)
-        self.lora_routers: dict[str, LoraRouter] = {}
-        self.unloading_adapters: set[str] = set()
-        self.served_adapters: tuple[str, ...] = ()  # loaded adapters that accept requests
-
         self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), config.dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
         self.kv_pool = (kv_provider or LocalKVProvider()).allocate(self.kv_spec, num_blocks)
@@ -101,14 +83,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    window=config.scheduling_window)
-        self.lora_swapper = (LoraSwapper(self.lora, self.scheduler, can_swap_async=config.ep_size == 1)
-                             if self.lora is not None else None)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size,
-                                  lora_topk=config.max_lora_topk if self.lora is not None else 0)
+        self.requests: dict[str, Request] = {}
+        self.adapters = AdapterManager(self.model, self.placement, config, cfg, self.scheduler,
+                                       live=lambda: self.requests.values())
+        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, lora_topk=self.adapters.lora_topk)
         self.sampler = Sampler(config.seed)
         eos_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids)
-        self.requests: dict[str, Request] = {}
         logger.info(
             "engine ready: %s, %s, %d KV blocks x %d tokens, max_model_len %d, ep %d/%d",
             cfg.arch, config.dtype, num_blocks, config.block_size, self.max_model_len, config.ep_rank, config.ep_size,
@@ -144,16 +125,8 @@ class LLMEngine:
         Raises `InvalidRequestError` (a ValueError naming the field; `UnknownAdapterError` for an
         adapter not loaded); nothing is kept then."""
         request_id, params = request.request_id, request.params
-        adapter, lora_routing = request.adapter.name, request.adapter.routing
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"request {request_id!r} is already running")
-        slot, lora_slot = self._adapter_slots(adapter)
-        routing = self._parse_routing(lora_routing) if isinstance(lora_routing, dict) else lora_routing
-        if routing is not None:
-            missing = [n for n in routing.names if self.lora is None or not self.lora.is_loaded(n)
-                       or n in self.unloading_adapters]
-            if missing:
-                raise UnknownAdapterError(missing[0])
         token_ids = self._prompt_token_ids(request.prompt)
         output_ids = self._resumed_output_ids(request)
         vocab = self.model_config.vocab_size
@@ -169,15 +142,10 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                 f"context length {self.max_model_len}",
             )
-        state = Request(request_id, token_ids + output_ids, len(token_ids), params, self.max_model_len,
-                        adapter=adapter, adapter_slot=slot, lora_slot=lora_slot, lora_routing=routing)
+        state = Request(request_id, token_ids + output_ids, len(token_ids), params, self.max_model_len)
         if state.generator is not None and not params.is_greedy:
             Sampler.replay(state.generator, len(output_ids), vocab)
-        if self.lora_swapper is not None:
-            if routing is not None:
-                self.lora_swapper.assign(state)
-            if lora_slot != -1 and adapter is not None:
-                self.lora_swapper.note_arrival(adapter)
+        self.adapters.bind(state, request.adapter)  # last check: raises before anything is kept
         self.requests[request_id] = state
         self.output_processor.add(state)
         if request.resume is not None:
@@ -195,158 +163,6 @@ class LLMEngine:
         if limit is not None and len(ids) >= limit:
             raise InvalidRequestError("resume", f"{len(ids)} output tokens already reach max_tokens {limit}")
         return ids
-
-    def _adapter_slots(self, adapter: str | None) -> tuple[int, int]:
-        """(ESFT slot, LoRA slot) of a request for `adapter` (-1: not that kind; None: base)."""
-        if adapter is None:
-            return -1, -1
-        if adapter not in self.unloading_adapters:
-            slot = self.esft.index(adapter) if self.esft is not None else None
-            if slot is not None:
-                return slot, -1
-            if self.lora is not None and self.lora.is_loaded(adapter):
-                slot = self.lora.index(adapter)
-                if slot is None:
-                    self.lora.num_misses += 1
-                    return -1, LORA_PENDING  # swapped in before a later step (`LoraSwapper`)
-                self.lora.num_hits += 1
-                return -1, slot
-        raise UnknownAdapterError(adapter)
-
-    # ---- ESFT adapters --------------------------------------------------------------
-
-    def load_esft_adapter(
-        self,
-        name: str,
-        experts: dict[int, tuple[int, ...]],
-        expert_weights: ExpertWeights | None,
-        slot: int | None = None,
-    ) -> int:
-        """Load an ESFT adapter (its tuned experts that live on this rank) into slot `slot` (None:
-        a free one). `expert_weights=None`: the provider already filled its rows (HMM memory).
-        Raises `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError` naming the field."""
-        if self.esft is None:
-            raise AdapterLimitError("this engine serves no ESFT adapters (--max-esft-adapters 0)")
-        self._check_new_name(name)
-        slot = self.esft.load(name, experts, expert_weights, slot)
-        self._publish_adapter_names()
-        return slot
-
-    def load_lora_adapter(
-        self,
-        name: str,
-        modules: dict[str, tuple[int, int, int]],
-        weights: LoraWeights,
-        scaling: float,
-        slot: int | None = None,
-    ) -> int | None:
-        """Load a LoRA adapter (`modules`: base module path -> (r, in, out); `weights(path, dtype)`
-        -> (A, B)) into host memory and LoRA slot `slot` (None: a free one if any; returns None
-        when it waits in host memory until a request needs it). Under EP only this rank's
-        experts' factors are kept. Raises `AdapterLimitError` / `AdapterConflictError` (409) or
-        `ValueError` naming the field."""
-        if self.lora is None:
-            raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
-        self._check_new_name(name)
-        slot = self.lora.load(name, modules, weights, scaling, slot)
-        self._publish_adapter_names()
-        return slot
-
-    def _parse_routing(self, obj: dict) -> VocabRouting | LearnedRouting:
-        if obj.get("type") != "learned":
-            return VocabRouting.from_json(obj, self.model_config.vocab_size)
-        router = self.lora_routers.get(obj.get("router"))  # type: ignore[arg-type]
-        if router is None:
-            raise InvalidRequestError("lora_routing", f"router {obj.get('router')!r} is not loaded")
-        return LearnedRouting(str(obj["router"]), router)
-
-    def load_lora_router(self, name: str, router: LoraRouter) -> None:
-        """Register a learned router (MoLoRA §4.3) over loaded LoRA adapters; requests pick it
-        with `lora_routing={"type": "learned", "router": name}`."""
-        if self.lora is None:
-            raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
-        if router.top_k > self.config.max_lora_topk:
-            raise AdapterLimitError(f"router top_k {router.top_k} > {self.config.max_lora_topk} (max_lora_topk)")
-        missing = [a for a in router.adapters if not self.lora.is_loaded(a)]
-        if missing:
-            raise UnknownAdapterError(missing[0])
-        if router.w1.shape[1] != self.model_config.hidden_size:
-            raise ValueError(f"path: router input size {router.w1.shape[1]} != hidden size "
-                             f"{self.model_config.hidden_size}")
-        self.lora_routers[name] = router
-
-    def lora_stats(self) -> dict[str, int]:
-        lora = self.lora
-        if lora is None:
-            return {}
-        return {"slots": lora.max_loras, "resident": len(lora.slot_of), "loaded": len(lora.host),
-                "swaps_in": lora.num_swaps_in, "evictions": lora.num_evictions,
-                "hits": lora.num_hits, "misses": lora.num_misses}
-
-    def _check_new_name(self, name: str) -> None:
-        if name in self.unloading_adapters:
-            raise AdapterConflictError(f"adapter {name!r} is still unloading")
-        if (self.esft is not None and self.esft.index(name) is not None) or (
-            self.lora is not None and self.lora.is_loaded(name)
-        ):
-            raise AdapterConflictError(f"adapter {name!r} is already loaded")
-
-    def _release(self, name: str) -> None:
-        if self.esft is not None and self.esft.index(name) is not None:
-            self.esft.unload(name)
-        elif self.lora is not None:
-            self.lora.unload(name)
-            # A router over a released adapter is dropped with it (its requests would wait forever).
-            self.lora_routers = {k: r for k, r in self.lora_routers.items() if name not in r.adapters}
-
-    def unload_adapter(self, name: str) -> bool:
-        """Stop admitting requests for `name`. With one rank it is unloaded (its rows released)
-        once none of its requests is live, now or at the end of a later step; returns True if
-        that happened now. Under EP other ranks route tokens to the experts this rank holds, so
-        the caller unloads every rank with `finish_adapter_unload` once no rank `adapter_in_use`."""
-        if name not in self.served_adapters:
-            raise UnknownAdapterError(name)
-        self.unloading_adapters.add(name)
-        self._publish_adapter_names()
-        if self.config.ep_size == 1:
-            self._finish_unloads()
-        return name not in self.unloading_adapters
-
-    def discard_adapter(self, name: str) -> None:
-        """Release `name` now whether or not an unload was requested (undoing a load that failed on
-        another rank); a no-op if it is not loaded. Raises if a live request uses it."""
-        if name in self.unloading_adapters:
-            self.finish_adapter_unload(name)
-        elif name in self.served_adapters:
-            if self.adapter_in_use(name):
-                raise AdapterConflictError(f"adapter {name!r} still has live requests")
-            self._release(name)
-            self._publish_adapter_names()
-
-    def adapter_in_use(self, name: str) -> bool:
-        """A live request uses `name`: as its adapter, or through per-token LoRA routing."""
-        return any(r.adapter == name or name in LoraSwapper.names(r) for r in self.requests.values())
-
-    def finish_adapter_unload(self, name: str) -> None:
-        """Release an unloading adapter now (EP: every rank, after none is in use)."""
-        if name not in self.unloading_adapters:
-            raise UnknownAdapterError(name)
-        if self.adapter_in_use(name):
-            raise AdapterConflictError(f"adapter {name!r} still has live requests")
-        self._release(name)
-        self.unloading_adapters.discard(name)
-
-    def _publish_adapter_names(self) -> None:
-        # NOTE: one tuple assignment, so other threads (HTTP handlers listing models) read a
-        # consistent snapshot without locking the engine thread.
-        names = (self.esft.names if self.esft is not None else []) + (self.lora.names if self.lora is not None else [])
-        self.served_adapters = tuple(n for n in names if n not in self.unloading_adapters)
-
-    def _finish_unloads(self) -> None:
-        busy = {r.adapter for r in self.requests.values()}.union(*(LoraSwapper.names(r) for r in self.requests.values()))
-        for name in sorted(self.unloading_adapters - busy):
-            self._release(name)
-            self.unloading_adapters.discard(name)
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -393,9 +209,7 @@ class LLMEngine:
             if snap.request_id in self.requests:
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
             request = restore(snap, keep_kv=kv_is_shared)
-            request.adapter_slot, request.lora_slot = self._adapter_slots(snap.adapter)  # loaded here too
-            if request.lora_routing is not None and self.lora_swapper is not None:
-                self.lora_swapper.assign(request)
+            self.adapters.rebind(request)
             if request.block_ids:
                 self.block_manager.claim(request.block_ids)
                 request.status = RequestStatus.RUNNING
@@ -424,17 +238,12 @@ class LLMEngine:
         A request whose forward or sampling raises is finished alone (`finish_reason="error"`),
         the others go on. Under EP a failed forward raises instead: the peers may be inside
         its all-to-all, so the instance is replaced (the coordinator resumes its requests)."""
-        swapper = self.lora_swapper
-        if swapper is not None:
-            swapper.swap_in()
+        self.adapters.before_step()
         sched = self.scheduler.schedule()
-        if sched.is_empty and swapper is not None and swapper.lora.filling and self.config.ep_size == 1:
-            # Nothing can run until an adapter arrives: wait for its copy instead of spinning.
-            swapper.lora.wait_for_a_swap()
-            swapper.swap_in()
+        if sched.is_empty and self.adapters.wait_for_swap():
             sched = self.scheduler.schedule()
         if sched.is_empty and self.config.ep_size == 1:
-            return []
+            return []  # NOTE: under EP an idle rank still runs the empty forward (lockstep)
         try:
             logits, sample_indices = self.runner.execute(sched)
         except Exception:
@@ -443,8 +252,7 @@ class LLMEngine:
             logger.exception("forward of %d requests failed; running them one by one", len(sched.scheduled))
             return self._execute_one_by_one(sched)
         outputs = self._update(sched, logits, sample_indices)
-        if self.unloading_adapters and self.config.ep_size == 1:
-            self._finish_unloads()
+        self.adapters.after_step()
         return outputs
 
     def _execute_one_by_one(self, sched: SchedulerOutput) -> list[RequestOutput]:

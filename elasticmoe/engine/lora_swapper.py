@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from elasticmoe.adapters.lora_slots import LoraSlots
-from elasticmoe.engine.request import LORA_PENDING, LORA_PER_TOKEN, Request
+from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import Scheduler
 
 
@@ -29,28 +29,23 @@ class LoraSwapper:
     def note_arrival(self, adapter: str) -> None:
         self._arrivals[adapter] = self._arrivals.get(adapter, 0) + 1
 
-    @staticmethod
-    def names(request: Request) -> set[str]:
-        """The LoRA adapters `request` needs."""
-        if request.lora_routing is not None:
-            return set(request.lora_routing.names)
-        return {request.adapter} if request.adapter is not None and request.adapter_slot < 0 else set()
-
     def assign(self, request: Request) -> None:
-        """Give a waiting request its slot(s) if its adapters are resident now, else LORA_PENDING.
+        """Give a request its slot(s) if its adapters are resident now, else make it wait.
         A per-token request gets each range's slot, once all of them are resident."""
-        lora, routing = self.lora, request.lora_routing
-        if routing is not None:
-            slots = [-1 if n is None else lora.index(n) for n in routing.adapters]
+        lora, binding = self.lora, request.binding
+        if binding.routing is not None:
+            slots = [-1 if n is None else lora.index(n) for n in binding.routing.adapters]
             if any(s is None for s in slots):
-                request.lora_slot, request.lora_range_slots = LORA_PENDING, None
+                binding.wait()
             else:
-                request.lora_slot = LORA_PER_TOKEN
-                request.lora_range_slots = torch.tensor(slots, dtype=torch.long)
+                binding.per_token(torch.tensor(slots, dtype=torch.long))
             return
-        assert request.adapter is not None
-        slot = lora.index(request.adapter)
-        request.lora_slot = LORA_PENDING if slot is None else slot
+        assert binding.name is not None
+        slot = lora.index(binding.name)
+        if slot is None:
+            binding.wait()
+        else:
+            binding.resident(slot)
 
     def swap_in(self) -> None:
         """One pass between steps: assign arrived adapters, start the swaps the window needs."""
@@ -63,24 +58,24 @@ class LoraSwapper:
         arrived = set(lora.finish_swaps())  # background copies that completed since the last step
         pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
         for r in waiting:
-            if r.lora_slot == LORA_PENDING:
-                if arrived & self.names(r):
+            if r.binding.is_waiting:
+                if arrived & r.binding.lora_names:
                     self.assign(r)
-                    if r.lora_slot != LORA_PENDING:
+                    if not r.binding.is_waiting:
                         continue
                 if id(r) not in window:
                     continue
-                for name in sorted(self.names(r)):
+                for name in sorted(r.binding.lora_names):
                     if lora.index(name) is None and not lora.is_filling(name):
                         pending.setdefault(name, []).append(r)
         if not pending:
             return
         # NOTE: adapters that just became resident are not evicted before their requests ran once
         # (else a one-slot hot set would swap them out again at once, forever).
-        busy = set().union(arrived, *(self.names(r) for r in self.scheduler.running))
+        busy = set().union(arrived, *(r.binding.lora_names for r in self.scheduler.running))
         queued: dict[str, int] = {}
         for r in waiting:
-            for name in self.names(r):
+            for name in r.binding.lora_names:
                 queued[name] = queued.get(name, 0) + 1
         for name, requests in pending.items():  # the adapter of the longest-waiting request first
             free = lora.free_slots()
@@ -92,8 +87,8 @@ class LoraSwapper:
                     return  # every slot serves running requests: wait for one to finish
                 slot = lora.evict(victim)
                 for r in waiting:
-                    if victim in self.names(r):
-                        r.lora_slot = LORA_PENDING
+                    if victim in r.binding.lora_names:
+                        r.binding.wait()
             busy.add(name)  # not evicted again in this pass
             if self.can_swap_async and self.async_swaps:
                 lora.swap_in_async(name, slot)  # its requests wait until `finish_swaps` reports it

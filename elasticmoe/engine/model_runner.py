@@ -72,8 +72,8 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         ctx = ForwardContext(attn=meta)
-        if any(request.adapter_slot >= 0 for request, _ in sched.scheduled):  # base-only batches skip rerouting
-            slots = torch.tensor([request.adapter_slot for request, _ in sched.scheduled], dtype=torch.long)
+        if any(request.binding.esft_slot >= 0 for request, _ in sched.scheduled):  # base-only batches skip rerouting
+            slots = torch.tensor([request.binding.esft_slot for request, _ in sched.scheduled], dtype=torch.long)
             counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
             ctx.token_adapter_ids = slots.repeat_interleave(counts)
         if self.lora_topk:
@@ -84,7 +84,7 @@ class ModelRunner:
         """Each token's K (slot, weight) pairs: its request's slot, its vocabulary range's slot, or
         (learned routing) the router's top-k over the embeddings, computed in `before_layers`."""
         k = self.lora_topk
-        slots = torch.tensor([request.lora_slot for request, _ in sched.scheduled], dtype=torch.long)
+        slots = torch.tensor([request.binding.lora_slot for request, _ in sched.scheduled], dtype=torch.long)
         counts = torch.tensor([n for _, n in sched.scheduled], dtype=torch.long)
         keys = torch.full((ids.shape[0], k), -1, dtype=torch.long)
         keys[:, 0] = slots.repeat_interleave(counts)
@@ -93,9 +93,10 @@ class ModelRunner:
         learned: list[tuple[int, int, Request]] = []
         start = 0
         for request, n in sched.scheduled:
-            routing = request.lora_routing
+            routing, range_slots = request.binding.routing, request.binding.range_slots
             if isinstance(routing, VocabRouting):
-                keys[start : start + n, 0] = routing.token_slots(ids[start : start + n], request.lora_range_slots)
+                assert range_slots is not None  # scheduled: every adapter it routes to is resident
+                keys[start : start + n, 0] = routing.token_slots(ids[start : start + n], range_slots)
             elif isinstance(routing, LearnedRouting):
                 learned.append((start, n, request))
             start += n
@@ -106,10 +107,11 @@ class ModelRunner:
 
         def route(h: torch.Tensor) -> None:
             for first, n, request in learned:
-                routing = request.lora_routing
+                routing, range_slots = request.binding.routing, request.binding.range_slots
+                assert range_slots is not None
                 adapter, w = routing.router.route(h[first : first + n])
                 top = adapter.shape[1]
-                keys[first : first + n, :top] = request.lora_range_slots.index_select(0, adapter.reshape(-1)).view_as(adapter)
+                keys[first : first + n, :top] = range_slots.index_select(0, adapter.reshape(-1)).view_as(adapter)
                 weights[first : first + n, :top] = w
             ctx.lora_groups = LoraGroups.build(keys, weights)
 

@@ -18,8 +18,40 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-LORA_PENDING = -2  # `Request.lora_slot` of a request whose LoRA adapter waits in host memory
-LORA_PER_TOKEN = -3  # `Request.lora_slot` of a request routed per token (its adapters are resident)
+@dataclass(eq=False)
+class AdapterBinding:
+    """What a request runs with, as the adapter manager bound it (`engine.adapter_manager`).
+
+    A request uses the base model, one adapter (`name`: an ESFT adapter, whose slot is the
+    AID of its tokens, or a LoRA adapter in a LoRA slot), or LoRA adapters chosen per token
+    (`routing`, with `range_slots` [M]: each vocabulary range's, or each routed adapter's,
+    slot, -1 for none). While a LoRA adapter it needs is not resident the request waits
+    (`is_waiting`); the swapper makes it resident and assigns the slots before a later step.
+    """
+
+    name: str | None = None  # its adapter; None: the base model, or routed per token
+    esft_slot: int = -1  # -1: not an ESFT adapter
+    lora_slot: int = -1  # -1: no LoRA slot of its own (none, waiting, or per token)
+    routing: Any = None  # a `VocabRouting` or `LearnedRouting`, or None
+    range_slots: torch.Tensor | None = None  # with `routing`, once all of its adapters are resident
+    is_waiting: bool = False
+
+    @property
+    def lora_names(self) -> set[str]:
+        """The LoRA adapters the request needs."""
+        if self.routing is not None:
+            return set(self.routing.names)
+        return {self.name} if self.name is not None and self.esft_slot < 0 else set()
+
+    def wait(self) -> None:
+        """A LoRA adapter it needs is not (or no longer) resident."""
+        self.lora_slot, self.range_slots, self.is_waiting = -1, None, True
+
+    def resident(self, slot: int) -> None:
+        self.lora_slot, self.is_waiting = slot, False
+
+    def per_token(self, range_slots: torch.Tensor) -> None:
+        self.lora_slot, self.range_slots, self.is_waiting = -1, range_slots, False
 
 
 @dataclass(eq=False)
@@ -42,12 +74,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     num_preemptions: int = 0
-    adapter: str | None = None  # ESFT adapter name; None: the base model
-    adapter_slot: int = -1  # ESFT slot in the engine (-1: none), the AID of its tokens
-    lora_slot: int = -1  # LoRA slot in the engine (-1: none; LORA_PENDING: its adapter is not resident yet)
-    lora_routing: Any = None  # a per-token `VocabRouting` instead of one adapter (then lora_slot is
-    # LORA_PER_TOKEN or LORA_PENDING, and `lora_range_slots` holds each range's slot)
-    lora_range_slots: Any = None  # tensor [M] of slots (-1: none), set while every adapter is resident
+    binding: AdapterBinding = field(default_factory=AdapterBinding)
 
     def __post_init__(self) -> None:
         self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # shared by every output, never copied
@@ -57,7 +84,7 @@ class Request:
     @property
     def is_ready(self) -> bool:
         """Schedulable: not waiting for its LoRA adapter to be swapped into a slot."""
-        return self.lora_slot != LORA_PENDING
+        return not self.binding.is_waiting
 
     @property
     def num_tokens(self) -> int:

@@ -38,9 +38,10 @@ def adapter_key(request: Request) -> Hashable:
     """What admission groups a request by: its LoRA adapter (the set of them when routed per
     token); None for the base model and ESFT adapters, so without LoRA every request is in one
     group and admission is plain arrival order."""
-    if request.lora_routing is not None:
-        return frozenset(request.lora_routing.names)
-    return request.adapter if request.lora_slot != -1 else None
+    binding = request.binding
+    if binding.routing is not None:
+        return frozenset(binding.routing.names)
+    return binding.name if binding.esft_slot < 0 else None
 
 
 class Scheduler:

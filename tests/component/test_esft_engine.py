@@ -67,14 +67,14 @@ def setup(request, tiny_model_dirs, tmp_path_factory):
 
 def _load_all(engine: LLMEngine, adapters: dict[str, EsftAdapter]) -> None:
     for name, a in adapters.items():
-        engine.load_esft_adapter(name, a.config.experts, a.expert_weights)
+        engine.adapters.load_esft(name, a.config.experts, a.expert_weights)
 
 
 def test_mixed_batch_equals_each_merged_model_alone(setup):
     base, adapters, merged = setup
     engine = _engine(base, max_esft_adapters=3, max_esft_experts=2)
     _load_all(engine, adapters)
-    assert engine.served_adapters == NAMES
+    assert engine.adapters.served == NAMES
     requests = [(f"{a or 'base'}-{i}", p, a) for i, p in enumerate(PROMPTS) for a in (None, *NAMES)]
     got = _run(engine, requests)
 
@@ -94,45 +94,45 @@ def test_errors_limits_unload_and_reload(setup):
     with pytest.raises(UnknownAdapterError) as info:
         engine.add_request("r0", PROMPTS[1], PARAMS, "alpha")
     assert info.value.param == "model" and "r0" not in engine.requests
-    engine.load_esft_adapter("alpha", alpha.config.experts, alpha.expert_weights)
+    engine.adapters.load_esft("alpha", alpha.config.experts, alpha.expert_weights)
     with pytest.raises(AdapterConflictError):
-        engine.load_esft_adapter("alpha", alpha.config.experts, alpha.expert_weights)
-    engine.load_esft_adapter("beta", beta.config.experts, beta.expert_weights)
+        engine.adapters.load_esft("alpha", alpha.config.experts, alpha.expert_weights)
+    engine.adapters.load_esft("beta", beta.config.experts, beta.expert_weights)
     with pytest.raises(AdapterLimitError, match="2 adapter slots"):
-        engine.load_esft_adapter("gamma", gamma.config.experts, gamma.expert_weights)
+        engine.adapters.load_esft("gamma", gamma.config.experts, gamma.expert_weights)
     too_many = {layer: (0, 1, 2) for layer in gamma.config.experts}
     small = _engine(base, max_esft_adapters=1, max_esft_experts=2)
     with pytest.raises(AdapterLimitError, match="at most 2"):
-        small.load_esft_adapter("wide", too_many, gamma.expert_weights)
+        small.adapters.load_esft("wide", too_many, gamma.expert_weights)
 
     # Unload waits for the adapter's running request; new ones are refused meanwhile.
     engine.add_request("a1", PROMPTS[1], PARAMS, "alpha")
     engine.step()
-    assert engine.unload_adapter("alpha") is False
+    assert engine.adapters.unload("alpha") is False
     with pytest.raises(UnknownAdapterError):
         engine.add_request("a2", PROMPTS[1], PARAMS, "alpha")
     with pytest.raises(AdapterConflictError, match="unloading"):
-        engine.load_esft_adapter("alpha", alpha.config.experts, alpha.expert_weights)
+        engine.adapters.load_esft("alpha", alpha.config.experts, alpha.expert_weights)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.served_adapters == ("beta",) and engine.esft.index("alpha") is None
+    assert engine.adapters.served == ("beta",) and engine.adapters.esft.index("alpha") is None
     # The freed slot takes another adapter, which then serves like its merged model again.
-    assert engine.load_esft_adapter("gamma", gamma.config.experts, gamma.expert_weights) == 0
-    assert engine.served_adapters == ("gamma", "beta")
+    assert engine.adapters.load_esft("gamma", gamma.config.experts, gamma.expert_weights) == 0
+    assert engine.adapters.served == ("gamma", "beta")
     with pytest.raises(UnknownAdapterError):
-        engine.unload_adapter("alpha")
+        engine.adapters.unload("alpha")
 
 
 def test_discard_undoes_a_load_at_once_and_refuses_while_in_use(setup):
     base, adapters, _ = setup
     engine = _engine(base, max_esft_adapters=1, max_esft_experts=2)
     alpha = adapters["alpha"]
-    engine.load_esft_adapter("alpha", alpha.config.experts, alpha.expert_weights)
+    engine.adapters.load_esft("alpha", alpha.config.experts, alpha.expert_weights)
     engine.add_request("r", PROMPTS[1], PARAMS, "alpha")
     with pytest.raises(AdapterConflictError, match="live requests"):
-        engine.discard_adapter("alpha")
+        engine.adapters.discard("alpha")
     engine.abort("r")
-    engine.discard_adapter("alpha")  # no unload was requested: released anyway (a failed load elsewhere)
-    assert engine.served_adapters == () and engine.esft.index("alpha") is None
-    engine.discard_adapter("alpha")  # not loaded: nothing to do
-    assert engine.load_esft_adapter("alpha", alpha.config.experts, alpha.expert_weights) == 0
+    engine.adapters.discard("alpha")  # no unload was requested: released anyway (a failed load elsewhere)
+    assert engine.adapters.served == () and engine.adapters.esft.index("alpha") is None
+    engine.adapters.discard("alpha")  # not loaded: nothing to do
+    assert engine.adapters.load_esft("alpha", alpha.config.experts, alpha.expert_weights) == 0

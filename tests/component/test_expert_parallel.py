@@ -97,7 +97,7 @@ def _lora_worker(rank: int, world: int, port: int, model_dir: str, adapter_dir: 
         engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, ep_rank=rank, ep_size=world,
                                         num_threads=1, max_loras=1, max_lora_rank=4))
         a = LoraAdapter.open("style", adapter_dir, engine.model_config)
-        engine.load_lora_adapter("style", a.modules, a.weights, a.config.scaling)
+        engine.adapters.load_lora("style", a.modules, a.weights, a.config.scaling)
         # Rank 0 mixes LoRA and base requests, rank 1 runs base only: its experts still apply the
         # LoRA factors of the adapter tokens rank 0 sends them.
         adapters = {0: ["style", None, "style"], 1: [None]}[rank]
@@ -135,7 +135,7 @@ def test_ep2_lora_on_experts_matches_ep1(tiny_model_dir, tmp_path):
 
     reference = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, max_loras=1, max_lora_rank=4))
     a = LoraAdapter.open("style", adapter_dir, reference.model_config)
-    reference.load_lora_adapter("style", a.modules, a.weights, a.config.scaling)
+    reference.adapters.load_lora("style", a.modules, a.weights, a.config.scaling)
     for rank, names in {0: ["style", None, "style"], 1: [None]}.items():
         for i, (p, name) in enumerate(zip(RANK_PROMPTS[rank], names, strict=True)):
             reference.add_request(f"{rank}-{i}", p,

@@ -82,7 +82,7 @@ def setup(request, tiny_model_dirs, tmp_path_factory):
 
 
 def _load(engine: LLMEngine, adapter: LoraAdapter) -> int:
-    return engine.load_lora_adapter(adapter.name, adapter.modules, adapter.weights, adapter.config.scaling)
+    return engine.adapters.load_lora(adapter.name, adapter.modules, adapter.weights, adapter.config.scaling)
 
 
 def test_mixed_batch_equals_each_merged_model_alone(setup):
@@ -92,7 +92,7 @@ def test_mixed_batch_equals_each_merged_model_alone(setup):
         _load(engine, a)
     esft_path = make_esft_adapter(base, str(root / "esft"), experts_per_layer=2, seed=9, noise=0.5)
     esft = EsftAdapter.open("esft", esft_path, ModelConfig.from_pretrained(base))
-    engine.load_esft_adapter("esft", esft.config.experts, esft.expert_weights)
+    engine.adapters.load_esft("esft", esft.config.experts, esft.expert_weights)
 
     names = list(adapters)
     requests = [(f"{a or 'base'}-{i}", p, a) for i, p in enumerate(PROMPTS) for a in (None, *names)]
@@ -108,7 +108,7 @@ def test_mixed_batch_equals_each_merged_model_alone(setup):
         _same(got[rid], reference[adapter][rid])
     # The ESFT request in the same batches is unaffected by the LoRA slots (and vice versa).
     esft_alone = _engine(base, max_esft_adapters=1, max_esft_experts=2)
-    esft_alone.load_esft_adapter("esft", esft.config.experts, esft.expert_weights)
+    esft_alone.adapters.load_esft("esft", esft.config.experts, esft.expert_weights)
     _same(got["esft-0"], _run(esft_alone, [("esft-0", PROMPTS[0], "esft")])["esft-0"])
 
 
@@ -121,7 +121,7 @@ def test_limits_unsupported_targets_unload_and_reuse(setup):
         _load(engine, few)
     with pytest.raises(AdapterLimitError, match="1 LoRA slots"):
         _load(engine, experts)
-    assert engine.unload_adapter("few") is True  # no request uses it: gone at once
+    assert engine.adapters.unload("few") is True  # no request uses it: gone at once
     if "both" in adapters:
         with pytest.raises(AdapterLimitError, match="rank 8"):
             _load(engine, adapters["both"])  # rank 8 > --max-lora-rank 4
@@ -132,7 +132,7 @@ def test_limits_unsupported_targets_unload_and_reuse(setup):
         layer0 = "model.layers.0.self_attn"
         modules = {f"{layer0}.kv_b_proj": (2, 32, 128), f"{layer0}.o_proj": (2, 64, 64)}
         with pytest.raises(AdapterError, match="kv_b_proj cannot be adapted") as info:
-            _engine(base, max_loras=1, max_lora_rank=4).load_lora_adapter(
+            _engine(base, max_loras=1, max_lora_rank=4).adapters.load_lora(
                 "kvb", modules, lambda m, dtype: (torch.zeros(2, modules[m][1]), torch.zeros(modules[m][2], 2)), 1.0)
         assert info.value.param == "target_modules"
 
@@ -144,7 +144,7 @@ def test_more_adapters_than_slots_swaps_and_never_blocks_resident_requests(setup
     for a in adapters.values():
         _load(engine, a)
     first, second = names[0], names[1]
-    assert engine.lora_stats()["resident"] == 1 and engine.lora.index(first) == 0
+    assert engine.adapters.stats()["resident"] == 1 and engine.adapters.lora.index(first) == 0
 
     # `first` runs; a request for `second` (host memory only, and the one slot is busy) arrives
     # before another request for `first`: that one starts at once, `second` waits for a slot.
@@ -163,7 +163,7 @@ def test_more_adapters_than_slots_swaps_and_never_blocks_resident_requests(setup
     got = _run(engine, requests)
     for rid, prompt, name in requests:
         _same(got[rid], _run(_engine(merged[name]), [(rid, prompt, None)])[rid])
-    stats = engine.lora_stats()
+    stats = engine.adapters.stats()
     assert stats["swaps_in"] >= len(names) and stats["evictions"] >= len(names) - 1 and stats["misses"] > 0
 
 
@@ -177,7 +177,7 @@ def test_swaps_are_requested_only_for_the_scheduling_window(setup):
     engine.add_request("r", PROMPTS[1], PARAMS, names[0])
     engine.add_request("b", PROMPTS[1], PARAMS, names[3])  # behind the window of two
     engine.step()
-    lora = engine.lora
+    lora = engine.adapters.lora
     assert lora.index(names[2]) is not None or lora.is_filling(names[2])
     assert lora.index(names[3]) is None and not lora.is_filling(names[3])
     assert engine.requests["r"].status.name == "RUNNING"
@@ -218,7 +218,7 @@ def test_per_token_vocabulary_routing_equals_each_token_through_its_adapter(setu
             r = ref.requests["r"]
             token = r.token_ids[r.num_computed_tokens]
             name = table[0] if token < half else table[1]
-            r.lora_slot = -1 if name is None else slots[name]
+            r.binding.lora_slot = -1 if name is None else slots[name]
             for o in ref.step():
                 outs += o.new_logprobs or []
                 final = o.output_token_ids if o.finished else final
@@ -244,7 +244,7 @@ def test_learned_router_top1_equals_the_adapter_it_picks(setup, tmp_path):
     engine = _engine(base, max_loras=2, max_lora_rank=8)
     for name in (first, second):
         _load(engine, adapters[name])
-    engine.load_lora_router("r", router)
+    engine.adapters.load_router("r", router)
     engine.add_request("learned", PROMPTS[0], PARAMS, lora_routing={"type": "learned", "router": "r"})
     got = _run(engine, [("plain", PROMPTS[1], second)])
     _same(got["learned"], _run(_engine(merged[first]), [("learned", PROMPTS[0], None)])["learned"])
@@ -262,10 +262,10 @@ def test_unload_waits_for_per_token_requests_of_the_adapter(setup):
     half = ModelConfig.from_pretrained(base).vocab_size // 2
     engine.add_request("tok", PROMPTS[0], PARAMS, lora_routing={"breaks": [half], "adapters": [None, second]})
     engine.step()
-    assert engine.unload_adapter(second) is False  # the per-token request still routes to it
+    assert engine.adapters.unload(second) is False  # the per-token request still routes to it
     while engine.has_unfinished_requests():
         engine.step()
-    assert second not in engine.served_adapters and engine.lora.is_loaded(second) is False
+    assert second not in engine.adapters.served and engine.adapters.lora.is_loaded(second) is False
 
 
 @pytest.fixture(scope="module")

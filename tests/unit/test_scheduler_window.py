@@ -7,7 +7,7 @@ import pytest
 
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.block_manager import BlockManager
-from elasticmoe.engine.request import LORA_PENDING, Request, RequestStatus
+from elasticmoe.engine.request import AdapterBinding, Request, RequestStatus
 from elasticmoe.engine.scheduler import Scheduler
 from elasticmoe.sampling_params import SamplingParams
 
@@ -15,9 +15,12 @@ from elasticmoe.sampling_params import SamplingParams
 def make_request(request_id: str, adapter: str | None = None, ready: bool = True, esft: bool = False,
                  num_prompt: int = 2) -> Request:
     """A LoRA request for `adapter` (slot 0, or waiting for its swap), an ESFT one, or a base one."""
-    lora_slot = -1 if adapter is None or esft else (0 if ready else LORA_PENDING)
-    return Request(request_id, list(range(num_prompt)), num_prompt, SamplingParams(), 10_000, adapter=adapter,
-                   adapter_slot=0 if esft else -1, lora_slot=lora_slot)
+    binding = AdapterBinding(adapter, esft_slot=0 if esft else -1)
+    if adapter is not None and not esft and ready:
+        binding.resident(0)
+    elif adapter is not None and not esft:
+        binding.wait()
+    return Request(request_id, list(range(num_prompt)), num_prompt, SamplingParams(), 10_000, binding=binding)
 
 
 def make_scheduler(*requests: Request, window: int = 16, max_num_seqs: int = 64, num_blocks: int = 256) -> Scheduler:
@@ -86,7 +89,8 @@ def test_requests_waiting_for_their_adapter_are_passed_over_and_keep_their_place
     assert scheduled_ids(sched) == ["A0", "base0", "A1"]
     assert waiting_ids(sched) == ["X0", "X1"] and x0.status is RequestStatus.WAITING
     sched.add(make_request("A2", "A"))
-    x0.lora_slot = x1.lora_slot = 1  # swapped in
+    x0.binding.resident(1)  # swapped in
+    x1.binding.resident(1)
     assert scheduled_ids(sched)[-3:] == ["X0", "X1", "A2"]
 
 

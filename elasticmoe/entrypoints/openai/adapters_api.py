@@ -153,7 +153,7 @@ class EngineAdapterHost:
         rank, placement = engine.config.ep_rank, engine.placement
         weights = await asyncio.to_thread(read_expert_weights, adapter, rank, placement.expert_to_rank, dtype)
         slot = await self.async_llm.run_on_loop(
-            lambda: engine.load_esft_adapter(adapter.name, experts, lambda layer, e, _: weights[(layer, e)])
+            lambda: engine.adapters.load_esft(adapter.name, experts, lambda layer, e, _: weights[(layer, e)])
         )
         return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
 
@@ -162,23 +162,23 @@ class EngineAdapterHost:
         dtype = engine.config.dtype
         factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
         slot = await self.async_llm.run_on_loop(
-            lambda: engine.load_lora_adapter(adapter.name, adapter.modules, lambda m, _: factors[m],
+            lambda: engine.adapters.load_lora(adapter.name, adapter.modules, lambda m, _: factors[m],
                                              adapter.config.scaling)
         )
         return {"slot": slot, "rank": adapter.config.r, "num_modules": len(adapter.modules)}
 
     async def load_router(self, name: str, router: LoraRouter) -> dict[str, Any]:
         engine = self.engine
-        await self.async_llm.run_on_loop(lambda: engine.load_lora_router(name, router))
+        await self.async_llm.run_on_loop(lambda: engine.adapters.load_router(name, router))
         return {"adapters": list(router.adapters), "top_k": router.top_k}
 
     async def unload(self, name: str) -> bool:
         engine = self.engine
-        return bool(await self.async_llm.run_on_loop(lambda: engine.unload_adapter(name)))
+        return bool(await self.async_llm.run_on_loop(lambda: engine.adapters.unload(name)))
 
     async def describe(self) -> list[dict[str, Any]]:
         engine = self.engine
-        return list(await self.async_llm.run_on_loop(lambda: describe_engine_adapters(engine)))
+        return list(await self.async_llm.run_on_loop(engine.adapters.describe))
 
 
 def read_expert_weights(
@@ -191,13 +191,3 @@ def read_expert_weights(
         for e in ids
         if expert_to_rank[e] == rank
     }
-
-
-def describe_engine_adapters(engine: Any) -> list[dict[str, Any]]:
-    """Loaded adapters of an engine (call on its thread): name, slot, experts, bytes, state."""
-    from elasticmoe.adapters.esft_slots import describe
-
-    out = [{**d, "type": "esft"} for d in describe(engine.esft)]
-    if engine.lora is not None:
-        out += [{"name": n, "slot": engine.lora.slot_of[n], "type": "lora"} for n in engine.lora.names]
-    return [{**d, "state": "unloading" if d["name"] in engine.unloading_adapters else "loaded"} for d in out]

@@ -256,7 +256,7 @@ def run_single_server(
     for adapter_name, path in (esft_adapters or {}).items():
         try:
             adapter = read_esft_adapter(adapter_name, path, engine.model_config)
-            engine.load_esft_adapter(adapter_name, adapter.config.experts, adapter.expert_weights)
+            engine.adapters.load_esft(adapter_name, adapter.config.experts, adapter.expert_weights)
         except (ValueError, RuntimeError) as exc:  # AdapterError, AdapterLimitError, ...
             print(f"error: --esft-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
             return 2
@@ -264,7 +264,7 @@ def run_single_server(
     for adapter_name, path in (lora_adapters or {}).items():
         try:
             lora = read_lora_adapter(adapter_name, path, engine.model_config)
-            engine.load_lora_adapter(adapter_name, lora.modules, lora.weights, lora.config.scaling)
+            engine.adapters.load_lora(adapter_name, lora.modules, lora.weights, lora.config.scaling)
         except (ValueError, RuntimeError) as exc:
             print(f"error: --lora-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
             return 2
