@@ -144,9 +144,6 @@ def build_app(
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible elastic MoE serving (coordinator)")
     config = cluster.config
 
-    def is_serving() -> bool:
-        return cluster.is_ready and not healer.is_broken
-
     serving = OpenAIServing(engine, config.model_name, observer=_Observers(metrics, autoscale.tracker))
     install_exception_handlers(app)
     app.add_exception_handler(QueueFull, _handle_queue_full)
@@ -175,7 +172,7 @@ def build_app(
     async def ready() -> Response:
         if drainer.is_draining:
             return error_json(OpenAIError("The server is draining.", status_code=503))
-        if not is_serving():
+        if not healer.is_serving:
             return error_json(OpenAIError("No instance is serving.", status_code=503))
         return JSONResponse({"status": "ready"})
 
@@ -205,7 +202,7 @@ def build_app(
                               "held_at_gate": cluster.router.num_held, "rejected": engine.num_rejected,
                               "recovered": engine.num_recovered, "tokens_recomputed": engine.num_tokens_recomputed,
                               "draining": drainer.is_draining}
-        status["health"] = {"ready": is_serving(), **healer.status()}
+        status["health"] = {"ready": healer.is_serving, **healer.status()}
         status["scale_events"] = [e.to_dict() for e in cluster.scale_events.all()[-20:]]  # the latest 20
         status["slo"] = autoscale.tracker.snapshot().to_dict()
         status["autoscaler"] = autoscale.policy.status()
@@ -281,8 +278,7 @@ class Coordinator:
             lambda: self.cluster.scale_events.running is not None, self.metrics.server.registry,
         )
         self.cluster.scale_events.on_finished = self._on_scale_finished
-        self.metrics.register_health(lambda: self.cluster.is_ready and not self.healer.is_broken,
-                                     lambda: self.healer.faults,
+        self.metrics.register_health(lambda: self.healer.is_serving, lambda: self.healer.faults,
                                      lambda: (self.engine.num_recovered, self.engine.num_tokens_recomputed))
         self.autoscale.start()
         self.healer.start()

@@ -103,6 +103,11 @@ class Healer:
         return INSTANCE in self.faults
 
     @property
+    def is_serving(self) -> bool:
+        """What `/ready` says: an instance serves and it is not known to be broken."""
+        return self.cluster.is_ready and not self.is_broken
+
+    @property
     def has_given_up(self) -> bool:
         return self.num_failed_repairs >= self.max_failed_repairs
 
