@@ -38,7 +38,7 @@ AUTOSCALE = AutoscaleConfig(
     cooldown_s=6, min_samples=5,
 )
 HIGH = (9.0, 17.0)  # the 16 rps step: about 1.6x what one rank serves
-DURATION = 50.0
+DURATION = 40.0  # the scale-down comes about 10-15 s after the drop; the checks wait for it beyond the load
 LOAD = Ramp(((0.0, 1.0), (8.0, 1.0), (HIGH[0], 16.0), (HIGH[1] - 1, 16.0), (HIGH[1], 0.5), (DURATION, 0.5)))
 
 

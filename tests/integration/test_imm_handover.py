@@ -31,11 +31,11 @@ pytestmark = pytest.mark.slow
 
 BUDGET, KV, PAGE = 32 << 20, 4 << 20, 4096
 OPTIONS = {"dtype": torch.float32, "num_threads": 1}
-# Long enough (~2k tokens each, 512 B of KV per token) to still run when the switch happens.
+# Long enough to still run when the switch happens (about 50 tokens are out at the pause; 512 B of KV a token).
 REQUESTS = {
-    "greedy-long": ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)),
-    "greedy-short": ([11, 12, 13], SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)),
-    "sampled": ([20, 21, 22, 23], SamplingParams(temperature=0.8, seed=7, max_tokens=1700, ignore_eos=True)),
+    "greedy-long": ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)),
+    "greedy-short": ([11, 12, 13], SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)),
+    "sampled": ([20, 21, 22, 23], SamplingParams(temperature=0.8, seed=7, max_tokens=700, ignore_eos=True)),
 }
 
 
