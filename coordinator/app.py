@@ -66,6 +66,7 @@ ENDPOINTS = frozenset(
         "/ready",
         "/metrics",
         "/admin/status",
+        "/admin/devices",
         "/admin/scale",
         "/admin/adapters",
         "/admin/autoscaler",
@@ -207,6 +208,11 @@ def build_app(
         status["slo"] = autoscale.tracker.snapshot().to_dict()
         status["autoscaler"] = autoscale.policy.status()
         return JSONResponse(status)
+
+    @app.get("/admin/devices")
+    async def admin_devices() -> Response:
+        """The registered devices (node, state, memory) and the Ray nodes offering devices now."""
+        return JSONResponse(await asyncio.to_thread(cluster.devices_report))
 
     @app.post("/admin/scale", status_code=202)
     async def start_scale(request: ScaleRequest) -> Response:

@@ -27,32 +27,46 @@ import dataclasses
 import enum
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from coordinator.slo import SloSnapshot, SloTargets
 from coordinator.strategies import DEFAULT_STRATEGY, STRATEGIES
+from elasticmoe.utils.settings import cli
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AutoscaleConfig:
-    """`--autoscale` and the `[autoscale]` section of `--config`. The SLO part applies even when off."""
+class AutoscaleConfig(BaseModel):
+    """`--autoscale-*` flags, the `[autoscale]` table of `--config` and the `autoscale` Serve arg
+    (`elasticmoe.utils.settings`). The SLO part applies even when off (it feeds /metrics)."""
 
-    enabled: bool = False
-    min_dp: int = 1
-    max_dp: int | None = None  # None: every device
-    slo_ttft_s: float = 1.0
-    slo_tpot_s: float = 0.5
-    target_attainment: float = 0.9
-    scale_down_attainment: float = 0.99
-    window_s: float = 20.0
-    interval_s: float = 1.0
-    scale_up_after_s: float = 5.0
-    scale_down_after_s: float = 30.0
-    cooldown_s: float = 30.0
-    min_samples: int = 10
-    scale_down_headroom: float = 0.7
-    rank_capacity_rps: float | None = None
-    strategy: str = DEFAULT_STRATEGY
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, hide_input_in_errors=True)
 
-    def __post_init__(self) -> None:
+    enabled: bool = Field(False, description="turn the autoscaler on", json_schema_extra=cli("--autoscale"))
+    min_dp: int = Field(1, description="smallest dp the autoscaler scales down to")
+    max_dp: int | None = Field(None, description="largest dp it scales up to (default: every device)")
+    slo_ttft_s: float = Field(1.0, description="SLO target for time to first token, seconds (also on /metrics "
+                              "when off)")
+    slo_tpot_s: float = Field(0.5, description="SLO target for time per output token after the first, seconds")
+    target_attainment: float = Field(0.9, description="scale up when SLO attainment stays below this fraction "
+                                     "(the paper's 0.9)")
+    scale_down_attainment: float = Field(0.99, description="scale down only while attainment is at least this "
+                                         "(the band between the two is hysteresis)")
+    window_s: float = Field(20.0, description="sliding window of the SLO estimator, seconds")
+    interval_s: float = Field(1.0, description="seconds between decisions")
+    scale_up_after_s: float = Field(5.0, description="a violation must persist this long before scaling up")
+    scale_down_after_s: float = Field(30.0, description="over-provisioning must persist this long before "
+                                      "scaling down")
+    cooldown_s: float = Field(30.0, description="no decision for this long after any scale finishes")
+    min_samples: int = Field(10, description="finished requests the window needs before attainment counts")
+    scale_down_headroom: float = Field(
+        0.7, description="scale down only if the load per rank at dp-1 stays under this fraction of a rank's "
+        "capacity (or p90 latencies under this fraction of the targets while the capacity is unknown)")
+    rank_capacity_rps: float | None = Field(
+        None, description="requests/s one rank sustains within the SLO, if known (default: learned when the SLO "
+        "is first violated)")
+    strategy: str = Field(DEFAULT_STRATEGY, description=f"how the autoscaler scales: one of {', '.join(STRATEGIES)}")
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscaleConfig:
         def fail(option: str, why: str) -> None:
             raise ValueError(f"--autoscale-{option.replace('_', '-')}: {why}")
 
@@ -78,34 +92,11 @@ class AutoscaleConfig:
             fail("rank_capacity_rps", f"must be > 0, got {self.rank_capacity_rps}")
         if self.strategy not in STRATEGIES:
             fail("strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        return self
 
     @property
     def targets(self) -> SloTargets:
         return SloTargets(self.slo_ttft_s, self.slo_tpot_s)
-
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any], origin: str) -> AutoscaleConfig:
-        """From a config file section or Serve args; unknown keys raise naming `origin`."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(f"{origin}: unknown autoscale option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        for f in dataclasses.fields(cls):
-            if f.name in values and not _has_type(values[f.name], str(f.type)):
-                raise ValueError(f"{origin}: {f.name} must be {f.type}, got {values[f.name]!r}")
-        return cls(**values)
-
-
-def _has_type(value: Any, annotation: str) -> bool:
-    if value is None:
-        return "None" in annotation
-    if isinstance(value, bool):
-        return annotation == "bool"
-    if isinstance(value, int):
-        return "int" in annotation or "float" in annotation
-    if isinstance(value, float):
-        return "float" in annotation
-    return isinstance(value, str) and annotation == "str"
 
 
 class Action(enum.StrEnum):
@@ -267,7 +258,7 @@ class Autoscaler:
             "max_dp": self.max_dp,
             "desired_dp": self.desired_dp,
             "rank_capacity_rps": self.rank_capacity_rps,
-            "config": dataclasses.asdict(self.config),
+            "config": self.config.model_dump(),
             "last_evaluation": None if self.last is None else self.last.to_dict(),
             "decisions": [d.to_dict() for d in self.decisions],
         }

@@ -21,6 +21,8 @@ The blocking methods use `ray.get`; asyncio callers run them in a thread.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -34,18 +36,23 @@ from coordinator.active import ActiveInstance
 from coordinator.adapters import ClusterAdapterHost
 from coordinator.config import CoordinatorConfig
 from coordinator.loop_caller import LoopCaller, call_here
+from coordinator.nodes import device_specs, discover
 from coordinator.router import Router
 from coordinator.scale_events import ScaleEvents
 from hmm.controller import EsftEntry, HMMController
 from hmm.layout import DeviceSpec, Layout
 from hmm.memory.lease import reap
 from hmm.memory.shm import round_up
+from hmm.placement import DEVICE_RESOURCE
+from hmm.planner import TargetConfig, scale_target
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
-from imm.manager import InstanceManager, instance_factory
+from imm.manager import InstanceManager
 from imm.rank import RankStats
 
 logger = logging.getLogger(__name__)
+
+NODE_WATCH_INTERVAL_S = 2.0  # how often the Ray cluster is checked for nodes that joined
 
 MEMORY_KINDS = ("weights", "kv", "adapters")
 
@@ -100,7 +107,7 @@ class ClusterManager:
         self.call_on_loop = call_on_loop  # runs a call on the router's event loop (asyncio is not thread-safe)
         self.scale_events = ScaleEvents()
         self.hmm: HMMController | None = None
-        self.standby = InstanceManager(instance_factory(config.model_dir, config.engine_options()), capacity=2)
+        self.standby = InstanceManager(self._boot_standby, capacity=2)
         self.adapters = ClusterAdapterHost(self, publish=self.publish_adapters)
         self._adapter_names: tuple[str, ...] = ()  # carried into every snapshot (see `publish`)
         self._starting: Instance | None = None  # the first instance until it is published
@@ -108,6 +115,10 @@ class ClusterManager:
         self._closing = threading.Event()  # ends a delayed standby preparation at shutdown
         self._is_shut_down = False
         self._lock = threading.Lock()
+        # NOTE: the device registry changes only under this lock: a scale holds it from its target
+        # to its end, a node that joins takes it to register its devices (`register_joined`).
+        self.devices_lock = threading.RLock()
+        self._node_watch: threading.Thread | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -116,21 +127,94 @@ class ClusterManager:
         cfg = self.config
         try:
             self.hmm = HMMController(use_ray=True, prefix=cfg.shm_prefix)
-            for device_id in range(cfg.num_devices):
-                self.hmm.add_device(DeviceSpec(device_id, 0, cfg.device_memory_bytes))
+            for spec in self._offered_devices():
+                self.hmm.add_device(spec)
             self.hmm.load(cfg.model_dir, dp=cfg.dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
                           esft_slots=cfg.esft_slots)
-            inst = self._starting = Instance.create_standby(cfg.model_dir, cfg.dp, engine_options=cfg.engine_options())
+            assert self.hmm.layout is not None
+            inst = self._starting = Instance.create_standby(
+                cfg.model_dir, cfg.dp, engine_options=cfg.engine_options(), nodes=self.rank_nodes(self.hmm.layout.devices))
             inst.attach(self.hmm)
             inst.warm_up()
             self.publish(inst, min(ray.get([r.max_model_len.remote() for r in inst.ranks])))
             inst.activate()
-            logger.info("coordinator: %s active on %d devices (timings %s)", inst, cfg.num_devices, inst.timings)
+            logger.info("coordinator: %s active on %d devices of %d nodes (timings %s)", inst, len(self.hmm.devices),
+                        len({s.ray_node_id for s in self.hmm.devices.values()}), inst.timings)
             self.prepare_standby()
+            self._node_watch = threading.Thread(target=self._watch_nodes, name="node-watch", daemon=True)
+            self._node_watch.start()
         except BaseException:
             logger.exception("coordinator: start failed; releasing what was started")
             self.shutdown()
             raise
+
+    def _offered_devices(self) -> list[DeviceSpec]:
+        """Every device the cluster's nodes offer (`elasticmoe_device`), at least dp of them."""
+        specs = device_specs(discover(), self.config.device_memory_bytes)
+        if len(specs) < self.config.dp:
+            raise RuntimeError(
+                f"--dp: {self.config.dp} ranks need {self.config.dp} devices; the Ray cluster's nodes offer "
+                f"{len(specs)} (start nodes with --resources '{{\"{DEVICE_RESOURCE}\": N}}')")
+        return specs
+
+    def register_joined(self) -> list[DeviceSpec]:
+        """Register the devices of nodes that joined the Ray cluster since the start (or that
+        offer more now): each gets a worker on its node and joins the p2p group (paper D.6); the
+        next scale may use it. Returns the new devices."""
+        with self.devices_lock:
+            hmm = self.hmm
+            if hmm is None or self._is_shut_down:
+                return []
+            have = collections.Counter(spec.ray_node_id for spec in hmm.devices.values())
+            index = {spec.ray_node_id: spec.node_id for spec in hmm.devices.values()}
+            added: list[DeviceSpec] = []
+            for node in discover():
+                for _ in range(node.num_devices - have[node.ray_node_id]):
+                    node_index = index.setdefault(node.ray_node_id, max(index.values(), default=-1) + 1)
+                    spec = DeviceSpec(max(hmm.devices, default=-1) + 1, node_index, self.config.device_memory_bytes,
+                                      node.ray_node_id)
+                    hmm.add_device(spec)
+                    added.append(spec)
+        if added:
+            logger.info("coordinator: devices %s joined (nodes %s)", [s.device_id for s in added],
+                        sorted({str(s.ray_node_id)[:8] for s in added}))
+            self.prepare_standby()  # dp+1 may fit now
+        return added
+
+    def _watch_nodes(self, interval_s: float = NODE_WATCH_INTERVAL_S) -> None:
+        while not self._closing.wait(interval_s):
+            try:
+                self.register_joined()
+            except Exception:  # noqa: BLE001 - a node that cannot be registered now is tried again
+                logger.exception("coordinator: registering a joined node failed")
+
+    # ---- where instances run ------------------------------------------------------------------
+
+    def target(self, to_dp: int, fresh_devices: bool = False) -> TargetConfig:
+        """The devices a scale to `to_dp` uses: scale-up appends free devices to the current ones,
+        scale-down keeps the lowest ids (`hmm.planner.scale_target`); `fresh_devices`: only free
+        ones (a strategy that never shares a device between the old and the new instance)."""
+        hmm = self.hmm
+        assert hmm is not None and hmm.layout is not None
+        layout = hmm.layout
+        # NOTE: a copy, not the lock: the pool's boot computes this while a scale (holding the
+        # lock) may wait for that very boot; a device registering meanwhile is just not used yet.
+        free = [spec for d, spec in sorted(dict(hmm.devices).items()) if d not in layout.device_ids]
+        kv = self.config.kv_bytes_per_device
+        if fresh_devices:
+            return TargetConfig(tuple(free[:to_dp]), to_dp, to_dp, kv_bytes=kv)
+        return scale_target(layout, to_dp, free, kv_bytes=kv)
+
+    @staticmethod
+    def rank_nodes(devices: Iterable[DeviceSpec]) -> tuple[str | None, ...]:
+        """The Ray node of each rank of an instance on `devices` (rank r uses the r-th)."""
+        return tuple(spec.ray_node_id for spec in devices)
+
+    def _boot_standby(self, dp: int) -> Instance:
+        """A standby instance for the scale to `dp` the current layout leads to, its ranks on the
+        nodes of that scale's devices (the pool's factory: paced, beside serving)."""
+        return Instance.create_standby(self.config.model_dir, dp, engine_options=self.config.engine_options(),
+                                       paced=True, nodes=self.rank_nodes(self.target(dp).devices))
 
     # ---- what is active: one snapshot, published here only (see coordinator.active) ------------
 
@@ -200,6 +284,8 @@ class ClusterManager:
                 return
             self._is_shut_down = True
         self._closing.set()
+        if self._node_watch is not None:
+            self._node_watch.join(timeout=30)  # NOTE: a registration in progress ends before the HMM does
         self.standby.shutdown()  # NOTE: first, so a boot that finishes now is retired, not pooled
         self.wait_standby()
         inst = self.active or self._starting
@@ -266,25 +352,39 @@ class ClusterManager:
         slots = {"esft": self.config.max_esft_adapters, "lora": self.config.max_loras}
         return [AdapterSlotStats(kind, kinds.count(kind), n) for kind, n in slots.items()]
 
-    def status(self) -> dict[str, Any]:
-        """Active config, instance state and ranks, devices with HMM memory, the running scale
-        event (blocking). A dead or busy device worker is reported as such, never an error."""
-        inst, hmm = self.active, self.hmm
+    def _device_info(self) -> list[dict[str, Any]]:
+        """Each registered device: its node, where its worker runs, its memory and state."""
+        hmm = self.hmm
         devices = []
-        for d, spec in sorted((hmm.devices if hmm is not None else {}).items()):
+        for d, spec in sorted(dict(hmm.devices if hmm is not None else {}).items()):  # a copy: never waits for a scale
             info: dict[str, Any] = {"device_id": spec.device_id, "node_id": spec.node_id,
+                                    "ray_node_id": spec.ray_node_id,
                                     "budget_bytes": spec.budget_bytes, "used_bytes": None, "peak_bytes": None,
-                                    "pid": None, "state": "alive"}
+                                    "pid": None, "running_on": None, "state": "alive"}
             if hmm is not None and not self._is_shut_down:
                 try:
                     health, usage = ray.get([hmm.worker(d).check_health.remote(), hmm.worker(d).usage.remote()],
                                             timeout=2.0)
-                    info.update(used_bytes=usage.used, peak_bytes=usage.peak, pid=health["pid"])
+                    info.update(used_bytes=usage.used, peak_bytes=usage.peak, pid=health["pid"],
+                                running_on=health["ray_node_id"])
                 except ray.exceptions.GetTimeoutError:
                     info["state"] = "busy"  # a scale's copies; it answers after them
                 except Exception:  # noqa: BLE001 - the healer replaces it
                     info["state"] = "dead"
             devices.append(info)
+        return devices
+
+    def devices_report(self) -> dict[str, Any]:
+        """`GET /admin/devices`: every registered device, and every alive node offering devices
+        (a node that just joined shows here first, then among the devices once registered)."""
+        nodes = [dataclasses.asdict(n) for n in discover()] if not self._is_shut_down else []
+        return {"devices": self._device_info(), "nodes": nodes}
+
+    def status(self) -> dict[str, Any]:
+        """Active config, instance state and ranks, devices with HMM memory, the running scale
+        event (blocking). A dead or busy device worker is reported as such, never an error."""
+        inst, hmm = self.active, self.hmm
+        devices = self._device_info()
         layout = hmm.layout if hmm is not None else None
         running = self.scale_events.running
         return {
@@ -315,9 +415,10 @@ class ClusterManager:
         out = []
         for r, rank in enumerate(list(inst.ranks)):
             try:
-                pid = ray.get(rank.pid.remote(), timeout=2.0)
+                where = ray.get(rank.where.remote(), timeout=2.0)
             except Exception:  # noqa: BLE001 - dead or hung: the healer deals with it
-                pid = None
+                where = {"pid": None, "ray_node_id": None}
             device = inst.device_ids[r] if r < len(inst.device_ids) else None
-            out.append({"rank": r, "device_id": device, "pid": pid})
+            out.append({"rank": r, "device_id": device, "pid": where["pid"], "ray_node_id": inst.nodes[r],
+                        "running_on": where["ray_node_id"]})
         return out

@@ -38,6 +38,7 @@ from coordinator.process_tree import (
     is_alive,
 )
 from hmm.memory.lease import reap
+from hmm.placement import DEVICE_RESOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +129,18 @@ def start_elastic(
 ) -> ElasticServer:
     """Connect to (`address`) or start a local Ray, deploy the coordinator on host:port, wait until ready.
 
+    A local Ray offers `config.num_devices` devices on its node; a joined cluster's nodes offer
+    theirs (`elasticmoe_device`), and the server uses every one (`coordinator.nodes`).
+
     `after_ray_init` runs right after `ray.init` (which installs its own SIGTERM handlers).
     """
     owns_ray = not ray.is_initialized()
     if owns_ray:
         become_subreaper()  # Ray's workers outliving their raylet become ours to end (process_tree)
-        ray.init(address=address, include_dashboard=False, **(ray_init_kwargs or {}))
+        kwargs = dict(ray_init_kwargs or {})
+        if address is None:  # the local cluster's one node offers the configured devices (coordinator.nodes)
+            kwargs["resources"] = {**kwargs.get("resources", {}), DEVICE_RESOURCE: config.num_devices}
+        ray.init(address=address, include_dashboard=False, **kwargs)
         _RAYLET.pid = child_running("raylet/raylet") if address is None else None
     if after_ray_init is not None:
         after_ray_init()
@@ -146,8 +153,7 @@ def start_elastic(
             ray.shutdown()
         raise
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-    logger.info("elastic server ready at %s: %s, %d devices, dp %d", url, config.model_name,
-                config.num_devices, config.dp)
+    logger.info("elastic server ready at %s: %s, dp %d", url, config.model_name, config.dp)
     try:
         node, pid = handle.process.remote().result(timeout_s=10)
         local_pid = pid if node == ray.util.get_node_ip_address() else None

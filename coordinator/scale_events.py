@@ -44,6 +44,9 @@ class ScaleEvent:
     peak_memory_bytes: int | None = None  # summed over devices during the event
     requests_in_flight: int | None = None  # at switchover
     requests_handed_over: int | None = None
+    # The HMM transition's bytes by source: bytes_disk, bytes_local_copy, bytes_p2p_fast (same
+    # node, shared memory), bytes_p2p_gloo (torch.distributed between nodes or processes)
+    bytes_moved: dict[str, int] | None = None
     error: str | None = None
     fault: str | None = None  # a heal (strategy "heal"): what failed and was replaced
     detected_at: float | None = None  # a heal: when the fault was seen (epoch seconds)

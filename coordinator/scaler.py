@@ -42,7 +42,7 @@ from coordinator.strategies import DEFAULT_STRATEGY, ScaleStrategy, strategy
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.errors import describe_error, unwrap_remote
-from hmm.planner import TargetConfig, scale_target
+from hmm.planner import TargetConfig
 from imm.handover import HandoverRoutes
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
@@ -155,7 +155,8 @@ class Scaler:
         pool is refilled after every outcome, so the next scale finds it warm."""
         rolled_back = True
         try:
-            error = self._run(event, repair)
+            with self.cluster.devices_lock:  # no device joins in the middle of a scale
+                error = self._run(event, repair)
         except BaseException as exc:  # noqa: BLE001 - recorded on the event
             logger.exception("scale %s failed", event.event_id)
             error, rolled_back = describe_error(exc), False
@@ -218,25 +219,19 @@ class Scaler:
         assert self.cluster.hmm is not None
         self.cluster.hmm.commit()
 
-    def _target(self, to_dp: int, strat: ScaleStrategy) -> TargetConfig:
-        hmm, cfg = self.cluster.hmm, self.cluster.config
-        assert hmm is not None and hmm.layout is not None
-        layout = hmm.layout
-        free = [spec for d, spec in sorted(hmm.devices.items()) if d not in layout.device_ids]
-        if strat.placement == "fresh_devices":
-            return TargetConfig(tuple(free[:to_dp]), to_dp, to_dp, kv_bytes=cfg.kv_bytes_per_device)
-        return scale_target(layout, to_dp, free, kv_bytes=cfg.kv_bytes_per_device)
+    def _standby(self, target: TargetConfig, strat: ScaleStrategy) -> Instance:
+        cfg, nodes = self.cluster.config, self.cluster.rank_nodes(target.devices)
 
-    def _standby(self, dp: int, strat: ScaleStrategy) -> Instance:
-        cfg = self.cluster.config
         def boot_now(n: int) -> Instance:  # all ranks at once: the scale is waiting for it
-            return Instance.create_standby(cfg.model_dir, n, engine_options=cfg.engine_options())
+            return Instance.create_standby(cfg.model_dir, n, engine_options=cfg.engine_options(), nodes=nodes)
 
         if strat.preinit and cfg.standby_pool:
-            inst = self.cluster.standby.take(dp, factory=boot_now)
+            # NOTE: a pooled instance was placed for the layout of its preparation; its ranks must
+            # sit on the nodes of this scale's devices (they map their memory).
+            inst = self.cluster.standby.take(target.dp, factory=boot_now, fits=lambda i: i.nodes == nodes)
             assert isinstance(inst, Instance)
             return inst
-        return boot_now(dp)
+        return boot_now(target.dp)
 
     def _prepare(
         self, event: ScaleEvent, strat: ScaleStrategy, fenced: Sequence[int]
@@ -249,10 +244,10 @@ class Scaler:
         assert hmm is not None and old is not None
         new: Instance | None = None
         try:
-            target = self._target(event.to_dp, strat)
+            target = self.cluster.target(event.to_dp, fresh_devices=strat.placement == "fresh_devices")
             with ThreadPoolExecutor(2, thread_name_prefix="scale-prep") as pool:
                 staged = pool.submit(lambda: hmm.execute(hmm.plan(target, strat.transition)))
-                booted = pool.submit(self._standby, event.to_dp, strat)
+                booted = pool.submit(self._standby, target, strat)
                 # NOTE: wait for both before acting on either: an instance that booted while the
                 # HMM failed must still be retired, and the HMM aborted only once execute returned.
                 errors = [f.exception() for f in (staged, booted)]
@@ -260,6 +255,7 @@ class Scaler:
                     new = booted.result()
                 if any(errors):
                     raise next(e for e in errors if e is not None)
+                event.bytes_moved = staged.result()
             assert new is not None
             new.attach(hmm, pending=True, fenced_device_ids=fenced)
             self.cluster.adapters.prepare_instance(new)  # the pending layout carries their rows
@@ -299,7 +295,9 @@ class Scaler:
             hmm.unload()
             hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
                      esft_slots=cfg.esft_slots)
-            new = Instance.create_standby(cfg.model_dir, event.to_dp, engine_options=cfg.engine_options())
+            assert hmm.layout is not None
+            new = Instance.create_standby(cfg.model_dir, event.to_dp, engine_options=cfg.engine_options(),
+                                          nodes=cluster.rank_nodes(hmm.layout.devices))
             new.attach(hmm)
             cluster.adapters.prepare_instance(new)  # `load` mapped the registered adapters again
             new.warm_up()

@@ -7,12 +7,6 @@ import logging
 import os
 import sys
 
-from elasticmoe.entrypoints.openai.access import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_HEADER_BYTES,
-    AccessPolicy,
-)
-
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
     from elasticmoe.tools.make_model import PRESETS
@@ -158,92 +152,34 @@ def _run_make_lora_adapter(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from coordinator.cli_options import add_elastic_arguments
+    from elasticmoe.entrypoints.serve_settings import ServeSettings
+    from elasticmoe.utils.settings import add_flags
+
     p = sub.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /ready, /metrics). By default the elastic server: Ray Serve coordinator, HMM "
         "device memory on --devices logical devices, and an instance of --dp data-parallel ranks "
-        "(expert-parallel size = dp), with /admin/status. --single runs one engine in this process instead.",
+        "(expert-parallel size = dp), with /admin/status. --single runs one engine in this process instead. "
+        "Every option below but --single, --host, --port, --address and --config is also a key of the "
+        "--config file's [serve] table (the autoscaler's: of its [autoscale] table, without the prefix) and "
+        "an arg of the RayService (docs/operations.md): its name with underscores, or the [key] its help "
+        "names; sizes are bytes there.",
     )
     p.add_argument("--single", action="store_true",
                    help="run one engine in this process (no Ray, no elastic scaling)")
-    p.add_argument("--model", required=True, metavar="DIR", help="directory of an HF checkpoint (config.json, safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weight and activation dtype (default float32, the fast choice on most CPUs)")
-    p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="model name clients pass as `model` (default: the model directory's name)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="context length limit, prompt plus output tokens (default: the model's maximum)")
-    p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
-                   help="memory for the paged KV cache in GiB; elastic server: per device (default: 1 GiB single, "
-                   "min(0.25, device memory / 4) elastic)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="token budget of one engine step across all requests (default: the engine's default)")
-    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                   help="requests one engine (one rank) runs at once; more wait in its queue (default 256)")
-    esft = p.add_argument_group("ESFT adapters (expert-specialised fine-tunes over the base model)")
-    esft.add_argument("--esft-adapter", action="append", default=[], metavar="NAME=DIR",
-                      help="load an ESFT adapter (expert_cfg.json + safetensors) at start; clients select it with "
-                      "model=NAME. Repeatable; more can be loaded at run time with POST /admin/adapters")
-    esft.add_argument("--max-esft-adapters", type=int, default=4, metavar="N",
-                      help="adapter slots (default 4; 0 disables adapters). Slots cost address space, not "
-                      "memory: physical memory is used only by the experts an adapter tunes")
-    esft.add_argument("--max-esft-experts", type=int, default=16, metavar="E",
-                      help="most experts one adapter may tune in one layer (E_max, default 16)")
-    lora = p.add_argument_group("LoRA adapters (PEFT format; attention and expert projections)")
-    lora.add_argument("--lora-adapter", action="append", default=[], metavar="NAME=DIR",
-                      help="load a LoRA adapter (adapter_config.json + adapter_model.safetensors) at start; "
-                      "clients select it with model=NAME. Repeatable; POST /admin/adapters with type=lora "
-                      "loads more at run time")
-    lora.add_argument("--max-loras", type=int, default=0, metavar="S",
-                      help="LoRA slots, allocated at start with fixed addresses (default 0: LoRA off)")
-    lora.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
-                      help="largest LoRA rank a slot holds (default 16)")
-    lora.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
-                      help="LoRA adapters kept loaded in host memory, >= --max-loras (default: --max-loras); "
-                      "beyond the slots they are swapped in when a request needs them")
-    elastic = p.add_argument_group("elastic server (without --single)")
-    elastic.add_argument("--devices", type=int, default=1, metavar="N",
-                         help="logical devices to create: one HMM worker process and memory budget each (default 1)")
-    elastic.add_argument("--dp", type=int, default=1, metavar="D",
-                         help="data-parallel ranks of the first instance, 1 <= D <= --devices; expert parallelism "
-                         "spans the same D ranks (default 1)")
-    elastic.add_argument("--address", default=None, metavar="ADDR",
-                         help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting a local one")
-    elastic.add_argument("--max-queued", type=int, default=256, metavar="N",
-                         help="requests waiting plus in flight; beyond N the server answers 503 with Retry-After "
-                         "(default 256)")
-    elastic.add_argument("--device-memory-gb", type=float, default=4.0, metavar="G",
-                         help="memory budget of each logical device in GiB: weights, KV cache and scaling "
-                         "headroom (default 4)")
-    elastic.add_argument("--no-standby-pool", action="store_true",
-                         help="do not pre-initialise standby instances for dp-1 and dp+1 (saves their processes' "
-                         "memory; each scale then boots its target instance, ~2 s slower)")
-    elastic.add_argument("--standby-delay", type=float, default=0.0, metavar="S",
-                         help="wait S seconds after a scale before booting the next standby instances (on CPU a "
-                         "boot takes cores from serving; default 0: at once)")
-    elastic.add_argument("--shm-prefix", default=None, metavar="PREFIX",
-                         help="name prefix of the HMM's /dev/shm files (default elasticmoe-hmm); give each server "
-                         "on one machine its own")
-    ops = p.add_argument_group("access and shutdown (both servers)")
-    ops.add_argument("--api-key", default=os.environ.get("ELASTICMOE_API_KEY") or None, metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $ELASTICMOE_API_KEY; prefer the "
-                     "variable: a flag shows in the process list); /health, /ready, /metrics stay open")
-    ops.add_argument("--admin-key", default=os.environ.get("ELASTICMOE_ADMIN_KEY") or None, metavar="KEY",
-                     help="require this key on /admin/* (default: $ELASTICMOE_ADMIN_KEY, else the API key)")
-    ops.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
-                     help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    ops.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES, metavar="N",
-                     help=f"larger request headers get 431 (default {DEFAULT_MAX_HEADER_BYTES})")
-    ops.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                     help="on SIGTERM/SIGINT (or POST /admin/drain) new requests get 503 and those in flight get up "
-                     "to S seconds to finish before the server stops (default 30)")
-    from coordinator.cli_options import add_autoscale_arguments
-
-    add_autoscale_arguments(p)
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="elastic server: join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting a "
+                   "local one")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML file whose [serve] and [autoscale] tables set any option by its name (e.g. "
+                   "max_num_seqs = 64; [autoscale] min_dp = 1); flags win over the file")
+    add_flags(p.add_argument_group("model, limits, adapters, access and shutdown (both servers)"), ServeSettings)
+    add_elastic_arguments(p)
 
 
 def _add_drain(sub: argparse._SubParsersAction) -> None:
@@ -305,136 +241,47 @@ def _run_reap_shm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _named_dirs(items: list[str], option: str) -> dict[str, str] | None:
-    """NAME=DIR options as a dict; None (after printing why) if one is malformed."""
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            print(f"error: {option}: want NAME=DIR, got {item!r}", file=sys.stderr)
-            return None
-        if name in out:
-            print(f"error: {option}: {name!r} given twice", file=sys.stderr)
-            return None
-        out[name] = path
-    return out
-
-
-def _adapter_args(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]] | None:
-    """(ESFT, LoRA) adapters to load at start; None (after printing why) if the options are bad."""
-    esft = _named_dirs(args.esft_adapter, "--esft-adapter")
-    lora = _named_dirs(args.lora_adapter, "--lora-adapter")
-    if esft is None or lora is None:
-        return None
-    if set(esft) & set(lora):
-        print(f"error: --lora-adapter: names {sorted(set(esft) & set(lora))} are ESFT adapters too", file=sys.stderr)
-        return None
-    if args.max_esft_adapters < 0 or args.max_esft_experts < 1:
-        print("error: --max-esft-adapters must be >= 0 and --max-esft-experts >= 1", file=sys.stderr)
-        return None
-    if args.max_loras < 0 or args.max_lora_rank < 1:
-        print("error: --max-loras must be >= 0 and --max-lora-rank >= 1", file=sys.stderr)
-        return None
-    if esft and args.max_esft_adapters < len(esft):
-        print(f"error: --max-esft-adapters: {args.max_esft_adapters} slots for {len(esft)} --esft-adapter",
-              file=sys.stderr)
-        return None
-    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
-        print("error: --max-cpu-loras: must be >= --max-loras", file=sys.stderr)
-        return None
-    cached = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
-    if lora and cached < len(lora):
-        print(f"error: --max-cpu-loras: {cached} adapters fit for {len(lora)} --lora-adapter", file=sys.stderr)
-        return None
-    if lora and args.max_loras < 1:
-        print(f"error: --max-loras: {args.max_loras} slots for {len(lora)} --lora-adapter", file=sys.stderr)
-        return None
-    return esft, lora
-
-
-def _access_policy(args: argparse.Namespace) -> AccessPolicy | None:
-    try:
-        return AccessPolicy(api_key=args.api_key, admin_key=args.admin_key, max_body_bytes=args.max_body_bytes,
-                            max_header_bytes=args.max_header_bytes)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
-
-
 def _run_serve(args: argparse.Namespace) -> int:
-    adapters = _adapter_args(args)
-    access = _access_policy(args)
-    if adapters is None or access is None:
-        return 2
-    if not 0 <= args.shutdown_timeout <= 3600:
-        print(f"error: --shutdown-timeout: must be between 0 and 3600 s, got {args.shutdown_timeout:g}",
-              file=sys.stderr)
-        return 2
-    if access.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger(__name__).warning("serving on %s without --api-key: anyone who reaches it may use it",
-                                            args.host)
-    esft_adapters, lora_adapters = adapters
-    if not args.single:
-        return _run_serve_elastic(args, esft_adapters, lora_adapters, access)
-    if args.autoscale or args.config:
-        print("error: --autoscale/--config: the autoscaler needs the elastic server (drop --single)", file=sys.stderr)
-        return 2
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        print(f"error: --model: {args.model} has no config.json (make one with `elasticmoe make-model`)",
-              file=sys.stderr)
-        return 2
-    from elasticmoe.entrypoints.openai.api_server import run_single_server
+    from coordinator.cli_options import elastic_config
 
-    return run_single_server(
-        model_dir=args.model,
-        host=args.host,
-        port=args.port,
-        dtype=args.dtype,
-        served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        kv_cache_gb=args.kv_cache_gb,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        log_level=args.log_level.lower(),
-        max_esft_adapters=args.max_esft_adapters,
-        max_esft_experts=args.max_esft_experts if args.max_esft_adapters else 0,
-        esft_adapters=esft_adapters,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras,
-        lora_adapters=lora_adapters,
-        access=access,
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
-
-
-def _run_serve_elastic(
-    args: argparse.Namespace, esft_adapters: dict[str, str], lora_adapters: dict[str, str], access: AccessPolicy
-) -> int:
-    from coordinator.cli_options import autoscale_config
-    from coordinator.config import CoordinatorConfig
-    from coordinator.launch import serve_elastic
-
-    kv_cache_gb = args.kv_cache_gb if args.kv_cache_gb is not None else min(0.25, args.device_memory_gb / 4)
+    if args.single:
+        return _run_serve_single(args)
     try:  # validate before Ray starts: bad values exit 2 with the option named
-        config = CoordinatorConfig(
-            model_dir=args.model, num_devices=args.devices, dp=args.dp, dtype=args.dtype,
-            device_memory_bytes=int(args.device_memory_gb * (1 << 30)),
-            kv_bytes_per_device=int(kv_cache_gb * (1 << 30)), max_queued=args.max_queued,
-            served_model_name=args.served_model_name, standby_pool=not args.no_standby_pool,
-            max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs, standby_delay_s=args.standby_delay,
-            max_esft_adapters=args.max_esft_adapters, max_esft_experts=args.max_esft_experts,
-            esft_adapters=tuple(esft_adapters.items()),
-            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-            lora_adapters=tuple(lora_adapters.items()),
-            autoscale=autoscale_config(args), access=access, shutdown_timeout_s=args.shutdown_timeout,
-            **({"shm_prefix": args.shm_prefix} if args.shm_prefix else {}),
-        )
+        config = elastic_config(args)
     except ValueError as exc:
         print(f"error: {exc} (elastic server; --single runs one engine in this process)", file=sys.stderr)
         return 2
+    _warn_if_open(args.host, config.api_key)
+    from coordinator.launch import serve_elastic
+
     return serve_elastic(config, host=args.host, port=args.port, address=args.address)
+
+
+def _run_serve_single(args: argparse.Namespace) -> int:
+    from coordinator.cli_options import TABLES, add_elastic_arguments
+    from elasticmoe.entrypoints.serve_settings import ServeSettings
+    from elasticmoe.utils.settings import from_sources
+
+    elastic_only = argparse.ArgumentParser(add_help=False)
+    add_elastic_arguments(elastic_only)
+    given = sorted(a.option_strings[0] for a in elastic_only._actions if getattr(args, a.dest, None) is not None)
+    if given or args.address:
+        print(f"error: {', '.join(given or ['--address'])}: needs the elastic server (drop --single)", file=sys.stderr)
+        return 2
+    try:
+        settings: ServeSettings = from_sources(ServeSettings, args, args.config, "serve", tables=TABLES)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _warn_if_open(args.host, settings.api_key)
+    from elasticmoe.entrypoints.openai.api_server import run_single_server
+
+    return run_single_server(settings, host=args.host, port=args.port, log_level=args.log_level.lower())
+
+
+def _warn_if_open(host: str, api_key: object) -> None:
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning("serving on %s without --api-key: anyone who reaches it may use it", host)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -216,3 +217,26 @@ class EngineConfig:
             raise ValueError(f"scheduling_window: must be >= 1, got {self.scheduling_window}")
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank: must be in [0, ep_size), got {self.ep_rank} of {self.ep_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """What a server sets for every engine it builds; the rest of an `EngineConfig` (the model,
+    the EP layout, the KV pool) comes from where the engine runs. None: the engine's default."""
+
+    dtype: torch.dtype = torch.float32
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    kv_cache_bytes: int | None = None
+    max_esft_adapters: int = 0
+    max_esft_experts: int = 0
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def engine_config(self, model: str, **placement: Any) -> EngineConfig:
+        """This engine's config; `placement` are the fields only its place knows (ep_rank, ...)."""
+        given: dict[str, Any] = {f: getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None}
+        return EngineConfig(model=model, **given, **placement)

@@ -39,6 +39,7 @@ from hmm.memory import MemoryUsage
 from hmm.memory.page_table import SlotPages
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, Transfer
+from hmm.placement import on_node
 from hmm.planner import TargetConfig, load_plan, plan, restore_plan
 from hmm.scale_plan import DiskLoad, Free, InvalidPlan, LocalCopy, P2PCopy, ScalePlan
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
@@ -111,7 +112,8 @@ class HMMController:
             raise ValueError(f"device {spec.device_id} is already registered")
         worker: Any
         if self.use_ray:
-            worker = DeviceWorkerActor.remote(spec, self.page_size, self.prefix)
+            worker = DeviceWorkerActor.options(**on_node(spec.ray_node_id, device=True)).remote(
+                spec, self.page_size, self.prefix)
         else:
             worker = DeviceWorker(spec, self.page_size, self.prefix)
         self.devices[spec.device_id], self.workers[spec.device_id] = spec, worker
@@ -136,7 +138,9 @@ class HMMController:
         old = self.workers[device_id]
         if self.use_ray:
             ray.kill(old)  # it may be hung rather than dead: it must not free anything now
-            worker: Any = DeviceWorkerActor.remote(self.devices[device_id], self.page_size, self.prefix)
+            spec = self.devices[device_id]
+            worker: Any = DeviceWorkerActor.options(**on_node(spec.ray_node_id, device=True)).remote(
+                spec, self.page_size, self.prefix)
         else:
             worker = DeviceWorker(self.devices[device_id], self.page_size, self.prefix)
         self.workers[device_id] = worker

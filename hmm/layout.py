@@ -32,11 +32,16 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
-    """A logical accelerator: id, the node it sits on, and its memory budget."""
+    """A logical accelerator: id, the node it sits on, and its memory budget.
+
+    `ray_node_id`: the Ray node whose `elasticmoe_device` resource it is; its worker, and the
+    rank using it, run there (zero-copy needs one host). None: wherever Ray puts them (a
+    single-host cluster, tests)."""
 
     device_id: int
     node_id: int
     budget_bytes: int
+    ray_node_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.device_id < 0 or self.node_id < 0:

@@ -30,6 +30,7 @@ from hmm.memory.lease import reap
 from hmm.memory.page_table import SlotPages
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, P2PGroup, Transfer, copy_from_handles
+from hmm.placement import ray_node_id
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class DeviceWorker:
         return {
             "device_id": self.spec.device_id,
             "pid": os.getpid(),
+            "ray_node_id": ray_node_id(),
             "group_epoch": self.group.spec and self.group.spec.epoch,
         }
 

@@ -23,11 +23,13 @@ from typing import Any
 
 import ray
 
+from elasticmoe.config import EngineOptions
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.errors import describe_error
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from hmm.controller import HMMController
 from hmm.p2p import GroupSpec
+from hmm.placement import on_node
 from hmm.providers import Handle
 from imm.handover import ImportReport, assign_snapshots
 from imm.lifecycle import InstanceState, check_transition
@@ -69,6 +71,7 @@ class Instance:
         self.timings: dict[str, float] = {}
         self.attach_reports: list[AttachReport] = []
         self.device_ids: list[int] = []  # device of each rank, known from attach
+        self.nodes: tuple[str | None, ...] = (None,) * dp  # Ray node of each rank (None: anywhere)
         self.is_paused = False
         self.import_reports: list[ImportReport] = []
         self._lock = threading.Lock()
@@ -101,8 +104,9 @@ class Instance:
         cls,
         model_dir: str,
         dp: int,
-        engine_options: Mapping[str, Any] | None = None,
+        engine_options: EngineOptions | None = None,
         paced: bool = False,
+        nodes: Sequence[str | None] = (),
         **kwargs: Any,
     ) -> Instance:
         """Start `dp` rank actors, form their EP group, build the skeletons (no weights).
@@ -110,12 +114,16 @@ class Instance:
         `paced`: start the rank processes one after another instead of all at once. A process
         start (interpreter, torch import) takes ~2 CPU-seconds; a background preparation
         of a dp=4 standby would otherwise take every core from the serving instance.
+        `nodes`: the Ray node of each rank's device (rank r maps device r's memory, so it runs
+        there); empty: anywhere.
         """
         inst = cls(dp, model_dir, **kwargs)
-        options = dict(engine_options or {})
+        options = engine_options or EngineOptions()
+        inst.nodes = tuple(nodes) or (None,) * dp
 
         def start_rank(r: int) -> Any:
-            rank: Any = InstanceRankActor.options(name=f"{inst.instance_id}-r{r}").remote(r, dp)
+            placed = on_node(inst.nodes[r])
+            rank: Any = InstanceRankActor.options(name=f"{inst.instance_id}-r{r}", **placed).remote(r, dp)
             if paced:
                 inst._get(rank.node_address.remote())  # returns once the process is up
             return rank

@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from elasticmoe.config import EngineOptions
 from imm.lifecycle import InstanceState
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ Factory = Callable[[int], ManagedInstance]
 
 
 def instance_factory(
-    model_dir: str, engine_options: Mapping[str, Any] | None = None, paced: bool = True
+    model_dir: str, engine_options: EngineOptions | None = None, paced: bool = True
 ) -> Factory:
     """Factory of real standby `Instance`s (imported lazily so unit tests need no Ray). Paced by
     default: the pool boots in the background, beside a serving instance (`Instance.create_standby`)."""
@@ -84,17 +85,21 @@ class InstanceManager:
                     del self._booting[dp]
                 booted.set()
 
-    def take(self, dp: int, factory: Factory | None = None) -> ManagedInstance:
+    def take(
+        self, dp: int, factory: Factory | None = None, fits: Callable[[Any], bool] | None = None
+    ) -> ManagedInstance:
         """A standby instance of `dp`, removed from the pool: a pooled one (or the one booting in
-        the background), else a fresh one from `factory` (default: the pool's own)."""
+        the background) if `fits` it (default: any), else a fresh one from `factory` (default:
+        the pool's own)."""
         while True:
             with self._lock:
                 inst = self.pool.pop(dp, None)
-                if inst is not None and inst.state is InstanceState.STANDBY:
+                if inst is not None and inst.state is InstanceState.STANDBY and (fits is None or fits(inst)):
                     self.num_hits += 1
                     return inst
-                if inst is not None:  # should not happen; never hand out a non-standby instance
-                    logger.warning("pooled instance %r is not standby; replacing it", inst)
+                if inst is not None:  # never hand out a non-standby or misplaced instance
+                    logger.warning("pooled instance %r is not standby or not placed for this scale; replacing it",
+                                   inst)
                     inst.retire()
                 booting = self._booting.get(dp)
                 if booting is None:

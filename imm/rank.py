@@ -39,7 +39,7 @@ import ray
 import torch.distributed as dist
 
 from elasticmoe.adapters.lora import LoraAdapter
-from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.config import EngineConfig, EngineOptions, ModelConfig
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.handover import RequestSnapshot
@@ -52,6 +52,7 @@ from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory import TensorHandle, VirtualTensorHandle, map_slot_pages, unmap_slot_pages
 from hmm.memory.page_table import SlotPages
 from hmm.p2p import GroupSpec
+from hmm.placement import ray_node_id
 from hmm.providers import Handle
 from imm.handover import HandedOverOutput, ImportReport, KVFence, RankPaused
 from imm.lockstep_loop import HandedOver, LockstepAsyncLLM
@@ -130,10 +131,10 @@ class InstanceRank:
         )
         self.group = dist.group.WORLD
 
-    async def build_skeleton(self, model_dir: str, engine_options: Mapping[str, Any]) -> float:
+    async def build_skeleton(self, model_dir: str, engine_options: EngineOptions) -> float:
         """Load config and tokenizer and validate the engine config; no weights. Returns seconds."""
         t0 = time.perf_counter()
-        self.config = EngineConfig(model=model_dir, ep_rank=self.rank, ep_size=self.dp, **engine_options)
+        self.config = engine_options.engine_config(model_dir, ep_rank=self.rank, ep_size=self.dp)
         await asyncio.to_thread(ModelConfig.from_pretrained, model_dir)
         self.tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
         return time.perf_counter() - t0
@@ -407,6 +408,10 @@ class InstanceRank:
     def pid(self) -> int:
         """This rank's process (operators and chaos tests kill it by this)."""
         return os.getpid()
+
+    def where(self) -> dict[str, Any]:
+        """This rank's process and the Ray node it runs on."""
+        return {"pid": os.getpid(), "ray_node_id": ray_node_id()}
 
     def max_model_len(self) -> int:
         """The attached engine's context limit (the KV pool may lower the model's)."""

@@ -22,6 +22,7 @@ from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.launch import ElasticServer, start_elastic
 from hmm.memory import list_segments
+from hmm.placement import DEVICE_RESOURCE
 
 MODEL = "tiny-qwen3-moe"
 RAY = {"num_cpus": 2, "log_to_driver": False}
@@ -54,7 +55,7 @@ def running(config: CoordinatorConfig) -> Iterator[ElasticServer]:
 
 @contextlib.contextmanager
 def cluster_of(config: CoordinatorConfig) -> Iterator[ClusterManager]:
-    ray.init(**RAY, include_dashboard=False)
+    ray.init(**RAY, include_dashboard=False, resources={DEVICE_RESOURCE: config.num_devices})
     cluster = ClusterManager(config)
     try:
         cluster.start()

@@ -34,6 +34,8 @@ from helm_chart_checks import (
     validate,
 )
 
+from hmm.placement import DEVICE_RESOURCE
+
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 ALL_OPTIONAL = {
     "ingress": {"enabled": True, "className": "nginx",
@@ -248,7 +250,7 @@ def test_schema_is_draft_07_and_closed_at_the_top():
     {"unknownTopLevelKey": 1},
     {"coordinator": {"dtype": "float16"}},
     {"coordinator": {"no_such_field": 1}},
-    {"workers": {"replicas": 2}},
+    {"workers": {"devicesPerPod": 0}},
     {"auth": {"apiKey": "short"}},
     {"probes": {"liveness": {"path": "health"}}},
     {"terminationGracePeriodSeconds": -1},
@@ -261,6 +263,7 @@ def test_schema_rejects_bad_values(bad):
 
 @pytest.mark.parametrize("bad, message", [
     ({"coordinator": {"dp": 3}}, "coordinator.dp"),
+    ({"workers": {"replicas": 3, "maxReplicas": 2}}, "minReplicas <= replicas <= maxReplicas"),
     ({"coordinator": {"kv_bytes_per_device": 2 << 30}}, "kv_bytes_per_device"),
     ({"autoscale": {"min_dp": 2, "max_dp": 1}}, "min_dp"),
     ({"auth": {"existingSecret": "x", "apiKey": "0123456789"}}, "auth"),
@@ -268,6 +271,21 @@ def test_schema_rejects_bad_values(bad):
 def test_cross_field_invariants_fail_the_render(bad, message):
     with pytest.raises(helm.HelmError, match=message):
         render(bad)
+
+
+def test_worker_pods_offer_devices_and_the_group_may_grow():
+    """Each worker pod is a Ray node offering `elasticmoe_device`; the serve args count the pods'
+    devices at start; a group that may grow turns on KubeRay's in-tree autoscaler."""
+    values = {"workers": {"replicas": 2, "minReplicas": 1, "maxReplicas": 4, "devicesPerPod": 3}}
+    objs = render(values)
+    cluster = one(objs, "RayService")["spec"]["rayClusterConfig"]
+    (group,) = cluster["workerGroupSpecs"]
+    assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (1, 2, 4)
+    assert ray_start_resources(group["rayStartParams"])[DEVICE_RESOURCE] == 3
+    assert cluster["enableInTreeAutoscaling"] is True
+    (app,) = serve_config(objs)["applications"]
+    assert app["args"]["num_devices"] == 6
+    assert one(render(None), "RayService")["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
 
 
 def test_gpu_values_put_gpus_on_the_worker_group_only():
@@ -293,8 +311,8 @@ def test_serve_args_build_the_coordinator_config(tiny_model_dir):
         config = config_from_args({**args, "model_dir": tiny_model_dir}, environ={})
         with helm.Chart.load(CHART) as chart:
             merged = chart.merge_values(values)
-        assert (config.num_devices, config.dp, config.dtype) == tuple(
-            merged["coordinator"][k] for k in ("num_devices", "dp", "dtype"))
+        assert (config.dp, config.dtype) == (merged["coordinator"]["dp"], merged["coordinator"]["dtype"])
+        assert config.num_devices == merged["workers"]["replicas"] * merged["workers"]["devicesPerPod"]
         assert config.autoscale.enabled is merged["autoscale"]["enabled"]
         assert args["model_dir"] == merged["model"]["path"]
         # The coordinator is pinned to a resource the worker group advertises.

@@ -26,7 +26,6 @@ from coordinator.bench.arrivals import Ramp
 from coordinator.bench.load_report import events_on_axis
 from coordinator.bench.load_runner import LoadSpec, run_load
 from coordinator.bench.request_shapes import AdapterMix, LengthDist
-from elasticmoe.entrypoints.openai.access import AccessPolicy
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +50,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     config = tiny_config(tiny_model_dir, served_model_name=MODEL, max_num_seqs=1, autoscale=AUTOSCALE,
-                         access=AccessPolicy(api_key=API_KEY, admin_key=ADMIN_KEY))
+                         api_key=API_KEY, admin_key=ADMIN_KEY)
     with running(config) as srv:
         yield srv
 

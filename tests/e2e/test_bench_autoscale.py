@@ -26,7 +26,7 @@ def test_autoscale_bench_on_tiny_model(tiny_model_dir, tmp_path):
     before = _segments()
     plot = tmp_path / "autoscale.png"
     cmd = [sys.executable, "-m", "coordinator.bench.autoscale", "--preset", "tiny", "--model", tiny_model_dir,
-           "--dtype", "float32", "--strategies", "elastic,cold_restart", "--levels", "0.5,1.0", "--run-s", "3",
+           "--dtype", "float32", "--strategies", "elastic,cold_restart", "--levels", "1.0", "--run-s", "3",
            "--level-s", "3", "--pre-s", "2", "--command-delay-s", "1", "--command-at-s", "2",
            "--calibration-requests", "8", "--prompt-len", "uniform:16:32", "--output-len", "8", "--standby-delay-s", "0",
            "--json",
@@ -45,7 +45,7 @@ def test_autoscale_bench_on_tiny_model(tiny_model_dir, tmp_path):
             assert sum(x["num_requests"] for x in r["bins"]) == r["num_requests"]
             assert r["device_seconds"] > 0
     levels = [(r["level"], r["strategy"]) for r in doc["slo_vs_rps"]]
-    assert levels == [(0.5, "elastic"), (0.5, "cold_restart"), (1.0, "elastic"), (1.0, "cold_restart")]
+    assert levels == [(1.0, "elastic"), (1.0, "cold_restart")]
     assert "| scale-up dp 1->2 | elastic |" in proc.stderr  # the table
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _segments() == before

@@ -17,7 +17,7 @@ import ray
 import torch
 from ray_hmm import ray_hmm
 
-from elasticmoe.config import EngineConfig
+from elasticmoe.config import EngineConfig, EngineOptions
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
@@ -30,7 +30,7 @@ from imm.lifecycle import InstanceState
 pytestmark = pytest.mark.slow
 
 BUDGET, KV, PAGE = 32 << 20, 4 << 20, 4096
-OPTIONS = {"dtype": torch.float32, "num_threads": 1}
+OPTIONS = EngineOptions(dtype=torch.float32, num_threads=1)
 # Long enough to still run when the switch happens (about 50 tokens are out at the pause; 512 B of KV a token).
 REQUESTS = {
     "greedy-long": ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)),

@@ -14,7 +14,7 @@ import ray
 import torch
 from ray_hmm import ray_hmm
 
-from elasticmoe.config import EngineConfig
+from elasticmoe.config import EngineConfig, EngineOptions
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
@@ -25,7 +25,7 @@ from imm.manager import InstanceManager, instance_factory
 pytestmark = pytest.mark.slow
 
 BUDGET, KV, PAGE = 32 << 20, 1 << 20, 4096
-OPTIONS = {"dtype": torch.float32, "num_threads": 1}
+OPTIONS = EngineOptions(dtype=torch.float32, num_threads=1)
 PROMPTS = {0: ([5, 6, 7, 8, 9, 10], 20), 1: ([11, 12, 13], 4)}  # rank 1 finishes early and idles
 
 

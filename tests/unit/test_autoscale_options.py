@@ -28,10 +28,10 @@ def test_flags_file_and_defaults_merge(tmp_path):
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("[autoscale]\nmax_replicas = 3\n", "unknown autoscale option.*max_replicas"),
+        ("[autoscale]\nmax_replicas = 3\n", r"\[autoscale\] max_replicas: unknown option"),
         ("[autoscaler]\nmin_dp = 1\n", "unknown table.*autoscaler"),
-        ("[autoscale]\nmin_dp = 'two'\n", "min_dp must be int"),
-        ("[autoscale]\nenabled = 1\n", "enabled must be bool"),
+        ("[autoscale]\nmin_dp = 'two'\n", r"\[autoscale\] min_dp: input should be a valid integer"),
+        ("[autoscale]\nenabled = 1\n", r"\[autoscale\] enabled: input should be a valid boolean"),
         ("[autoscale\n", "not valid TOML"),
         ("[autoscale]\nmin_dp = 0\n", "--autoscale-min-dp"),
     ],

@@ -200,9 +200,9 @@ def test_config_errors_name_the_option(overrides, option):
 
 
 def test_config_from_mapping_rejects_unknown_keys():
-    assert AutoscaleConfig.from_mapping({"enabled": True, "max_dp": 3}, "x").max_dp == 3
-    with pytest.raises(ValueError, match="cfg.toml.*max_replicas"):
-        AutoscaleConfig.from_mapping({"max_replicas": 3}, "cfg.toml [autoscale]")
+    assert AutoscaleConfig.model_validate({"enabled": True, "max_dp": 3}).max_dp == 3
+    with pytest.raises(ValueError, match="max_replicas"):
+        AutoscaleConfig.model_validate({"max_replicas": 3})
 
 
 def test_min_dp_above_devices_is_an_error():

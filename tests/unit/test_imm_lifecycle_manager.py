@@ -74,6 +74,16 @@ def test_take_hits_then_misses():
     assert inst.state is S.STANDBY and fresh.state is S.STANDBY
 
 
+def test_a_pooled_instance_that_does_not_fit_is_retired_and_replaced():
+    """A standby placed for another layout (its ranks on other nodes) is never handed out."""
+    mgr, created = make_manager()
+    mgr.prepare([2])
+    fresh = mgr.take(2, fits=lambda inst: inst is not created[0])
+    assert fresh is created[1] and created[0].state is S.RETIRED and mgr.num_misses == 1 and mgr.num_hits == 0
+    mgr.prepare([2])
+    assert mgr.take(2, fits=lambda inst: True) is created[2] and mgr.num_hits == 1
+
+
 def test_zero_capacity_keeps_nothing():
     mgr, created = make_manager(capacity=0)
     mgr.prepare([2])

@@ -17,7 +17,6 @@ import logging
 import signal
 import sys
 from collections.abc import Coroutine
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -40,6 +39,7 @@ from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, instal
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware, ServerMetrics
 from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
+from elasticmoe.entrypoints.serve_settings import ServeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -210,50 +210,19 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise _Terminated()
 
 
-def run_single_server(
-    model_dir: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    dtype: str = "float32",
-    served_model_name: str | None = None,
-    max_model_len: int | None = None,
-    kv_cache_gb: float | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int | None = None,
-    log_level: str = "info",
-    max_esft_adapters: int = 0,
-    max_esft_experts: int = 0,
-    esft_adapters: dict[str, str] | None = None,
-    max_loras: int = 0,
-    max_lora_rank: int = 16,
-    max_cpu_loras: int | None = None,
-    lora_adapters: dict[str, str] | None = None,
-    access: AccessPolicy | None = None,
-    shutdown_timeout_s: float = 30.0,
-) -> int:
-    """Load the model (and the ESFT adapters `esft_adapters`: name -> path), serve it until
-    SIGINT/SIGTERM, then stop the engine. Returns an exit code."""
+def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
+                      log_level: str = "info") -> int:
+    """Load the model (and the adapters to load at start), serve it until SIGINT/SIGTERM, then
+    stop the engine. Returns an exit code."""
     import torch  # noqa: F401 - fail early and clearly if torch is missing
 
-    from elasticmoe.config import EngineConfig, parse_dtype
     from elasticmoe.engine.llm_engine import LLMEngine
 
-    options: dict[str, Any] = {}
-    if max_model_len is not None:
-        options["max_model_len"] = max_model_len
-    if kv_cache_gb is not None:
-        options["kv_cache_bytes"] = int(kv_cache_gb * (1 << 30))
-    if max_num_batched_tokens is not None:
-        options["max_num_batched_tokens"] = max_num_batched_tokens
-    if max_num_seqs is not None:
-        options["max_num_seqs"] = max_num_seqs
-    config = EngineConfig(model=model_dir, dtype=parse_dtype(dtype), max_esft_adapters=max_esft_adapters,
-                          max_esft_experts=max_esft_experts, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                          max_cpu_loras=max_cpu_loras, **options)
-    name = served_model_name or Path(model_dir).resolve().name
-    logger.info("loading %s as %r", model_dir, name)
+    name, access, shutdown_timeout_s = settings.model_name, settings.access, settings.shutdown_timeout_s
+    config = settings.engine_options().engine_config(settings.model_dir)
+    logger.info("loading %s as %r", settings.model_dir, name)
     engine = LLMEngine(config)
-    for adapter_name, path in (esft_adapters or {}).items():
+    for adapter_name, path in settings.esft_adapters:
         try:
             adapter = read_esft_adapter(adapter_name, path, engine.model_config)
             engine.adapters.load_esft(adapter_name, adapter.config.experts, adapter.expert_weights)
@@ -261,7 +230,7 @@ def run_single_server(
             print(f"error: --esft-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
             return 2
         logger.info("ESFT adapter %r loaded from %s", adapter_name, path)
-    for adapter_name, path in (lora_adapters or {}).items():
+    for adapter_name, path in settings.lora_adapters:
         try:
             lora = read_lora_adapter(adapter_name, path, engine.model_config)
             engine.adapters.load_lora(adapter_name, lora.modules, lora.weights, lora.config.scaling)

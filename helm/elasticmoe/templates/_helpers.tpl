@@ -72,8 +72,13 @@ Ray to stop; a smaller terminationGracePeriodSeconds is raised to that. */}}
 {{/* Invariants the schema cannot express (they mirror CoordinatorConfig.__post_init__). */}}
 {{- define "elasticmoe.validate" -}}
 {{- $c := .Values.coordinator }}
-{{- if gt (int64 $c.dp) (int64 $c.num_devices) }}
-{{- fail (printf "coordinator.dp (%v) must be <= coordinator.num_devices (%v)" $c.dp $c.num_devices) }}
+{{- $w := .Values.workers }}
+{{- $devices := include "elasticmoe.numDevices" . | int64 }}
+{{- if gt (int64 $c.dp) $devices }}
+{{- fail (printf "coordinator.dp (%v) must be <= the devices of the worker pods at start (%v = workers.replicas x workers.devicesPerPod)" $c.dp $devices) }}
+{{- end }}
+{{- if or (lt (int64 $w.replicas) (int64 $w.minReplicas)) (gt (int64 $w.replicas) (int64 $w.maxReplicas)) }}
+{{- fail "workers: need minReplicas <= replicas <= maxReplicas" }}
 {{- end }}
 {{- if ge (float64 $c.kv_bytes_per_device) (float64 $c.device_memory_bytes) }}
 {{- fail "coordinator.kv_bytes_per_device must be below coordinator.device_memory_bytes" }}
@@ -85,8 +90,8 @@ Ray to stop; a smaller terminationGracePeriodSeconds is raised to that. */}}
 {{- fail "coordinator.lora_adapters: more adapters than coordinator.max_loras" }}
 {{- end }}
 {{- $a := .Values.autoscale }}
-{{- if gt (int64 $a.min_dp) (int64 $c.num_devices) }}
-{{- fail "autoscale.min_dp must be <= coordinator.num_devices" }}
+{{- if gt (int64 $a.min_dp) $devices }}
+{{- fail "autoscale.min_dp must be <= the devices of the worker pods at start" }}
 {{- end }}
 {{- if not (kindIs "invalid" $a.max_dp) }}
 {{- if gt (int64 $a.min_dp) (int64 $a.max_dp) }}
@@ -98,10 +103,15 @@ Ray to stop; a smaller terminationGracePeriodSeconds is raised to that. */}}
 {{- end }}
 {{- end }}
 
+{{/* The devices the worker pods offer at start. */}}
+{{- define "elasticmoe.numDevices" -}}
+{{- mul (int64 .Values.workers.replicas) (int64 .Values.workers.devicesPerPod) }}
+{{- end }}
+
 {{/* serveConfigV2 `args`: CoordinatorConfig fields (nulls left out, so the field's default
-applies), model_dir from model.path, and the autoscaler's mapping. */}}
+applies), model_dir from model.path, num_devices from the worker pods, and the autoscaler's mapping. */}}
 {{- define "elasticmoe.serveArgs" -}}
-{{- $args := dict "model_dir" .Values.model.path }}
+{{- $args := dict "model_dir" .Values.model.path "num_devices" (include "elasticmoe.numDevices" . | int64) }}
 {{- range $key, $value := .Values.coordinator }}
 {{- if not (kindIs "invalid" $value) }}
 {{- $_ := set $args $key $value }}

@@ -1,0 +1,174 @@
+"""`ServeSettings`: what `elasticmoe serve` is asked to run, declared once for both servers.
+
+Every field is a flag of `elasticmoe serve`, a key of the `[serve]` table of `--config`
+and (for the elastic server, `coordinator.config.CoordinatorConfig`, which extends
+this) an arg of the RayService's `serveConfigV2` (see `elasticmoe.utils.settings`).
+Sizes are bytes in the file and the args, GiB on the command line. Validated once: an
+invalid combination raises a `ValidationError` whose messages name the option, so
+the CLI exits 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
+
+from elasticmoe.config import EngineOptions, parse_dtype
+from elasticmoe.entrypoints.openai.access import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    AccessPolicy,
+)
+from elasticmoe.utils.settings import GIB, cli, reveal
+
+API_KEY_ENV = "ELASTICMOE_API_KEY"
+ADMIN_KEY_ENV = "ELASTICMOE_ADMIN_KEY"
+
+
+def _named_dirs(value: Any, option: str) -> Any:
+    """NAME=DIR flags, a {name: dir} table or (name, dir) pairs -> (name, dir) pairs."""
+    if isinstance(value, dict):
+        return tuple((name, path) for name, path in value.items())
+    if not isinstance(value, (list, tuple)):
+        return value  # the type check names it
+    pairs = []
+    for item in value:
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"{option}: want NAME=DIR, got {item!r}")
+            item = (name, path)
+        pairs.append(tuple(item))
+    names = [pair[0] for pair in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{option}: {twice[0]!r} given twice")
+    return tuple(pairs)
+
+
+NamedDirs = tuple[tuple[str, str], ...]
+EsftDirs = Annotated[NamedDirs, BeforeValidator(lambda v: _named_dirs(v, "--esft-adapter"))]
+LoraDirs = Annotated[NamedDirs, BeforeValidator(lambda v: _named_dirs(v, "--lora-adapter"))]
+
+
+class ServeSettings(BaseModel):
+    """The model, its limits, the adapters it serves, access and shutdown."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, hide_input_in_errors=True)
+
+    model_dir: str = Field(description="directory of an HF checkpoint (config.json, safetensors, tokenizer)",
+                           json_schema_extra=cli("--model", metavar="DIR"))
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="weight and activation dtype (default float32, the fast choice on most CPUs)")
+    served_model_name: str | None = Field(
+        None, description="model name clients pass as `model` (default: the model directory's name)",
+        json_schema_extra=cli(metavar="NAME"))
+    max_model_len: int | None = Field(
+        None, description="context length limit, prompt plus output tokens (default: the model's maximum; "
+        "a smaller KV cache lowers it)", json_schema_extra=cli(metavar="N"))
+    kv_bytes_per_device: int | None = Field(
+        None, description="memory for the paged KV cache; elastic server: per device (default: 1 GiB single, "
+        "min(0.25 GiB, device memory / 4) elastic)", json_schema_extra=cli("--kv-cache-gb", metavar="GB", unit=GIB))
+    max_num_batched_tokens: int | None = Field(
+        None, description="token budget of one engine step across all requests (default: the engine's, 2048)",
+        json_schema_extra=cli(metavar="N"))
+    max_num_seqs: int | None = Field(
+        None, description="requests one engine (one rank) runs at once; more wait in its queue (default: the "
+        "engine's, 256)", json_schema_extra=cli(metavar="N"))
+    num_threads: int | None = Field(
+        None, description="torch threads of each engine (elastic: 1 per rank, ranks share the node's cores; "
+        "single: torch's default)", json_schema_extra=cli(metavar="N"))
+
+    max_esft_adapters: int = Field(
+        4, description="ESFT adapter slots (0 disables ESFT adapters). Slots cost address space, not memory: "
+        "physical memory is used only by the experts an adapter tunes", json_schema_extra=cli(metavar="N"))
+    max_esft_experts: int = Field(16, description="most experts one ESFT adapter may tune in one layer (E_max)",
+                                  json_schema_extra=cli(metavar="E"))
+    esft_adapters: EsftDirs = Field(
+        (), description="load an ESFT adapter (expert_cfg.json + safetensors) at start; clients select it with "
+        "model=NAME. Repeatable; POST /admin/adapters loads more at run time",
+        json_schema_extra=cli("--esft-adapter", metavar="NAME=DIR"))
+    max_loras: int = Field(0, description="LoRA slots, allocated at start with fixed addresses (0: LoRA off)",
+                           json_schema_extra=cli(metavar="S"))
+    max_lora_rank: int = Field(16, description="largest LoRA rank a slot holds", json_schema_extra=cli(metavar="R"))
+    max_cpu_loras: int | None = Field(
+        None, description="LoRA adapters kept loaded in host memory, >= --max-loras (default: --max-loras); beyond "
+        "the slots they are swapped in when a request needs them (single server only: the elastic server keeps "
+        "every adapter resident)", json_schema_extra=cli(metavar="C"))
+    lora_adapters: LoraDirs = Field(
+        (), description="load a LoRA adapter (adapter_config.json + adapter_model.safetensors) at start; clients "
+        "select it with model=NAME. Repeatable; POST /admin/adapters with type=lora loads more at run time",
+        json_schema_extra=cli("--lora-adapter", metavar="NAME=DIR"))
+
+    api_key: SecretStr | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on /v1/*; /health, /ready, /metrics stay open",
+        json_schema_extra=cli(metavar="KEY", env=API_KEY_ENV))
+    admin_key: SecretStr | None = Field(
+        None, description="require this key on /admin/* and the API docs; without it they take the API key",
+        json_schema_extra=cli(metavar="KEY", env=ADMIN_KEY_ENV))
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, description="larger request bodies get 413",
+                                json_schema_extra=cli(metavar="N"))
+    max_header_bytes: int = Field(DEFAULT_MAX_HEADER_BYTES, description="larger request headers get 431",
+                                  json_schema_extra=cli(metavar="N"))
+    shutdown_timeout_s: float = Field(
+        30.0, description="on SIGTERM/SIGINT (or POST /admin/drain) new requests get 503 and those in flight get "
+        "up to S seconds to finish before the server stops", json_schema_extra=cli("--shutdown-timeout", metavar="S"))
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeSettings:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+        if self.kv_bytes_per_device is not None and self.kv_bytes_per_device <= 0:
+            raise ValueError(f"--kv-cache-gb: must be > 0, got {self.kv_bytes_per_device / GIB:g}")
+        if self.max_esft_adapters < 0 or self.max_esft_experts < 1:
+            raise ValueError("--max-esft-adapters: must be >= 0 and --max-esft-experts >= 1")
+        if len(self.esft_adapters) > self.max_esft_adapters:
+            raise ValueError(
+                f"--max-esft-adapters: {self.max_esft_adapters} slots for {len(self.esft_adapters)} --esft-adapter")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras: must be >= 0 and --max-lora-rank >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras: must be >= --max-loras")
+        if self.lora_adapters and self.max_loras < 1:
+            raise ValueError(f"--max-loras: {self.max_loras} slots for {len(self.lora_adapters)} --lora-adapter")
+        held = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        if len(self.lora_adapters) > held:
+            raise ValueError(f"--max-cpu-loras: {held} adapters fit for {len(self.lora_adapters)} --lora-adapter")
+        both = sorted({n for n, _ in self.esft_adapters} & {n for n, _ in self.lora_adapters})
+        if both:
+            raise ValueError(f"--lora-adapter: names {both} are ESFT adapters too")
+        if not 0 <= self.shutdown_timeout_s <= 3600:
+            raise ValueError(f"--shutdown-timeout: must be between 0 and 3600 s, got {self.shutdown_timeout_s:g}")
+        self.access  # noqa: B018 - validates the keys and limits
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise ValueError(f"--model: {self.model_dir} has no config.json (make one with `elasticmoe make-model`)")
+        return self
+
+    @property
+    def access(self) -> AccessPolicy:
+        return AccessPolicy(api_key=reveal(self.api_key), admin_key=reveal(self.admin_key),
+                            max_body_bytes=self.max_body_bytes, max_header_bytes=self.max_header_bytes)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients pass as `model`."""
+        return self.served_model_name or Path(self.model_dir).resolve().name
+
+    @property
+    def esft_slots(self) -> tuple[int, int]:
+        """(N, E_max) of the ESFT adapter slots; (0, 0) without any."""
+        return (self.max_esft_adapters, self.max_esft_experts) if self.max_esft_adapters else (0, 0)
+
+    def engine_options(self) -> EngineOptions:
+        """What every engine of this server is built with (the elastic server's KV pool comes from its HMM)."""
+        slots, experts = self.esft_slots
+        return EngineOptions(
+            dtype=parse_dtype(self.dtype), num_threads=self.num_threads, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            kv_cache_bytes=self.kv_bytes_per_device, max_esft_adapters=slots, max_esft_experts=experts,
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
+        )

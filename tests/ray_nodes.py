@@ -1,0 +1,131 @@
+"""A Ray cluster of several nodes on this machine, built as an operator builds one: `ray start
+--head`, then `ray start --address` per further node, each offering `elasticmoe_device`.
+
+Ray 2.60 turns token authentication on: every node and every driver must carry the same
+token, or they are refused with `InvalidAuthToken`. As KubeRay does (a Secret in
+`RAY_AUTH_TOKEN` on every pod), the nodes get `RAY_AUTH_MODE=token` and a fresh token in
+their environment, and so does the server `serve_on` starts (`elasticmoe serve --address`,
+its own process: Ray reads the mode once per process). Every process of the cluster is
+found by its own temp dir, so `stop()` ends this cluster's processes and never another
+Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from hmm.placement import DEVICE_RESOURCE
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RayNodes:
+    temp_dir: str
+    address: str
+    env: dict[str, str]
+    num_nodes: int = 0
+    log: list[str] = field(default_factory=list)
+
+    def _start(self, *args: str, devices: int, cpus: int) -> None:
+        cmd = [RAY, "start", *args, "--num-cpus", str(cpus), "--resources", json.dumps({DEVICE_RESOURCE: devices}),
+               "--disable-usage-stats", "--temp-dir", self.temp_dir]
+        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        self.num_nodes += 1
+
+    def add_node(self, devices: int = 1, cpus: int = 1) -> None:
+        """One more node joins the cluster, offering `devices` devices."""
+        self._start("--address", self.address, devices=devices, cpus=cpus)
+
+    def pids(self) -> list[int]:
+        """Every live process of this cluster (its command line names the cluster's temp dir)."""
+        out = subprocess.run(["pgrep", "-f", self.temp_dir], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def stop(self) -> None:
+        for _ in range(3):
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def ray_nodes(head_devices: int = 1, worker_devices: tuple[int, ...] = (1,), cpus: int = 1) -> Iterator[RayNodes]:
+    """A head offering `head_devices` and one worker node per entry of `worker_devices`; this
+    process carries the cluster's token while inside."""
+    token = secrets.token_hex(16)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    temp_dir = tempfile.mkdtemp(prefix="emoe-ray-")
+    port = _free_port()
+    nodes = RayNodes(temp_dir, f"127.0.0.1:{port}", env)
+    try:
+        nodes._start("--head", "--port", str(port), "--include-dashboard=false", devices=head_devices, cpus=cpus)
+        for devices in worker_devices:
+            nodes.add_node(devices, cpus)
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+@dataclass
+class Served:
+    url: str
+    process: subprocess.Popen
+    output: Path
+
+
+@contextlib.contextmanager
+def serve_on(nodes: RayNodes, *flags: str, timeout_s: float = 180) -> Iterator[Served]:
+    """`elasticmoe serve --address` on `nodes` with `flags`, until it is ready; on exit SIGTERM,
+    and the process must end by itself (drain, then the devices' memory freed) with exit 0."""
+    port = _free_port()
+    output = Path(nodes.temp_dir) / f"serve-{port}.log"
+    cmd = [sys.executable, "-m", "elasticmoe.cli", "--log-level", "WARNING", "serve", "--address", nodes.address,
+           "--port", str(port), *flags]
+    with open(output, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=nodes.env)
+    served = Served(f"http://127.0.0.1:{port}", proc, output)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert proc.poll() is None, output.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not become ready: " + output.read_text()[-3000:]
+            try:
+                if httpx.get(f"{served.url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("the server did not stop on SIGTERM: " + output.read_text()[-3000:]) from None
+        assert code == 0, output.read_text()[-3000:]
