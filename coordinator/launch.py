@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "elasticmoe"
 _ADMIN_SLACK = 64  # Serve slots beyond --max-queued, so that overflow reaches our 503 and probes pass
+
+
+class ClusterUnreachable(ConnectionError):
+    """`--address` names a Ray cluster this process cannot join (down, or a token is missing)."""
 
 
 @dataclasses.dataclass
@@ -136,11 +141,19 @@ def start_elastic(
     """
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        become_subreaper()  # Ray's workers outliving their raylet become ours to end (process_tree)
         kwargs = dict(ray_init_kwargs or {})
         if address is None:  # the local cluster's one node offers the configured devices (coordinator.nodes)
+            become_subreaper()  # Ray's workers outliving their raylet become ours to end (process_tree)
             kwargs["resources"] = {**kwargs.get("resources", {}), DEVICE_RESOURCE: config.num_devices}
-        ray.init(address=address, include_dashboard=False, **kwargs)
+        try:
+            ray.init(address=address, include_dashboard=False, **kwargs)
+        except ConnectionError as exc:
+            if address is None:
+                raise
+            raise ClusterUnreachable(
+                f"--address {address}: cannot join the Ray cluster ({exc}). Is it up? With token "
+                f"authentication (Ray 2.60 turns it on) this process needs RAY_AUTH_MODE=token and the "
+                f"cluster's RAY_AUTH_TOKEN in its environment") from exc
         _RAYLET.pid = child_running("raylet/raylet") if address is None else None
     if after_ray_init is not None:
         after_ray_init()
@@ -218,7 +231,11 @@ def serve_elastic(
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server = start_elastic(config, host, port, address, after_ray_init=install_handlers)
+        try:
+            server = start_elastic(config, host, port, address, after_ray_init=install_handlers)
+        except ClusterUnreachable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         try:
             while not stop.wait(0.5):
                 pass

@@ -117,6 +117,8 @@ class Instance:
         `nodes`: the Ray node of each rank's device (rank r maps device r's memory, so it runs
         there); empty: anywhere.
         """
+        if nodes and len(nodes) != dp:
+            raise ValueError(f"nodes: one per rank, got {len(nodes)} for dp {dp}")
         inst = cls(dp, model_dir, **kwargs)
         options = engine_options or EngineOptions()
         inst.nodes = tuple(nodes) or (None,) * dp

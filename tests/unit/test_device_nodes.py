@@ -4,13 +4,16 @@ they are numbered, and the scheduling options that keep an actor on its device's
 from __future__ import annotations
 
 import pytest
+import ray
 from elastic_server import tiny_config
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import coordinator.cluster as cluster_module
 from coordinator.nodes import DeviceNode, device_specs, discover
+from elasticmoe.cli import main
 from hmm.layout import DeviceSpec
 from hmm.placement import DEVICE_RESOURCE, on_node
+from imm.instance import Instance
 
 
 def _node(node_id: str, address: str, devices: float | None, alive: bool = True) -> dict:
@@ -48,3 +51,20 @@ def test_a_cluster_offering_fewer_devices_than_dp_is_refused_naming_the_resource
         cluster._offered_devices()
     monkeypatch.setattr(cluster_module, "discover", lambda: [DeviceNode("a" * 56, "10.0.0.1", 2)])
     assert [s.ray_node_id for s in cluster._offered_devices()] == ["a" * 56] * 2
+
+
+def test_an_instance_needs_one_node_per_rank():
+    with pytest.raises(ValueError, match="nodes: one per rank, got 1 for dp 2"):
+        Instance.create_standby("unused", 2, nodes=("a" * 56,))
+
+
+def test_joining_an_unreachable_cluster_exits_2_naming_the_token(tiny_model_dir, monkeypatch, capsys):
+    """`--address` to a cluster that refuses this process (down, or token authentication without
+    the token): exit 2 with what to set, before anything is started."""
+    def refuse(**kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    assert main(["serve", "--model", tiny_model_dir, "--address", "10.0.0.1:6379"]) == 2
+    err = capsys.readouterr().err
+    assert "--address 10.0.0.1:6379: cannot join" in err and "RAY_AUTH_TOKEN" in err
