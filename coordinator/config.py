@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from pydantic import Field, model_validator
 
 from coordinator.autoscaler import AutoscaleConfig
@@ -24,7 +23,6 @@ from elasticmoe.entrypoints.serve_settings import ServeSettings
 from elasticmoe.utils.settings import GIB, cli
 from hmm.memory.shm import DEFAULT_PREFIX
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DEFAULT_DEVICE_MEMORY = 4 * GIB
 
 
@@ -94,10 +92,6 @@ class CoordinatorConfig(ServeSettings):
         if not 0 <= self.standby_delay_s <= 3600:
             raise ValueError(f"--standby-delay: must be between 0 and 3600 s, got {self.standby_delay_s}")
         return self
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
 
     def engine_options(self) -> EngineOptions:
         """What every rank's `EngineConfig` gets (its KV pool is its device's, from the HMM)."""

@@ -258,13 +258,16 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_serve_single(args: argparse.Namespace) -> int:
-    from coordinator.cli_options import TABLES, add_elastic_arguments
+    from coordinator.autoscaler import AutoscaleConfig
+    from coordinator.cli_options import TABLES
+    from coordinator.config import CoordinatorConfig
     from elasticmoe.entrypoints.serve_settings import ServeSettings
-    from elasticmoe.utils.settings import from_sources
+    from elasticmoe.utils.settings import flag_name, flag_values, from_sources
 
-    elastic_only = argparse.ArgumentParser(add_help=False)
-    add_elastic_arguments(elastic_only)
-    given = sorted(a.option_strings[0] for a in elastic_only._actions if getattr(args, a.dest, None) is not None)
+    elastic_only = set(flag_values(args, CoordinatorConfig)) - set(ServeSettings.model_fields)
+    given = sorted([flag_name(CoordinatorConfig, name) for name in elastic_only]
+                   + [flag_name(AutoscaleConfig, name, "autoscale-") for name in flag_values(args, AutoscaleConfig,
+                                                                                            "autoscale-")])
     if given or args.address:
         print(f"error: {', '.join(given or ['--address'])}: needs the elastic server (drop --single)", file=sys.stderr)
         return 2

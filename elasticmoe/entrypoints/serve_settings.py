@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
 
 from elasticmoe.config import EngineOptions, parse_dtype
@@ -154,6 +155,10 @@ class ServeSettings(BaseModel):
                             max_body_bytes=self.max_body_bytes, max_header_bytes=self.max_header_bytes)
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
     def model_name(self) -> str:
         """The name clients pass as `model`."""
         return self.served_model_name or Path(self.model_dir).resolve().name
@@ -167,7 +172,7 @@ class ServeSettings(BaseModel):
         """What every engine of this server is built with (the elastic server's KV pool comes from its HMM)."""
         slots, experts = self.esft_slots
         return EngineOptions(
-            dtype=parse_dtype(self.dtype), num_threads=self.num_threads, max_model_len=self.max_model_len,
+            dtype=self.torch_dtype, num_threads=self.num_threads, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             kv_cache_bytes=self.kv_bytes_per_device, max_esft_adapters=slots, max_esft_experts=experts,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
