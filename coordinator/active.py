@@ -2,10 +2,10 @@
 
 The cluster is its only author (`ClusterManager.publish`): it builds a new snapshot when an
 instance is activated (start, scale, repair) or when the adapters that accept requests
-change, and hands it to the router in one step on the router's event loop. Everyone else
-reads the router's current snapshot: the engine client its context limit and adapter
-names, the router its ranks. Nobody writes another object's fields, and no reader can see
-the ranks of one instance with the limits of another.
+change, and publishes it (with the gate and health) as one `RoutingState` for the ingress
+(`coordinator.routing_state`). The coordinator's own readers (scaler, healer, adapters,
+status) read `ClusterManager.active`. Nobody writes another object's fields, and no reader
+can see the ranks of one instance with the limits of another.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class ActiveInstance:
     """The serving instance, its ranks (the router's targets, DP rank order), the devices they run
     on, its context limit (the smallest over its ranks) and the adapters accepting requests."""
 
-    instance: Any  # imm.instance.Instance (Any: the router and its tests need no Ray)
+    instance: Any  # imm.instance.Instance (Any: its tests need no Ray)
     ranks: tuple[Any, ...]
     device_ids: tuple[int, ...]
     max_model_len: int

@@ -1,12 +1,14 @@
 """`ClusterManager`: the devices, the HMM and the active instance behind one coordinator.
 
-It lives in the Serve replica (the coordinator is a single replica) and owns
-every actor it starts: the HMM device workers and the active instance's ranks.
+It lives in the coordinator's Serve replica (one replica) and owns every actor it starts:
+the HMM device workers and the instances' ranks. What the ingress routes by is published
+through `feed` (`coordinator.routing_state`): every change of the active instance, of the
+switchover gate, of the adapters accepting requests and of health is a new `RoutingState`.
 
 Lifecycle: `start()` (blocking: devices -> HMM load of (dp, ep=dp) -> standby
-instance -> attach -> warm-up -> activate -> router points at its ranks), then
-serving, then `shutdown()` (idempotent: router cleared, instance retired, HMM
-memory freed and workers stopped).
+instance -> attach -> warm-up -> published -> activate), then serving, then `shutdown()`
+(idempotent: nothing published to route to, instance retired, HMM memory freed and
+workers stopped).
 
 Pre-initialisation (paper §4.5): with `config.standby_pool`, after the start and
 after every scale a background thread boots standby instances (processes up,
@@ -35,9 +37,8 @@ import ray
 from coordinator.active import ActiveInstance
 from coordinator.adapters import ClusterAdapterHost
 from coordinator.config import CoordinatorConfig
-from coordinator.loop_caller import LoopCaller, call_here
 from coordinator.nodes import device_specs, discover
-from coordinator.router import Router
+from coordinator.routing_state import Health, RoutingFeed, RoutingState
 from coordinator.scale_events import ScaleEvents
 from hmm.controller import EsftEntry, HMMController
 from hmm.layout import DeviceSpec, Layout
@@ -99,17 +100,18 @@ def layout_memory(layout: Layout, adapters: Iterable[EsftEntry], page_size: int)
 
 
 class ClusterManager:
-    """Owns the HMM and the active `Instance`; the router serves the active instance's ranks."""
+    """Owns the HMM and the active `Instance`; publishes what the ingress routes by (`feed`)."""
 
-    def __init__(self, config: CoordinatorConfig, call_on_loop: LoopCaller = call_here) -> None:
+    def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.router: Router[Any] = Router(max_hold_s=config.max_hold_s)
-        self.call_on_loop = call_on_loop  # runs a call on the router's event loop (asyncio is not thread-safe)
+        self.feed = RoutingFeed()
+        self._active: ActiveInstance | None = None
+        self._health = Health()
+        self._publish_lock = threading.Lock()  # one author at a time: states are built from these fields
         self.scale_events = ScaleEvents()
         self.hmm: HMMController | None = None
         self.standby = InstanceManager(self._boot_standby, capacity=2)
         self.adapters = ClusterAdapterHost(self, publish=self.publish_adapters)
-        self._adapter_names: tuple[str, ...] = ()  # carried into every snapshot (see `publish`)
         self._starting: Instance | None = None  # the first instance until it is published
         self._standby_thread: threading.Thread | None = None
         self._closing = threading.Event()  # ends a delayed standby preparation at shutdown
@@ -137,6 +139,7 @@ class ClusterManager:
             inst.attach(self.hmm)
             inst.warm_up()
             self.publish(inst, min(ray.get([r.max_model_len.remote() for r in inst.ranks])))
+            self.release_requests()
             inst.activate()
             logger.info("coordinator: %s active on %d devices of %d nodes (timings %s)", inst, len(self.hmm.devices),
                         len({s.ray_node_id for s in self.hmm.devices.values()}), inst.timings)
@@ -216,33 +219,65 @@ class ClusterManager:
         return Instance.create_standby(self.config.model_dir, dp, engine_options=self.config.engine_options(),
                                        paced=True, nodes=self.rank_nodes(self.target(dp).devices))
 
-    # ---- what is active: one snapshot, published here only (see coordinator.active) ------------
+    # ---- what is active and what the ingress routes by: published here only ------------------
 
     @property
     def active(self) -> Instance | None:
-        """The instance of the router's current snapshot (None before the first, after shutdown)."""
-        snapshot = self.router.active
-        return snapshot.instance if snapshot is not None else None
+        """The instance published last (None before the first, after shutdown)."""
+        active = self._active
+        return active.instance if active is not None else None
+
+    @property
+    def routing(self) -> RoutingState:
+        """What the ingress routes by now (`feed`'s latest state)."""
+        return self.feed.current
 
     def publish(self, inst: Instance, max_model_len: int) -> None:
-        """Make `inst` (warm, its ranks attached) the one the router serves, in one step on the
-        router's loop; the snapshot carries the adapters accepting requests."""
-
-        def switch() -> None:
-            self.router.set_active(ActiveInstance(inst, tuple(inst.ranks), tuple(inst.device_ids), max_model_len,
-                                                  self._adapter_names))
-
-        self.call_on_loop(switch)
+        """Make `inst` (warm, its ranks attached) the one the ingress routes to, in one state; it
+        carries the adapters accepting requests. The gate is not opened here (`release_requests`)."""
+        with self._publish_lock:
+            adapters = self._active.adapters if self._active is not None else ()
+            self._active = ActiveInstance(inst, tuple(inst.ranks), tuple(inst.device_ids), max_model_len, adapters)
+            self._publish()
 
     def publish_adapters(self, names: tuple[str, ...]) -> None:
-        """The adapters accepting requests changed: a new snapshot of the same instance."""
-        self._adapter_names = tuple(names)
+        """The adapters accepting requests changed: a new state of the same instance."""
+        with self._publish_lock:
+            if self._active is not None:
+                self._active = self._active.with_adapters(tuple(names))
+            self._publish()
 
-        def update() -> None:  # NOTE: built on the loop, from the snapshot current there
-            if self.router.active is not None:
-                self.router.set_active(self.router.active.with_adapters(self._adapter_names))
+    def publish_health(self, health: Health) -> None:
+        """The healer's view changed (what `/ready` and `/health` say)."""
+        with self._publish_lock:
+            if health == self._health:
+                return
+            self._health = health
+            self._publish()
 
-        self.call_on_loop(update)
+    def hold_requests(self) -> None:
+        """A switchover's critical section starts: new requests wait at the ingress."""
+        with self._publish_lock:
+            self._publish(is_accepting=False)
+
+    def release_requests(self) -> None:
+        """The critical section ended: new requests go to the published instance."""
+        with self._publish_lock:
+            self._publish(is_accepting=True)
+
+    def _publish(self, **changes: Any) -> None:
+        active, health = self._active, self._health
+        ranks = active.ranks if active is not None and not self._is_shut_down else ()
+        self.feed.update(
+            instance_id=active.instance.instance_id if ranks and active is not None else None,
+            ranks=ranks,
+            max_model_len=active.max_model_len if ranks and active is not None else 0,
+            adapters=active.adapters if ranks and active is not None else (),
+            is_serving=bool(ranks) and not health.is_broken,
+            faults=health.faults,
+            has_given_up=health.has_given_up,
+            **changes,
+        )
 
     @property
     def is_shut_down(self) -> bool:
@@ -289,10 +324,8 @@ class ClusterManager:
         self.standby.shutdown()  # NOTE: first, so a boot that finishes now is retired, not pooled
         self.wait_standby()
         inst = self.active or self._starting
-        try:
-            self.call_on_loop(self.router.clear_active)
-        except Exception:  # noqa: BLE001 - the loop is gone (the replica is being destroyed)
-            self.router.clear_active()
+        with self._publish_lock:
+            self._publish(is_accepting=False)  # nothing to route to from now on
         if inst is not None and inst.state is not InstanceState.RETIRED:
             try:
                 inst.retire()
@@ -397,7 +430,8 @@ class ClusterManager:
             },
             "layout_device_ids": list(layout.device_ids) if layout is not None else [],
             "devices": devices,
-            "router": {"gate_open": self.router.is_open, "in_flight": self.router.loads()},
+            "routing": {"version": self.routing.version, "accepting": self.routing.is_accepting,
+                        "num_ranks": len(self.routing.ranks)},
             "scale_event": running.to_dict() if running is not None else None,
             "adapters": [a.describe() for a in sorted(self.adapters.adapters.values(), key=lambda a: a.slot)],
             "standby": {

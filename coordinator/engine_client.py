@@ -1,7 +1,7 @@
-"""`RouterEngineClient`: the `EngineClient` of the OpenAI handlers, over the active instance's ranks.
+"""`RouterEngineClient`: the ingress's `EngineClient` of the OpenAI handlers, over the published ranks.
 
-Its limits and adapter names are those of the router's `ActiveInstance` snapshot: it keeps
-no copy of its own.
+Its limits and adapter names are those of the router's `RoutingState` (what the coordinator
+published last): it keeps no copy of its own.
 
 Each `generate` call is admitted against a bound (`max_queued` requests waiting
 at the router's gate or in flight; one more raises `QueueFull`, a 503), routed
@@ -17,17 +17,17 @@ Invariants:
 - Input errors raised by the rank (`ValueError` with `.param`) reach the handler
   unwrapped, before anything is yielded, so they become 400s.
 - A request that reaches a rank already pausing for a switchover is turned away before
-  anything is streamed (`RankPaused`) and routed again: it waits at the gate and runs on
-  the new instance.
+  anything is streamed (`RankPaused`) and routed again once the coordinator published the
+  next state (the new instance, or the old one running again after a rollback).
 - A request whose rank fails under it (the actor died, or its step loop ended because a peer
   of its EP group died) is not failed: the watcher is told (`on_rank_failure`), the request
-  waits until the router no longer offers that rank (the instance was replaced; the gate
-  holds it meanwhile), and continues on the new instance from its prompt and the output
+  waits until the router no longer offers that rank (the instance was replaced, possibly by
+  a restarted coordinator), and continues on the new instance from its prompt and the output
   tokens its client already has (`EngineRequest.resume`: the KV is recomputed, nothing is
   streamed twice). After `max_recoveries` such failures it gets a 503.
-- A scale's switchover ends a rank stream with a `HandedOverOutput`; the stream then
-  continues from the rank `HandoverRoutes` names (`rank.resume`), so the handler sees
-  one unbroken stream (the marker is not passed on).
+- A scale's switchover ends a rank stream with a `HandedOverOutput` naming the rank that
+  continues it (`rank.resume`), so the handler sees one unbroken stream (the marker is not
+  passed on). A handover that never completes fails the stream like a dead rank.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.errors import describe_error
 from elasticmoe.outputs import RequestOutput
-from imm.handover import HandedOverOutput, HandoverAbandoned, HandoverRoutes, RankPaused
+from imm.handover import HandedOverOutput, RankPaused
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,6 @@ class RouterEngineClient:
         tokenizer: Any,
         max_queued: int,
         retry_after_s: int = 1,
-        handover_routes: HandoverRoutes | None = None,
         on_rank_failure: Callable[[Any], None] = _ignore,
         max_recoveries: int = MAX_RECOVERIES,
         recovery_wait_s: float = 120.0,
@@ -105,7 +104,6 @@ class RouterEngineClient:
         self._tokenizer = tokenizer
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
-        self.handover_routes = handover_routes or HandoverRoutes()
         self.on_rank_failure = on_rank_failure  # a stream saw this rank fail: check it now
         self.max_recoveries = max_recoveries
         self.recovery_wait_s = recovery_wait_s
@@ -123,14 +121,14 @@ class RouterEngineClient:
 
     @property
     def max_model_len(self) -> int:
-        """The active instance's context limit (the router's snapshot; 0 before the first one)."""
-        active = self.router.active
-        return active.max_model_len if active is not None else 0
+        """The published instance's context limit (0 before the first one)."""
+        state = self.router.state
+        return state.max_model_len if state is not None else 0
 
     def adapter_names(self) -> tuple[str, ...]:
-        """The adapters accepting requests (the router's snapshot)."""
-        active = self.router.active
-        return active.adapters if active is not None else ()
+        """The adapters accepting requests (the router's state)."""
+        state = self.router.state
+        return state.adapters if state is not None else ()
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream `request`'s outputs from one rank; the last has `finished=True`. If the instance
@@ -145,21 +143,24 @@ class RouterEngineClient:
         try:
             num_routes = num_recoveries = 0
             while True:
-                rank = None
+                rank, key = None, None
                 try:
-                    async with self.router.route() as rank:
-                        async for out in _stream_from(rank, progress.request(request), self.handover_routes):
+                    async with self.router.route() as route:
+                        rank, key = route.rank, route.key
+                        async for out in _stream_from(rank, progress.request(request)):
                             progress.add(out)
                             yield out
                     return
                 except RankPaused:
-                    # Nothing was streamed; the gate holds the next route until the switchover ends.
+                    # Nothing was streamed; route again once the switchover published its outcome.
                     num_routes += 1
                     if num_routes >= _MAX_ROUTES:
                         raise OpenAIError("No inference instance accepted the request; retry later.",
                                           status_code=503) from None
                     logger.info("request %s reached a pausing rank; routing it again (%d)",
                                 request.request_id, num_routes)
+                    if key is not None:
+                        await self.router.wait_newer(key, self.router.max_hold_s)
                 except (RankFailed, *_INSTANCE_FAILURES) as exc:
                     failed_rank, cause = (exc.rank, exc.cause) if isinstance(exc, RankFailed) else (rank, exc)
                     num_recoveries += 1
@@ -215,18 +216,13 @@ class _Progress:
         return request.resumed(self.output_token_ids, self.num_chars)
 
 
-async def _stream_from(
-    rank: Any,
-    request: EngineRequest,
-    routes: HandoverRoutes,
-    handover_timeout_s: float = 60.0,
-) -> AsyncGenerator[RequestOutput, None]:
+async def _stream_from(rank: Any, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
     """The rank's stream for one request, followed across handovers; cancels the current
-    rank stream unless it reached its finished output."""
+    rank stream unless it reached its finished output or a handover marker."""
     request_id = request.request_id
     stream = rank.generate.remote(request)
     while True:
-        finished, handed_over = False, False
+        finished, marker = False, None
         try:
             async for ref in _failing_as(rank, stream):
                 try:
@@ -237,28 +233,21 @@ async def _stream_from(
                 except _INSTANCE_FAILURES as exc:
                     raise RankFailed(rank, exc) from None
                 if isinstance(out, HandedOverOutput):
-                    handed_over = True  # the marker is the stream's last item
-                    routes.saw_marker(request_id)  # the scaler retires the old rank after this
+                    marker = out  # the stream's last item
                     continue
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
-            if not finished and not handed_over:
+            if not finished and marker is None:
                 # NOTE: cancelling the generator task runs the rank's cleanup, which aborts the
                 # request in the engine; a stream that already ended makes this a no-op.
                 ray.cancel(stream)
-        if not handed_over:
+        if marker is None:
             # A stream that ends without its finished output or a marker lost its rank.
             raise RankFailed(rank, EngineDeadError(f"the stream of {request_id!r} ended early"))
-        # NOTE: the route is published inside the switchover's critical section, right after
-        # the new instance imported the request; wait in a thread (HandoverRoutes blocks).
-        try:
-            new_rank = await asyncio.to_thread(routes.take, request_id, handover_timeout_s)
-        except HandoverAbandoned as exc:
-            raise RankFailed(rank, exc) from None
-        rank, stream = new_rank, new_rank.resume.remote(request_id)
+        rank, stream = marker.next_rank, marker.next_rank.resume.remote(request_id)
 
 
 async def _failing_as(rank: Any, stream: Any) -> AsyncGenerator[Any, None]:

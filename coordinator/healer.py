@@ -20,9 +20,10 @@ gone (it is busy for seconds during a scale's copies, and a slow worker breaks n
 While a scale runs the healer only watches: the scale's own switchover finishes on the new
 instance if the old one dies, and anything left is repaired right after it.
 
-`faults` says what is degraded now (published as one dict assignment: any thread may read
-it); `/ready` is 503 while the active instance is broken, `/health` lists the faults and
-turns 503 only after `max_failed_repairs` repairs in a row failed (then only a restart helps).
+`faults` says what is degraded now (replaced as a whole: any thread may read it); every
+change is published to the ingress with the routing state (`ClusterManager.publish_health`):
+`/ready` is 503 while the active instance is broken, `/health` lists the faults and turns
+503 only after `max_failed_repairs` repairs in a row failed (then only a restart helps).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from coordinator.routing_state import Health
 from coordinator.scale_events import ScaleConflict, ScaleState
 from coordinator.scaler import Repair, Scaler, is_instance_death
 from elasticmoe.errors import describe_error
@@ -72,8 +74,8 @@ class Healer:
         self.cluster, self.scaler = cluster, scaler
         self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
         self.max_unanswered, self.max_failed_repairs = max_unanswered, max_failed_repairs
-        self.faults: dict[str, str] = {}  # component -> what is wrong ("instance", "device 1")
-        self.num_failed_repairs = 0  # in a row
+        self._faults: dict[str, str] = {}  # component -> what is wrong ("instance", "device 1")
+        self._num_failed_repairs = 0  # in a row
         self.num_repairs: dict[tuple[str, str], int] = {}  # (fault kind, outcome) -> count
         self._unanswered = 0
         self._wake = threading.Event()
@@ -92,6 +94,27 @@ class Healer:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    @property
+    def faults(self) -> dict[str, str]:
+        return self._faults
+
+    @faults.setter
+    def faults(self, faults: dict[str, str]) -> None:
+        self._faults = faults
+        self._publish()
+
+    @property
+    def num_failed_repairs(self) -> int:
+        return self._num_failed_repairs
+
+    @num_failed_repairs.setter
+    def num_failed_repairs(self, n: int) -> None:
+        self._num_failed_repairs = n
+        self._publish()
+
+    def _publish(self) -> None:
+        self.cluster.publish_health(Health.of(self.is_broken, self._faults, self.has_given_up))
 
     def notify(self, rank: Any = None) -> None:
         """A stream saw `rank` fail: look now instead of at the next interval (any thread)."""

@@ -1,16 +1,18 @@
 """Start the elastic server: Ray (local or joined), Serve on host:port, the coordinator app.
 
-`start_elastic` returns once the coordinator replica has brought up the HMM and
-activated the first instance (Serve only routes to a replica whose constructor
-finished); `ElasticServer.shutdown` undoes everything it started, in order:
+The Serve application has two deployments: the coordinator (`coordinator.controller`: the
+HMM, the instances, scaling, repairs) and the ingress (`coordinator.ingress`: HTTP, routing
+to the published ranks). `start_elastic` returns once the coordinator has brought up the HMM
+and activated the first instance and the ingress follows it (Serve only routes to a replica
+whose constructor finished); `ElasticServer.shutdown` undoes everything it started, in order:
 instance + HMM memory (explicitly, so no /dev/shm file outlives the server),
 then Serve, then Ray if it started it, then whatever Ray left behind, then the
 /dev/shm files of any owner that died. Every step has a time bound. `serve_elastic` adds
 SIGTERM/SIGINT: drain (new requests 503, those in flight finish up to
 `shutdown_timeout_s`), then shut down. A process group SIGTERMed at once (systemd's
 default) ends the same way: Ray's raylet goes first, our actors see it and exit
-(device workers free their memory, `hmm.lifeline`), the drain notices the coordinator is
-gone, and the shutdown ends the rest.
+(device workers free their memory, `hmm.lifeline`), the drain notices the ingress is gone,
+and the shutdown ends the rest.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Any
 import ray
 from ray import serve
 
-from coordinator.app import Coordinator
 from coordinator.config import CoordinatorConfig
+from coordinator.controller import Coordinator
+from coordinator.ingress import Ingress
 from coordinator.process_tree import (
     become_subreaper,
     call_with_timeout,
@@ -58,15 +61,13 @@ class ElasticServer:
 
     url: str
     config: CoordinatorConfig
-    handle: Any  # DeploymentHandle of the coordinator
+    handle: Any  # DeploymentHandle of the ingress
+    coordinator: Any  # DeploymentHandle of the coordinator
     owns_ray: bool
-    coordinator_pid: int | None = None  # the replica's process, when it runs on this node
-    raylet_pid: int | None = None  # its parent: this node's raylet
+    ingress_pid: int | None = None  # the replicas' processes, when they run on this node
+    coordinator_pid: int | None = None
+    raylet_pid: int | None = None  # their parent: this node's raylet
     is_shut_down: bool = False
-
-    def coordinator_alive(self) -> bool:
-        """False once the coordinator replica's process is gone (only known on its node)."""
-        return self.coordinator_pid is None or is_alive(self.coordinator_pid)
 
     def raylet_gone(self) -> bool:
         """This node's raylet died (the process group was SIGTERMed at once): Ray's calls hang."""
@@ -77,14 +78,26 @@ class ElasticServer:
         config's `shutdown_timeout_s`); the autoscaler stops. What happened, as a dict. Gives up at
         once if the coordinator's process is gone."""
         wait = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
-        return self._result(self.handle.drain.remote(timeout_s), wait + 30, "drain")
+        return self._result(self.handle.drain.remote(timeout_s), wait + 30, "drain", "ingress")
 
-    def _result(self, response: Any, timeout_s: float, what: str) -> Any:
-        """A coordinator call's result; raises as soon as the coordinator's process is gone."""
+    def _replica_alive(self, which: str) -> bool:
+        """False once the `which` replica's process is gone and Serve has not started another (a
+        replica Serve restarted has a new pid, looked up here; only known on its node)."""
+        pid = getattr(self, f"{which}_pid")
+        if pid is None or is_alive(pid):
+            return True
+        if self.raylet_gone():
+            return False
+        pid = _local_pid(self.handle if which == "ingress" else self.coordinator, which, timeout_s=2.0)
+        setattr(self, f"{which}_pid", pid)
+        return pid is not None and is_alive(pid)
+
+    def _result(self, response: Any, timeout_s: float, what: str, which: str) -> Any:
+        """A replica call's result; raises as soon as that replica's process is gone."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.coordinator_alive():
-                raise RuntimeError(f"{what}: the coordinator's process is gone")
+            if not self._replica_alive(which):
+                raise RuntimeError(f"{what}: the {which}'s process is gone")
             try:
                 return response.result(timeout_s=0.5)
             except TimeoutError:
@@ -100,7 +113,8 @@ class ElasticServer:
             return True
         self.is_shut_down = True
         try:
-            self._result(self.handle.shutdown_cluster.remote(), timeout_s, "coordinator shutdown")
+            self._result(self.coordinator.shutdown_cluster.remote(), timeout_s, "coordinator shutdown",
+                         "coordinator")
         except Exception as exc:  # noqa: BLE001 - the rest still runs
             logger.warning("coordinator shutdown failed (%s)", exc)
         # NOTE: with the raylet gone none of Ray's calls returns; serve.shutdown is then abandoned
@@ -117,11 +131,10 @@ class ElasticServer:
 
 
 def coordinator_app(config: CoordinatorConfig) -> Any:
-    """The Serve application of one coordinator replica for `config`."""
-    deployment = Coordinator.options(  # type: ignore[attr-defined]
-        max_ongoing_requests=config.max_queued + _ADMIN_SLACK
-    )
-    return deployment.bind(config)
+    """The Serve application for `config`: the coordinator, and the ingress that follows it."""
+    coordinator = Coordinator.bind(config)  # type: ignore[attr-defined]
+    ingress = Ingress.options(max_ongoing_requests=config.max_queued + _ADMIN_SLACK)  # type: ignore[attr-defined]
+    return ingress.bind(config, coordinator)
 
 
 def start_elastic(
@@ -167,13 +180,19 @@ def start_elastic(
         raise
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     logger.info("elastic server ready at %s: %s, dp %d", url, config.model_name, config.dp)
+    coordinator = serve.get_deployment_handle("coordinator", APP_NAME)
+    return ElasticServer(url, config, handle, coordinator, owns_ray, _local_pid(handle, "ingress"),
+                         _local_pid(coordinator, "coordinator"), _RAYLET.pid if owns_ray else None)
+
+
+def _local_pid(handle: Any, what: str, timeout_s: float = 10.0) -> int | None:
+    """The pid of a replica's process when it runs on this node (only the shutdown's shortcuts need it)."""
     try:
-        node, pid = handle.process.remote().result(timeout_s=10)
-        local_pid = pid if node == ray.util.get_node_ip_address() else None
-    except Exception as exc:  # noqa: BLE001 - only the shutdown's shortcuts need it
-        logger.warning("the coordinator's process is unknown (%s)", exc)
-        local_pid = None
-    return ElasticServer(url, config, handle, owns_ray, local_pid, _RAYLET.pid if owns_ray else None)
+        node, pid = handle.process.remote().result(timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("the %s's process is unknown (%s)", what, exc)
+        return None
+    return int(pid) if node == ray.util.get_node_ip_address() else None
 
 
 @dataclasses.dataclass

@@ -1,12 +1,11 @@
-"""Prometheus metrics of the coordinator: the OpenAI server's set plus cluster gauges.
+"""Prometheus metrics of the coordinator: the cluster's gauges and counters.
 
-Composes `ServerMetrics` (HTTP request counts by endpoint and status, TTFT and
-e2e histograms, token counters, running/waiting gauges) with TPOT, queue
-length, KV usage, the active configuration, scale events (count by strategy
-and outcome; latency, downtime and peak memory of each), devices and their HMM
-memory, adapter slots and LoRA slot hits, all in that one registry (the SLO and
-autoscaler metrics of `coordinator.autoscale_loop` register there too). docs/operations.md
-lists every metric.
+The engines' running/waiting requests and KV usage, the active configuration, scale
+events (count by strategy and outcome; latency, downtime and peak memory of each),
+devices and their HMM memory, adapter slots and LoRA slot hits, in one registry (the SLO
+and autoscaler metrics of `coordinator.autoscale_loop` register there too). The ingress
+serves them on `/metrics` after its own (`coordinator.ingress_metrics`: HTTP, latencies,
+queue, readiness). docs/operations.md lists every metric.
 
 Rank counters live in the rank actors and device memory in the HMM workers;
 `refresh(stats)` / `refresh_devices(...)` / `refresh_adapters(...)` copy a
@@ -20,17 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from coordinator.cluster import AdapterSlotStats, DeviceMemoryStats
 from coordinator.scale_events import ScaleEvent, ScaleState
 from coordinator.strategies import DEFAULT_STRATEGY
-from elasticmoe.entrypoints.openai.metrics import ServerMetrics
-from elasticmoe.entrypoints.openai.serving import RequestStats
+from elasticmoe.entrypoints.openai.metrics import register_engine_queue
 from imm.rank import RankStats
 
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _LORA_COUNTERS = {  # RankStats field -> (name, help); summed over ranks and instances
     "num_lora_swaps_in": ("elasticmoe_lora_swaps_in", "LoRA adapters copied into a rank's slot."),
@@ -41,27 +37,14 @@ _LORA_COUNTERS = {  # RankStats field -> (name, help); summed over ranks and ins
 _MAX_ENGINES = 256  # engines whose last counters are remembered (a few per scale event)
 
 
-class CoordinatorMetrics:
-    """The observer of `OpenAIServing` and the source of `/metrics`."""
+class ClusterMetrics:
+    """The coordinator's registry; `refresh*` copy snapshots in, `render` exports them."""
 
-    def __init__(self, num_queued: Callable[[], float], active_dp: Callable[[], float]) -> None:
+    def __init__(self, active_dp: Callable[[], float]) -> None:
         self._stats: list[RankStats] = []
-        self.server = ServerMetrics(
-            lambda: sum(s.num_running for s in self._stats), lambda: sum(s.num_waiting for s in self._stats)
-        )
-        registry = self.server.registry
-        self.tpot = Histogram(
-            "elasticmoe_time_per_output_token_seconds",
-            "Mean time between output tokens of a finished request (after the first).",
-            ["endpoint"],
-            buckets=_TPOT_BUCKETS,
-            registry=registry,
-        )
-        Gauge(
-            "elasticmoe_num_requests_queued",
-            "Requests admitted by the coordinator: waiting at the router or in flight (bounded by --max-queued).",
-            registry=registry,
-        ).set_function(num_queued)
+        self.registry = registry = CollectorRegistry()
+        register_engine_queue(registry, lambda: sum(s.num_running for s in self._stats),
+                              lambda: sum(s.num_waiting for s in self._stats))
         self.kv_usage = Gauge(
             "elasticmoe_kv_cache_usage_ratio",
             "Fraction of KV blocks in use, per DP rank of the active instance.",
@@ -161,23 +144,6 @@ class CoordinatorMetrics:
         }
         self._seen_by_engine: dict[str, dict[str, int]] = {}
 
-    def register_health(
-        self,
-        is_ready: Callable[[], bool],
-        faults: Callable[[], dict[str, str]],
-        recoveries: Callable[[], tuple[int, int]],
-    ) -> None:
-        """What `/ready` and `/health` say, and the requests that survived an instance failure
-        (`recoveries()` = (requests continued elsewhere, output tokens recomputed for them)).
-        Repairs themselves are scale events of strategy `heal`."""
-        registry = self.server.registry
-        Gauge("elasticmoe_ready", "1 while an instance serves requests (what /ready says), else 0.",
-              registry=registry).set_function(lambda: float(is_ready()))
-        Gauge("elasticmoe_degraded_components",
-              "Components that failed and are being repaired (what /health lists).",
-              registry=registry).set_function(lambda: float(len(faults())))
-        registry.register(_RecoveryCounters(recoveries))
-
     def on_scale_finished(self, event: ScaleEvent) -> None:
         self.scale_events.labels(event.strategy, event.state.value).inc()
         self.last_scale.set(event.finished_at or 0.0)
@@ -232,25 +198,5 @@ class CoordinatorMetrics:
             self.adapters_loaded.labels(s.kind).set(s.num_loaded)
             self.adapter_slots.labels(s.kind).set(s.num_slots)
 
-    def on_request_finished(self, stats: RequestStats) -> None:
-        self.server.on_request_finished(stats)
-        if stats.ttft_s is not None and stats.num_output_tokens > 1:
-            tpot = (stats.e2e_s - stats.ttft_s) / (stats.num_output_tokens - 1)
-            self.tpot.labels(stats.endpoint).observe(tpot)
-
-    def render(self) -> tuple[bytes, str]:
-        return self.server.render()
-
-
-class _RecoveryCounters:
-    """Counters read from the engine client at scrape time (it counts; nothing to copy)."""
-
-    def __init__(self, recoveries: Callable[[], tuple[int, int]]) -> None:
-        self.recoveries = recoveries
-
-    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
-        requests, tokens = self.recoveries()
-        yield CounterMetricFamily("elasticmoe_requests_recovered",
-                                  "Requests that continued on another instance after theirs failed.", value=requests)
-        yield CounterMetricFamily("elasticmoe_tokens_recomputed",
-                                  "Output tokens those requests had, whose KV was recomputed.", value=tokens)
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,28 +1,30 @@
-"""Request routing: the active instance's least-loaded DP rank, held during a switchover.
+"""Request routing in the ingress: the published instance's least-loaded DP rank, held while the
+coordinator says so.
 
-The router holds the current `ActiveInstance` snapshot (what the cluster published last)
-and knows its ranks only as opaque targets with a load count, so it can be tested
-without Ray. A switchover's critical section (old instance stopped at a
-step boundary, sequences handed over, new instance not yet active) closes the
-gate: new requests wait at the gate instead of failing, for at most
-`max_hold_s`, and are then routed to whatever instance is active.
+The router holds the latest `RoutingState` the coordinator published (`update`, from the
+ingress's follower) and knows its ranks only as opaque targets with a load count, so it can
+be tested without Ray. New requests wait (for at most `max_hold_s`) while the state says
+`is_accepting=False`: a switchover's critical section, a repair replacing a dead instance,
+or a coordinator that cannot be reached; then they go to whatever ranks are published.
+A request turned away by a rank that was pausing waits for the next state (`wait_newer`),
+one whose rank failed until that rank is no longer published (`wait_replaced`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from coordinator.active import ActiveInstance
+from coordinator.routing_state import RoutingState
 
 T = TypeVar("T")
 
 
 class NoActiveInstance(RuntimeError):
-    """No instance can take requests (none active, or the gate stayed closed too long)."""
+    """No instance can take requests (none published, or requests were held too long)."""
 
 
 @dataclass
@@ -34,49 +36,49 @@ class _Routes(Generic[T]):
         self.in_flight = [0] * len(self.targets)
 
 
-class Router(Generic[T]):
-    """Least-loaded choice among the active instance's ranks, by requests in flight.
+@dataclass(frozen=True, slots=True)
+class Route(Generic[T]):
+    """A rank chosen for a request, and the state it was chosen from."""
 
-    Invariant: `in_flight` counts requests between `route()` entering and its
-    context exiting, per rank of the instance that was active when they entered;
-    requests of a retired instance finish against its own counters.
+    rank: T
+    key: tuple[str, int]  # `RoutingState.key`
+
+
+class Router(Generic[T]):
+    """Least-loaded choice among the published ranks, by requests in flight.
+
+    Invariant: `in_flight` counts requests between `route()` entering and its context exiting,
+    per rank of the state they were routed by; requests of a replaced instance finish against
+    its own counters. Lives on one event loop (the ingress's): `update` is called there.
     """
 
     def __init__(self, max_hold_s: float = 30.0) -> None:
         self.max_hold_s = max_hold_s
-        self.active: ActiveInstance | None = None  # the last snapshot published (see coordinator.active)
+        self.state: RoutingState | None = None  # the last state published
         self._routes: _Routes[T] | None = None
-        self._open = asyncio.Event()
-        self._open.set()
-        self._changed = asyncio.Event()  # set (and replaced) whenever the targets change
-        self.num_held = 0  # requests currently waiting at the gate (for metrics)
+        self._changed = asyncio.Event()  # set (and replaced) whenever the state changes
+        self.num_held = 0  # requests currently held (for metrics)
 
-    def set_active(self, active: ActiveInstance) -> None:
-        """Route new requests to `active`'s ranks (a new instance), or take its other facts (the
-        same ranks: only its adapters changed; in-flight counts are kept then)."""
-        if self.active is None or self._routes is None or active.ranks != self.active.ranks:
-            self._routes = _Routes(list(active.ranks))
-            self._announce_change()
-        self.active = active
-
-    def clear_active(self) -> None:
-        self._routes = None
-        self.active = None
-        self._announce_change()
-
-    def _announce_change(self) -> None:
+    def update(self, state: RoutingState) -> None:
+        """Take a newly published state; in-flight counts are kept while its ranks are the same."""
+        if self.state is None or self._routes is None or state.ranks != self.state.ranks:
+            self._routes = _Routes(list(state.ranks))
+        self.state = state
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+    @property
+    def is_accepting(self) -> bool:
+        state = self.state
+        return state is not None and state.is_accepting
 
     def is_active_target(self, target: T) -> bool:
         routes = self._routes
         return routes is not None and any(t is target or t == target for t in routes.targets)
 
-    async def wait_replaced(self, target: T, timeout_s: float) -> bool:
-        """Wait until `target` is no longer one of the active targets (its instance was replaced
-        or cleared); False if it still is after `timeout_s`."""
+    async def _wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.is_active_target(target):
+        while not done():
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return False
@@ -86,38 +88,34 @@ class Router(Generic[T]):
                 return False
         return True
 
-    def close_gate(self) -> None:
-        """Start of a switchover's critical section: hold new requests."""
-        self._open.clear()
+    async def wait_replaced(self, target: T, timeout_s: float) -> bool:
+        """Wait until `target` is no longer published (its instance was replaced); False if it
+        still is after `timeout_s`."""
+        return await self._wait_until(lambda: not self.is_active_target(target), timeout_s)
 
-    def open_gate(self) -> None:
-        """End of the critical section: release held requests to the active instance."""
-        self._open.set()
-
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
+    async def wait_newer(self, key: tuple[str, int], timeout_s: float) -> bool:
+        """Wait until a state other than the one keyed `key` is published; False after `timeout_s`."""
+        return await self._wait_until(lambda: self.state is not None and self.state.key != key, timeout_s)
 
     def loads(self) -> list[int]:
         return list(self._routes.in_flight) if self._routes else []
 
     @contextlib.asynccontextmanager
-    async def route(self) -> AsyncIterator[T]:
+    async def route(self) -> AsyncIterator[Route[T]]:
         """Yield the least-loaded rank; its in-flight count covers the body of the `async with`."""
-        if not self._open.is_set():
+        if not self.is_accepting:
             self.num_held += 1
             try:
-                await asyncio.wait_for(self._open.wait(), timeout=self.max_hold_s)
-            except TimeoutError as exc:
-                raise NoActiveInstance(f"switchover did not finish within {self.max_hold_s:.0f}s") from exc
+                if not await self._wait_until(lambda: self.is_accepting, self.max_hold_s):
+                    raise NoActiveInstance(f"requests were held for {self.max_hold_s:.0f}s (no instance accepting)")
             finally:
                 self.num_held -= 1
-        routes = self._routes
-        if routes is None:
+        routes, state = self._routes, self.state
+        if routes is None or state is None or not routes.targets:
             raise NoActiveInstance("no active instance")
         rank = min(range(len(routes.targets)), key=routes.in_flight.__getitem__)
         routes.in_flight[rank] += 1
         try:
-            yield routes.targets[rank]
+            yield Route(routes.targets[rank], state.key)
         finally:
             routes.in_flight[rank] -= 1

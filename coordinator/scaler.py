@@ -7,21 +7,25 @@ One scale, in order (strategy `elastic`):
    (from the pre-initialised pool, else booted now);
 2. attach the new instance to the HMM's *pending* handle sets (KV fenced on the devices
    the old instance still allocates from) and warm it up;
-3. critical section: gate closed -> old paused at a round boundary -> its requests
-   exported -> imported by the new instance -> handover routes published (the engine
-   client resumes each stream there) -> router points at the new ranks -> gate open;
-4. activate the new instance, retire the old, `hmm.commit()` (frees what the target
-   does not hold), refill the standby pool in the background.
+3. critical section: new requests held at the ingress (`hold_requests`) -> old paused
+   at a round boundary -> its requests exported -> imported by the new instance -> each
+   exported stream told its new rank (it ends with a marker naming it; the ingress
+   resumes the request there) -> the new instance published -> requests released;
+4. activate the new instance, retire the old once the handed-over requests were resumed,
+   `hmm.commit()` (frees what the target does not hold), refill the standby pool in the
+   background.
 
 The baselines and ablations (`coordinator.strategies`) switch HMM mechanisms off,
 skip the pool, put the target on fresh devices, or (`cold_restart`) tear the old
-instance down first and reload from disk with the gate closed throughout.
+instance's engines down first and reload from disk with requests held throughout.
 
 Rollback (event `rolled_back`): a failure before the pause retires the new instance and
 `hmm.abort()` restores the old layout exactly; the old one never stopped serving. A failure
 in the critical section (pause, export, import) is undone too: the new instance is retired,
 the old one runs again and takes back the requests it exported (their KV never left its
-pools), their streams resume there, then `hmm.abort()`. Only if that undo fails, or a
+pools), their streams resume there, then `hmm.abort()`. Requests reaching an old rank after
+its pause are turned away (`RankPaused`) and routed again by the ingress once the next state
+is published. Only if that undo fails, or a
 `cold_restart` fails after tearing the old instance down, does the event end `failed`.
 """
 
@@ -43,7 +47,6 @@ from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.errors import describe_error, unwrap_remote
 from hmm.planner import TargetConfig
-from imm.handover import HandoverRoutes
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
 
@@ -78,10 +81,8 @@ class SwitchoverRolledBack(RuntimeError):
 class Scaler:
     """Scales `cluster`'s active instance; one scale at a time (`ScaleEvents` enforces it)."""
 
-    def __init__(self, cluster: ClusterManager, routes: HandoverRoutes) -> None:
+    def __init__(self, cluster: ClusterManager) -> None:
         self.cluster = cluster
-        self.routes = routes
-        self.call_on_loop = cluster.call_on_loop  # the router's gate belongs to its event loop
         self._exported: list[str] = []  # request ids the running scale exported from the old instance
 
     def validate(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> int:
@@ -188,33 +189,31 @@ class Scaler:
                 return f"rolled back at switchover: {exc}"
             self._finish(event, new, t0)
             if old.state is not InstanceState.RETIRED:
-                self._retire_after_markers(old)
+                self._retire_after_markers(old, new)
             hmm.commit()
         event.peak_memory_bytes = sum(u.peak for u in hmm.usage().values())
         return None
 
     def _replace_dead(self, event: ScaleEvent, old: Instance, strat: ScaleStrategy, t0: float) -> None:
-        """Heal: the old instance died (a rank or its loop). New requests wait at the gate from
-        now; the old ranks are killed (none may write a KV pool the new ranks will use), the
-        new instance is prepared on the HMM's pools and takes the traffic. The requests that ran
-        on the old one continue there (the engine client resumes them). If preparing fails, the
-        event is failed and the watcher tries again; requests wait for it (up to the engine
-        client's `recovery_wait_s`)."""
-        router = self.cluster.router
+        """Heal: the old instance died (a rank or its loop). New requests are held from now; the
+        old ranks are killed (none may write a KV pool the new ranks will use), the new instance
+        is prepared on the HMM's pools and takes the traffic. The requests that ran on the old one
+        continue there (the ingress resumes them). If preparing fails, the event is failed and the
+        watcher tries again; requests wait for it (up to the engine client's `recovery_wait_s`)."""
         t_close = time.perf_counter()
-        self.call_on_loop(router.close_gate)
+        self.cluster.hold_requests()
         try:
             if old.state is not InstanceState.RETIRED:  # else a failed repair before this one retired it
                 old.retire(wait_dead_s=10.0)
             new, max_model_len = self._prepare(event, strat, fenced=())
             if new is None:
-                # NOTE: the router keeps the dead ranks: requests wait for the next attempt
+                # NOTE: the dead ranks stay published: requests wait for the next attempt
                 # (`RouterEngineClient` waits until they are replaced) instead of failing now.
                 raise RuntimeError(f"no replacement instance: {max_model_len}")
             self.cluster.publish(new, int(max_model_len))
             self._finish(event, new, t0)
         finally:
-            self.call_on_loop(router.open_gate)
+            self.cluster.release_requests()
             event.downtime_s = time.perf_counter() - t_close
         assert self.cluster.hmm is not None
         self.cluster.hmm.commit()
@@ -269,29 +268,32 @@ class Scaler:
             return None, describe_error(exc)
 
     def _finish(self, event: ScaleEvent, new: Instance, t0: float) -> None:
-        """The new instance, published to the router in the critical section, is active."""
+        """The new instance, published in the critical section, is active."""
         new.activate()
         event.scale_latency_s = time.perf_counter() - t0
 
     def _cold_restart(self, event: ScaleEvent, old: Instance, t0: float) -> None:
-        """Baseline: gate closed, old instance stopped and retired, the model unloaded and
-        loaded again from disk at the target dp, a new instance booted on it; the requests
-        that were in flight are recomputed there. The gate is closed throughout (downtime).
+        """Baseline: requests held, old instance stopped and its engines released (their memory
+        mappings dropped), the model unloaded and loaded again from disk at the target dp, a new
+        instance booted on it; the requests that were in flight are recomputed there. Requests are
+        held throughout (downtime).
 
         NOTE: a failure after the old instance is gone leaves no instance serving (503s
-        until the next scale or restart): the baseline has nothing to roll back to.
+        until the next scale or restart): the baseline has nothing to roll back to. Its exported
+        requests then fail over from their clients' side.
         """
-        cluster, router, cfg = self.cluster, self.cluster.router, self.cluster.config
+        cluster, cfg = self.cluster, self.cluster.config
         hmm = cluster.hmm
         assert hmm is not None
         t_close = time.perf_counter()
-        self.call_on_loop(router.close_gate)
+        cluster.hold_requests()
+        routed = False
         try:
             old.pause()
             snaps = old.export_requests(hand_over_kv=False)
             event.requests_in_flight = sum(len(s) for s in snaps.values())
             self._exported = [s.request_id for ss in snaps.values() for s in ss]
-            self._retire_after_markers(old)
+            old.release_engines()  # NOTE: its processes stay until their streams are routed
             hmm.unload()
             hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
                      esft_slots=cfg.esft_slots)
@@ -302,13 +304,20 @@ class Scaler:
             cluster.adapters.prepare_instance(new)  # `load` mapped the registered adapters again
             new.warm_up()
             routes = new.import_requests(snaps, kv_is_shared=False)
-            event.requests_handed_over = len(routes)
-            self.routes.publish(routes)
-            self.cluster.publish(new, min(ray.get([r.max_model_len.remote() for r in new.ranks])))
+            event.requests_handed_over = old.route_handed_over(routes)
+            routed = True
+            cluster.publish(new, min(ray.get([r.max_model_len.remote() for r in new.ranks])))
             self._finish(event, new, t0)
         finally:
-            self.call_on_loop(router.open_gate)
+            if not routed and old.state is not InstanceState.RETIRED:
+                try:
+                    old.abandon_handover("the cold restart failed")
+                except Exception:  # noqa: BLE001 - retiring it fails the streams all the same
+                    logger.warning("scale %s: abandoning the old instance's handover failed", event.event_id)
+                old.retire()
+            cluster.release_requests()
             event.downtime_s = time.perf_counter() - t_close
+        self._retire_after_markers(old, new)
 
     def _switch_over(
         self,
@@ -319,7 +328,7 @@ class Scaler:
         hand_over_kv: bool,
         recompute_devices: frozenset[int] = frozenset(),
     ) -> None:
-        """The critical section: from closing the gate to reopening it on the new ranks.
+        """The critical section: from holding new requests to releasing them to the new ranks.
 
         Raises `SwitchoverRolledBack` after a failure it undid: the new instance retired, the
         old one running again with every request it had (streams resume there); any other
@@ -327,11 +336,11 @@ class Scaler:
         its loop is stuck), the scale finishes on the new one instead: the old ranks are killed
         and their requests continue on the new instance from what their clients received.
         """
-        router = self.cluster.router
-        # NOTE: close the gate on the router's loop: once it returns, every request that got a
-        # rank of `old` has submitted its `generate`, so `old.pause()`'s export includes it.
+        # NOTE: the ingress learns of the hold asynchronously: a request routed to `old` just
+        # before reaches it either before the pause (then it is exported with the others) or
+        # after (`RankPaused`: the ingress routes it again once the next state is published).
         t_close = time.perf_counter()
-        self.call_on_loop(router.close_gate)
+        self.cluster.hold_requests()
         snaps: dict[int, list[RequestSnapshot]] | None = None
         try:
             try:
@@ -342,34 +351,39 @@ class Scaler:
                                event.event_id, describe_error(exc))
                 event.fault = f"old instance failed at the switchover: {describe_error(exc)}"
                 event.detected_at = time.time()
+                # NOTE: its streams fail with its ranks; their consumers continue from what they got.
                 old.retire(wait_dead_s=10.0)  # none of its ranks may write a KV pool the new ranks share
                 new.import_requests({}, kv_is_shared=True)  # nothing to import: this lifts the KV fences
                 self.cluster.publish(new, max_model_len)
-                self.routes.abandon_waiting()  # what a half-done export handed over resumes elsewhere
                 return
             event.requests_in_flight = sum(len(s) for s in snaps.values())
             self._exported = [s.request_id for ss in snaps.values() for s in ss]
             routes = new.import_requests(snaps, kv_is_shared=hand_over_kv, recompute_devices=recompute_devices)
             event.requests_handed_over = len(routes)
-            # NOTE: publish before opening the gate; consumers of `old`'s streams block on these.
-            self.routes.publish(routes)
+            # NOTE: the exported streams wait for these: each ends with a marker naming its new rank.
+            old.route_handed_over(routes)
             self.cluster.publish(new, max_model_len)
         except BaseException as exc:
             logger.exception("scale %s: switchover failed; handing the requests back", event.event_id)
             self._undo_switchover(old, new, snaps, hand_over_kv)
             raise SwitchoverRolledBack(describe_error(exc)) from exc
         finally:
-            # NOTE: after a failed undo the gate still reopens on `old`'s ranks, which answer with
+            # NOTE: after a failed undo requests are released to `old`'s ranks, which answer with
             # errors (503s) instead of holding requests forever.
-            self.call_on_loop(router.open_gate)
+            self.cluster.release_requests()
             event.downtime_s = time.perf_counter() - t_close
 
-    def _retire_after_markers(self, old: Instance, timeout_s: float = 10.0) -> None:
-        """Retire `old` once the consumers of its exported requests have read their handover
-        markers (a rank killed earlier may take undelivered outputs with it)."""
-        missing = self.routes.wait_markers(self._exported, timeout_s)
+    def _retire_after_markers(self, old: Instance, new: Instance, timeout_s: float = 10.0) -> None:
+        """Retire `old` once the consumers of its exported requests resumed them on `new` (they
+        read the markers, so every output before them arrived: a rank killed earlier may take
+        undelivered outputs with it, which their clients would then recompute)."""
+        try:
+            missing = new.wait_resumed(self._exported, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the new instance failing is the healer's business
+            missing = set(self._exported)
+            logger.warning("waiting for the handed-over requests failed (%s)", describe_error(exc))
         if missing:
-            logger.warning("retiring %s: %d handed-over streams unread after %.0f s (clients gone?)",
+            logger.warning("retiring %s: %d handed-over streams not resumed after %.0f s (clients gone?)",
                            old, len(missing), timeout_s)
         self._exported = []
         old.retire()
@@ -380,7 +394,6 @@ class Scaler:
         # NOTE: retire the new instance first: on kept devices it shares the old KV pools and may
         # already be stepping imported requests; the old one must be their only writer again.
         new.retire()
-        self.routes.wait_markers(self._exported, 0.0)  # forget them: `old` keeps its requests
         self._exported = []
         if old.is_paused:
-            self.routes.publish(old.reinstate(snaps or {}, kv_kept))
+            old.route_handed_over(old.reinstate(snaps or {}, kv_kept))  # their streams resume on `old`

@@ -5,16 +5,23 @@ Splice protocol (one request, old rank A on device d, new instance B):
 1. `A.pause()`: A's loop ends at a round boundary (all of A's ranks, same round);
    its consumers keep waiting; nothing is finished or failed.
 2. `A.export_requests()`: each live request leaves A's engine as a
-   `RequestSnapshot`; its `generate` stream then yields the outputs it already
-   produced, followed by one `HandedOverOutput` marker (not a `RequestOutput`, not
-   finished), and ends.
+   `RequestSnapshot`; its `generate` stream yields the outputs it already produced
+   and then waits for the request's next rank (`PendingRoutes`).
 3. `B.import_requests(snaps)`: the snapshot goes to B's rank on device d if d is
    kept (`kv_is_shared=True`: the block table is claimed in the same KV pool, no
    recomputation), else to B's least-loaded rank (`kv_is_shared=False`: KV is
    recomputed from the tokens). B's rank buffers the request's outputs from then on.
-4. The consumer, on the marker, calls `resume(request_id)` on the rank that
-   `HandoverRoutes` names; that stream continues with the next delta: the
-   snapshot carries the emitted token/char counts, so deltas neither repeat nor skip.
+4. `A.route_handed_over({request_id: B's rank})`: A's stream ends with one
+   `HandedOverOutput` marker naming that rank (not a `RequestOutput`, not finished).
+5. The consumer, on the marker, calls `resume(request_id)` on the rank it names; that
+   stream continues with the next delta: the snapshot carries the emitted token/char
+   counts, so deltas neither repeat nor skip. B knows which imported requests were
+   resumed (`wait_resumed`), so A is retired only after their consumers read the markers.
+
+The route travels in the stream itself, so the consumer may live in any process (the
+ingress) and the switchover needs no channel to it. If no route comes (A's switchover was
+abandoned, or A dies first), the stream fails (`HandoverAbandoned`, a rank failure) and the
+consumer continues the request from what its client received (`EngineRequest.resume`).
 
 KV pool ownership: on a kept device A's rank and B's rank open the same pool.
 B's rank holds a `KVFence` on every block from attach until its first import,
@@ -24,8 +31,7 @@ its export (it is paused, then retired; a paused rank cannot be restarted).
 
 from __future__ import annotations
 
-import threading
-import time
+import asyncio
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,9 +64,11 @@ class HandoverAbandoned(EngineDeadError):
 
 @dataclass(frozen=True, slots=True)
 class HandedOverOutput:
-    """Last item of a `generate` stream whose request moved to another instance (not finished)."""
+    """Last item of a `generate`/`resume` stream whose request moved to another rank (not
+    finished): `next_rank` (an `InstanceRank` actor) continues it with `resume(request_id)`."""
 
     request_id: str
+    next_rank: Any
     finished: bool = False
 
 
@@ -129,71 +137,55 @@ def assign_snapshots(
     return out
 
 
-class HandoverRoutes:
-    """request id -> the rank actor that continues it; published by the switchover, awaited
-    by the consumers that saw a `HandedOverOutput`. Thread-safe."""
+class PendingRoutes:
+    """A rank's exported requests whose next rank is not known yet (asyncio, the rank's loop).
+
+    `expect` at the export; `publish` (the switchover imported them elsewhere) or `abandon`
+    (it never will) settles them; each stream of an exported request awaits `next_rank`."""
 
     def __init__(self) -> None:
-        self._routes: dict[str, Any] = {}
-        self._markers: set[str] = set()  # requests whose consumer has read the handover marker
-        self._epoch = 0  # advanced by `abandon_waiting`
-        self._cond = threading.Condition()
+        self._routes: dict[str, asyncio.Future[Any]] = {}
+        self._reason = ""
 
-    def saw_marker(self, request_id: str) -> None:
-        """The consumer read `request_id`'s marker: every output before it has arrived."""
-        with self._cond:
-            self._markers.add(request_id)
-            self._cond.notify_all()
+    def expect(self, request_ids: Iterable[str]) -> None:
+        loop = asyncio.get_running_loop()
+        for request_id in request_ids:
+            self._routes[request_id] = loop.create_future()
 
-    def wait_markers(self, request_ids: Iterable[str], timeout_s: float) -> set[str]:
-        """Wait until every consumer of `request_ids` read its marker (then forget them); the
-        ids still unread at the timeout (e.g. a client that went away) are returned.
+    def publish(self, routes: Mapping[str, Any]) -> int:
+        """Settle the expected requests among `routes` (the others are another rank's); returns how many."""
+        settled = 0
+        for request_id, rank in routes.items():
+            future = self._routes.get(request_id)
+            if future is not None and not future.done():
+                future.set_result(rank)
+                settled += 1
+        return settled
 
-        NOTE: a rank reports its stream items asynchronously: killing it right after the
-        export can lose the marker and outputs before it, so retire it only after this."""
-        wanted = set(request_ids)
-        with self._cond:
-            self._cond.wait_for(lambda: wanted <= self._markers, timeout_s)
-            missing = wanted - self._markers
-            self._markers -= wanted
-            return missing
+    def abandon(self, reason: str) -> None:
+        """No route will come for what is still unsettled: those streams fail (`HandoverAbandoned`)."""
+        self._reason = reason
+        for future in self._routes.values():
+            if not future.done():
+                future.set_result(None)  # None: abandoned (a result, so nobody has to retrieve an error)
 
-    def publish(self, routes: Mapping[str, Any]) -> None:
-        with self._cond:
-            self._routes.update(routes)
-            self._cond.notify_all()
-
-    def wait(self, request_id: str, timeout_s: float = 60.0) -> Any:
-        """The rank that continues `request_id`. Raises `HandoverAbandoned` if no route comes: the
-        switchover ended without one (its old instance died during the export, `abandon_waiting`),
-        or none within `timeout_s`; the caller continues the request from what its client has."""
-        with self._cond:
-            epoch = self._epoch
-            if not self._cond.wait_for(lambda: request_id in self._routes or self._epoch != epoch, timeout_s):
-                raise HandoverAbandoned(f"no handover route for {request_id!r} within {timeout_s}s")
-            if request_id not in self._routes:
-                raise HandoverAbandoned(f"the handover of {request_id!r} was abandoned")
-            return self._routes[request_id]
-
-    def abandon_waiting(self) -> None:
-        """Every consumer waiting for a route now gets `HandoverAbandoned` (a switchover whose old
-        instance died half-way through its export: no route will come for what it exported)."""
-        with self._cond:
-            self._epoch += 1
-            self._cond.notify_all()
-
-    def take(self, request_id: str, timeout_s: float = 60.0) -> Any:
-        """`wait`, then forget the route, so that a later handover of the same request (a
-        second scale while it runs) waits for its own route instead of this stale one."""
-        with self._cond:
-            rank = self.wait(request_id, timeout_s)  # the Condition's lock is re-entrant
-            del self._routes[request_id]
-            return rank
+    async def next_rank(self, request_id: str, timeout_s: float = 60.0) -> Any:
+        """The rank that continues `request_id`; `HandoverAbandoned` if none comes in `timeout_s`."""
+        future = self._routes.get(request_id)
+        if future is None:
+            raise HandoverAbandoned(f"{request_id!r} was not exported here")
+        try:
+            rank = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except TimeoutError:
+            raise HandoverAbandoned(f"no handover route for {request_id!r} within {timeout_s:g}s") from None
+        finally:
+            self._routes.pop(request_id, None)
+        if rank is None:
+            raise HandoverAbandoned(f"the handover of {request_id!r} was abandoned: {self._reason}")
+        return rank
 
 
-def spliced_stream(
-    first: Any, routes: HandoverRoutes, timeout_s: float = 60.0
-) -> Iterator[RequestOutput | HandedOverOutput]:
+def spliced_stream(first: Any, timeout_s: float = 60.0) -> Iterator[RequestOutput | HandedOverOutput]:
     """Iterate a rank's `generate` stream (a Ray ObjectRefGenerator), following handovers.
 
     Yields every `RequestOutput` and each `HandedOverOutput` marker (callers may skip them),
@@ -210,6 +202,4 @@ def spliced_stream(
                 marker = item
         if marker is None:
             return
-        deadline = time.monotonic() + timeout_s
-        rank = routes.wait(marker.request_id, max(0.0, deadline - time.monotonic()))
-        gen = rank.resume.remote(marker.request_id)
+        gen = marker.next_rank.resume.remote(marker.request_id)

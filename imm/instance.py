@@ -230,7 +230,8 @@ class Instance:
     def export_requests(self, hand_over_kv: bool = True) -> dict[int, list[RequestSnapshot]]:
         """After `pause`: device id -> the snapshots of the requests its rank held.
 
-        Each request's `generate` stream ends with a `HandedOverOutput`. With `hand_over_kv`
+        Each request's stream waits for `route_handed_over`, then ends with a `HandedOverOutput`
+        naming the rank that continues it. With `hand_over_kv`
         the blocks stay allocated in the device's pool for the next owner. NOTE: a paused,
         exported instance must only be retired (its engines would allocate from shared pools).
         """
@@ -286,6 +287,37 @@ class Instance:
             )
         self.import_reports = reports
         return {s.request_id: self.ranks[r] for r, (shared, moved) in plan.items() for s in shared + moved}
+
+    def route_handed_over(self, routes: Mapping[str, Any]) -> int:
+        """Tell every rank where its exported requests continue (request id -> rank actor, as
+        `import_requests` or `reinstate` returned); their streams end with a marker naming it.
+        Returns how many streams were routed. NOTE: works in any state but retired: a rank whose
+        engine is already released (`release_engines`) still routes its waiting streams."""
+        if not routes:
+            return 0
+        return sum(self._get([rank.route_handed_over.remote(dict(routes)) for rank in self.ranks]))
+
+    def abandon_handover(self, reason: str) -> None:
+        """No route will come for the exported requests still waiting (their consumers continue
+        them from what their clients received)."""
+        self._get([rank.abandon_handover.remote(reason) for rank in self.ranks])
+
+    def wait_resumed(self, request_ids: Collection[str], timeout_s: float) -> set[str]:
+        """Wait until every imported request among `request_ids` was resumed on its rank here;
+        returns those still unresumed at the timeout (a client that went away)."""
+        ids = list(request_ids)
+        if not ids:
+            return set()
+        missing = self._get([rank.wait_resumed.remote(ids, timeout_s) for rank in self.ranks])
+        return set().union(*map(set, missing))
+
+    def release_engines(self) -> None:
+        """Drop every rank's engine (its device memory mappings and EP group) but keep the rank
+        processes, so the streams of their exported requests can still be routed. For a switchover
+        that must free the old instance's memory before the new one exists (`cold_restart`)."""
+        if not self.is_paused:
+            raise RuntimeError(f"{self}: release_engines before pause")
+        self._get([rank.shutdown.remote() for rank in self.ranks])
 
     def retire(self, wait_dead_s: float = 0.0) -> None:
         """Stop the loops, shut the ranks down and kill the actors. Best effort, never leaves actors.

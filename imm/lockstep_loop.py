@@ -168,6 +168,11 @@ class LockstepAsyncLLM(AsyncLLM):
                 self._streams[request_id] = stream
                 self._adopted[request_id] = (now, stream)
 
+    def unresumed(self, request_ids: list[str]) -> list[str]:
+        """The adopted requests among `request_ids` whose `resume` has not been called yet."""
+        with self._lock:
+            return [r for r in request_ids if r in self._adopted]
+
     def drop_streams(self, request_ids: list[str]) -> None:
         """Forget adopted streams whose import failed (nothing will be delivered to them)."""
         for request_id in request_ids:

@@ -8,6 +8,7 @@ Lifecycle (driven by `imm.instance.Instance`, which checks the order):
     generate / abort / stats       (serving)
     pause -> export_requests       (old rank at a switchover; see `imm.handover`)
     import_requests -> resume      (new rank at a switchover)
+    route_handed_over              (old rank: its exported streams end naming the new rank)
     stop -> shutdown
 
 It is an *async* actor: `generate` is an async generator streamed back with a
@@ -54,7 +55,7 @@ from hmm.memory.page_table import SlotPages
 from hmm.p2p import GroupSpec
 from hmm.placement import ray_node_id
 from hmm.providers import Handle
-from imm.handover import HandedOverOutput, ImportReport, KVFence, RankPaused
+from imm.handover import HandedOverOutput, ImportReport, KVFence, PendingRoutes, RankPaused
 from imm.lockstep_loop import HandedOver, LockstepAsyncLLM
 from imm.zero_copy import AttachReport, ZeroCopyLoader, check_zero_copy
 
@@ -100,6 +101,7 @@ class InstanceRank:
         self.llm: LockstepAsyncLLM | None = None
         self.kv_fence: KVFence | None = None
         self.has_exported = False
+        self.pending_routes = PendingRoutes()  # exported requests awaiting their next rank
         self.handle_set: dict[str, Handle] = {}  # what the engine attached to (ESFT rows map into it)
         self.engine_id = uuid.uuid4().hex  # see `RankStats.engine_id`
         if in_ray_actor():  # it maps device memory: exit with the node's raylet (see hmm.lifeline)
@@ -223,7 +225,7 @@ class InstanceRank:
             async for out in llm.generate(request):
                 yield out
         except HandedOver:
-            yield HandedOverOutput(request_id)
+            yield HandedOverOutput(request_id, await self.pending_routes.next_rank(request_id))
         except EngineDeadError:
             # NOTE: Ray may start this task after a concurrent `pause` although it was sent
             # first; the request then never reached the engine (or was failed unexported by
@@ -306,7 +308,7 @@ class InstanceRank:
 
     async def export_requests(self, hand_over_kv: bool) -> list[RequestSnapshot]:
         """After `pause`: remove every live request (late adds included) and return its snapshot;
-        each request's `generate` stream then ends with a `HandedOverOutput`.
+        each request's stream then waits for `route_handed_over` and ends with a `HandedOverOutput`.
 
         `hand_over_kv`: the block tables travel and stay allocated for the pool's next owner.
         NOTE: runs on the actor's event loop without awaiting, so no `generate` or `abort`
@@ -318,8 +320,31 @@ class InstanceRank:
         llm.apply_queued_commands()
         snaps = self.engine.export_requests(hand_over_kv)
         self.has_exported = True
-        llm.hand_over_streams([s.request_id for s in snaps])
+        ids = [s.request_id for s in snaps]
+        self.pending_routes.expect(ids)  # NOTE: before the streams learn they were handed over
+        llm.hand_over_streams(ids)
         return snaps
+
+    def route_handed_over(self, routes: Mapping[str, Any]) -> int:
+        """The switchover placed exported requests (request id -> the `InstanceRank` actor that
+        continues each); their streams here end with a marker naming it. Routes of requests
+        exported elsewhere are ignored. Returns how many streams of this rank were routed."""
+        return self.pending_routes.publish(routes)
+
+    def abandon_handover(self, reason: str) -> None:
+        """No route will come for the exported requests still waiting here: their streams fail,
+        and each consumer continues its request from what its client received."""
+        self.pending_routes.abandon(reason)
+
+    async def wait_resumed(self, request_ids: list[str], timeout_s: float) -> list[str]:
+        """Wait until the imported `request_ids` were resumed here (their consumers read the old
+        rank's markers, so every output before them arrived); returns those still unresumed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = self._llm().unresumed(request_ids)
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            await asyncio.sleep(0.01)
 
     async def import_requests(self, snaps: list[RequestSnapshot], kv_is_shared: bool) -> ImportReport:
         """Continue exported requests here; read each one with `resume(request_id)`.
@@ -377,7 +402,7 @@ class InstanceRank:
             async for out in self._llm().resume(request_id):
                 yield out
         except HandedOver:
-            yield HandedOverOutput(request_id)
+            yield HandedOverOutput(request_id, await self.pending_routes.next_rank(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort; its stream ends with `finish_reason="abort"` and its KV blocks are freed."""

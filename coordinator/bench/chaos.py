@@ -1,6 +1,6 @@
 """Chaos benchmark: kill processes of a serving elastic server and measure what clients see.
 
-    python -m coordinator.bench.chaos --json [--faults rank@1,rank@2,device@1,mid-scale@1,coordinator@1]
+    python -m coordinator.bench.chaos --json [--faults rank@1,rank@2,device@1,mid-scale@1,coordinator@1,ingress@1]
 
 Starts an elastic server in-process (the tiny Qwen3-MoE by default, 3 logical devices,
 float32), records an undisturbed run of the prompts, then for each `fault@dp`: brings the
@@ -31,7 +31,7 @@ from coordinator.bench.chaos_faults import FAULTS, FaultResult, run_fault, settl
 from coordinator.bench.report_output import claim_stdout, emit
 from hmm.memory.lease import reap
 
-DEFAULT_FAULTS = "rank@1,rank@2,device@1,mid-scale@1,coordinator@1"
+DEFAULT_FAULTS = "rank@1,rank@2,device@1,mid-scale@1,coordinator@1,ingress@1"
 _GIB = 1 << 30
 
 

@@ -9,8 +9,9 @@ on another instance, tokens recomputed). The server must run on this node (pids 
 
 Faults (`FAULTS`): a rank of the active instance; the device worker under its rank 0; the
 old instance's rank while a scale is preparing (the scale must finish on the new instance);
-the coordinator replica (Serve restarts it; the streams through it end with it: their TCP
-connections terminate in that process).
+the coordinator replica (Serve restarts it; the ingress holds the streams meanwhile and
+continues them on the new coordinator's instance); the ingress replica (Serve restarts it; the
+streams through it end with it: their HTTP connections terminate in that process).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ FAULTS = {
     "rank": "kill -9 a rank of the active instance",
     "device": "kill -9 the device worker under the active rank 0",
     "mid-scale": "kill -9 the old instance's rank while a scale prepares",
-    "coordinator": "kill -9 the coordinator replica (Serve restarts it)",
+    "coordinator": "kill -9 the coordinator replica (Serve restarts it; the ingress holds its streams)",
+    "ingress": "kill -9 the ingress replica (Serve restarts it; the streams through it end with it)",
 }
 
 
@@ -41,8 +43,8 @@ class FaultResult:
     fault: str
     dp_before: int
     dp_after: int | None
-    detect_s: float | None  # kill -> the server saw the fault
-    recover_s: float | None  # kill -> an instance serves again (the repair finished)
+    detect_s: float | None  # kill -> the server saw the fault (a restart: /ready said 503)
+    recover_s: float | None  # kill -> an instance serves again (the repair finished; a restart: /ready 200)
     max_stall_s: float  # longest pause of any stream after the kill
     baseline_stall_s: float  # longest pause of any stream before it
     ready_503_s: float  # how long /ready answered 503
@@ -76,7 +78,9 @@ async def undisturbed(client: httpx.AsyncClient, model: str, prompts: Sequence[l
 
 
 async def status(client: httpx.AsyncClient) -> dict[str, Any]:
-    return (await client.get("/admin/status", timeout=30)).json()
+    response = await client.get("/admin/status", timeout=30)
+    response.raise_for_status()  # 503 while the coordinator restarts
+    return response.json()
 
 
 async def settle(client: httpx.AsyncClient, dp: int, timeout_s: float = 120) -> None:
@@ -121,6 +125,8 @@ async def _inject(client: httpx.AsyncClient, fault: str, st: dict[str, Any]) -> 
         return _kill(ranks[0]["pid"], "the old rank")
     if fault == "coordinator":
         return _kill(st["coordinator"]["pid"], "the coordinator")
+    if fault == "ingress":
+        return _kill(st["ingress"]["pid"], "the ingress")
     raise ValueError(f"fault: one of {sorted(FAULTS)}, got {fault!r}")
 
 
@@ -185,15 +191,20 @@ def _result(fault: str, before: dict[str, Any], after: dict[str, Any], records: 
             reference: Sequence[str], ready: list[tuple[float, int]], t_kill: float, wall_kill: float) -> FaultResult:
     new_events = [e for e in after["scale_events"] if (e["finished_at"] or wall_kill) >= wall_kill]
     repair = next((e for e in new_events if e["strategy"] == "heal" or e.get("fault")), None)
-    restarted = after["coordinator"]["pid"] != before["coordinator"]["pid"]
-    first_ready = next((t for t, code in ready[1:] if code == 200 and t > t_kill), None)
+    restarted = any(after[p]["pid"] != before[p]["pid"] for p in ("coordinator", "ingress"))
+    # A poll's time is when its answer came: one sent while no ingress ran waits in Serve's proxy.
+    first_not_ready = next((t for t, code in ready[1:] if code != 200), None)
+    last_not_ready = max((t for t, code in ready[1:] if code != 200), default=t_kill)
+    first_ready = next((t for t, code in ready[1:] if code == 200 and t > last_not_ready), None)
     if restarted:  # a new replica: no repair event; it serves once /ready says so
-        detect_s, recover_s = None, None if first_ready is None else first_ready - t_kill
+        detect_s = None if first_not_ready is None else first_not_ready - t_kill
+        recover_s = None if first_ready is None else first_ready - t_kill
     else:
         detect_s = None if repair is None else (repair["detected_at"] or repair["started_at"]) - wall_kill
         recover_s = None if repair is None else repair["finished_at"] - wall_kill
     counters = ("recovered", "tokens_recomputed")
-    base = dict.fromkeys(counters, 0) if restarted else before["requests"]
+    # The ingress counts requests continued elsewhere; a new ingress counts from 0.
+    base = dict.fromkeys(counters, 0) if after["ingress"]["pid"] != before["ingress"]["pid"] else before["requests"]
     gaps_before: list[float] = []
     gaps_after: list[float] = []
     for r in records:

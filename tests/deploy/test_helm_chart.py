@@ -298,7 +298,7 @@ def test_gpu_values_put_gpus_on_the_worker_group_only():
 
 
 def test_serve_args_build_the_coordinator_config(tiny_model_dir):
-    from coordinator.app import Coordinator
+    from coordinator.controller import Coordinator
     from coordinator.deployment import config_from_args
 
     for values in (None, gpu_values()):

@@ -2,13 +2,15 @@
 
 One server per module (tiny Qwen3-MoE, 3 logical devices, float32), the faults in sequence
 (seeded prompts, greedy streams): a rank at dp 1 and at dp 2, a device worker, the old
-instance's rank in the middle of a scale, and last the coordinator replica. For every fault
-but the last: zero failed requests, every stream's text identical to the undisturbed run,
-the repair visible as a `heal` (or finished scale) event, /ready 200 again and no /dev/shm
-file without a live owner. The coordinator replica holds the HTTP connections of the
-streams it serves, so those fail with it; Serve restarts it, the new one frees its
-predecessor's memory (no second copy of the model) and serves identical text. After the
-shutdown no /dev/shm file is left. The harness is `coordinator.bench.chaos_faults`.
+instance's rank in the middle of a scale, the coordinator replica, and last the ingress
+replica. For every fault but the last: zero failed requests, every stream's text identical to
+the undisturbed run, /ready 200 again and no /dev/shm file without a live owner; a repair is
+visible as a `heal` (or finished scale) event. A killed coordinator is restarted by Serve
+(its ranks die with it; the new one frees its predecessor's memory: no second copy of the
+model) while the ingress holds the streams, which continue on the new instance. The ingress
+holds the HTTP connections of the streams it serves, so those fail with it; Serve restarts
+it and it serves identical text. After the shutdown no /dev/shm file is left. The harness is
+`coordinator.bench.chaos_faults`.
 """
 
 from __future__ import annotations
@@ -73,10 +75,20 @@ def test_a_killed_process_costs_a_pause_not_a_request(server, reference, fault, 
     assert "elasticmoe_ready 1.0" in metrics and "elasticmoe_degraded_components 0.0" in metrics
 
 
-def test_a_restarted_coordinator_frees_its_predecessor_and_serves_on(server, reference):
+def test_a_killed_coordinator_costs_a_pause_not_a_request(server, reference):
     r = _inject(server, reference, "coordinator", 1)
+    assert (r.failed, r.identical) == (0, r.requests), r.errors
+    assert r.recovered == r.requests and r.tokens_recomputed > 0  # its ranks died with it
+    assert r.detect_s is not None and r.recover_s is not None  # /ready said 503 until it served again
+    assert r.orphaned_shm_files == 0  # the new coordinator freed its predecessor's memory: no second copy
+    with httpx.Client(base_url=server.url) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+
+
+def test_a_restarted_ingress_serves_on(server, reference):
+    r = _inject(server, reference, "ingress", 1)
     assert r.failed == r.requests  # their connections ended in the killed process
-    assert r.recover_s is not None and r.orphaned_shm_files == 0  # no second copy beside the new one
+    assert r.recover_s is not None and r.orphaned_shm_files == 0
 
     async def main() -> list[str]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:

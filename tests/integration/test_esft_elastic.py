@@ -28,7 +28,7 @@ from elasticmoe.errors import UnknownAdapterError
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
-from imm.handover import HandoverRoutes, spliced_stream
+from imm.handover import spliced_stream
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
 
 def _generate(cluster: ClusterManager, rid: str, adapter: str | None, params: SamplingParams = PARAMS) -> list[int]:
     rank = cluster.active.ranks[hash(rid) % cluster.active.dp]
-    outs = [o for o in spliced_stream(rank.generate.remote(EngineRequest(rid, PROMPT, params, AdapterRef(adapter))), HandoverRoutes())
+    outs = [o for o in spliced_stream(rank.generate.remote(EngineRequest(rid, PROMPT, params, AdapterRef(adapter))))
             if isinstance(o, RequestOutput)]
     assert outs[-1].finished
     return outs[-1].output_token_ids
@@ -89,7 +89,7 @@ def test_adapters_equal_merged_models_across_scaling(cluster, adapters):
     _check_all(cluster, adapters, "dp1")
 
     for dp in (2, 1):
-        event = Scaler(cluster, HandoverRoutes()).scale(dp)
+        event = Scaler(cluster).scale(dp)
         assert event.state is ScaleState.SUCCEEDED, event.error
         _check_all(cluster, adapters, f"dp{dp}")
 
@@ -105,12 +105,12 @@ def test_unload_under_load_then_reload(cluster, adapters):
     host.load_blocking("alpha", adapters["alpha"][0], _experts(adapters["alpha"][0]))
     long = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
     rank = cluster.active.ranks[0]
-    stream = spliced_stream(rank.generate.remote(EngineRequest("long-alpha", PROMPT, long, AdapterRef("alpha"))), HandoverRoutes())
+    stream = spliced_stream(rank.generate.remote(EngineRequest("long-alpha", PROMPT, long, AdapterRef("alpha"))))
     first = next(stream)
     assert isinstance(first, RequestOutput) and not first.finished
     assert host.unload_blocking("alpha") is False  # its request still runs
     with pytest.raises(ScaleConflict, match="unloading"):
-        Scaler(cluster, HandoverRoutes()).start(2)
+        Scaler(cluster).start(2)
     with pytest.raises(UnknownAdapterError):
         _generate(cluster, "refused", "alpha")
     outs = [first, *[o for o in stream if isinstance(o, RequestOutput)]]
@@ -143,7 +143,7 @@ def test_lora_across_scaling(cluster, adapters, tmp_path):
     assert [a["type"] for a in asyncio_run(host.describe()) if a["name"] == "style"] == ["lora"]
     for i in range(cluster.active.dp):
         assert _generate(cluster, f"lora-dp1-{i}", "style") == want
-    event = Scaler(cluster, HandoverRoutes()).scale(2)
+    event = Scaler(cluster).scale(2)
     assert event.state is ScaleState.SUCCEEDED, event.error
     for i in range(cluster.active.dp):  # the new instance loaded it for its own placement
         assert _generate(cluster, f"lora-dp2-{i}", "style") == want
@@ -152,10 +152,10 @@ def test_lora_across_scaling(cluster, adapters, tmp_path):
 
     r = random_router(("style",), cluster.hmm.model_config.hidden_size, top_k=1)
     host.load_router_blocking("mix", LoraRouter(r.adapters, 1, r.w1, r.b1, r.w2, r.b2))
-    assert Scaler(cluster, HandoverRoutes()).scale(1).state is ScaleState.SUCCEEDED
+    assert Scaler(cluster).scale(1).state is ScaleState.SUCCEEDED
     rank = cluster.active.ranks[0]
     routed = [o for o in spliced_stream(rank.generate.remote(EngineRequest(
-        "learned", PROMPT, PARAMS, AdapterRef(routing={"type": "learned", "router": "mix"}))), HandoverRoutes())
+        "learned", PROMPT, PARAMS, AdapterRef(routing={"type": "learned", "router": "mix"}))))
               if isinstance(o, RequestOutput)]
     assert routed[-1].output_token_ids == want  # top-1 of one adapter: that adapter
     assert host.unload_blocking("style", wait=True)

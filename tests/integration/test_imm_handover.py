@@ -23,7 +23,7 @@ from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 from hmm.planner import scale_target
-from imm.handover import HandedOverOutput, HandoverRoutes, RankPaused, spliced_stream
+from imm.handover import HandedOverOutput, RankPaused, spliced_stream
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
 
@@ -62,13 +62,12 @@ def test_switchover_hands_running_requests_to_the_new_instance(hmm, tiny_model_d
         old.attach(hmm)
         old.warm_up()
         old.activate()
-        routes = HandoverRoutes()
         items: dict[str, list[RequestOutput | HandedOverOutput]] = {rid: [] for rid in REQUESTS}
         started = threading.Barrier(len(REQUESTS) + 1)
 
         def consume(rid: str) -> None:
             prompt, params = REQUESTS[rid]
-            for item in spliced_stream(old.ranks[0].generate.remote(EngineRequest(rid, prompt, params)), routes):
+            for item in spliced_stream(old.ranks[0].generate.remote(EngineRequest(rid, prompt, params))):
                 items[rid].append(item)
                 if len(items[rid]) == 3:
                     started.wait(timeout=60)
@@ -89,9 +88,10 @@ def test_switchover_hands_running_requests_to_the_new_instance(hmm, tiny_model_d
             late = old.ranks[0].generate.remote(EngineRequest("late", [1, 2, 3], REQUESTS[next(iter(REQUESTS))][1]))
             with pytest.raises(RankPaused):
                 ray.get(next(late))
-            routes.publish(new.import_requests(snaps))
+            assert old.route_handed_over(new.import_requests(snaps)) == len(REQUESTS)
             t_imported = time.perf_counter()
             new.activate()
+            assert new.wait_resumed(list(REQUESTS), 60) == set()  # every consumer followed its marker
             old.retire()
             hmm.commit()
             t_done = time.perf_counter()

@@ -25,7 +25,7 @@ from elasticmoe.models.registry import model_family
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 from hmm.device_memory import DeviceMemory
-from imm.handover import HandedOverOutput, HandoverRoutes, spliced_stream
+from imm.handover import HandedOverOutput, spliced_stream
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
 
@@ -42,11 +42,11 @@ def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
 
 
 def _run_stream(
-    cluster: ClusterManager, routes: HandoverRoutes, rid: str, started: threading.Event
+    cluster: ClusterManager, rid: str, started: threading.Event
 ) -> list[Any]:
     assert cluster.active is not None
     items: list[Any] = []
-    for item in spliced_stream(cluster.active.ranks[0].generate.remote(EngineRequest(rid, PROMPT, PARAMS)), routes):
+    for item in spliced_stream(cluster.active.ranks[0].generate.remote(EngineRequest(rid, PROMPT, PARAMS))):
         items.append(item)
         if len(items) == 3:
             started.set()
@@ -55,10 +55,9 @@ def _run_stream(
 
 def _during_scale(cluster: ClusterManager, rid: str, scale: Callable[[Scaler], Any]) -> tuple[Any, list[Any]]:
     """Run `scale(scaler)` while request `rid` streams; (its result, the stream's items)."""
-    routes = HandoverRoutes()
-    scaler = Scaler(cluster, routes)
+    scaler = Scaler(cluster)
     started, result = threading.Event(), {}
-    t = threading.Thread(target=lambda: result.update(items=_run_stream(cluster, routes, rid, started)))
+    t = threading.Thread(target=lambda: result.update(items=_run_stream(cluster, rid, started)))
     t.start()
     assert started.wait(60)
     out = scale(scaler)
@@ -73,12 +72,12 @@ def _tokens(items: list[Any]) -> list[int]:
 
 
 def _stream_in_flight_at_pause(
-    monkeypatch: pytest.MonkeyPatch, cluster: ClusterManager, routes: HandoverRoutes, rid: str
+    monkeypatch: pytest.MonkeyPatch, cluster: ClusterManager, rid: str
 ) -> tuple[threading.Thread, dict[str, Any]]:
     """A stream on the active instance that starts right before its `pause` (every strategy
     pauses the old instance exactly once), so it is surely in flight at the switchover."""
     old, started, result = cluster.active, threading.Event(), {}
-    stream = threading.Thread(target=lambda: result.update(items=_run_stream(cluster, routes, rid, started)))
+    stream = threading.Thread(target=lambda: result.update(items=_run_stream(cluster, rid, started)))
     original_pause = Instance.pause
 
     def start_stream_then_pause(self: Instance) -> None:
@@ -94,7 +93,7 @@ def _stream_in_flight_at_pause(
 @pytest.fixture(scope="module")
 def baseline(cluster) -> list[int]:
     started = threading.Event()
-    return _tokens(_run_stream(cluster, HandoverRoutes(), "baseline", started))
+    return _tokens(_run_stream(cluster, "baseline", started))
 
 
 def test_failure_before_switchover_rolls_back(cluster, baseline, monkeypatch):
@@ -114,7 +113,7 @@ def test_failure_before_switchover_rolls_back(cluster, baseline, monkeypatch):
     assert event.downtime_s is None  # the gate never closed
     assert not any(isinstance(i, HandedOverOutput) for i in items)
     assert _tokens(items) == baseline  # the old instance kept serving it
-    assert cluster.active is old and old.is_serving and cluster.router.is_open
+    assert cluster.active is old and old.is_serving and cluster.routing.is_accepting
     assert hmm.pending is None and hmm.layout.dp == 1
     assert {d: u.used for d, u in hmm.usage().items()} == used_before  # abort freed the staged memory
     (new,) = created
@@ -128,8 +127,7 @@ def test_failure_in_the_switchover_hands_the_requests_back(cluster, baseline, mo
     hmm, old = cluster.hmm, cluster.active
     cluster.wait_standby()
     used_before = {d: u.used for d, u in hmm.usage().items()}
-    routes = HandoverRoutes()
-    stream, result = _stream_in_flight_at_pause(monkeypatch, cluster, routes, "during-failed-switchover")
+    stream, result = _stream_in_flight_at_pause(monkeypatch, cluster, "during-failed-switchover")
     imported: list[Instance] = []
     original_import = Instance.import_requests
 
@@ -141,7 +139,7 @@ def test_failure_in_the_switchover_hands_the_requests_back(cluster, baseline, mo
         raise RuntimeError("injected import failure")
 
     monkeypatch.setattr(Instance, "import_requests", import_then_fail)
-    event = Scaler(cluster, routes).scale(2)
+    event = Scaler(cluster).scale(2)
     stream.join(120)
     items = result["items"]
 
@@ -152,7 +150,7 @@ def test_failure_in_the_switchover_hands_the_requests_back(cluster, baseline, mo
     assert _tokens(items) == baseline  # continued on the old instance with its KV, unchanged
     (new,) = imported
     assert new.state is InstanceState.RETIRED
-    assert cluster.active is old and old.is_serving and not old.is_paused and cluster.router.is_open
+    assert cluster.active is old and old.is_serving and not old.is_paused and cluster.routing.is_accepting
     assert hmm.pending is None and hmm.layout.dp == 1
     assert {d: u.used for d, u in hmm.usage().items()} == used_before
     assert cluster.scale_events.running is None
@@ -160,10 +158,9 @@ def test_failure_in_the_switchover_hands_the_requests_back(cluster, baseline, mo
 
 def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
     old = cluster.active
-    routes = HandoverRoutes()
     started, result = threading.Event(), {}
     stream = threading.Thread(
-        target=lambda: result.update(items=_run_stream(cluster, routes, "during-scale", started))
+        target=lambda: result.update(items=_run_stream(cluster, "during-scale", started))
     )
     original_warm_up = Instance.warm_up
 
@@ -177,7 +174,7 @@ def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
         return out
 
     monkeypatch.setattr(Instance, "warm_up", warm_up_then_start_stream)
-    event = Scaler(cluster, routes).scale(2)
+    event = Scaler(cluster).scale(2)
     stream.join(120)
     items = result["items"]
 
@@ -186,7 +183,7 @@ def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
     assert sum(isinstance(i, HandedOverOutput) for i in items) == 1
     assert _tokens(items) == baseline
     assert old.state is InstanceState.RETIRED and cluster.active.dp == 2 and cluster.active.is_serving
-    assert cluster.hmm.layout.dp == 2 and len(cluster.router.loads()) == 2
+    assert cluster.hmm.layout.dp == 2 and len(cluster.routing.ranks) == 2
     print(
         f"\nscaler DP1->DP2: {event.scale_latency_s:.2f}s, critical section {event.downtime_s * 1e3:.1f} ms"
     )
@@ -222,9 +219,8 @@ TOUR = [
 @pytest.mark.parametrize(("strategy", "to_dp"), TOUR, ids=[name for name, _ in TOUR])
 def test_every_strategy_hands_a_running_stream_over(cluster, baseline, monkeypatch, strategy, to_dp):
     old, hmm = cluster.active, cluster.hmm
-    routes = HandoverRoutes()
-    stream, result = _stream_in_flight_at_pause(monkeypatch, cluster, routes, f"during-{strategy}")
-    event = Scaler(cluster, routes).scale(to_dp, strategy)
+    stream, result = _stream_in_flight_at_pause(monkeypatch, cluster, f"during-{strategy}")
+    event = Scaler(cluster).scale(to_dp, strategy)
     stream.join(120)
 
     assert event.state is ScaleState.SUCCEEDED, event.error
@@ -233,7 +229,7 @@ def test_every_strategy_hands_a_running_stream_over(cluster, baseline, monkeypat
     new = cluster.active
     assert old.state is InstanceState.RETIRED and new.dp == to_dp and new.is_serving
     layout = hmm.layout
-    assert hmm.pending is None and layout.dp == to_dp and len(cluster.router.loads()) == to_dp
+    assert hmm.pending is None and layout.dp == to_dp and len(cluster.routing.ranks) == to_dp
     if strategy == "extravagant":
         assert not set(layout.device_ids) & set(old.device_ids)
     # Nothing of the old layout or of a second copy survives the commit.

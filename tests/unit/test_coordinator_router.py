@@ -1,16 +1,28 @@
+"""The ingress's router over published `RoutingState`s, the coordinator's `RoutingFeed` (long
+polls woken from other threads) and the follower between them (a coordinator that cannot be
+reached holds requests and says so; the next state it publishes is taken at once)."""
+
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 
 import pytest
 
 from coordinator.active import ActiveInstance
 from coordinator.router import NoActiveInstance, Router
+from coordinator.routing_follower import COORDINATOR, RoutingFollower
+from coordinator.routing_state import RoutingFeed, RoutingState
+
+_versions = iter(range(1, 10_000))
 
 
-def serving(*ranks: str) -> ActiveInstance:
-    """A snapshot of an instance with these ranks (the router sees nothing else of it)."""
-    return ActiveInstance(None, ranks, (), max_model_len=64)
+def serving(*ranks: str, accepting: bool = True, max_model_len: int = 64, adapters: tuple[str, ...] = (),
+            epoch: str = "e0") -> RoutingState:
+    """A published state with these ranks (the router sees nothing else of an instance)."""
+    return RoutingState(epoch, next(_versions), "inst", ranks, max_model_len, adapters, accepting, bool(ranks))
+
 
 def run(coro):
     return asyncio.run(coro)
@@ -19,21 +31,25 @@ def run(coro):
 def test_least_loaded_rank_and_release():
     async def main():
         router: Router[str] = Router()
-        router.set_active(serving("r0", "r1"))
+        router.update(serving("r0", "r1"))
         async with router.route() as a, router.route() as b:
-            assert {a, b} == {"r0", "r1"}
+            assert {a.rank, b.rank} == {"r0", "r1"}
             assert router.loads() == [1, 1]
             async with router.route() as c:
-                assert c == "r0"  # ties go to the lowest rank
+                assert c.rank == "r0" and c.key == router.state.key  # ties go to the lowest rank
                 assert router.loads() == [2, 1]
         assert router.loads() == [0, 0]
 
     run(main())
 
 
-def test_no_active_instance_is_an_error():
+def test_no_instance_is_an_error():
     async def main():
-        router: Router[str] = Router()
+        router: Router[str] = Router(max_hold_s=0.05)
+        with pytest.raises(NoActiveInstance):  # nothing published yet: held, then refused
+            async with router.route():
+                pass
+        router.update(serving())  # accepting, but no ranks (shut down)
         with pytest.raises(NoActiveInstance):
             async with router.route():
                 pass
@@ -41,24 +57,22 @@ def test_no_active_instance_is_an_error():
     run(main())
 
 
-def test_requests_wait_at_closed_gate_and_go_to_the_new_instance():
+def test_held_requests_go_to_the_new_instance():
     async def main():
         router: Router[str] = Router(max_hold_s=5)
-        router.set_active(serving("old0"))
-        router.close_gate()
+        router.update(serving("old0", accepting=False))  # a switchover's critical section
         chosen = []
         release = asyncio.Event()
 
         async def request():
-            async with router.route() as rank:
-                chosen.append(rank)
+            async with router.route() as route:
+                chosen.append(route.rank)
                 await release.wait()
 
         tasks = [asyncio.create_task(request()) for _ in range(3)]
         await asyncio.sleep(0.05)
         assert chosen == [] and router.num_held == 3  # held, not failed
-        router.set_active(serving("new0", "new1"))
-        router.open_gate()
+        router.update(serving("new0", "new1"))
         await asyncio.sleep(0.05)
         assert sorted(chosen) == ["new0", "new0", "new1"] and router.loads() == [2, 1]
         release.set()
@@ -68,11 +82,10 @@ def test_requests_wait_at_closed_gate_and_go_to_the_new_instance():
     run(main())
 
 
-def test_gate_held_too_long_fails_cleanly():
+def test_held_too_long_fails_cleanly():
     async def main():
         router: Router[str] = Router(max_hold_s=0.05)
-        router.set_active(serving("r0"))
-        router.close_gate()
+        router.update(serving("r0", accepting=False))
         with pytest.raises(NoActiveInstance):
             async with router.route():
                 pass
@@ -84,33 +97,102 @@ def test_gate_held_too_long_fails_cleanly():
 def test_requests_of_a_retired_instance_finish_on_its_counters():
     async def main():
         router: Router[str] = Router()
-        router.set_active(serving("old"))
-        async with router.route() as rank:
-            router.set_active(serving("new"))  # switch while a request is in flight on the old instance
-            assert rank == "old"
+        router.update(serving("old"))
+        async with router.route() as route:
+            router.update(serving("new"))  # switch while a request is in flight on the old instance
+            assert route.rank == "old"
             assert router.loads() == [0]
         assert router.loads() == [0]
 
     run(main())
 
 
-def test_the_published_snapshot_is_the_only_source_of_limits_and_adapters():
+def test_waiting_for_a_newer_state_or_a_replaced_rank():
+    async def main():
+        router: Router[str] = Router()
+        first = serving("r0")
+        router.update(first)
+        assert not await router.wait_newer(first.key, 0.02)
+        assert not await router.wait_replaced("r0", 0.02)
+        later = asyncio.get_running_loop().call_later
+        later(0.02, router.update, dataclasses.replace(first, version=first.version + 1))  # same ranks (a rollback)
+        assert await router.wait_newer(first.key, 5)
+        later(0.02, router.update, serving("n0"))
+        assert await router.wait_replaced("r0", 5)
+
+    run(main())
+
+
+def test_the_published_state_is_the_only_source_of_limits_and_adapters():
     from coordinator.engine_client import RouterEngineClient
 
     async def main():
         router: Router[str] = Router()
         client = RouterEngineClient(router, tokenizer=None, max_queued=4)
         assert (client.max_model_len, client.adapter_names()) == (0, ())
-        first = ActiveInstance(None, ("r0", "r1"), (0, 1), max_model_len=128)
-        router.set_active(first)
+        first = serving("r0", "r1", max_model_len=128)
+        router.update(first)
         assert (client.max_model_len, client.adapter_names()) == (128, ())
         async with router.route():
-            router.set_active(first.with_adapters(("law",)))  # an adapter loaded: same ranks
+            router.update(dataclasses.replace(first, version=first.version + 1, adapters=("law",)))  # same ranks
             assert router.loads() == [1, 0]  # in-flight counts kept
         assert client.adapter_names() == ("law",) and client.max_model_len == 128
-        router.set_active(ActiveInstance(None, ("n0",), (2,), max_model_len=96))  # a new instance
+        router.update(serving("n0", max_model_len=96))  # a new instance
         assert (client.max_model_len, router.loads()) == (96, [0])
         with pytest.raises(ValueError):
             ActiveInstance(None, (), (), max_model_len=96)
+
+    run(main())
+
+
+def test_feed_long_polls_wake_on_updates_from_other_threads():
+    async def main():
+        feed = RoutingFeed(epoch="e1")
+        first = await feed.next(None, 0.0)  # at once: nothing to wait for
+        assert first.key == ("e1", 0)
+        assert (await feed.next(first.key, 0.05)).key == first.key  # a heartbeat after the timeout
+        threading.Timer(0.05, lambda: feed.update(ranks=("r0",), is_accepting=True)).start()
+        t0 = asyncio.get_running_loop().time()
+        second = await feed.next(first.key, 10)
+        assert second.version == 1 and second.ranks == ("r0",) and second.is_accepting
+        assert asyncio.get_running_loop().time() - t0 < 5  # woken, not timed out
+        assert feed.current is second
+
+    run(main())
+
+
+def test_follower_holds_requests_while_the_coordinator_is_unreachable():
+    async def main():
+        feed = RoutingFeed(epoch="e1")
+        feed.update(ranks=("r0",), is_accepting=True, is_serving=True)
+        reachable = asyncio.Event()
+        reachable.set()
+
+        async def fetch(after, timeout_s):
+            if not reachable.is_set():
+                raise ConnectionError("coordinator gone")
+            return await feed.next(after, timeout_s)
+
+        router: Router[str] = Router()
+        follower = RoutingFollower(fetch, router, poll_timeout_s=0.05, retry_s=0.01)
+        follower.start()
+        await follower.wait_serving(5)
+        assert router.is_accepting and follower.is_connected
+        reachable.clear()
+        await asyncio.sleep(0.2)  # the next poll fails
+        state = router.state
+        assert not follower.is_connected and not router.is_accepting and not state.is_serving
+        assert state.ranks == ("r0",) and COORDINATOR in state.fault_dict()  # ranks kept, fault said
+        # A restarted coordinator: a new epoch with new ranks, taken at once on reconnection.
+        feed2 = RoutingFeed(epoch="e2")
+        feed2.update(ranks=("n0",), is_accepting=True, is_serving=True)
+        feed = feed2  # `fetch` reads the enclosing name
+        reachable.set()
+        for _ in range(100):
+            if router.state.epoch == "e2":
+                break
+            await asyncio.sleep(0.02)
+        assert router.state.ranks == ("n0",) and router.is_accepting and follower.is_connected
+        await follower.stop()
 
     run(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.metrics import ClusterMetrics
 from coordinator.scale_events import ScaleEvents
 from coordinator.strategies import ABLATIONS, BASELINES, STRATEGIES, strategy
 
@@ -49,14 +49,14 @@ def test_baselines_load_from_disk_without_preinit_and_recompute():
 
 
 def test_scale_events_reach_the_metrics():
-    metrics = CoordinatorMetrics(lambda: 0.0, lambda: 1.0)
+    metrics = ClusterMetrics(lambda: 1.0)
     events = ScaleEvents(on_finished=metrics.on_scale_finished)
     ok = events.start(1, 2, "elastic")
     ok.scale_latency_s, ok.downtime_s, ok.peak_memory_bytes = 1.5, 0.02, 123456
     events.finish(ok)
     bad = events.start(2, 3, "cold_restart")
     events.finish(bad, error="injected")
-    text = metrics.render()[0].decode()
+    text = metrics.render().decode()
     assert 'elasticmoe_scale_events_total{outcome="succeeded",strategy="elastic"} 1.0' in text
     assert 'elasticmoe_scale_events_total{outcome="rolled_back",strategy="cold_restart"} 1.0' in text
     assert 'elasticmoe_scale_latency_seconds_sum{strategy="elastic"} 1.5' in text

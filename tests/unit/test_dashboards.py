@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.ingress_metrics import IngressMetrics
+from coordinator.metrics import ClusterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana").glob("*.json"))
@@ -36,9 +37,10 @@ _NAME = re.compile(r"\belasticmoe_[a-zA-Z0-9_]+")
 
 def coordinator_families() -> dict[str, set[str]]:
     """Metric family name -> its sample names (`_total`, `_bucket`, ...), labelled series included."""
-    metrics = CoordinatorMetrics(lambda: 0.0, lambda: 1.0)
+    ingress = IngressMetrics(lambda: 0.0, lambda: True, dict, lambda: (0, 0))
+    cluster = ClusterMetrics(lambda: 1.0)
     families: dict[str, set[str]] = {}
-    for family in metrics.server.registry.collect():
+    for family in [*ingress.registry.collect(), *cluster.registry.collect()]:
         names = {s.name for s in family.samples}
         # a labelled metric without a series yet has no samples: name its usual samples
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
@@ -117,8 +119,8 @@ def test_lora_counters_add_growth_per_engine_and_ignore_stale_snapshots():
         return RankStats(rank, 0, 0, 10, 5, 1, engine_id=engine, num_lora_slots=2, num_lora_resident=1,
                          num_lora_hits=hits)
 
-    metrics = CoordinatorMetrics(lambda: 0.0, lambda: 1.0)
-    registry = metrics.server.registry
+    metrics = ClusterMetrics(lambda: 1.0)
+    registry = metrics.registry
 
     def hits() -> float | None:
         return registry.get_sample_value("elasticmoe_lora_hits_total")
@@ -137,8 +139,8 @@ def test_lora_counters_add_growth_per_engine_and_ignore_stale_snapshots():
 def test_device_and_adapter_snapshots():
     from coordinator.cluster import AdapterSlotStats, DeviceMemoryStats
 
-    metrics = CoordinatorMetrics(lambda: 0.0, lambda: 1.0)
-    registry = metrics.server.registry
+    metrics = ClusterMetrics(lambda: 1.0)
+    registry = metrics.registry
     layout = {"weights": 60, "kv": 30, "adapters": 5}
     metrics.refresh_devices([DeviceMemoryStats(0, 200, 100, 150, layout), DeviceMemoryStats(1, 200, 0, 0, {})])
     metrics.refresh_adapters([AdapterSlotStats("esft", 1, 4), AdapterSlotStats("lora", 0, 2)])
@@ -154,3 +156,9 @@ def test_device_and_adapter_snapshots():
     metrics.refresh_devices([DeviceMemoryStats(0, 200, 90, 150, layout)])  # a device went away
     assert value("elasticmoe_num_devices") == 1
     assert value("elasticmoe_device_memory_used_bytes", {"device": "1"}) is None
+
+
+def test_the_two_registries_share_no_metric():
+    ingress = {f.name for f in IngressMetrics(lambda: 0.0, lambda: True, dict, lambda: (0, 0)).registry.collect()}
+    cluster = {f.name for f in ClusterMetrics(lambda: 1.0).registry.collect()}
+    assert ingress and cluster and not ingress & cluster  # one /metrics body, each family once

@@ -1,7 +1,9 @@
 """`RouterEngineClient.generate` routes a request again when its rank was retired before it ran
-(Ray's ActorDiedError, seen under load at a scale's switchover); when its rank dies after it
-streamed, it continues on the replacement from what the client has (never twice the same
-token), a bounded number of times; and the SLO estimator hears about arrivals and failures."""
+(Ray's ActorDiedError, seen under load at a scale's switchover) or was pausing (once the next
+state is published); when its rank dies after it streamed, it continues on the replacement
+from what the client has (never twice the same token), a bounded number of times; and the SLO
+estimator hears about arrivals and failures. A rank's exported streams wait for their route
+(`PendingRoutes`) and fail as a rank failure when none comes."""
 
 from __future__ import annotations
 
@@ -11,18 +13,21 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 import coordinator.engine_client as engine_client
-from coordinator.active import ActiveInstance
 from coordinator.engine_client import MAX_RECOVERIES, RouterEngineClient
 from coordinator.router import Router
+from coordinator.routing_state import RoutingState
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 
+_versions = iter(range(1, 10_000))
 
-def serving(*ranks: str) -> ActiveInstance:
-    """A snapshot of an instance with these ranks (the router sees nothing else of it)."""
-    return ActiveInstance(None, ranks, (), max_model_len=64)
+
+def serving(*ranks: str) -> RoutingState:
+    """A published state with these ranks (the router sees nothing else of an instance)."""
+    return RoutingState("e0", next(_versions), "inst", ranks, 64, (), True, True)
+
 
 def _output(request_id: str, finished: bool) -> RequestOutput:
     return RequestOutput(request_id=request_id, prompt_token_ids=[1], new_token_ids=[7], new_text="x",
@@ -44,7 +49,7 @@ def _client(monkeypatch, script):
 
     monkeypatch.setattr(engine_client, "_stream_from", fake_stream_from)
     router: Router[str] = Router()
-    router.set_active(serving("old"))
+    router.update(serving("old"))
     failed_ranks: list[str] = []
     client = RouterEngineClient(router, tokenizer=None, max_queued=4,
                                 on_rank_failure=failed_ranks.append, recovery_wait_s=5)
@@ -61,7 +66,7 @@ async def _collect(client: RouterEngineClient) -> list[RequestOutput]:
 def test_a_retired_rank_before_any_output_is_routed_again(monkeypatch):
     async def script(rank, attempt, request_id):
         if rank == "old":
-            router.set_active(serving("new"))  # the switchover happened meanwhile
+            router.update(serving("new"))  # the switchover happened meanwhile
             raise ActorDiedError()
         yield _output(request_id, finished=True)
 
@@ -75,7 +80,7 @@ def test_a_rank_dying_after_output_continues_on_the_replacement(monkeypatch):
     async def script(rank, attempt, request_id):
         if rank == "old":
             yield _output(request_id, finished=False)
-            asyncio.get_running_loop().call_later(0.05, router.set_active, serving("new"))  # the watcher replaces it
+            asyncio.get_running_loop().call_later(0.05, router.update, serving("new"))  # the watcher replaces it
             raise ActorDiedError()
         yield _output(request_id, finished=True)
 
@@ -93,7 +98,7 @@ def test_a_rank_dying_after_output_continues_on_the_replacement(monkeypatch):
 def test_a_request_that_kills_every_instance_gets_a_503(monkeypatch):
     async def script(rank, attempt, request_id):
         yield _output(request_id, finished=False)
-        asyncio.get_running_loop().call_soon(router.set_active, serving(f"r{attempt}"))
+        asyncio.get_running_loop().call_soon(router.update, serving(f"r{attempt}"))
         raise ActorDiedError()
 
     client, router, calls, events = _client(monkeypatch, script)
@@ -115,43 +120,37 @@ def test_a_failed_rank_that_is_never_replaced_is_a_503(monkeypatch):
     assert info.value.status_code == 503 and calls == ["old"]
 
 
-def test_handover_markers_are_awaited_then_forgotten():
-    import threading
-    import time
+def test_a_request_turned_away_by_a_pausing_rank_waits_for_the_next_state(monkeypatch):
+    from imm.handover import RankPaused
 
-    from imm.handover import HandoverRoutes
+    async def script(rank, attempt, request_id):
+        if attempt == 1:
+            asyncio.get_running_loop().call_later(0.05, router.update, serving("old"))  # a rollback: same ranks
+            raise RankPaused(request_id)
+        yield _output(request_id, finished=True)
 
-    routes = HandoverRoutes()
-    assert routes.wait_markers(["a", "b"], 0.05) == {"a", "b"}  # nobody read them: timed out
-    threading.Timer(0.05, routes.saw_marker, args=("a",)).start()
-    threading.Timer(0.1, routes.saw_marker, args=("b",)).start()
-    t0 = time.monotonic()
-    assert routes.wait_markers(["a", "b"], 5.0) == set()
-    assert time.monotonic() - t0 < 4.0
-    assert routes.wait_markers(["a"], 0.0) == {"a"}  # forgotten once awaited
+    client, router, calls, events = _client(monkeypatch, script)
+    outs = asyncio.run(_collect(client))
+    assert calls == ["old", "old"] and outs[-1].finished and client.failed_ranks == []
 
 
-def test_a_waiting_handover_is_abandoned_when_its_export_died_half_way():
-    import threading
+def test_exported_streams_wait_for_their_route_or_fail_as_a_rank_failure():
+    from imm.handover import HandoverAbandoned, PendingRoutes
 
-    from imm.handover import HandoverAbandoned, HandoverRoutes
+    async def main():
+        pending = PendingRoutes()
+        pending.expect(["a", "b", "c"])
+        waiting = asyncio.create_task(pending.next_rank("a", 30.0))
+        await asyncio.sleep(0.01)
+        assert pending.publish({"a": "new-rank", "elsewhere": "x"}) == 1  # others' routes are ignored
+        assert await waiting == "new-rank"
+        with pytest.raises(HandoverAbandoned):
+            await pending.next_rank("b", 0.02)  # no route in time
+        pending.abandon("the switchover failed")
+        with pytest.raises(HandoverAbandoned) as info:
+            await pending.next_rank("c", 30.0)
+        assert isinstance(info.value, engine_client.EngineDeadError)  # the engine client resumes it elsewhere
+        with pytest.raises(HandoverAbandoned):
+            await pending.next_rank("never-exported", 30.0)
 
-    routes = HandoverRoutes()
-    errors: list[BaseException] = []
-
-    def consumer() -> None:
-        try:
-            routes.take("exported", 30.0)
-        except BaseException as exc:  # noqa: BLE001 - examined below
-            errors.append(exc)
-
-    thread = threading.Thread(target=consumer)
-    thread.start()
-    routes.abandon_waiting()  # the old instance died after exporting some of its requests
-    thread.join(5)
-    assert not thread.is_alive() and isinstance(errors[0], HandoverAbandoned)
-    assert isinstance(errors[0], engine_client.EngineDeadError)  # the engine client resumes it elsewhere
-    routes.publish({"later": "rank"})  # a later handover is not affected
-    assert routes.take("later", 1.0) == "rank"
-    with pytest.raises(HandoverAbandoned):
-        routes.take("never", 0.05)  # no route in time: resumed from the client's side too
+    asyncio.run(main())

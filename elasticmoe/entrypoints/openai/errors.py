@@ -63,10 +63,19 @@ class OpenAIError(Exception):
         )
         self.param = param
 
+    def __reduce__(self):
+        # Crosses process boundaries (the coordinator answers the ingress) with every field intact;
+        # subclasses with other constructors come back as plain `OpenAIError`s of the same content.
+        return (_rebuild_openai_error, (self.message, self.status_code, self.type, self.param))
+
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status_code)
         )
+
+
+def _rebuild_openai_error(message: str, status_code: int, type: str, param: str | None) -> OpenAIError:
+    return OpenAIError(message, status_code=status_code, type=type, param=param)
 
 
 def model_not_found(model: str) -> OpenAIError:

@@ -24,9 +24,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class ServerMetrics:
-    """HTTP request counts, TTFT/e2e histograms, token counters and engine queue gauges."""
+    """HTTP request counts, TTFT/e2e histograms, token counters and, given an engine's counts,
+    its queue gauges (the elastic server's ingress has none: the coordinator exports them)."""
 
-    def __init__(self, num_running: Callable[[], float], num_waiting: Callable[[], float]) -> None:
+    def __init__(
+        self, num_running: Callable[[], float] | None = None, num_waiting: Callable[[], float] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
             "elasticmoe_http_requests",
@@ -60,14 +63,8 @@ class ServerMetrics:
             ["endpoint"],
             registry=self.registry,
         )
-        Gauge(
-            "elasticmoe_num_requests_running",
-            "Requests being processed by the engine.",
-            registry=self.registry,
-        ).set_function(num_running)
-        Gauge(
-            "elasticmoe_num_requests_waiting", "Requests queued in the engine.", registry=self.registry
-        ).set_function(num_waiting)
+        if num_running is not None and num_waiting is not None:
+            register_engine_queue(self.registry, num_running, num_waiting)
 
     def on_request_finished(self, stats: RequestStats) -> None:
         if stats.ttft_s is not None:
@@ -79,6 +76,15 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def register_engine_queue(
+    registry: CollectorRegistry, num_running: Callable[[], float], num_waiting: Callable[[], float]
+) -> None:
+    Gauge("elasticmoe_num_requests_running", "Requests being processed by the engine.",
+          registry=registry).set_function(num_running)
+    Gauge("elasticmoe_num_requests_waiting", "Requests queued in the engine.", registry=registry).set_function(
+        num_waiting)
 
 
 class RequestCountMiddleware:

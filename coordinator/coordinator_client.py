@@ -1,0 +1,92 @@
+"""The ingress's calls to the coordinator (a Serve `DeploymentHandle`), with errors as clients see them.
+
+A call returns the coordinator's answer or raises what it raised (its own exception, unwrapped
+from Ray's wrapper: an `OpenAIError` keeps its status, an adapter error its `param`); a
+coordinator that is gone, restarting or too slow becomes a 503 that says so. No remote
+traceback ever reaches a client.
+
+`RemoteAdapterHost` is the ingress's `AdapterHost`: the admin routes validate an adapter's
+files here (400s before anything is sent), the coordinator loads it on every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from coordinator.routing_state import RoutingState
+from elasticmoe.adapters.esft import EsftAdapter
+from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.adapters.lora_router import LoraRouter
+from elasticmoe.entrypoints.openai.errors import OpenAIError
+from elasticmoe.errors import describe_error, unwrap_remote
+
+logger = logging.getLogger(__name__)
+
+_UNREACHABLE = (RayActorError, ActorUnavailableError, TimeoutError, ConnectionError)
+
+
+class CoordinatorUnavailable(OpenAIError):
+    """The coordinator cannot answer now (restarting after a crash, or busy beyond the timeout)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"The coordinator is unavailable ({what}); retry shortly.", status_code=503)
+
+
+class CoordinatorClient:
+    def __init__(self, handle: Any, timeout_s: float = 60.0) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """`method(*args)` on the coordinator; raises its error, or `CoordinatorUnavailable`."""
+        try:
+            return await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout_s or self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            original = unwrap_remote(exc)
+            if isinstance(original, _UNREACHABLE) or _is_serve_unavailable(original):
+                raise CoordinatorUnavailable(describe_error(original)) from None
+            raise original from None
+
+    async def routing(self, after: tuple[str, int] | None, timeout_s: float) -> RoutingState:
+        """The follower's long poll (its errors are the follower's business)."""
+        return await self.handle.routing.remote(after, timeout_s)
+
+    def notify_rank_failure(self) -> None:
+        """Fire and forget: the healer probes on its own anyway."""
+        try:
+            self.handle.notify_rank_failure.remote()
+        except Exception as exc:  # noqa: BLE001 - a hint, never worth failing a request for
+            logger.info("could not tell the coordinator about a rank failure (%s)", describe_error(exc))
+
+
+def _is_serve_unavailable(exc: BaseException) -> bool:
+    # Serve's own errors when a deployment has no running replica (names differ across releases).
+    return type(exc).__module__.startswith("ray.serve") and "navailable" in type(exc).__name__
+
+
+class RemoteAdapterHost:
+    """`AdapterHost` over the coordinator: every rank of the active instance loads the adapter."""
+
+    def __init__(self, coordinator: CoordinatorClient) -> None:
+        self.coordinator = coordinator
+
+    async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_esft", adapter.name, str(adapter.path), adapter.config.experts))
+
+    async def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_lora", adapter.name, str(adapter.path)))
+
+    async def load_router(self, name: str, router: LoraRouter) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_router", name, router))
+
+    async def unload(self, name: str) -> bool:
+        return bool(await self.coordinator.call("unload_adapter", name))
+
+    async def describe(self) -> list[dict[str, Any]]:
+        return list(await self.coordinator.call("describe_adapters"))
