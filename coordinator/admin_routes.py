@@ -5,6 +5,9 @@
     POST /admin/scale {"dp", "strategy"}   202 with the event id; the scale runs in the background
     GET  /admin/scale/{event_id}    one scale event
     GET|POST /admin/autoscaler      the SLO-driven autoscaler (a manual scale pauses it)
+    GET  /admin/nodes               nodes offering devices, with their state
+    POST /admin/nodes/{node_id}/drain   202: move the model off the node, then free its devices
+    GET  /admin/nodes/{node_id}     one node (a drained one says `removable`)
 
 The adapter routes are `elasticmoe.entrypoints.openai.adapters_api`'s over a
 `RemoteAdapterHost`; `POST /admin/drain` is the drain route of the ingress itself.
@@ -65,6 +68,20 @@ def add_admin_routes(
     @app.get("/admin/scale/{event_id}")
     async def show_scale(event_id: str) -> Response:
         return JSONResponse(await coordinator.call("scale_event", event_id))
+
+    @app.get("/admin/nodes")
+    async def show_nodes() -> Response:
+        return JSONResponse(await coordinator.call("nodes"))
+
+    @app.get("/admin/nodes/{node_id}")
+    async def show_node(node_id: str) -> Response:
+        return JSONResponse(await coordinator.call("node", node_id))
+
+    @app.post("/admin/nodes/{node_id}/drain", status_code=202)
+    async def drain_node(node_id: str) -> Response:
+        """Move the model off the node (zero-downtime switchover), then unregister and free its
+        devices; poll `GET /admin/nodes/{node_id}` until `removable`."""
+        return JSONResponse(await coordinator.call("drain_node", node_id), status_code=202)
 
     @app.get("/admin/autoscaler")
     async def show_autoscaler() -> Response:

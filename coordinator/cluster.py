@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,9 @@ import ray
 
 from coordinator.active import ActiveInstance
 from coordinator.adapters import ClusterAdapterHost
+from coordinator.capacity import DeviceRequests, NodeBook, NodeState
 from coordinator.config import CoordinatorConfig
-from coordinator.nodes import device_specs, discover
+from coordinator.nodes import alive_node_ids, device_specs, discover
 from coordinator.routing_state import Health, RoutingFeed, RoutingState
 from coordinator.scale_events import ScaleEvents
 from hmm.controller import EsftEntry, HMMController
@@ -106,6 +108,7 @@ class ClusterManager:
         self.config = config
         self.feed = RoutingFeed()
         self._active: ActiveInstance | None = None
+        self._withdrawn = False  # no instance can serve: nothing is published to route to (`withdraw`)
         self._health = Health()
         self._publish_lock = threading.Lock()  # one author at a time: states are built from these fields
         self.scale_events = ScaleEvents()
@@ -121,6 +124,12 @@ class ClusterManager:
         # to its end, a node that joins takes it to register its devices (`register_joined`).
         self.devices_lock = threading.RLock()
         self._node_watch: threading.Thread | None = None
+        self.nodes = NodeBook()  # nodes draining, drained, released or lost (`coordinator.capacity`)
+        self.device_requests = DeviceRequests()
+        # Ids never reused: a lost device stays in the committed layout until the next plan.
+        self._next_device_id = 0
+        self._node_index: dict[str | None, int] = {}
+        self.home_node: str | None = None  # the coordinator's own node (never given back)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -129,8 +138,11 @@ class ClusterManager:
         cfg = self.config
         try:
             self.hmm = HMMController(use_ray=True, prefix=cfg.shm_prefix)
+            self.home_node = ray.get_runtime_context().get_node_id()
             for spec in self._offered_devices():
                 self.hmm.add_device(spec)
+                self._next_device_id = spec.device_id + 1
+                self._node_index.setdefault(spec.ray_node_id, spec.node_id)
             self.hmm.load(cfg.model_dir, dp=cfg.dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
                           esft_slots=cfg.esft_slots)
             assert self.hmm.layout is not None
@@ -169,13 +181,18 @@ class ClusterManager:
             if hmm is None or self._is_shut_down:
                 return []
             have = collections.Counter(spec.ray_node_id for spec in hmm.devices.values())
-            index = {spec.ray_node_id: spec.node_id for spec in hmm.devices.values()}
+            offered = discover()
+            excluded = self.nodes.excluded()
             added: list[DeviceSpec] = []
-            for node in discover():
+            for node in offered:
+                if node.ray_node_id in excluded:
+                    continue
                 for _ in range(node.num_devices - have[node.ray_node_id]):
-                    node_index = index.setdefault(node.ray_node_id, max(index.values(), default=-1) + 1)
-                    spec = DeviceSpec(max(hmm.devices, default=-1) + 1, node_index, self.config.device_memory_bytes,
+                    node_index = self._node_index.setdefault(node.ray_node_id, max(self._node_index.values(),
+                                                                                   default=-1) + 1)
+                    spec = DeviceSpec(self._next_device_id, node_index, self.config.device_memory_bytes,
                                       node.ray_node_id)
+                    self._next_device_id += 1
                     hmm.add_device(spec)
                     added.append(spec)
         if added:
@@ -193,20 +210,117 @@ class ClusterManager:
 
     # ---- where instances run ------------------------------------------------------------------
 
+    def usable_devices(self) -> dict[int, DeviceSpec]:
+        """Registered devices a scale may use: not on a node being drained (a copy, not the lock:
+        the pool's boot computes targets while a scale, holding the lock, may wait for that boot)."""
+        hmm = self.hmm
+        if hmm is None:
+            return {}
+        excluded = self.nodes.excluded()
+        return {d: spec for d, spec in sorted(dict(hmm.devices).items()) if spec.ray_node_id not in excluded}
+
     def target(self, to_dp: int, fresh_devices: bool = False) -> TargetConfig:
         """The devices a scale to `to_dp` uses: scale-up appends free devices to the current ones,
         scale-down keeps the lowest ids (`hmm.planner.scale_target`); `fresh_devices`: only free
-        ones (a strategy that never shares a device between the old and the new instance)."""
+        ones (a strategy that never shares a device between the old and the new instance). Current
+        devices that are leaving (a node being drained, or lost) are replaced like missing ones."""
         hmm = self.hmm
         assert hmm is not None and hmm.layout is not None
         layout = hmm.layout
-        # NOTE: a copy, not the lock: the pool's boot computes this while a scale (holding the
-        # lock) may wait for that very boot; a device registering meanwhile is just not used yet.
-        free = [spec for d, spec in sorted(dict(hmm.devices).items()) if d not in layout.device_ids]
+        usable = self.usable_devices()
+        free = [spec for d, spec in usable.items() if d not in layout.device_ids]
+        leaving = [d for d in layout.device_ids if d not in usable]
         kv = self.config.kv_bytes_per_device
         if fresh_devices:
             return TargetConfig(tuple(free[:to_dp]), to_dp, to_dp, kv_bytes=kv)
-        return scale_target(layout, to_dp, free, kv_bytes=kv)
+        return scale_target(layout, to_dp, free, kv_bytes=kv, leaving=leaving)
+
+    # ---- capacity: devices that come and go (see `coordinator.capacity`) --------------------------
+
+    def acquire_devices(self, num_devices: int, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Make `num_devices` devices usable: nodes this server gave back come back first, then
+        Ray's autoscaler is asked for the rest (KubeRay turns the ask into worker pods); returns
+        once they are registered. `TimeoutError` naming what is missing after `timeout_s`."""
+        if len(self.usable_devices()) >= num_devices:
+            return
+        for record in self.nodes.describe():
+            if record["state"] == NodeState.RELEASED.value:
+                self.nodes.mark(record["ray_node_id"], NodeState.ACTIVE)
+        self.register_joined()
+        if len(self.usable_devices()) >= num_devices:
+            return
+        self.device_requests.ask(num_devices)
+        deadline = time.monotonic() + timeout_s
+        while len(self.usable_devices()) < num_devices:
+            if time.monotonic() >= deadline or self._closing.wait(poll_s):
+                have = len(self.usable_devices())
+                raise TimeoutError(
+                    f"needs {num_devices} devices, {have} registered; asked Ray's autoscaler for "
+                    f"{num_devices} `{DEVICE_RESOURCE}`, and not enough joined within {timeout_s:.0f} s")
+            self.register_joined()
+
+    def remove_node_devices(self, ray_node_id: str) -> list[int]:
+        """Unregister and free the devices of a node the model no longer uses (drained, given
+        back); pooled standby instances with a rank there are retired. Returns the device ids."""
+        with self.devices_lock:
+            hmm = self.hmm
+            assert hmm is not None
+            ids = [d for d, spec in dict(hmm.devices).items() if spec.ray_node_id == ray_node_id]
+            for d in ids:
+                hmm.remove_device(d)
+        self.standby.retire_where(lambda inst: ray_node_id in getattr(inst, "nodes", ()))
+        return ids
+
+    def forget_lost_node(self, ray_node_id: str) -> list[int]:
+        """A node died: its devices are forgotten (no call reaches them; the next plan neither
+        reads nor frees them), pooled standby instances with a rank there are retired."""
+        with self.devices_lock:
+            hmm = self.hmm
+            assert hmm is not None
+            ids = [d for d, spec in dict(hmm.devices).items() if spec.ray_node_id == ray_node_id]
+            hmm.forget_devices(ids)
+            self.nodes.mark(ray_node_id, NodeState.LOST, detail=f"devices {ids} lost")
+        self.standby.retire_where(lambda inst: ray_node_id in getattr(inst, "nodes", ()))
+        return ids
+
+    def lost_nodes(self, dead_device_ids: Iterable[int]) -> set[str]:
+        """The nodes of these dead devices' workers that are no longer alive in the Ray cluster."""
+        hmm = self.hmm
+        if hmm is None:
+            return set()
+        nodes = {hmm.devices[d].ray_node_id for d in dead_device_ids if d in hmm.devices}
+        nodes.discard(None)
+        if not nodes:
+            return set()
+        alive = alive_node_ids()
+        return {n for n in nodes if n is not None and n not in alive}
+
+    def release_idle_nodes(self) -> list[str]:
+        """Give back the nodes none of whose devices the committed layout uses (never the
+        coordinator's own): their devices are unregistered and freed, so Ray's autoscaler may
+        reclaim them; the ask for devices is lowered to what the layout uses. With
+        `release_idle_nodes` off, only the ask is lowered."""
+        hmm = self.hmm
+        if hmm is None or hmm.layout is None:
+            return []
+        layout = hmm.layout
+        if self.device_requests.num_asked:
+            self.device_requests.ask(len(layout.device_ids))
+        if not self.config.release_idle_nodes:
+            return []
+        by_node: dict[str, list[int]] = collections.defaultdict(list)
+        for d, spec in self.usable_devices().items():
+            if spec.ray_node_id is not None and spec.ray_node_id != self.home_node:
+                by_node[spec.ray_node_id].append(d)
+        released = []
+        for node, ids in by_node.items():
+            if not set(ids) & set(layout.device_ids):
+                self.nodes.mark(node, NodeState.RELEASED, detail="idle: no device in use")
+                self.remove_node_devices(node)
+                released.append(node)
+        if released:
+            logger.info("coordinator: gave back idle nodes %s", [n[:8] for n in released])
+        return released
 
     @staticmethod
     def rank_nodes(devices: Iterable[DeviceSpec]) -> tuple[str | None, ...]:
@@ -238,7 +352,22 @@ class ClusterManager:
         with self._publish_lock:
             adapters = self._active.adapters if self._active is not None else ()
             self._active = ActiveInstance(inst, tuple(inst.ranks), tuple(inst.device_ids), max_model_len, adapters)
+            self._withdrawn = False
             self._publish()
+
+    def withdraw(self) -> None:
+        """No instance can serve and none can be made now (no device left): the dead one is
+        retired and nothing is published to route to, so requests get a 503 at once instead of
+        waiting; the next `publish` ends this."""
+        inst = self.active
+        if inst is not None and inst.state is not InstanceState.RETIRED:
+            try:
+                inst.retire(wait_dead_s=10.0)
+            except Exception:  # noqa: BLE001 - its ranks are gone with their node anyway
+                logger.exception("coordinator: retiring %s failed", inst)
+        with self._publish_lock:
+            self._withdrawn = True
+            self._publish(is_accepting=True)
 
     def publish_adapters(self, names: tuple[str, ...]) -> None:
         """The adapters accepting requests changed: a new state of the same instance."""
@@ -267,7 +396,7 @@ class ClusterManager:
 
     def _publish(self, **changes: Any) -> None:
         active, health = self._active, self._health
-        ranks = active.ranks if active is not None and not self._is_shut_down else ()
+        ranks = active.ranks if active is not None and not self._is_shut_down and not self._withdrawn else ()
         self.feed.update(
             instance_id=active.instance.instance_id if ranks and active is not None else None,
             ranks=ranks,
@@ -289,7 +418,7 @@ class ClusterManager:
         inst, hmm = self.active, self.hmm
         if not self.config.standby_pool or inst is None or hmm is None or self._is_shut_down:
             return
-        dps = [d for d in (inst.dp + 1, inst.dp - 1) if 1 <= d <= len(hmm.devices)]
+        dps = [d for d in (inst.dp + 1, inst.dp - 1) if 1 <= d <= len(self.usable_devices())]
 
         def work() -> None:
             if self._closing.wait(delay_s):
@@ -408,10 +537,22 @@ class ClusterManager:
         return devices
 
     def devices_report(self) -> dict[str, Any]:
-        """`GET /admin/devices`: every registered device, and every alive node offering devices
-        (a node that just joined shows here first, then among the devices once registered)."""
-        nodes = [dataclasses.asdict(n) for n in discover()] if not self._is_shut_down else []
-        return {"devices": self._device_info(), "nodes": nodes}
+        """`GET /admin/devices`: every registered device, and every node offering devices (a node
+        that just joined shows here first, then among the devices once registered)."""
+        return {"devices": self._device_info(), **self.nodes_report()}
+
+    def nodes_report(self) -> dict[str, Any]:
+        """`GET /admin/nodes`: every alive node offering devices with its state (`active`,
+        `draining`, `drained`, `released`), and the lost ones; `removable`: nothing of this
+        server runs there."""
+        alive = [dataclasses.asdict(n) for n in discover()] if not self._is_shut_down else []
+        records = {r["ray_node_id"]: r for r in self.nodes.describe()}
+        nodes = []
+        for node in alive:
+            record = records.pop(node["ray_node_id"], None) or {"state": NodeState.ACTIVE.value, "removable": False}
+            nodes.append({**node, **record, "home": node["ray_node_id"] == self.home_node})
+        nodes += [{**r, "home": False} for r in records.values()]  # lost (or gone) nodes
+        return {"nodes": nodes, "devices_asked_of_autoscaler": self.device_requests.num_asked}
 
     def status(self) -> dict[str, Any]:
         """Active config, instance state and ranks, devices with HMM memory, the running scale

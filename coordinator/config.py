@@ -42,8 +42,9 @@ class CoordinatorConfig(ServeSettings):
         "scaling headroom", json_schema_extra=cli("--device-memory-gb", metavar="G", unit=GIB))
     max_queued: int = Field(256, description="requests waiting plus in flight; beyond N the server answers 503 "
                             "with Retry-After", json_schema_extra=cli(metavar="N"))
-    max_hold_s: float = Field(30.0, description="longest a request waits at the router's gate during a "
-                              "switchover, seconds", json_schema_extra=cli("--max-hold", metavar="S"))
+    max_hold_s: float = Field(30.0, description="longest a new request is held at the ingress while no instance "
+                              "accepts (a switchover, a repair, a coordinator restart), seconds",
+                              json_schema_extra=cli("--max-hold", metavar="S"))
     standby_pool: bool = Field(True, description="pre-initialise standby instances for dp-1 and dp+1 (paper "
                                "§4.5); --no-standby-pool saves their processes' memory, and each scale then "
                                "boots its target instance, ~2 s slower")
@@ -52,6 +53,16 @@ class CoordinatorConfig(ServeSettings):
     standby_delay_s: float = Field(0.0, description="wait S seconds after a scale before booting the next "
                                    "standby instances (on CPU a boot takes cores from serving)",
                                    json_schema_extra=cli("--standby-delay", metavar="S"))
+    max_devices: int | None = Field(
+        None, description="most devices a scale may use; the devices missing beyond those the cluster's nodes "
+        "offer are asked of Ray's autoscaler (KubeRay adds worker pods) and used once they join. Default: "
+        "the devices offered", json_schema_extra=cli(metavar="N"))
+    device_wait_s: float = Field(300.0, description="how long a scale waits for devices asked of Ray's "
+                                 "autoscaler before it gives up (nothing changes)",
+                                 json_schema_extra=cli("--device-wait", metavar="S"))
+    release_idle_nodes: bool = Field(False, description="give back a node once the model uses none of its "
+                                     "devices (after a scale-down or a drain; never the coordinator's own node): "
+                                     "its devices are unregistered, so Ray's autoscaler may remove it")
     shm_prefix: str = Field(DEFAULT_PREFIX, description="name prefix of the HMM's /dev/shm files; give each "
                             "server on one machine its own", json_schema_extra=cli(metavar="PREFIX"))
     autoscale: AutoscaleConfig = AutoscaleConfig()
@@ -89,6 +100,10 @@ class CoordinatorConfig(ServeSettings):
                              "may take over); leave it unset")
         if self.autoscale.min_dp > self.num_devices:
             raise ValueError(f"--autoscale-min-dp: {self.autoscale.min_dp} exceeds the {self.num_devices} devices")
+        if self.max_devices is not None and self.max_devices < self.dp:
+            raise ValueError(f"--max-devices: must be >= --dp ({self.dp}), got {self.max_devices}")
+        if not 0 < self.device_wait_s <= 3600:
+            raise ValueError(f"--device-wait: must be > 0 and at most 3600 s, got {self.device_wait_s:g}")
         if not 0 <= self.standby_delay_s <= 3600:
             raise ValueError(f"--standby-delay: must be between 0 and 3600 s, got {self.standby_delay_s}")
         return self
@@ -99,3 +114,8 @@ class CoordinatorConfig(ServeSettings):
         # others cannot): every loaded LoRA adapter is resident, the same in every instance.
         return dataclasses.replace(super().engine_options(), kv_cache_bytes=None, num_threads=self.num_threads or 1,
                                    max_cpu_loras=self.max_loras or None)
+
+    @property
+    def device_limit(self) -> int:
+        """The most devices a scale may use (what the autoscaler's max dp is bounded by)."""
+        return max(self.num_devices, self.max_devices or 0)

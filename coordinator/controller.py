@@ -28,6 +28,7 @@ from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.healer import Healer
 from coordinator.metrics import ClusterMetrics
+from coordinator.node_drain import NodeDrainer
 from coordinator.observations import Observations
 from coordinator.routing_state import RoutingState
 from coordinator.scale_events import ScaleEvent
@@ -41,7 +42,10 @@ from elasticmoe.entrypoints.openai.errors import OpenAIError
 from hmm.lifeline import in_ray_actor, watch_parent
 
 
-@serve.deployment(name="coordinator", num_replicas=1, max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
+# NOTE: a short graceful shutdown: what may be in flight at the end are the ingress's long polls
+# (cut short safely: the follower asks again) and admin reads; the cluster is shut down before.
+@serve.deployment(name="coordinator", num_replicas=1, max_ongoing_requests=256, graceful_shutdown_timeout_s=1.0,
+                  ray_actor_options={"num_cpus": 0})
 class Coordinator:
     """One replica: starts the cluster in its constructor, and frees it on shutdown."""
 
@@ -60,10 +64,11 @@ class Coordinator:
         for name, path in config.lora_adapters:  # --lora-adapter
             await asyncio.to_thread(self.cluster.adapters.load_lora_blocking, name, path)
         self.scales = ScaleRunner(scaler)
+        self.node_drainer = NodeDrainer(self.cluster, scaler)
         self.metrics = ClusterMetrics(self._active_dp)
         tracker = SloTracker(config.autoscale.targets, config.autoscale.window_s)
         self.autoscale = AutoscaleLoop(
-            Autoscaler(config.autoscale, config.num_devices), tracker, self.scales.start,
+            Autoscaler(config.autoscale, config.device_limit), tracker, self.scales.start,
             lambda: self.cluster.active.dp if self.cluster.active is not None and self.cluster.is_ready else None,
             lambda: self.cluster.scale_events.running is not None, self.metrics.registry,
         )
@@ -137,6 +142,17 @@ class Coordinator:
             policy.enabled = False
         return policy.status()
 
+    async def nodes(self) -> dict[str, Any]:
+        """Every node offering devices now, with its state, and the nodes drained, given back or lost."""
+        return await asyncio.to_thread(self.cluster.nodes_report)
+
+    async def node(self, node_id: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self.node_drainer.describe, node_id)
+
+    async def drain_node(self, node_id: str) -> dict[str, Any]:
+        """Start moving the model off `node_id` and giving its devices back (`coordinator.node_drain`)."""
+        return await asyncio.to_thread(self.node_drainer.start, node_id)
+
     async def pause_autoscaler(self, reason: str) -> None:
         self.autoscale.policy.pause(reason)
 
@@ -183,6 +199,7 @@ class Coordinator:
         await asyncio.to_thread(self.healer.stop)  # no repair may start under the shutdown
         # NOTE: a running scale owns a second instance and the HMM's pending plan: let it end first.
         await asyncio.to_thread(self.scales.join)
+        await asyncio.to_thread(self.node_drainer.join)
         await asyncio.to_thread(self.cluster.shutdown)
 
     def __del__(self) -> None:

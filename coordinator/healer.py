@@ -7,6 +7,10 @@ one at a time with the scales, and is recorded as a scale event of strategy `hea
   engine crashed): the instance is replaced (`Scaler.heal`, old instance dead). The requests
   that ran on it continue on the new instance from what their clients received (the engine
   client resumes them), so a client sees a pause, not an error.
+- A node dies (its raylet and everything on it): its devices are forgotten, and the instance
+  is replaced on the surviving devices (`Scaler.heal`: the HMM re-plans from what survives,
+  experts only the lost devices held read from disk); with no device left, nothing is
+  published to route to (requests get 503 at once, never hang) until a node joins.
 - A device worker dies: a new worker takes its place and its tensors are restored
   (`HMMController.restore_device`: p2p from a replica, else disk) before anything needs
   them; then the active instance, whose rank on that device still maps the dead worker's
@@ -39,7 +43,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from coordinator.routing_state import Health
 from coordinator.scale_events import ScaleConflict, ScaleState
-from coordinator.scaler import Repair, Scaler, is_instance_death
+from coordinator.scaler import NoCapacity, Repair, Scaler, is_instance_death
 from elasticmoe.errors import describe_error
 
 if TYPE_CHECKING:
@@ -167,11 +171,24 @@ class Healer:
         self.faults = faults
         if scaling or cluster.scale_events.running is not None:
             return
+        lost_nodes = cluster.lost_nodes(probe.dead_devices)
+        if lost_nodes:
+            self._forget_nodes(lost_nodes)
+            instance_dead = True  # it had a rank there, or will be re-planned off its devices anyway
+            self.faults = {**self.faults, INSTANCE: f"nodes {sorted(n[:8] for n in lost_nodes)} lost"}
         for device_id in probe.dead_devices:
-            self._repair_device(device_id, instance_dead, detected_at)
+            if cluster.hmm is not None and device_id in cluster.hmm.devices:  # not forgotten with its node
+                self._repair_device(device_id, instance_dead, detected_at)
         if instance_dead and INSTANCE in self.faults:
-            self._repair(Repair(f"rank failure: {probe.detail}", old_is_dead=True, detected_at=detected_at),
-                         kind="rank")
+            what = f"nodes lost: {sorted(n[:8] for n in lost_nodes)}" if lost_nodes else f"rank failure: {probe.detail}"
+            self._repair(Repair(what, old_is_dead=True, detected_at=detected_at),
+                         kind="node" if lost_nodes else "rank")
+
+    def _forget_nodes(self, nodes: set[str]) -> None:
+        for node in sorted(nodes):
+            ids = self.cluster.forget_lost_node(node)
+            logger.warning("healer: node %s is gone with devices %s", node[:8], ids)
+            self._count("node", "lost")
 
     def probe(self) -> Probe:
         """Which ranks of the active instance and which device workers are dead now."""
@@ -244,6 +261,13 @@ class Healer:
             event = self.scaler.heal(repair)
         except ScaleConflict:
             return  # a scale started meanwhile; it owns the instances now
+        except NoCapacity as exc:
+            # Nothing to route to: requests get 503 at once instead of waiting for a repair that
+            # cannot come; the next probe tries again (a node may have joined).
+            self.cluster.withdraw()
+            self.faults = {**self.faults, INSTANCE: f"no capacity: {exc}"}
+            self._count(kind, "no_capacity")
+            return
         outcome = event.state.value
         self._count(kind, outcome)
         if event.state is ScaleState.SUCCEEDED:

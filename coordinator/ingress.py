@@ -67,6 +67,7 @@ ENDPOINTS = frozenset(
         "/metrics",
         "/admin/status",
         "/admin/devices",
+        "/admin/nodes",
         "/admin/scale",
         "/admin/adapters",
         "/admin/autoscaler",

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "elasticmoe"
 _ADMIN_SLACK = 64  # Serve slots beyond --max-queued, so that overflow reaches our 503 and probes pass
+# Ray's head node offers this resource: the coordinator and the ingress run there, so losing a
+# worker node never takes them (the head holds the GCS and Serve's controller anyway).
+HEAD_RESOURCE = "node:__internal_head__"
+_ON_HEAD = {"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}}
 
 
 class ClusterUnreachable(ConnectionError):
@@ -132,8 +136,9 @@ class ElasticServer:
 
 def coordinator_app(config: CoordinatorConfig) -> Any:
     """The Serve application for `config`: the coordinator, and the ingress that follows it."""
-    coordinator = Coordinator.bind(config)  # type: ignore[attr-defined]
-    ingress = Ingress.options(max_ongoing_requests=config.max_queued + _ADMIN_SLACK)  # type: ignore[attr-defined]
+    coordinator = Coordinator.options(ray_actor_options=_ON_HEAD).bind(config)  # type: ignore[attr-defined]
+    ingress = Ingress.options(  # type: ignore[attr-defined]
+        max_ongoing_requests=config.max_queued + _ADMIN_SLACK, ray_actor_options=_ON_HEAD)
     return ingress.bind(config, coordinator)
 
 

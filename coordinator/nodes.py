@@ -49,3 +49,8 @@ def device_specs(nodes: Sequence[DeviceNode], budget_bytes: int, first_id: int =
         for _ in range(node.num_devices):
             specs.append(DeviceSpec(first_id + len(specs), index, budget_bytes, node.ray_node_id))
     return specs
+
+
+def alive_node_ids() -> set[str]:
+    """The ids of the Ray nodes that are alive now."""
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}

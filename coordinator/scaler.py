@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEAL = "heal"  # the strategy name of a scale nobody asked for: replacing what failed
+DRAIN = "drain"  # the strategy name of a scale that moves the model off a node being drained
+_OWN_REASONS = (HEAL, DRAIN)  # events that run with the default mechanisms
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,10 @@ def is_instance_death(exc: BaseException) -> bool:
     return isinstance(original, RayActorError | ActorUnavailableError | EngineDeadError)
 
 
+class NoCapacity(RuntimeError):
+    """No registered device is left to put an instance on (every node that offered one is gone)."""
+
+
 class SwitchoverRolledBack(RuntimeError):
     """The switchover failed and was undone: the old instance serves every request again."""
 
@@ -86,26 +92,25 @@ class Scaler:
         self._exported: list[str] = []  # request ids the running scale exported from the old instance
 
     def validate(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> int:
-        """The current dp; raises `ValueError` naming "dp" or "strategy" for an impossible scale."""
-        hmm, old = self.cluster.hmm, self.cluster.active
+        """The current dp; raises `ValueError` naming "dp" or "strategy" for an impossible scale.
+        A scale may need more devices than are registered, up to `max_devices` (it asks Ray's
+        autoscaler for the rest, `ClusterManager.acquire_devices`)."""
+        hmm, old, cfg = self.cluster.hmm, self.cluster.active, self.cluster.config
         if hmm is None or old is None or not old.is_serving:
             raise RuntimeError("scale: no active instance")
         strat = strategy(strategy_name)
         if isinstance(target_dp, bool) or not isinstance(target_dp, int) or target_dp < 1:
             raise ValueError(f"dp: must be an integer >= 1, got {target_dp!r}")
-        if target_dp > len(hmm.devices):
-            raise ValueError(
-                f"dp: {target_dp} ranks need {target_dp} devices, only {len(hmm.devices)} registered"
-            )
+        usable = len(self.cluster.usable_devices())
+        limit = max(usable, cfg.max_devices or 0)
+        needed = target_dp + (old.dp if strat.placement == "fresh_devices" else 0)
+        if needed > limit:
+            beyond = f" (--max-devices {cfg.max_devices})" if cfg.max_devices else ""
+            what = (f"strategy {strat.name} needs {target_dp} devices the active instance does not use and"
+                    if strat.placement == "fresh_devices" else f"{target_dp} ranks need {target_dp} devices,")
+            raise ValueError(f"dp: {what} only {usable} are registered{beyond}")
         if target_dp == old.dp:
             raise ValueError(f"dp: the active instance already has dp={target_dp}")
-        if strat.placement == "fresh_devices":
-            free = len(hmm.devices) - old.dp
-            if target_dp > free:
-                raise ValueError(
-                    f"dp: strategy {strat.name} needs {target_dp} devices the active instance does not "
-                    f"use, only {free} are free"
-                )
         return old.dp
 
     def start(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> ScaleEvent:
@@ -144,17 +149,38 @@ class Scaler:
         return event
 
     def _heal_dp(self, dp: int) -> int:
-        pooled, hmm = set(self.cluster.standby.pool), self.cluster.hmm
-        num_devices = len(hmm.devices) if hmm is not None else dp
+        """The same dp if the pool has it, else a pooled neighbour, else the same dp booted now; at
+        most the devices left (a lost node takes its devices). `NoCapacity` when none is left."""
+        pooled = set(self.cluster.standby.pool)
+        num_devices = len(self.cluster.usable_devices())
+        if num_devices < 1:
+            raise NoCapacity("no device is left to serve on; waiting for nodes to join")
         for candidate in (dp, dp + 1, dp - 1):
             if candidate in pooled and 1 <= candidate <= num_devices:
                 return candidate
-        return dp
+        return min(dp, num_devices)
+
+    def move_off(self, reason: str) -> ScaleEvent:
+        """Scale the active instance off the devices that are leaving (a node being drained: see
+        `ClusterManager.usable_devices`) with the default mechanisms, blocking; the same dp if
+        enough devices stay, else as many as stay. The outcome is on the returned event (strategy
+        `drain`). Raises `ScaleConflict` while another scale runs, `NoCapacity` if none would stay."""
+        old = self.cluster.active
+        if old is None or not old.is_serving:
+            raise RuntimeError("drain: no active instance")
+        num_devices = len(self.cluster.usable_devices())
+        if num_devices < 1:
+            raise NoCapacity("no device would be left to serve on")
+        event = self.cluster.scale_events.start(old.dp, min(old.dp, num_devices), DRAIN)
+        event.fault = reason
+        self.run(event)
+        return event
 
     def run(self, event: ScaleEvent, repair: Repair | None = None) -> None:
         """Run a started event to its end; never raises (the outcome is on the event). The standby
         pool is refilled after every outcome, so the next scale finds it warm."""
         rolled_back = True
+        error: str | None = "interrupted"
         try:
             with self.cluster.devices_lock:  # no device joins in the middle of a scale
                 error = self._run(event, repair)
@@ -162,6 +188,11 @@ class Scaler:
             logger.exception("scale %s failed", event.event_id)
             error, rolled_back = describe_error(exc), False
         finally:
+            if error is None:  # nodes the new layout does not use may go back to Ray's autoscaler
+                try:
+                    self.cluster.release_idle_nodes()
+                except Exception:  # noqa: BLE001 - they stay registered; nothing else depends on it
+                    logger.exception("scale %s: giving back idle nodes failed", event.event_id)
             self.cluster.prepare_standby(self.cluster.config.standby_delay_s)
         self.cluster.scale_events.finish(event, error, rolled_back)
         logger.info("scale %s: %s", event.event_id, event.to_dict())
@@ -170,7 +201,14 @@ class Scaler:
         cluster, t0 = self.cluster, time.perf_counter()
         hmm, old = cluster.hmm, cluster.active
         assert hmm is not None and old is not None
-        strat = strategy(DEFAULT_STRATEGY if repair is not None else event.strategy)
+        strat = strategy(DEFAULT_STRATEGY if event.strategy in _OWN_REASONS else event.strategy)
+        if repair is None:
+            needed = event.to_dp + (old.dp if strat.placement == "fresh_devices" else 0)
+            try:
+                cluster.acquire_devices(needed, cluster.config.device_wait_s)
+            except TimeoutError as exc:
+                cluster.release_idle_nodes()  # lower the ask again
+                return f"rolled back before switchover: {exc}"
         hmm.reset_peak()
         if strat.placement == "stop_first":
             self._cold_restart(event, old, t0)
@@ -262,7 +300,10 @@ class Scaler:
             return new, min(ray.get([r.max_model_len.remote() for r in new.ranks]))
         except BaseException as exc:
             logger.exception("scale %s: preparation failed; rolling back", event.event_id)
-            hmm.abort()
+            try:
+                hmm.abort()
+            except Exception:  # noqa: BLE001 - a dead worker cannot abort; the new instance must still go
+                logger.exception("scale %s: aborting the HMM's plan failed", event.event_id)
             if new is not None and new.state is not InstanceState.RETIRED:
                 new.retire()
             return None, describe_error(exc)

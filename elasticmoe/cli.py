@@ -196,25 +196,89 @@ def _add_drain(sub: argparse._SubParsersAction) -> None:
                    help="longest wait for requests in flight (default 30)")
 
 
-def _run_drain(args: argparse.Namespace) -> int:
+def _admin_call(url: str, method: str, path: str, timeout_s: float) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of one admin call; the key comes from $ELASTICMOE_ADMIN_KEY (else
+    $ELASTICMOE_API_KEY). `OSError` when the server cannot be reached."""
     import json
     import urllib.error
     import urllib.request
 
     key = os.environ.get("ELASTICMOE_ADMIN_KEY") or os.environ.get("ELASTICMOE_API_KEY")
-    request = urllib.request.Request(f"{args.url.rstrip('/')}/admin/drain?timeout_s={args.timeout_s:g}",
-                                     method="POST", headers={"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(f"{url.rstrip('/')}{path}", method=method,
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(request, timeout=args.timeout_s + 30) as response:
-            result = json.loads(response.read())
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        print(f"error: {args.url}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}", file=sys.stderr)
-        return 2
-    except (urllib.error.URLError, OSError) as exc:
+        body = exc.read().decode(errors="replace")
+        try:
+            return exc.code, json.loads(body)
+        except ValueError:
+            return exc.code, {"error": {"message": body[:500]}}
+
+
+def _run_drain(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        status, result = _admin_call(args.url, "POST", f"/admin/drain?timeout_s={args.timeout_s:g}",
+                                     args.timeout_s + 30)
+    except OSError as exc:
         print(f"error: {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if status >= 400:
+        print(f"error: {args.url}: HTTP {status}: {json.dumps(result)[:500]}", file=sys.stderr)
         return 2
     print(json.dumps(result))
     return 0 if result.get("drained") else 1
+
+
+def _add_drain_node(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "drain-node",
+        help="move the model off one Ray node and give its devices back (a worker pod's preStop)",
+        description="Ask a running elastic server to drain a node (POST /admin/nodes/{node}/drain: the model "
+        "moves to the other nodes' devices by a zero-downtime switchover, then the node's devices are "
+        "unregistered and freed) and wait until the node may be removed. Exit 0 when it may (or when the server "
+        "has no device there), 1 when the drain failed or did not finish in time (e.g. the node holds the last "
+        "devices), 2 when the server could not be asked. The admin key comes from $ELASTICMOE_ADMIN_KEY (else "
+        "$ELASTICMOE_API_KEY).",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
+    p.add_argument("--node", required=True, help="the node: its Ray node id (or a unique prefix of 6+ characters), "
+                   "or its address (a pod's IP: $(hostname -i))")
+    p.add_argument("--timeout-s", type=float, default=120.0, metavar="S",
+                   help="longest wait for the node to become removable (default 120)")
+
+
+def _run_drain_node(args: argparse.Namespace) -> int:
+    import json
+    import time
+    import urllib.parse
+
+    node = urllib.parse.quote(args.node, safe="")
+    deadline = time.monotonic() + args.timeout_s
+    try:
+        status, result = _admin_call(args.url, "POST", f"/admin/nodes/{node}/drain", 30)
+        if status == 404:
+            print(json.dumps({"node": args.node, "state": "not used by this server"}))
+            return 0
+        if status >= 400 and not (status == 409 and "drained" in json.dumps(result)):
+            print(f"error: drain of {args.node}: HTTP {status}: {json.dumps(result)[:500]}", file=sys.stderr)
+            return 1 if status == 409 else 2
+        while True:
+            status, result = _admin_call(args.url, "GET", f"/admin/nodes/{node}", 30)
+            if status >= 400:
+                print(f"error: node {args.node}: HTTP {status}: {json.dumps(result)[:500]}", file=sys.stderr)
+                return 2
+            if result.get("removable") or result.get("state") != "draining" or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+    except OSError as exc:
+        print(f"error: {args.url}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0 if result.get("removable") else 1
 
 
 def _add_reap_shm(sub: argparse._SubParsersAction) -> None:
@@ -296,13 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_lora_adapter(sub)
     _add_serve(sub)
     _add_drain(sub)
+    _add_drain_node(sub)
     _add_reap_shm(sub)
     return parser
 
 
 _COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter,
              "make-lora-adapter": _run_make_lora_adapter, "serve": _run_serve,
-             "drain": _run_drain, "reap-shm": _run_reap_shm}
+             "drain": _run_drain, "drain-node": _run_drain_node, "reap-shm": _run_reap_shm}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,10 @@ class HMMController:
     # ---- calls to workers ------------------------------------------------------------
 
     def _call(self, device_id: int, method: str, *args: Any) -> Any:
-        fn = getattr(self.workers[device_id], method)
+        return self._call_on(self.workers[device_id], method, *args)
+
+    def _call_on(self, worker: Any, method: str, *args: Any) -> Any:
+        fn = getattr(worker, method)
         return fn.remote(*args) if self.use_ray else fn(*args)
 
     def _gather(self, calls: list[Any]) -> list[Any]:
@@ -119,6 +122,53 @@ class HMMController:
         self.devices[spec.device_id], self.workers[spec.device_id] = spec, worker
         if self.use_ray and self.p2p != "fast":
             self._rebuild_group()
+
+    def remove_device(self, device_id: int) -> None:
+        """Unregister a device the committed layout does not use (its node is drained or given
+        back): its worker frees its memory and exits, which returns its `elasticmoe_device` to
+        the node; the p2p group is rebuilt without it."""
+        if device_id not in self.devices:
+            raise ValueError(f"hmm: device {device_id} is not registered")
+        if self.pending is not None or (self.layout is not None and device_id in self.layout.device_ids):
+            raise RuntimeError(f"hmm: device {device_id} holds (or is about to hold) the model; scale off it first")
+        worker = self.workers.pop(device_id)
+        del self.devices[device_id]
+        try:
+            self._gather([self._call_on(worker, "shutdown")])
+        finally:
+            if self.use_ray:
+                ray.kill(worker)
+        if self.use_ray and self.p2p != "fast" and self.devices:
+            self._rebuild_group()
+        logger.info("hmm: device %d removed", device_id)
+
+    def forget_devices(self, device_ids: Sequence[int]) -> None:
+        """Unregister devices that are gone with their memory (their node died): no call reaches
+        them. A committed layout that used them keeps them as *lost* until the next plan, which
+        neither reads nor frees them (`lost_device_ids`); a pending plan is aborted first."""
+        gone = [d for d in device_ids if d in self.devices]
+        if not gone:
+            return
+        if self.pending is not None and set(gone) & set(self.pending.device_ids()):
+            p, self.pending = self.pending, None
+            alive = [d for d in p.device_ids() if d not in gone]
+            try:
+                self._all(alive, "abort")
+            except Exception:  # noqa: BLE001 - a survivor that cannot abort is freed at its restore
+                logger.exception("hmm: aborting the pending plan without devices %s", gone)
+        for d in gone:
+            del self.devices[d]
+            worker = self.workers.pop(d)
+            if self.use_ray:
+                ray.kill(worker)
+        if self.use_ray and self.p2p != "fast" and self.devices:
+            self._rebuild_group()
+        logger.warning("hmm: devices %s lost", gone)
+
+    @property
+    def lost_device_ids(self) -> frozenset[int]:
+        """Devices of the committed layout that are no longer registered (lost with their node)."""
+        return frozenset(self.layout.device_ids) - set(self.devices) if self.layout is not None else frozenset()
 
     def restore_device(self, device_id: int) -> dict[str, int]:
         """Replace the worker of `device_id` (dead, or to be replaced) with a new one and refill
@@ -305,10 +355,11 @@ class HMMController:
         return self._sources
 
     def plan(self, target: TargetConfig, options: TransitionOptions = DEFAULT_OPTIONS) -> ScalePlan:
-        """A plan from the committed layout to `target` using the mechanisms in `options`."""
+        """A plan from the committed layout to `target` using the mechanisms in `options` (lost
+        devices are neither read nor freed)."""
         if self.layout is None:
             raise RuntimeError("hmm: nothing loaded")
-        return plan(self.layout, target, options)
+        return plan(self.layout, target, options, lost=self.lost_device_ids)
 
     def unload(self) -> None:
         """Abort anything pending and free every device's tensors; keep the workers, their
@@ -380,6 +431,8 @@ class HMMController:
 
     def _p2p(self, p: ScalePlan) -> dict[str, int]:
         copies = [s for s in p.steps if isinstance(s, P2PCopy)]
+        if not copies:
+            return {"bytes_p2p_fast": 0, "bytes_p2p_gloo": 0}
         node = {d: s.node_id for d, s in self.devices.items()}
         fast = [c for c in copies if self._is_fast(node[c.src_device], node[c.dst_device])]
         gloo = [c for c in copies if c not in fast]

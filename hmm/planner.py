@@ -28,6 +28,10 @@ minimises bytes moved:
 The target may use devices disjoint from the current ones (a fresh instance):
 then nothing is reused and every current tensor is freed at commit.
 
+`lost` devices of the current layout are gone with their memory (their node died): they
+are never a source (a replicated tensor comes from a surviving replica; an expert only a
+lost device held is read from disk), never freed, and never in the target.
+
 `plan` raises PlanError when a device's peak during the transition (old
 mappings + new allocations) exceeds its budget.
 """
@@ -84,16 +88,21 @@ def scale_target(
     keep_device_ids: Sequence[int] | None = None,
     placement: ExpertPlacement | None = None,
     kv_bytes: int | None = None,
+    leaving: Collection[int] = (),
 ) -> TargetConfig:
     """Target for DP/EP `dp`: scale-up appends `new_devices`; scale-down keeps
-    `keep_device_ids` (default: the lowest device ids), in their current rank order."""
-    if dp >= current.dp:
-        if len(new_devices) < dp - current.dp:
-            raise ValueError(f"target: dp={dp} needs {dp - current.dp} new devices, got {len(new_devices)}")
-        devices = current.devices + tuple(new_devices[: dp - current.dp])
+    `keep_device_ids` (default: the lowest device ids), in their current rank order.
+    `leaving`: current devices the target must not use (a node being drained, or lost); the
+    others count as the current ones, so a target of the same dp replaces them with new ones."""
+    gone = set(leaving)
+    staying = tuple(d for d in current.devices if d.device_id not in gone)
+    if dp >= len(staying):
+        if len(new_devices) < dp - len(staying):
+            raise ValueError(f"target: dp={dp} needs {dp - len(staying)} new devices, got {len(new_devices)}")
+        devices = staying + tuple(new_devices[: dp - len(staying)])
     else:
-        keep = set(keep_device_ids if keep_device_ids is not None else sorted(current.device_ids)[:dp])
-        devices = tuple(d for d in current.devices if d.device_id in keep)
+        keep = set(keep_device_ids if keep_device_ids is not None else sorted(d.device_id for d in staying)[:dp])
+        devices = tuple(d for d in staying if d.device_id in keep)
         if len(devices) != dp:
             raise ValueError(
                 f"target: keep {dp} of the current devices {current.device_ids}, got {sorted(keep)}"
@@ -129,11 +138,21 @@ def target_layout(current: Layout, target: TargetConfig) -> Layout:
         raise PlanError(str(e)) from e
 
 
-def plan(current: Layout, target: TargetConfig, options: TransitionOptions = DEFAULT_OPTIONS) -> ScalePlan:
+def plan(
+    current: Layout,
+    target: TargetConfig,
+    options: TransitionOptions = DEFAULT_OPTIONS,
+    lost: Collection[int] = (),
+) -> ScalePlan:
     """Steps from `current` to `target` under `options` (see the module docstring);
-    validated (minimal only with the default options)."""
+    validated (minimal only with the default options). `lost`: current devices gone with
+    their memory."""
+    gone = frozenset(lost)
+    if gone & {d.device_id for d in target.devices}:
+        raise PlanError(f"plan: the target uses lost devices {sorted(gone)}")
     new = target_layout(current, target)
-    sent: dict[int, int] = dict.fromkeys(current.device_ids, 0)
+    alive = [d for d in current.device_ids if d not in gone]
+    sent: dict[int, int] = dict.fromkeys(alive, 0)
     node = {d.device_id: d.node_id for d in (*current.devices, *new.devices)}
     reuse: list[Step] = []
     fill: list[Step] = []
@@ -141,7 +160,7 @@ def plan(current: Layout, target: TargetConfig, options: TransitionOptions = DEF
     local: list[Step] = []  # second buffers of kept tensors (non-default options only)
     renewed: set[tuple[int, TensorKey]] = set()  # (device, key) whose old buffer is freed at commit
     for d in new.device_ids:
-        have = current.tensors(d)
+        have = current.tensors(d) if d in current.device_ids else {}
         stack_changed = d not in current.device_ids or current.local_experts(d) != new.local_experts(d)
         for key, nbytes in new.tensors(d).items():
             if key in have:
@@ -167,7 +186,7 @@ def plan(current: Layout, target: TargetConfig, options: TransitionOptions = DEF
             elif key.kind == "kv":
                 fill.append(Alloc(d, key, nbytes))
             elif key.kind == "expert":
-                if not options.p2p:
+                if not options.p2p or current.holder(key.expert_id) in gone:
                     expert_fill += [Alloc(d, key, nbytes), DiskLoad(d, key, nbytes)]
                     continue
                 src = current.holder(key.expert_id)
@@ -178,14 +197,14 @@ def plan(current: Layout, target: TargetConfig, options: TransitionOptions = DEF
         if d in current.device_ids:
             continue
         for key, nbytes in sorted(_dense(new, d).items(), key=lambda kv: (-kv[1], kv[0].name)):
-            if not options.p2p:
+            if not options.p2p or not alive:
                 fill += [Alloc(d, key, nbytes), DiskLoad(d, key, nbytes)]
                 continue
-            src = min(current.device_ids, key=lambda s: (node[s] != node[d], sent[s], s))
+            src = min(alive, key=lambda s: (node[s] != node[d], sent[s], s))
             sent[src] += nbytes
             fill += [Alloc(d, key, nbytes), P2PCopy(src, d, key, nbytes)]
-    steps = (*reuse, *fill, *local, *expert_fill, *_frees(current, new, renewed))
-    result = ScalePlan(current, new, steps, options)
+    steps = (*reuse, *fill, *local, *expert_fill, *_frees(current, new, renewed, gone))
+    result = ScalePlan(current, new, steps, options, gone)
     over = result.over_budget()
     if over:
         raise PlanError(f"plan: peak memory exceeds the budget of devices {over} (device: excess bytes)")
@@ -262,11 +281,16 @@ def _dense(layout: Layout, device_id: int) -> dict[TensorKey, int]:
     return {k: b for k, b in layout.tensors(device_id).items() if k.kind == "dense"}
 
 
-def _frees(current: Layout, new: Layout, renewed: Collection[tuple[int, TensorKey]] = ()) -> list[Step]:
+def _frees(
+    current: Layout, new: Layout, renewed: Collection[tuple[int, TensorKey]] = (), lost: Collection[int] = ()
+) -> list[Step]:
     """Deferred to commit: whatever each current device holds that the target does not
-    keep in place (not at all, or `renewed`: the target got a new buffer of it)."""
+    keep in place (not at all, or `renewed`: the target got a new buffer of it). Lost devices
+    hold nothing any more."""
     frees: list[Step] = []
     for d in current.device_ids:
+        if d in lost:
+            continue
         keep = new.tensors(d)
         frees += [
             Free(d, key, nbytes)

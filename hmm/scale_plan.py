@@ -130,10 +130,15 @@ class ScalePlan:
     target: Layout
     steps: tuple[Step, ...]
     options: TransitionOptions = DEFAULT_OPTIONS
+    # Devices of `current` that are gone with their memory (their node died): nothing is read
+    # from them, nothing is freed on them, no call reaches them (`device_ids` leaves them out).
+    lost: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if any(getattr(s, "nbytes", 0) < 0 for s in self.steps):
             raise ValueError("plan: step sizes must be >= 0")
+        if self.lost & set(self.target.device_ids):
+            raise ValueError(f"plan: lost devices {sorted(self.lost)} cannot be in the target")
 
     def _sum(self, *kinds: type) -> int:
         return sum(s.nbytes for s in self.steps if isinstance(s, kinds))
@@ -177,12 +182,14 @@ class ScalePlan:
         return sent
 
     def device_ids(self) -> tuple[int, ...]:
+        """Every live device the plan touches (lost ones are left out)."""
         ids = set(self.target.device_ids) | set(self.current.device_ids if self.current else ())
-        return tuple(sorted(ids))
+        return tuple(sorted(ids - self.lost))
 
     def peak_bytes(self) -> dict[int, int]:
         """Per device, the most bytes held at any point (old mappings live until commit)."""
-        used = {d: self.current.total_bytes(d) if self.current else 0 for d in self.device_ids()}
+        current = self.current
+        used = {d: current.total_bytes(d) if current and d in current.device_ids else 0 for d in self.device_ids()}
         peak = dict(used)
         for s in self.steps:
             if isinstance(s, Alloc | Free):
@@ -209,8 +216,10 @@ class ScalePlan:
           slot (a Remap when it moves slot), and nothing outside the target is left;
         - with `minimal`: no second buffer of a held key, no disk load of a key
           some device holds, and every kept tensor is declared by a Reuse/Remap.
+
+        Lost devices hold nothing from the start (their memory is gone).
         """
-        cur = {d: self.current.tensors(d) for d in self.current.device_ids} if self.current else {}
+        cur = {d: self.current.tensors(d) for d in self.current.device_ids if d not in self.lost} if self.current else {}
         tgt = {d: self.target.tensors(d) for d in self.target.device_ids}
         bufs = {
             (d, k): [True] for d, keys in cur.items() for k in keys

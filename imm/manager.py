@@ -119,6 +119,20 @@ class InstanceManager:
             logger.info("evicting standby instance dp=%d", dp)
             victim.retire()
 
+    def retire_where(self, condition: Callable[[ManagedInstance], bool]) -> int:
+        """Retire the pooled instances for which `condition` holds (e.g. a rank on a node that
+        left); returns how many."""
+        with self._lock:
+            victims = [(dp, inst) for dp, inst in self.pool.items() if condition(inst)]
+            for dp, _ in victims:
+                del self.pool[dp]
+        for _, inst in victims:
+            try:
+                inst.retire()
+            except Exception:  # noqa: BLE001 - its ranks may be gone with their node
+                logger.warning("retiring pooled instance %r failed", inst, exc_info=True)
+        return len(victims)
+
     def shutdown(self) -> None:
         """Retire the pool (and every instance that finishes booting later)."""
         with self._lock:

@@ -2,7 +2,9 @@
 --head`, then `ray start --address` per further node, each offering `elasticmoe_device`.
 
 Ray 2.60 turns token authentication on: every node and every driver must carry the same
-token, or they are refused with `InvalidAuthToken`. As KubeRay does (a Secret in
+token, or they are refused with `InvalidAuthToken`. The head's GCS declares a node dead after
+about 2 s without answers here (Ray's default is about 15 s), so a killed node is noticed
+within a test's patience. As KubeRay does (a Secret in
 `RAY_AUTH_TOKEN` on every pod), the nodes get `RAY_AUTH_MODE=token` and a fresh token in
 their environment, and so does the server `serve_on` starts (`elasticmoe serve --address`,
 its own process: Ray reads the mode once per process). Every process of the cluster is
@@ -59,6 +61,19 @@ class RayNodes:
         """One more node joins the cluster, offering `devices` devices."""
         self._start("--address", self.address, devices=devices, cpus=cpus)
 
+    def kill_node(self, ray_node_id: str) -> int:
+        """kill -9 one node: its raylet and every process under it (its workers: device workers,
+        ranks, replicas). Returns how many processes were killed."""
+        out = subprocess.run(["pgrep", "-f", f"raylet/raylet .*--node_id={ray_node_id}"], capture_output=True,
+                             text=True)
+        raylets = [int(p) for p in out.stdout.split() if self.temp_dir in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(raylets) == 1, f"no (or more than one) raylet of node {ray_node_id}: {raylets}"
+        victims = _descendants(raylets[0])
+        for pid in [raylets[0], *victims]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return 1 + len(victims)
+
     def pids(self) -> list[int]:
         """Every live process of this cluster (its command line names the cluster's temp dir)."""
         out = subprocess.run(["pgrep", "-f", self.temp_dir], capture_output=True, text=True)
@@ -73,12 +88,23 @@ class RayNodes:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    children = [int(p) for p in out.stdout.split()]
+    return [p for child in children for p in (child, *_descendants(child))]
+
+
+# The GCS declares a node dead after a few missed health checks (default about 15 s).
+FAST_NODE_DEATH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "500",
+                   "RAY_health_check_timeout_ms": "500", "RAY_health_check_failure_threshold": "4"}
+
+
 @contextlib.contextmanager
 def ray_nodes(head_devices: int = 1, worker_devices: tuple[int, ...] = (1,), cpus: int = 1) -> Iterator[RayNodes]:
     """A head offering `head_devices` and one worker node per entry of `worker_devices`; this
     process carries the cluster's token while inside."""
     token = secrets.token_hex(16)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, **FAST_NODE_DEATH}
     temp_dir = tempfile.mkdtemp(prefix="emoe-ray-")
     port = _free_port()
     nodes = RayNodes(temp_dir, f"127.0.0.1:{port}", env)

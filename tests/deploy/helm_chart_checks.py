@@ -117,8 +117,11 @@ def check_rayservice(obj: dict[str, Any]) -> None:
     if "upgradeStrategy" in spec:
         assert spec["upgradeStrategy"]["type"] in {"NewCluster", "None", "NewClusterWithIncrementalUpgrade"}
     cluster = spec["rayClusterConfig"]
-    assert set(cluster) <= {"rayVersion", "enableInTreeAutoscaling", "headGroupSpec", "workerGroupSpecs"}
+    assert set(cluster) <= {"rayVersion", "enableInTreeAutoscaling", "authOptions", "headGroupSpec",
+                            "workerGroupSpecs"}
     assert isinstance(cluster["rayVersion"], str) and isinstance(cluster["enableInTreeAutoscaling"], bool)
+    if "authOptions" in cluster:  # KubeRay >= 1.5.1 (AuthOptions: mode token or disabled)
+        assert cluster["authOptions"] == {"mode": "token"} or cluster["authOptions"] == {"mode": "disabled"}
     head = cluster["headGroupSpec"]
     assert set(head) == {"rayStartParams", "template"}
     _check_ray_start_params(head["rayStartParams"])

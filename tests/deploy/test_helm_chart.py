@@ -158,9 +158,49 @@ def test_prestop_drains_within_the_grace_period(values, expected):
     assert (sleep, timeout) == expected[:2]
     for template in templates.values():
         assert template["spec"]["terminationGracePeriodSeconds"] == expected_grace >= sleep + timeout + 10
-    # Workers outlive the head's drain: their ranks serve its requests in flight.
+    # A worker drains its own node; when it cannot, it outlives the head's drain (its ranks serve
+    # the head's requests in flight).
     worker_stop = ray_container(templates["worker"])["lifecycle"]["preStop"]["exec"]["command"]
-    assert worker_stop == ["sleep", str(sleep + timeout)]
+    assert worker_stop[:2] == ["sh", "-c"] and f"--timeout-s {timeout} || sleep {sleep + timeout}" in worker_stop[2]
+
+
+def test_a_stopped_worker_drains_its_own_node_first(tmp_path):
+    """Run the worker's preStop with logging stand-ins: `elasticmoe drain-node` for the pod's own
+    address; if it fails (the last devices, or no server), the pod sleeps through the head's drain."""
+    log = tmp_path / "calls.log"
+    env = _fake_commands(tmp_path / "bin", log, serve_failures=0)
+    (tmp_path / "bin" / "hostname").write_text("#!/bin/sh\necho 10.1.2.3\n")
+    (tmp_path / "bin" / "hostname").chmod(0o755)
+    command = ray_container(pod_templates(render())["worker"])["lifecycle"]["preStop"]["exec"]["command"]
+    subprocess.run(command, env=env, check=True, timeout=30)
+    drain = f"elasticmoe drain-node --url http://{RELEASE}-elasticmoe:8000 --node 10.1.2.3 --timeout-s 60"
+    assert log.read_text().splitlines() == [drain]
+    (tmp_path / "bin" / "elasticmoe").write_text(f"#!/bin/sh\necho \"elasticmoe $*\" >> {log}; exit 1\n")
+    log.unlink()
+    subprocess.run(command, env=env, check=True, timeout=30)
+    assert log.read_text().splitlines() == [drain, "sleep 65"]
+    plain = render({"workers": {"drainOnStop": False}})
+    command = ray_container(pod_templates(plain)["worker"])["lifecycle"]["preStop"]["exec"]["command"]
+    log.unlink()
+    subprocess.run(command, env=env, check=True, timeout=30)
+    assert log.read_text().splitlines() == ["sleep 65"]
+
+
+def test_ray_token_authentication_from_the_operator_or_a_secret():
+    def ray_env(objs: list[dict]) -> list[dict]:
+        return [e for t in pod_templates(objs).values() for e in ray_container(t)["env"] if e["name"].startswith("RAY_")]
+
+    default = render()  # KubeRay >= 1.5.1 makes the token and sets it on every pod
+    assert one(default, "RayService")["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    assert ray_env(default) == []
+    own = render({"rayAuth": {"mode": "secret", "existingSecret": "ray-token"}})
+    assert "authOptions" not in one(own, "RayService")["spec"]["rayClusterConfig"]
+    env = ray_env(own)
+    assert len(env) == 4  # head and worker: the mode, and the token from the Secret
+    assert {"name": "RAY_AUTH_MODE", "value": "token"} in env
+    assert {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "ray-token", "key": "auth_token"}}} in env
+    off = render({"rayAuth": {"mode": "disabled"}})
+    assert "authOptions" not in one(off, "RayService")["spec"]["rayClusterConfig"] and ray_env(off) == []
 
 
 _OUTSIDE = None
@@ -267,6 +307,8 @@ def test_schema_rejects_bad_values(bad):
     ({"coordinator": {"kv_bytes_per_device": 2 << 30}}, "kv_bytes_per_device"),
     ({"autoscale": {"min_dp": 2, "max_dp": 1}}, "min_dp"),
     ({"auth": {"existingSecret": "x", "apiKey": "0123456789"}}, "auth"),
+    ({"rayAuth": {"mode": "secret"}}, "rayAuth.existingSecret"),
+    ({"coordinator": {"max_devices": 0}}, "max_devices"),
 ])
 def test_cross_field_invariants_fail_the_render(bad, message):
     with pytest.raises(helm.HelmError, match=message):
@@ -284,8 +326,12 @@ def test_worker_pods_offer_devices_and_the_group_may_grow():
     assert ray_start_resources(group["rayStartParams"])[DEVICE_RESOURCE] == 3
     assert cluster["enableInTreeAutoscaling"] is True
     (app,) = serve_config(objs)["applications"]
-    assert app["args"]["num_devices"] == 6
-    assert one(render(None), "RayService")["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
+    # Scales may ask for the pods the group may still add, and idle pods are given back.
+    assert (app["args"]["num_devices"], app["args"]["max_devices"], app["args"]["release_idle_nodes"]) == (6, 12, True)
+    fixed = render(None)
+    assert one(fixed, "RayService")["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
+    (app,) = serve_config(fixed)["applications"]
+    assert "max_devices" not in app["args"] and "release_idle_nodes" not in app["args"]
 
 
 def test_gpu_values_put_gpus_on_the_worker_group_only():
@@ -298,10 +344,10 @@ def test_gpu_values_put_gpus_on_the_worker_group_only():
 
 
 def test_serve_args_build_the_coordinator_config(tiny_model_dir):
-    from coordinator.controller import Coordinator
     from coordinator.deployment import config_from_args
 
-    for values in (None, gpu_values()):
+    growing = {"workers": {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}}
+    for values in (None, gpu_values(), growing):
         objs = render(values)
         (app,) = serve_config(objs)["applications"]
         assert app["import_path"] == "coordinator.deployment:app_builder" and app["route_prefix"] == "/"
@@ -315,13 +361,10 @@ def test_serve_args_build_the_coordinator_config(tiny_model_dir):
         assert config.num_devices == merged["workers"]["replicas"] * merged["workers"]["devicesPerPod"]
         assert config.autoscale.enabled is merged["autoscale"]["enabled"]
         assert args["model_dir"] == merged["model"]["path"]
-        # The coordinator is pinned to a resource the worker group advertises.
-        (override,) = app["deployments"]
-        assert override["name"] == Coordinator.name
-        demand = override["ray_actor_options"]["resources"]
-        worker_params = one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]
-        supply = ray_start_resources(worker_params)
-        assert all(supply.get(name, 0) >= amount for name, amount in demand.items()) and demand
+        assert config.max_devices == args.get("max_devices") and config.release_idle_nodes is bool(
+            args.get("release_idle_nodes"))
+        # No placement override: the coordinator and the ingress pin themselves to the head.
+        assert "deployments" not in app
 
 
 def test_model_is_generated_by_default_or_mounted_from_a_pvc():

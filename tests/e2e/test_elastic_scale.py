@@ -9,16 +9,18 @@ runs on its device's node, and weights cross nodes by p2p (gloo), counted. Four 
 completions back to back while `POST /admin/scale` walks the server through dp 1, 2, 3,
 2, 1; every one of those requests completes with exactly the text and token count of a
 single-process `LLMEngine` run of the same prompt (no failed request, no repeated or
-skipped delta), and requests are handed over at the switchovers.
+skipped delta), and requests are handed over at the switchovers. Then, under the same load,
+a node the instance uses is drained (the model moves to another node's device, the drained
+node's device is freed and the node reported removable) and the other worker node is killed
+(kill -9 of its raylet and every process under it): the server forgets its device, re-plans
+onto the survivors (its experts read from disk) and every stream continues, identical.
 Also: bad scale requests are 400s naming "dp" or "strategy", a second scale while one
 runs is a 409, an unknown event id is a 404. Teardown must leave no /dev/shm file behind.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
-import socket
 import subprocess
 import threading
 import time
@@ -26,41 +28,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 from ray_nodes import RayNodes, Served, ray_nodes, serve_on
+from streaming_clients import MODEL, PROMPTS, client, client_loop, reference_outputs, scale, wait_event
 
-from elasticmoe.config import EngineConfig
-from elasticmoe.engine.llm_engine import LLMEngine
-from elasticmoe.sampling_params import SamplingParams
 from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-qwen3-moe"
-PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
-MAX_TOKENS = 200  # clients stream back to back, so some request is mid-flight at every switchover
 WALK = [2, 3, 2, 1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> list[tuple[str, int]]:
-    """(text, num_output_tokens) per prompt, single process, float32, greedy."""
-    engine = LLMEngine(
-        EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_kv_blocks=1024, num_threads=1)
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"ref-{i}", prompt, params)
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update({o.request_id: o for o in engine.step() if o.finished})
-    return [(final[f"ref-{i}"].text, len(final[f"ref-{i}"].output_token_ids)) for i in range(len(PROMPTS))]
+    return reference_outputs(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -95,59 +74,6 @@ def _check_placement(status: dict) -> set[str]:
     return {r["running_on"] for r in ranks}
 
 
-def _client(server: Served) -> httpx.Client:
-    return httpx.Client(base_url=server.url, timeout=120)
-
-
-def _stream(server: Served, prompt: list[int]) -> tuple[str, int]:
-    """(streamed text, completion_tokens) of one streaming greedy completion."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    text, usage = [], None
-    with _client(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            assert "error" not in chunk, chunk  # a failed request
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            text += [c["text"] for c in chunk["choices"]]
-    assert usage is not None
-    return "".join(text), usage["completion_tokens"]
-
-
-def _client_loop(server: Served, first: int, stop: threading.Event) -> list[tuple[int, tuple[str, int]]]:
-    """Stream back to back (cycling through the prompts) until `stop`; (prompt index, result) each."""
-    results, i = [], first
-    while not stop.is_set():
-        results.append((i, _stream(server, PROMPTS[i])))
-        i = (i + 1) % len(PROMPTS)
-    return results
-
-
-def _scale(c: httpx.Client, dp: int) -> str:
-    r = c.post("/admin/scale", json={"dp": dp})
-    assert r.status_code == 202, r.text
-    return str(r.json()["event_id"])
-
-
-def _wait_event(c: httpx.Client, event_id: str, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while (event := c.get(f"/admin/scale/{event_id}").json())["state"] == "running":
-        assert time.monotonic() < deadline, event
-        time.sleep(0.05)
-    return event
-
-
 def _join_node(c: httpx.Client, nodes: RayNodes, timeout_s: float = 60) -> dict:
     """A node joins the Ray cluster; wait until the server registered its device."""
     before = len(c.get("/admin/devices").json()["devices"])
@@ -165,17 +91,17 @@ def test_streams_survive_scaling_1_2_3_2_1(served, reference):
     server, nodes = served
     stop = threading.Event()
     events, rank_nodes = [], []
-    with ThreadPoolExecutor(len(PROMPTS)) as pool, _client(server) as c:
-        futures = [pool.submit(_client_loop, server, i, stop) for i in range(len(PROMPTS))]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool, client(server) as c:
+        futures = [pool.submit(client_loop, server, i, stop) for i in range(len(PROMPTS))]
         try:
             time.sleep(1.0)  # every client is mid-stream
             for step, dp in enumerate(WALK):
-                event_id = _scale(c, dp)
+                event_id = scale(c, dp)
                 if step == 0:
                     conflict = c.post("/admin/scale", json={"dp": 2})  # valid, but the first one still runs
                     assert conflict.status_code == 409, conflict.text
                     assert conflict.json()["error"]["param"] == "dp"
-                events.append(_wait_event(c, event_id))
+                events.append(wait_event(c, event_id))
                 assert events[-1]["state"] == "succeeded", events[-1]
                 status = c.get("/admin/status").json()
                 assert status["active_config"]["dp"] == dp
@@ -208,7 +134,7 @@ def test_streams_survive_scaling_1_2_3_2_1(served, reference):
             f"MiB, handed over {event['requests_handed_over']}/{event['requests_in_flight']}, "
             f"bytes {event['bytes_moved']}"
         )
-    with _client(server) as c:
+    with client(server) as c:
         assert c.get("/health").status_code == 200
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4})
         assert r.status_code == 200, r.text
@@ -216,9 +142,70 @@ def test_streams_survive_scaling_1_2_3_2_1(served, reference):
         assert 'elasticmoe_scale_events_total{outcome="succeeded",strategy="elastic"} 4.0' in metrics
 
 
+def _wait(c: httpx.Client, what: str, done, timeout_s: float = 120) -> dict:  # noqa: ANN001 - a predicate
+    deadline = time.monotonic() + timeout_s
+    while not done(status := c.get("/admin/status").json()):
+        assert time.monotonic() < deadline, f"{what}: {status}"
+        time.sleep(0.1)
+    return status
+
+
+def test_a_drained_node_is_given_back_and_a_killed_node_loses_no_request(served, reference):
+    server, nodes = served
+    stop = threading.Event()
+    with client(server) as c:
+        assert c.get("/admin/status").json()["active_config"]["dp"] == 1  # where the walk ended
+        assert wait_event(c, scale(c, 2))["state"] == "succeeded"
+        home = next(n["ray_node_id"] for n in c.get("/admin/nodes").json()["nodes"] if n["home"])
+        ranks = c.get("/admin/status").json()["instance"]["ranks"]
+        drained = next(r["ray_node_id"] for r in ranks if r["ray_node_id"] != home)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(client_loop, server, i, stop) for i in range(len(PROMPTS))]
+            try:
+                time.sleep(1.0)
+                # Drain: the instance moves off the node (same dp, the third node's device), then
+                # the node's device is unregistered and freed.
+                r = c.post(f"/admin/nodes/{drained[:12]}/drain")  # a unique prefix names it too
+                assert r.status_code == 202 and r.json()["state"] == "draining", r.text
+                assert c.post(f"/admin/nodes/{drained}/drain").status_code == 409  # already draining
+                deadline = time.monotonic() + 120
+                while not (node := c.get(f"/admin/nodes/{drained}").json())["removable"]:
+                    assert time.monotonic() < deadline and node["state"] == "draining", node
+                    time.sleep(0.1)
+                assert node["state"] == "drained" and node["devices"] == []
+                status = c.get("/admin/status").json()
+                drain_event = c.get(f"/admin/scale/{node['event_id']}").json()
+                assert drain_event["strategy"] == "drain" and drain_event["to_dp"] == 2
+                assert drain_event["bytes_moved"]["bytes_p2p_gloo"] > 0  # from the drained node, by p2p
+                assert status["active_config"]["dp"] == 2 and drained not in _check_placement(status)
+                assert drained not in {d["ray_node_id"] for d in status["devices"]}
+                # Kill the other worker node, which now holds a rank: its device is lost.
+                victim = next(r["ray_node_id"] for r in status["instance"]["ranks"] if r["ray_node_id"] != home)
+                time.sleep(0.5)
+                assert nodes.kill_node(victim) >= 2
+                healed = _wait(c, "repair after the node loss", lambda st: (
+                    any(e["strategy"] == "heal" and e["state"] == "succeeded" for e in st["scale_events"])
+                    and st["health"]["ready"] and st["scale_event"] is None), timeout_s=180)
+                time.sleep(1.0)  # streams progress on the repaired instance
+            finally:
+                stop.set()
+            results = [res for f in futures for res in f.result(timeout=300)]
+        nodes_now = {n["ray_node_id"]: n for n in c.get("/admin/nodes").json()["nodes"]}
+    assert [res for _, res in results] == [reference[i] for i, _ in results]  # none failed, all identical
+    assert healed["active_config"]["dp"] == 1 and _check_placement(healed) == {home}
+    heal = next(e for e in reversed(healed["scale_events"]) if e["strategy"] == "heal")
+    assert "lost" in heal["fault"] and heal["bytes_moved"]["bytes_disk"] > 0  # its experts came from disk
+    assert healed["requests"]["recovered"] > 0
+    assert nodes_now[victim]["state"] == "lost" and nodes_now[drained]["state"] == "drained"
+    print(f"\ndrain: {drain_event['scale_latency_s']:.2f}s, critical section {drain_event['downtime_s'] * 1e3:.0f} ms,"
+          f" handed over {drain_event['requests_handed_over']}; node loss: detected after "
+          f"{heal['started_at'] - heal['detected_at']:.2f}s, repaired in {heal['scale_latency_s']:.2f}s, "
+          f"bytes {heal['bytes_moved']}")
+
+
 @pytest.mark.parametrize("body", [{"dp": 0}, {"dp": 99}, {"dp": "two"}, {"dp": 1.5}, {"dp": 1}, {}])
 def test_bad_scale_request_is_400_naming_dp(server, body):
-    with _client(server) as c:
+    with client(server) as c:
         r = c.post("/admin/scale", json=body)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
@@ -227,7 +214,7 @@ def test_bad_scale_request_is_400_naming_dp(server, body):
 
 
 def test_unknown_strategy_is_400_naming_strategy(server):
-    with _client(server) as c:
+    with client(server) as c:
         r = c.post("/admin/scale", json={"dp": 2, "strategy": "warp"})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "strategy"
@@ -235,6 +222,6 @@ def test_unknown_strategy_is_400_naming_strategy(server):
 
 
 def test_unknown_scale_event_is_404(server):
-    with _client(server) as c:
+    with client(server) as c:
         r = c.get("/admin/scale/scale-999")
         assert r.status_code == 404 and r.json()["error"]["type"]

@@ -174,3 +174,61 @@ def test_budget_accounting_of_new_devices_defaults_to_budget_minus_weights():
     p = plan(current, scale_target(current, 3, make_devices(3)[2:]))
     assert p.target.kv_bytes == (KV, KV, BUDGET - D - 10 * X)
     assert p.over_budget() == {}
+
+
+# ---- devices leaving (a drained node) and lost (a dead node) ---------------------------------
+
+
+def test_a_leaving_device_is_replaced_by_a_new_one_at_the_same_dp():
+    current = make_layout(2, nodes=(0, 1))
+    devices = make_devices(3, nodes=(0, 1, 2))
+    target = scale_target(current, 2, devices[2:], kv_bytes=KV, leaving={1})
+    assert [d.device_id for d in target.devices] == [0, 2]
+    p = plan(current, target)
+    p.validate()
+    # Device 2 gets the dense tensors and device 1's 16 experts, all by p2p (device 1 still serves).
+    assert p.bytes_p2p == D + 16 * X and p.bytes_disk == 0
+    assert {s.src_device for s in p.steps if isinstance(s, P2PCopy) and s.key.kind == "expert"} == {1}
+    assert sum(s.nbytes for s in p.steps if isinstance(s, Free) and s.device == 1) == D + KV + 16 * X
+
+
+def test_leaving_devices_shrink_dp_when_no_device_is_free():
+    current = make_layout(3)
+    target = scale_target(current, 2, (), kv_bytes=KV, leaving={0})
+    assert [d.device_id for d in target.devices] == [1, 2]
+    with pytest.raises(ValueError, match="needs 1 new devices"):
+        scale_target(current, 3, (), kv_bytes=KV, leaving={0})
+
+
+def test_a_lost_device_is_never_a_source_nor_freed():
+    current = make_layout(3, nodes=(0, 1, 1))
+    survivors = make_devices(4, nodes=(0, 1, 1, 2))
+    # Devices 1 and 2 (node 1) died; device 3 (node 2) joined: dp 3 -> 2 on devices 0 and 3.
+    target = scale_target(current, 2, survivors[3:], kv_bytes=KV, leaving={1, 2})
+    p = plan(current, target, lost={1, 2})
+    p.validate()
+    assert p.device_ids() == (0, 3) and p.lost == {1, 2}
+    sources = {s.src_device for s in p.steps if isinstance(s, P2PCopy)}
+    assert sources == {0}  # dense tensors from the surviving replica
+    lost_experts = set(current.local_experts(1)) | set(current.local_experts(2))
+    from_disk = {s.key.expert_id for s in p.steps if isinstance(s, DiskLoad)}
+    assert from_disk == lost_experts  # only the dead devices held them: read from disk, once each
+    assert not any(isinstance(s, Free) and s.device in (1, 2) for s in p.steps)
+    assert set(p.peak_bytes()) == {0, 3}
+    assert sum(len(p.target.local_experts(d)) for d in p.target.device_ids) == 32
+
+
+def test_a_lost_device_cannot_be_in_the_target():
+    current = make_layout(2)
+    with pytest.raises(PlanError, match="lost"):
+        plan(current, scale_target(current, 1, kv_bytes=KV), lost={0})
+    with pytest.raises(ValueError, match="lost devices"):
+        ScalePlan(current, current, (), lost=frozenset({0}))
+
+
+def test_every_device_lost_reloads_everything_from_disk():
+    current = make_layout(1, nodes=(0,))
+    fresh = make_devices(2, nodes=(0, 1))[1:]
+    p = plan(current, scale_target(current, 1, fresh, kv_bytes=KV, leaving={0}), lost={0})
+    p.validate()
+    assert p.bytes_p2p == 0 and p.bytes_disk == D + 32 * X and p.device_ids() == (1,)

@@ -57,11 +57,6 @@ app.kubernetes.io/component: device-worker
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The Ray custom resource each device worker pod advertises; the coordinator is pinned to it. */}}
-{{- define "elasticmoe.deviceNodeResource" -}}
-elasticmoe_device_node
-{{- end }}
-
 {{/* The pod's grace period can never be shorter than preStop sleep + drain + 10 s of slack for
 Ray to stop; a smaller terminationGracePeriodSeconds is raised to that. */}}
 {{- define "elasticmoe.terminationGracePeriodSeconds" -}}
@@ -101,6 +96,14 @@ Ray to stop; a smaller terminationGracePeriodSeconds is raised to that. */}}
 {{- if and .Values.auth.existingSecret (or .Values.auth.apiKey .Values.auth.adminKey) }}
 {{- fail "auth: set either existingSecret or apiKey/adminKey, not both" }}
 {{- end }}
+{{- if and (eq .Values.rayAuth.mode "secret") (not .Values.rayAuth.existingSecret) }}
+{{- fail "rayAuth.mode secret needs rayAuth.existingSecret (a Secret holding the Ray token)" }}
+{{- end }}
+{{- if not (kindIs "invalid" $c.max_devices) }}
+{{- if lt (int64 $c.max_devices) (int64 $c.dp) }}
+{{- fail "coordinator.max_devices must be >= coordinator.dp" }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The devices the worker pods offer at start. */}}
@@ -108,10 +111,19 @@ Ray to stop; a smaller terminationGracePeriodSeconds is raised to that. */}}
 {{- mul (int64 .Values.workers.replicas) (int64 .Values.workers.devicesPerPod) }}
 {{- end }}
 
+{{/* The worker group may grow and shrink (KubeRay's in-tree autoscaler is on). */}}
+{{- define "elasticmoe.workersScale" -}}
+{{- if gt (int64 .Values.workers.maxReplicas) (int64 .Values.workers.minReplicas) }}true{{- end }}
+{{- end }}
+
 {{/* serveConfigV2 `args`: CoordinatorConfig fields (nulls left out, so the field's default
 applies), model_dir from model.path, num_devices from the worker pods, and the autoscaler's mapping. */}}
 {{- define "elasticmoe.serveArgs" -}}
 {{- $args := dict "model_dir" .Values.model.path "num_devices" (include "elasticmoe.numDevices" . | int64) }}
+{{- if include "elasticmoe.workersScale" . }}
+{{- $_ := set $args "max_devices" (mul (int64 .Values.workers.maxReplicas) (int64 .Values.workers.devicesPerPod)) }}
+{{- $_ := set $args "release_idle_nodes" true }}
+{{- end }}
 {{- range $key, $value := .Values.coordinator }}
 {{- if not (kindIs "invalid" $value) }}
 {{- $_ := set $args $key $value }}
@@ -139,14 +151,6 @@ applications:
     import_path: coordinator.deployment:app_builder
     args:
       {{- include "elasticmoe.serveArgs" . | nindent 6 }}
-    {{- if .Values.serve.coordinatorOnWorker }}
-    deployments:
-      - name: coordinator
-        ray_actor_options:
-          num_cpus: 0
-          resources:
-            {{ include "elasticmoe.deviceNodeResource" . }}: 0.001
-    {{- end }}
 {{- end }}
 
 {{- define "elasticmoe.authSecretName" -}}
@@ -176,11 +180,25 @@ applications:
 {{- end }}
 {{- end }}
 
+{{/* The Ray token from an existing Secret (rayAuth.mode secret; with mode operator KubeRay sets it). */}}
+{{- define "elasticmoe.rayAuthEnv" -}}
+{{- if eq .Values.rayAuth.mode "secret" }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.rayAuth.existingSecret }}
+      key: {{ .Values.rayAuth.secretKey }}
+{{- end }}
+{{- end }}
+
 {{/* Env of every Ray container. */}}
 {{- define "elasticmoe.env" -}}
 - name: PYTHONUNBUFFERED
   value: "1"
 {{- include "elasticmoe.authEnv" . }}
+{{- include "elasticmoe.rayAuthEnv" . }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}

@@ -1,0 +1,90 @@
+"""Streaming clients for the multi-node e2e tests: greedy completions streamed back to back, and
+their oracle (a single-process `LLMEngine` run of the same prompts).
+
+Each module that uses them defines the `reference` fixture as `reference_outputs(tiny_model_dir)`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import torch
+from ray_nodes import Served
+
+from elasticmoe.config import EngineConfig
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.sampling_params import SamplingParams
+
+MODEL = "tiny-qwen3-moe"
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
+MAX_TOKENS = 200  # clients stream back to back, so some request is mid-flight at every switchover
+
+
+def reference_outputs(tiny_model_dir: str) -> list[tuple[str, int]]:
+    """(text, num_output_tokens) per prompt, single process, float32, greedy."""
+    engine = LLMEngine(
+        EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_kv_blocks=1024, num_threads=1)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"ref-{i}", prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    return [(final[f"ref-{i}"].text, len(final[f"ref-{i}"].output_token_ids)) for i in range(len(PROMPTS))]
+
+
+def client(server: Served) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=120)
+
+
+def stream(server: Served, prompt: list[int]) -> tuple[str, int]:
+    """(streamed text, completion_tokens) of one streaming greedy completion."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text, usage = [], None
+    with client(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            assert "error" not in chunk, chunk  # a failed request
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            text += [c["text"] for c in chunk["choices"]]
+    assert usage is not None
+    return "".join(text), usage["completion_tokens"]
+
+
+def client_loop(server: Served, first: int, stop: threading.Event) -> list[tuple[int, tuple[str, int]]]:
+    """Stream back to back (cycling through the prompts) until `stop`; (prompt index, result) each."""
+    results, i = [], first
+    while not stop.is_set():
+        results.append((i, stream(server, PROMPTS[i])))
+        i = (i + 1) % len(PROMPTS)
+    return results
+
+
+def scale(c: httpx.Client, dp: int) -> str:
+    r = c.post("/admin/scale", json={"dp": dp})
+    assert r.status_code == 202, r.text
+    return str(r.json()["event_id"])
+
+
+def wait_event(c: httpx.Client, event_id: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (event := c.get(f"/admin/scale/{event_id}").json())["state"] == "running":
+        assert time.monotonic() < deadline, event
+        time.sleep(0.05)
+    return event
