@@ -5,15 +5,16 @@ published last): it keeps no copy of its own.
 
 Each `generate` call is admitted against a bound (`max_queued` requests waiting
 at the router's gate or in flight; one more raises `QueueFull`, a 503), routed
-by the `Router` to the least-loaded rank, and streamed back from
-`InstanceRank.generate` (a Ray streaming generator, one `RequestOutput` per item).
+by the `Router` to the least-loaded rank, submitted there (`InstanceRank.submit`), and read
+back from the rank's one batched stream for this ingress (`coordinator.rank_channels`): each
+item an `OutputDelta`, from which the request's `RequestOutput`s are rebuilt here
+(`OutputAccumulator`; the wire carries only what is new).
 
 Invariants:
 - `num_queued` counts exactly the `generate` generators between their first
   `anext` and their close; the router's in-flight count covers the stream.
 - A stream closed or cancelled before its finished output (client gone, handler
-  cancelled) cancels the Ray generator, whose cleanup aborts the request in the
-  rank's engine (its KV blocks are freed).
+  cancelled) aborts the request on its rank (its KV blocks are freed).
 - Input errors raised by the rank (`ValueError` with `.param`) reach the handler
   unwrapped, before anything is yielded, so they become 400s.
 - A request that reaches a rank already pausing for a switchover is turned away before
@@ -25,9 +26,9 @@ Invariants:
   a restarted coordinator), and continues on the new instance from its prompt and the output
   tokens its client already has (`EngineRequest.resume`: the KV is recomputed, nothing is
   streamed twice). After `max_recoveries` such failures it gets a 503.
-- A scale's switchover ends a rank stream with a `HandedOverOutput` naming the rank that
-  continues it (`rank.resume`), so the handler sees one unbroken stream (the marker is not
-  passed on). A handover that never completes fails the stream like a dead rank.
+- A scale's switchover ends a request's items on its rank with a `HandedOverOutput` naming the
+  rank that continues it (`rank.resume_into`), so the handler sees one unbroken stream (the
+  marker is not passed on). A handover that never completes fails the stream like a dead rank.
 """
 
 from __future__ import annotations
@@ -37,16 +38,17 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from coordinator.rank_channels import ChannelClosed, RankChannels
 from coordinator.router import NoActiveInstance, Router
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.errors import describe_error
-from elasticmoe.outputs import RequestOutput
+from elasticmoe.outputs import OutputAccumulator, OutputDelta, RequestOutput
 from imm.handover import HandedOverOutput, RankPaused
+from imm.rank_streams import StreamFailure
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class RouterEngineClient:
         if max_queued < 1:
             raise ValueError(f"max_queued: must be >= 1, got {max_queued}")
         self.router = router
+        self.channels = RankChannels()
         self._tokenizer = tokenizer
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
@@ -139,7 +142,8 @@ class RouterEngineClient:
             self.on_failed()
             raise QueueFull(self.max_queued, self.retry_after_s)
         self.num_queued += 1
-        progress = _Progress()
+        prompt = request.prompt if isinstance(request.prompt, list) else []
+        progress = OutputAccumulator(prompt)
         try:
             num_routes = num_recoveries = 0
             while True:
@@ -147,8 +151,8 @@ class RouterEngineClient:
                 try:
                     async with self.router.route() as route:
                         rank, key = route.rank, route.key
-                        async for out in _stream_from(rank, progress.request(request)):
-                            progress.add(out)
+                        resumed = request.resumed(progress.output_token_ids, progress.num_chars)
+                        async for out in _stream_from(rank, resumed, self.channels, progress):
                             yield out
                     return
                 except RankPaused:
@@ -184,7 +188,7 @@ class RouterEngineClient:
         finally:
             self.num_queued -= 1
 
-    async def _await_recovery(self, request_id: str, rank: Any, progress: _Progress, exc: BaseException) -> None:
+    async def _await_recovery(self, request_id: str, rank: Any, progress: OutputAccumulator, exc: BaseException) -> None:
         """The rank (or its whole instance) failed under this request: tell the watcher, and wait
         until the router no longer offers that rank (the instance was replaced), so the request
         is not sent back to the dead one. A rank of an instance that is already gone (a scale
@@ -200,63 +204,52 @@ class RouterEngineClient:
             self.num_tokens_recomputed += len(progress.output_token_ids)
 
 
-class _Progress:
-    """What the client of one request has received: output tokens and text characters."""
-
-    def __init__(self) -> None:
-        self.output_token_ids: list[int] = []
-        self.num_chars = 0
-
-    def add(self, out: RequestOutput) -> None:
-        self.output_token_ids += out.new_token_ids
-        self.num_chars += len(out.new_text)
-
-    def request(self, request: EngineRequest) -> EngineRequest:
-        """`request` as it is sent now: from the start, or resuming after what was received."""
-        return request.resumed(self.output_token_ids, self.num_chars)
-
-
-async def _stream_from(rank: Any, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
-    """The rank's stream for one request, followed across handovers; cancels the current
-    rank stream unless it reached its finished output or a handover marker."""
-    request_id = request.request_id
-    stream = rank.generate.remote(request)
-    while True:
-        finished, marker = False, None
-        try:
-            async for ref in _failing_as(rank, stream):
-                try:
-                    out: RequestOutput | HandedOverOutput = await ref
-                except RayTaskError as exc:
-                    cause = _cause(exc)
-                    raise (RankFailed(rank, cause) if isinstance(cause, _INSTANCE_FAILURES) else cause) from None
-                except _INSTANCE_FAILURES as exc:
-                    raise RankFailed(rank, exc) from None
-                if isinstance(out, HandedOverOutput):
-                    marker = out  # the stream's last item
-                    continue
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished and marker is None:
-                # NOTE: cancelling the generator task runs the rank's cleanup, which aborts the
-                # request in the engine; a stream that already ended makes this a no-op.
-                ray.cancel(stream)
-        if marker is None:
-            # A stream that ends without its finished output or a marker lost its rank.
-            raise RankFailed(rank, EngineDeadError(f"the stream of {request_id!r} ended early"))
-        rank, stream = marker.next_rank, marker.next_rank.resume.remote(request_id)
-
-
-async def _failing_as(rank: Any, stream: Any) -> AsyncGenerator[Any, None]:
-    """`stream`'s items; a failure of the rank behind it raised as `RankFailed(rank)`."""
+async def _stream_from(
+    rank: Any, request: EngineRequest, channels: RankChannels, progress: OutputAccumulator
+) -> AsyncGenerator[RequestOutput, None]:
+    """One request's outputs, from `rank` and the ranks it is handed over to; aborts the request
+    on its rank unless it reached its finished output."""
+    request_id, subscriber = request.request_id, channels.subscriber
+    channel = channels.of(rank)
+    queue = channel.register(request_id)
+    finished = False
     try:
-        async for ref in stream:
-            yield ref
+        await _call(rank, rank.submit.remote(request, subscriber))
+        while True:
+            item = await queue.get()
+            if isinstance(item, ChannelClosed):
+                raise RankFailed(rank, item.cause)
+            if isinstance(item, StreamFailure):
+                error = item.error
+                raise RankFailed(rank, error) if isinstance(error, _INSTANCE_FAILURES) else error
+            if isinstance(item, HandedOverOutput):
+                channel.unregister(request_id)
+                rank, channel = item.next_rank, channels.of(item.next_rank)
+                queue = channel.register(request_id)
+                await _call(rank, rank.resume_into.remote(request_id, subscriber))
+                continue
+            assert isinstance(item, OutputDelta)
+            out = progress.add(item)
+            finished = out.finished
+            yield out
+            if finished:
+                return
+    finally:
+        channel.unregister(request_id)
+        if not finished:
+            rank.abort.remote(request_id)  # NOTE: fire and forget; on a dead rank it is a no-op
+
+
+async def _call(rank: Any, response: Any) -> Any:
+    """A rank call's result; a failure of the rank raised as `RankFailed(rank)`, its own exception
+    (an input error, `RankPaused`) as itself."""
+    try:
+        return await response
+    except RayTaskError as exc:
+        cause = _cause(exc)
+        raise (RankFailed(rank, cause) if isinstance(cause, _INSTANCE_FAILURES) else cause) from None
     except _INSTANCE_FAILURES as exc:
-        raise RankFailed(rank, exc) from exc
+        raise RankFailed(rank, exc) from None
 
 
 def _cause(exc: RayTaskError) -> BaseException:

@@ -1,11 +1,14 @@
 """What the engine reports back for a request after a step.
 
 Each `RequestOutput` carries the delta since the previous report (for streaming)
-and the cumulative text/tokens (for non-streaming callers).
+and the cumulative text/tokens (for non-streaming callers). Between processes only the
+delta travels (`OutputDelta`, O(1) per token instead of O(tokens so far)); the receiver
+rebuilds the cumulative fields (`OutputAccumulator`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -19,6 +22,10 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
+    """One report: the delta since the previous one and the cumulative fields. NOTE: rebuilt from
+    deltas (`OutputAccumulator`), `text` is filled in the finished output only; streams read
+    `new_text`."""
+
     request_id: str
     prompt_token_ids: list[int]
     new_token_ids: list[int]
@@ -38,3 +45,46 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    """The part of a `RequestOutput` that is new: what a rank sends per request and step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> OutputDelta:
+        return cls(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
+                   out.finish_reason, out.stop_reason, out.error)
+
+
+class OutputAccumulator:
+    """Rebuilds a request's `RequestOutput`s from its deltas (the receiver's side of the stream).
+
+    Starts from the prompt and what the client already has (a request resumed after a failure
+    or handed over keeps its text: see `EngineRequest.resume`)."""
+
+    def __init__(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = (), text: str = "") -> None:
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids = list(output_token_ids)
+        self._text = [text] if text else []
+        self.num_chars = len(text)  # characters of text received so far
+
+    def add(self, delta: OutputDelta) -> RequestOutput:
+        self.output_token_ids += delta.new_token_ids
+        if delta.new_text:
+            self._text.append(delta.new_text)
+            self.num_chars += len(delta.new_text)
+        # NOTE: the cumulative text is joined only when the request ends (a stream reads deltas).
+        text = "".join(self._text) if delta.finished else ""
+        return RequestOutput(delta.request_id, self.prompt_token_ids, delta.new_token_ids, delta.new_text,
+                             self.output_token_ids, text, delta.new_logprobs, delta.finished,
+                             delta.finish_reason, delta.stop_reason, delta.error)

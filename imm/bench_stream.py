@@ -1,14 +1,22 @@
-"""Per-token overhead of streaming `RequestOutput`s from an async Ray actor to a caller.
+"""Per-token cost of moving a rank's outputs to the ingress, by transport and message shape.
 
-    python -m imm.bench_stream --tokens 2000 --streams 1 4 --json
+    python -m imm.bench_stream --json [--steps 200] [--batches 1 16 64]
 
-A producer actor yields realistic one-token `RequestOutput`s with no compute, so
-the time per item is pure transport: Ray streaming generator (`num_returns=
-"streaming"`), consumed by a sync caller (`ray.get` per ref) and by an asyncio
-caller (`await ref`), with 1 and several concurrent streams; and one stream per
-rank carrying each step's outputs of 16 / 64 requests as one item. Prints medians of
-`--repeats` runs as JSON. ZMQ is not installed in this environment, so it is not
-compared here.
+A producer actor emits what a rank emits per engine step for `batch` running requests
+(prompt of 128 tokens, one new token each), with no compute, so the time per token is pure
+transport, measured at an asyncio consumer (as the ingress is):
+
+- `ray_per_request_full`: one Ray streaming generator per request, each item a full
+  `RequestOutput` (prompt, every output id and the text so far beside the delta): what
+  streams carried before deltas;
+- `ray_per_request_delta`: one Ray stream per request, each item an `OutputDelta`;
+- `ray_batched_delta`: one Ray stream per rank, each item the step's deltas of every request
+  (what the ingress uses: `imm.rank_streams`);
+- `zmq_batched_delta`: the same batches over a ZMQ PUSH -> PULL socket (pickled), if pyzmq
+  is installed (`pip install pyzmq`).
+
+Prints medians of `--repeats` runs (microseconds per token) and the bytes per token each
+message shape puts on the wire. A batch of 1 is a lone request.
 """
 
 from __future__ import annotations
@@ -16,79 +24,124 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import pickle
+import socket
 import statistics
 import time
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import ray
 
-from elasticmoe.outputs import RequestOutput
+from elasticmoe.outputs import OutputDelta, RequestOutput
+
+PROMPT = list(range(128))
+
+
+def _full(request_id: str, step: int) -> RequestOutput:
+    return RequestOutput(request_id, PROMPT, [step], " tok", list(range(step + 1)), " tok" * (step + 1))
+
+
+def _delta(request_id: str, step: int) -> OutputDelta:
+    return OutputDelta(request_id, [step], " tok")
 
 
 @ray.remote(num_cpus=0)
 class _Producer:
     @ray.method(num_returns="streaming")  # type: ignore[call-arg]
-    async def generate(self, request_id: str, num_tokens: int) -> AsyncGenerator[RequestOutput, None]:
-        prompt = list(range(16))
-        out: list[int] = []
-        for i in range(num_tokens):
-            out.append(i)
-            yield RequestOutput(request_id, prompt, [i], " tok", list(out), "", finished=i == num_tokens - 1)
+    async def per_request(self, request_id: str, steps: int, full: bool) -> AsyncGenerator[Any, None]:
+        for step in range(steps):
+            yield _full(request_id, step) if full else _delta(request_id, step)
+            await asyncio.sleep(0)  # the other requests' streams interleave, as in a real step
 
     @ray.method(num_returns="streaming")  # type: ignore[call-arg]
-    async def generate_batched(self, num_steps: int, batch: int) -> AsyncGenerator[list[RequestOutput], None]:
-        """One item per engine step holding the outputs of `batch` requests (a per-rank channel)."""
-        prompt = list(range(16))
-        for i in range(num_steps):
-            yield [RequestOutput(f"r{b}", prompt, [i], " tok", list(range(i + 1)), "") for b in range(batch)]
+    async def batched(self, steps: int, batch: int) -> AsyncGenerator[list[OutputDelta], None]:
+        for step in range(steps):
+            yield [_delta(f"r{b}", step) for b in range(batch)]
+
+    def push(self, address: str, steps: int, batch: int) -> None:
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect(address)
+        for step in range(steps):
+            sock.send(pickle.dumps([_delta(f"r{b}", step) for b in range(batch)], protocol=5))
+        sock.send(b"")
+        sock.close(linger=5000)
 
 
-def _sync_run(producer: object, num_tokens: int, num_streams: int) -> float:
-    t0 = time.perf_counter()
-    gens = [producer.generate.remote(f"r{s}", num_tokens) for s in range(num_streams)]  # type: ignore[attr-defined]
-    for gen in gens:
-        for ref in gen:
-            ray.get(ref)
-    return (time.perf_counter() - t0) / (num_tokens * num_streams)
-
-
-async def _async_run(producer: object, num_tokens: int, num_streams: int) -> float:
-    async def one(s: int) -> None:
-        async for ref in producer.generate.remote(f"r{s}", num_tokens):  # type: ignore[attr-defined]
+async def _per_request(producer: Any, steps: int, batch: int, full: bool) -> float:
+    async def one(r: int) -> None:
+        async for ref in producer.per_request.remote(f"r{r}", steps, full):
             await ref
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(s) for s in range(num_streams)))
-    return (time.perf_counter() - t0) / (num_tokens * num_streams)
+    await asyncio.gather(*(one(r) for r in range(batch)))
+    return (time.perf_counter() - t0) / (steps * batch)
 
 
-def _batched_run(producer: object, num_steps: int, batch: int) -> float:
+async def _batched(producer: Any, steps: int, batch: int) -> float:
     t0 = time.perf_counter()
-    for ref in producer.generate_batched.remote(num_steps, batch):  # type: ignore[attr-defined]
-        ray.get(ref)
-    return (time.perf_counter() - t0) / (num_steps * batch)
+    async for ref in producer.batched.remote(steps, batch):
+        await ref
+    return (time.perf_counter() - t0) / (steps * batch)
+
+
+async def _zmq(producer: Any, steps: int, batch: int) -> float:
+    import zmq
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    t0 = time.perf_counter()
+    done = producer.push.remote(f"tcp://127.0.0.1:{port}", steps, batch)
+    while msg := await sock.recv():
+        pickle.loads(msg)
+    elapsed = time.perf_counter() - t0
+    await done
+    sock.close()
+    return elapsed / (steps * batch)
+
+
+def _wire_bytes(steps: int) -> dict[str, float]:
+    """Pickled bytes per token of each shape, averaged over a request of `steps` tokens."""
+    full = sum(len(pickle.dumps(_full("r0", s), protocol=5)) for s in range(steps)) / steps
+    delta = sum(len(pickle.dumps(_delta("r0", s), protocol=5)) for s in range(steps)) / steps
+    return {"full_bytes_per_token": round(full, 1), "delta_bytes_per_token": round(delta, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--steps", type=int, default=200, help="engine steps (tokens per request)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="requests per step")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", action="store_true", help="(default output is JSON anyway)")
+    ap.add_argument("--json", action="store_true", help="(the output is JSON anyway)")
     args = ap.parse_args()
+    try:
+        import zmq  # noqa: F401
+
+        has_zmq = True
+    except ImportError:
+        has_zmq = False
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         producer = _Producer.remote()  # type: ignore[attr-defined]
-        _sync_run(producer, 100, 1)  # warm-up
-        result: dict[str, float] = {}
-        for n in args.streams:
-            sync = [_sync_run(producer, args.tokens, n) for _ in range(args.repeats)]
-            asyn = [asyncio.run(_async_run(producer, args.tokens, n)) for _ in range(args.repeats)]
-            result[f"ray_stream_sync_us_per_token_streams{n}"] = round(statistics.median(sync) * 1e6, 1)
-            result[f"ray_stream_async_us_per_token_streams{n}"] = round(statistics.median(asyn) * 1e6, 1)
-        for b in (16, 64):
-            runs = [_batched_run(producer, args.tokens // 10, b) for _ in range(args.repeats)]
-            result[f"ray_stream_per_step_batch{b}_us_per_token"] = round(statistics.median(runs) * 1e6, 1)
+        asyncio.run(_per_request(producer, 20, 2, True))  # warm-up
+        result: dict[str, Any] = {"steps": args.steps, **_wire_bytes(args.steps)}
+        for batch in args.batches:
+            runs: dict[str, list[float]] = {"ray_per_request_full": [], "ray_per_request_delta": [],
+                                            "ray_batched_delta": [], "zmq_batched_delta": []}
+            for _ in range(args.repeats):  # interleaved, so load changes hit every transport alike
+                runs["ray_per_request_full"].append(asyncio.run(_per_request(producer, args.steps, batch, True)))
+                runs["ray_per_request_delta"].append(asyncio.run(_per_request(producer, args.steps, batch, False)))
+                runs["ray_batched_delta"].append(asyncio.run(_batched(producer, args.steps, batch)))
+                if has_zmq:
+                    runs["zmq_batched_delta"].append(asyncio.run(_zmq(producer, args.steps, batch)))
+            result[f"batch{batch}_us_per_token"] = {
+                k: round(statistics.median(v) * 1e6, 1) if v else None for k, v in runs.items()}
         print(json.dumps(result, indent=2))
     finally:
         ray.shutdown()

@@ -41,7 +41,7 @@ import ray
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.handover import RequestSnapshot
-from elasticmoe.outputs import RequestOutput
+from elasticmoe.outputs import OutputAccumulator, RequestOutput
 
 
 class RankPaused(RuntimeError):
@@ -185,21 +185,28 @@ class PendingRoutes:
         return rank
 
 
-def spliced_stream(first: Any, timeout_s: float = 60.0) -> Iterator[RequestOutput | HandedOverOutput]:
-    """Iterate a rank's `generate` stream (a Ray ObjectRefGenerator), following handovers.
+def spliced_stream(
+    first: Any, prompt: Sequence[int] = (), timeout_s: float = 60.0
+) -> Iterator[RequestOutput | HandedOverOutput]:
+    """Iterate a rank's `generate` stream (a Ray ObjectRefGenerator of `OutputDelta`s), following
+    handovers.
 
-    Yields every `RequestOutput` and each `HandedOverOutput` marker (callers may skip them),
-    so the consumer sees one unbroken stream. NOTE: blocks while the switchover is in its
-    critical section; an asyncio caller runs this in a thread (or mirrors it with `async for`).
+    Yields a `RequestOutput` per delta (cumulative fields rebuilt from `prompt` and the deltas)
+    and each `HandedOverOutput` marker (callers may skip them), so the consumer sees one
+    unbroken stream. NOTE: blocks while the switchover is in its critical section; an asyncio
+    caller runs this in a thread (or reads the ranks' batched streams, as the ingress does).
     """
     gen = first
+    outputs = OutputAccumulator(prompt)
     while True:
         marker: HandedOverOutput | None = None
         for ref in gen:
             item = ray.get(ref, timeout=timeout_s)
-            yield item
             if isinstance(item, HandedOverOutput):
                 marker = item
+                yield item
+            else:
+                yield outputs.add(item)
         if marker is None:
             return
         gen = marker.next_rank.resume.remote(marker.request_id)

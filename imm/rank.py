@@ -5,16 +5,18 @@ Lifecycle (driven by `imm.instance.Instance`, which checks the order):
     init_group -> build_skeleton   (standby: process up, group formed, config + tokenizer, no weights)
     attach                         (engine on HMM handles: zero-copy weights and KV pool, no disk read)
     start -> warm_up               (lockstep step loop running; one short request went through)
-    generate / abort / stats       (serving)
+    submit + outputs / abort       (serving; or generate per request)
     pause -> export_requests       (old rank at a switchover; see `imm.handover`)
     import_requests -> resume      (new rank at a switchover)
     route_handed_over              (old rank: its exported streams end naming the new rank)
     stop -> shutdown
 
-It is an *async* actor: `generate` is an async generator streamed back with a
-Ray streaming generator (`num_returns="streaming"`), fed by `LockstepAsyncLLM`'s
-per-request asyncio queues. Blocking work (group rendezvous, engine build, loop
-join) runs in `asyncio.to_thread` so `stats`/`check_health` stay responsive.
+It is an *async* actor. Outputs leave as `OutputDelta`s (the new tokens and text only), fed by
+`LockstepAsyncLLM`'s per-request asyncio queues, in one of two ways: batched, one Ray stream per
+subscriber for all its requests (`submit` / `resume_into` + `outputs`: what the ingress uses, see
+`imm.rank_streams`), or one Ray streaming generator per request (`generate` / `resume`). Blocking
+work (group rendezvous, engine build, loop join) runs in `asyncio.to_thread` so
+`stats`/`check_health` stay responsive.
 
 Invariants: the engine is touched only by the loop thread once `start` ran
 (before that, only by `attach`; after a pause, only by `export_requests`); a
@@ -45,7 +47,7 @@ from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.engine.llm_engine import LLMEngine
-from elasticmoe.outputs import RequestOutput
+from elasticmoe.outputs import OutputDelta
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tokenizer import Tokenizer
@@ -57,6 +59,7 @@ from hmm.placement import ray_node_id
 from hmm.providers import Handle
 from imm.handover import HandedOverOutput, ImportReport, KVFence, PendingRoutes, RankPaused
 from imm.lockstep_loop import HandedOver, LockstepAsyncLLM
+from imm.rank_streams import RankStreams
 from imm.zero_copy import AttachReport, ZeroCopyLoader, check_zero_copy
 
 logger = logging.getLogger(__name__)
@@ -102,6 +105,7 @@ class InstanceRank:
         self.kv_fence: KVFence | None = None
         self.has_exported = False
         self.pending_routes = PendingRoutes()  # exported requests awaiting their next rank
+        self.streams = RankStreams()  # batched output streams, one per subscriber
         self.handle_set: dict[str, Handle] = {}  # what the engine attached to (ESFT rows map into it)
         self.engine_id = uuid.uuid4().hex  # see `RankStats.engine_id`
         if in_ray_actor():  # it maps device memory: exit with the node's raylet (see hmm.lifeline)
@@ -209,30 +213,75 @@ class InstanceRank:
             raise RuntimeError("the step loop is not started")
         return self.llm
 
-    @ray.method(num_returns="streaming")  # type: ignore[call-arg]
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
-        """Stream this request's `RequestOutput`s (deltas + cumulative); the last has `finished=True`,
-        or is a `HandedOverOutput` when the request moved to another instance (`imm.handover`).
-
-        Input errors raise before anything is yielded. NOTE: cancelling the Ray generator
-        cancels this coroutine, whose cleanup aborts the request in the engine.
-        """
+    async def _items(self, request: EngineRequest) -> AsyncGenerator[OutputDelta | HandedOverOutput, None]:
+        """One request's stream: its `OutputDelta`s; the last is finished, or a `HandedOverOutput`
+        naming the rank that continues it (`imm.handover`). A request that reached the engine only
+        as it paused is turned away unstreamed (`RankPaused`): its caller routes it again.
+        NOTE: closing this early aborts the request in the engine."""
         llm = self._llm()
         request_id = request.request_id
-        if llm.pause_requested or llm.is_paused or self.has_exported:
-            raise RankPaused(request_id)
         try:
             async for out in llm.generate(request):
-                yield out
+                yield OutputDelta.of(out)
         except HandedOver:
             yield HandedOverOutput(request_id, await self.pending_routes.next_rank(request_id))
         except EngineDeadError:
-            # NOTE: Ray may start this task after a concurrent `pause` although it was sent
-            # first; the request then never reached the engine (or was failed unexported by
+            # NOTE: Ray may start this after a concurrent `pause` although it was sent first;
+            # the request then never reached the engine (or was failed unexported by
             # `hand_over_streams`) and nothing was streamed: send it elsewhere, do not fail it.
             if llm.pause_requested or llm.is_paused:
                 raise RankPaused(request_id) from None
             raise
+
+    async def _resumed_items(self, request_id: str) -> AsyncGenerator[OutputDelta | HandedOverOutput, None]:
+        """The rest of an imported request: the first delta follows the last one the old rank
+        sent; the last is finished, or a marker when it moved on again (a second scale)."""
+        try:
+            async for out in self._llm().resume(request_id):
+                yield OutputDelta.of(out)
+        except HandedOver:
+            yield HandedOverOutput(request_id, await self.pending_routes.next_rank(request_id))
+
+    def _check_accepting(self, request_id: str) -> None:
+        llm = self._llm()
+        if llm.pause_requested or llm.is_paused or self.has_exported:
+            raise RankPaused(request_id)
+
+    # ---- serving: batched, one stream per subscriber ------------------------------------
+
+    async def submit(self, request: EngineRequest, subscriber: str) -> None:
+        """Start `request`; its items go to `subscriber`'s stream (`outputs`). Raises `RankPaused`
+        (route it again) if this rank is pausing; an input error arrives as a `StreamFailure`."""
+        self._check_accepting(request.request_id)
+        self.streams.submit(subscriber, request.request_id, self._items(request))
+
+    async def resume_into(self, request_id: str, subscriber: str) -> None:
+        """Continue an imported request into `subscriber`'s stream (after the old rank's marker)."""
+        self.streams.submit(subscriber, request_id, self._resumed_items(request_id))
+
+    @ray.method(num_returns="streaming")  # type: ignore[call-arg]
+    async def outputs(self, subscriber: str) -> AsyncGenerator[list, None]:
+        """`subscriber`'s items as lists (`OutputDelta`, `HandedOverOutput`, `StreamFailure`), each
+        everything produced since the previous one; ends once it has had no request here for a
+        while (it subscribes again with its next request, nothing is lost)."""
+        async for batch in self.streams.stream(subscriber):
+            yield batch
+
+    # ---- serving: one Ray stream per request ----------------------------------------------
+
+    @ray.method(num_returns="streaming")  # type: ignore[call-arg]
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[OutputDelta | HandedOverOutput, None]:
+        """Stream this request's items (see `_items`). Input errors raise before anything is
+        yielded. NOTE: cancelling the Ray generator aborts the request in the engine."""
+        self._check_accepting(request.request_id)
+        async for item in self._items(request):
+            yield item
+
+    @ray.method(num_returns="streaming")  # type: ignore[call-arg]
+    async def resume(self, request_id: str) -> AsyncGenerator[OutputDelta | HandedOverOutput, None]:
+        """Stream the rest of an imported request (see `_resumed_items`)."""
+        async for item in self._resumed_items(request_id):
+            yield item
 
     # ---- ESFT adapters (ExpertWeave; the coordinator drives every rank, see coordinator.adapters) ----
 
@@ -393,20 +442,11 @@ class InstanceRank:
         llm.unpause()
         return len(snaps)
 
-    @ray.method(num_returns="streaming")  # type: ignore[call-arg]
-    async def resume(self, request_id: str) -> AsyncGenerator[RequestOutput | HandedOverOutput, None]:
-        """Stream the rest of an imported request: the first delta follows the last one the
-        old rank streamed; the last output has `finished=True`, or is a `HandedOverOutput` when
-        the request moved on again (a second scale while it runs)."""
-        try:
-            async for out in self._llm().resume(request_id):
-                yield out
-        except HandedOver:
-            yield HandedOverOutput(request_id, await self.pending_routes.next_rank(request_id))
-
     async def abort(self, request_id: str) -> None:
-        """Abort; its stream ends with `finish_reason="abort"` and its KV blocks are freed."""
-        await self._llm().abort(request_id)
+        """Abort; its KV blocks are freed. A batched request's pump stops (nothing more is sent for
+        it); a per-request stream ends with `finish_reason="abort"`."""
+        if not await self.streams.cancel(request_id):
+            await self._llm().abort(request_id)
 
     def stats(self) -> RankStats:
         # NOTE: read from the actor thread while the loop thread steps: each counter is

@@ -12,8 +12,8 @@ import time
 
 import httpx
 import torch
-from ray_nodes import Served
 
+from coordinator.bench.local_nodes import Served
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams

@@ -3,7 +3,8 @@
     python -m coordinator.bench.chaos --json [--faults rank@1,rank@2,device@1,mid-scale@1,coordinator@1,ingress@1]
 
 Starts an elastic server in-process (the tiny Qwen3-MoE by default, 3 logical devices,
-float32), records an undisturbed run of the prompts, then for each `fault@dp`: brings the
+float32; with `--nodes D0,D1,...` on a Ray cluster of that many nodes on this machine, each
+offering that many devices, the head first), records an undisturbed run of the prompts, then for each `fault@dp`: brings the
 server to that dp and lets it settle (no scale, standby pool booted), starts one greedy
 stream per prompt, SIGKILLs the process the fault names once every stream produces, and
 reports per fault: time to detect and to recover (server side), the longest pause any
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import random
 import secrets
@@ -28,6 +30,7 @@ from typing import Any
 import httpx
 
 from coordinator.bench.chaos_faults import FAULTS, FaultResult, run_fault, settle, undisturbed
+from coordinator.bench.local_nodes import joined, parse_nodes, ray_nodes
 from coordinator.bench.report_output import claim_stdout, emit
 from hmm.memory.lease import reap
 
@@ -57,7 +60,7 @@ def prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]
 
 
 async def run_all(url: str, model: str, faults: list[tuple[str, int]], args: argparse.Namespace,
-                  vocab_size: int, shm_prefix: str) -> list[FaultResult]:
+                  vocab_size: int, shm_prefix: str, kill_node: Any = None) -> list[FaultResult]:
     ps = prompts(args.streams, args.prompt_len, vocab_size, args.seed)
     results = []
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -66,7 +69,8 @@ async def run_all(url: str, model: str, faults: list[tuple[str, int]], args: arg
         for fault, dp in faults:
             await settle(client, dp)
             _progress(f"{fault} at dp {dp}: {FAULTS[fault]}")
-            result = await run_fault(client, fault, model, ps, reference, args.max_tokens, shm_prefix=shm_prefix)
+            result = await run_fault(client, fault, model, ps, reference, args.max_tokens, shm_prefix=shm_prefix,
+                                     kill_node=kill_node)
             _progress(f"  {result.failed} failed, {result.identical}/{result.requests} identical, "
                       f"recovered in {result.recover_s}, longest stall {result.max_stall_s:.2f} s")
             results.append(result)
@@ -94,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="models/tiny-qwen3-moe",
                    help="model directory (built with make-model --preset tiny if missing)")
     p.add_argument("--devices", type=int, default=3, help="logical devices (default 3)")
+    p.add_argument("--nodes", default=None, metavar="D0,D1,...",
+                   help="run on a Ray cluster of these nodes on this machine, each offering that many devices "
+                   "(the head first; --devices is then their sum); needed by the node fault")
     p.add_argument("--faults", default=DEFAULT_FAULTS, help=f"FAULT@DP list, in order (default {DEFAULT_FAULTS}); "
                    f"faults: {', '.join(f'{k} ({v})' for k, v in FAULTS.items())}")
     p.add_argument("--streams", type=int, default=6, help="concurrent streams under each fault (default 6)")
@@ -109,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
+        nodes = parse_nodes(args.nodes) if args.nodes else None
+        if nodes is not None:
+            args.devices = sum(nodes)
         faults = parse_faults(args.faults, args.devices)
+        if nodes is None and any(fault == "node" for fault, _ in faults):
+            raise ValueError("--faults: the node fault needs --nodes")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -128,19 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     config = CoordinatorConfig(model_dir=args.model, num_devices=args.devices, dp=faults[0][1], dtype="float32",
                                device_memory_bytes=_GIB // 16, kv_bytes_per_device=_GIB // 128,
                                served_model_name="chaos", shm_prefix=f"emoechaos{secrets.token_hex(4)}")
-    _progress(f"starting the elastic server: {args.model}, {args.devices} devices")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    server = start_elastic(config, port=port, ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
-    try:
-        results = asyncio.run(run_all(server.url, "chaos", faults, args, vocab_size, config.shm_prefix))
-    finally:
-        _progress("shutting the server down")
-        server.shutdown()
+    with contextlib.ExitStack() as stack:
+        kill_node, address = None, None
+        if nodes is not None:
+            _progress(f"starting a Ray cluster of {len(nodes)} nodes offering {list(nodes)} devices")
+            cluster = stack.enter_context(ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:]))
+            stack.enter_context(joined(cluster))
+            kill_node, address = cluster.kill_node, cluster.address
+        _progress(f"starting the elastic server: {args.model}, {args.devices} devices")
+        server = start_elastic(config, port=port, address=address,
+                               ray_init_kwargs={} if address else {"num_cpus": 2, "log_to_driver": False})
+        try:
+            results = asyncio.run(run_all(server.url, "chaos", faults, args, vocab_size, config.shm_prefix,
+                                          kill_node))
+        finally:
+            _progress("shutting the server down")
+            server.shutdown()
     left = reap(config.shm_prefix)
     doc: dict[str, Any] = {"benchmark": "coordinator.bench.chaos",
-           "config": {"model": args.model, "devices": args.devices, "faults": args.faults, "streams": args.streams,
+           "config": {"model": args.model, "devices": args.devices, "nodes": nodes, "faults": args.faults,
+                      "streams": args.streams,
                       "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "seed": args.seed},
            "faults": [r.to_dict() for r in results], "shm_files_left_after_shutdown": len(left)}
     emit(doc, format_table(doc["faults"]), json_out, as_json=args.json, out_path=args.out, plot_path=None,

@@ -11,7 +11,9 @@ Faults (`FAULTS`): a rank of the active instance; the device worker under its ra
 old instance's rank while a scale is preparing (the scale must finish on the new instance);
 the coordinator replica (Serve restarts it; the ingress holds the streams meanwhile and
 continues them on the new coordinator's instance); the ingress replica (Serve restarts it; the
-streams through it end with it: their HTTP connections terminate in that process).
+streams through it end with it: their HTTP connections terminate in that process); a whole
+worker node holding a rank (its raylet and every process under it; needs a multi-node cluster,
+`kill_node`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -35,6 +37,7 @@ FAULTS = {
     "mid-scale": "kill -9 the old instance's rank while a scale prepares",
     "coordinator": "kill -9 the coordinator replica (Serve restarts it; the ingress holds its streams)",
     "ingress": "kill -9 the ingress replica (Serve restarts it; the streams through it end with it)",
+    "node": "kill -9 a worker node holding a rank: its raylet and every process on it",
 }
 
 
@@ -108,9 +111,19 @@ def _kill(pid: int | None, what: str) -> tuple[float, float]:
     return time.monotonic(), time.time()
 
 
-async def _inject(client: httpx.AsyncClient, fault: str, st: dict[str, Any]) -> tuple[float, float]:
+async def _inject(client: httpx.AsyncClient, fault: str, st: dict[str, Any],
+                  kill_node: Callable[[str], object] | None = None) -> tuple[float, float]:
     """Kill what `fault` names, as found in the status `st` taken just before; returns when."""
     ranks = st["instance"]["ranks"]
+    if fault == "node":
+        if kill_node is None:
+            raise ValueError("fault node: needs a multi-node cluster (--nodes)")
+        home = next(n["ray_node_id"] for n in (await client.get("/admin/nodes")).json()["nodes"] if n["home"])
+        victim = next((r["ray_node_id"] for r in reversed(ranks) if r["ray_node_id"] != home), None)
+        if victim is None:
+            raise RuntimeError("fault node: every rank runs on the head's node")
+        kill_node(victim)
+        return time.monotonic(), time.time()
     if fault == "rank":
         return _kill(ranks[-1]["pid"], "the last rank")
     if fault == "device":
@@ -140,6 +153,7 @@ async def run_fault(
     kill_after_chunks: int = 3,
     timeout_s: float = 180,
     shm_prefix: str | None = None,
+    kill_node: Callable[[str], object] | None = None,
 ) -> FaultResult:
     """Inject `fault` under one stream per prompt; see the module docstring. With `shm_prefix`,
     also count the server's /dev/shm files left without a live owner once it recovered."""
@@ -152,7 +166,7 @@ async def run_fault(
         if time.monotonic() > deadline:
             raise TimeoutError("the streams did not start")
         await asyncio.sleep(0.01)
-    t_kill, wall_kill = await _inject(client, fault, before)
+    t_kill, wall_kill = await _inject(client, fault, before, kill_node)
     ready = [(t_kill, 200)]
 
     async def poll_ready() -> None:

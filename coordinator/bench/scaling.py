@@ -13,12 +13,20 @@ before / during / after: ElasticMoE Table 2), each strategy's latency over cold
 restart's for the same transition (§7.4), the cumulative-ablation table for one
 transition (Table 1) and a plot of SLO attainment over time (Fig. 9). Between
 events the server is moved back to the start dp with an unmeasured elastic scale.
+
+With `--nodes D0,D1,...` the server runs on a Ray cluster of that many nodes on this machine
+(each offering that many devices, the head first; token authentication on), so a transition
+onto another node's devices crosses nodes: its bytes go by p2p over gloo, reported per event
+beside those read from disk (`bytes_moved`), and the Ray nodes the new instance's ranks run on.
+
+    python -m coordinator.bench.scaling --nodes 1,1 --transitions 1-2,2-1 --strategy elastic,cold_restart
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,6 +41,7 @@ from typing import Any
 import httpx
 
 from coordinator.bench.loadgen import LoadResult, PoissonLoad, Workload
+from coordinator.bench.local_nodes import joined, parse_nodes, ray_nodes
 from coordinator.bench.report_output import claim_stdout, emit
 from coordinator.bench.scale_metrics import (
     EventKey,
@@ -188,6 +197,7 @@ class Measured:
     finished_s: float
     http_status: int
     event: dict[str, Any]  # the server's event (or {"error": ...} if the POST was refused)
+    rank_nodes: list[str | None] = dataclasses.field(default_factory=list)  # Ray node of each new rank
 
 
 async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argparse.Namespace) -> Measured:
@@ -217,7 +227,9 @@ async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argpars
     result = await task
     if event.get("finished_at") is not None:
         finished_s = max(post_s, result.to_rel(event["finished_at"]))
-    return Measured(run, result, post_s, finished_s, r.status_code, event)
+    status = (await client.get("/admin/status")).json()
+    rank_nodes = [r["ray_node_id"] for r in (status.get("instance") or {}).get("ranks", [])]
+    return Measured(run, result, post_s, finished_s, r.status_code, event, rank_nodes)
 
 
 def summarize(m: Measured, args: argparse.Namespace) -> dict[str, Any]:
@@ -247,6 +259,8 @@ def summarize(m: Measured, args: argparse.Namespace) -> dict[str, Any]:
         "peak_memory_bytes": ev.get("peak_memory_bytes"),
         "requests_in_flight": ev.get("requests_in_flight"),
         "requests_handed_over": ev.get("requests_handed_over"),
+        "bytes_moved": ev.get("bytes_moved"),  # by source: disk, local copy, p2p within a node, p2p over gloo
+        "num_rank_nodes": len(set(m.rank_nodes)),  # Ray nodes of the instance after the event
         "failed_requests": failed_requests(records, w.event),
         "failed_requests_total": failed_requests(records),
         "errors": sorted({f"{r.status}: {r.error}" for r in records if not r.is_ok})[:5],  # distinct, first 5
@@ -289,9 +303,14 @@ def _mib(x: int | None) -> str:
     return "-" if x is None else f"{x / (1 << 20):.1f}"
 
 
+def _moved(e: dict[str, Any], *sources: str) -> str:
+    moved = e.get("bytes_moved")
+    return "-" if not moved else _mib(sum(moved.get(f"bytes_{s}", 0) for s in sources))
+
+
 def format_tables(doc: dict[str, Any]) -> str:
     head = ("strategy", "dp", "state", "latency_s", "x_cold", "downtime_s", "client_down_s", "baseline_s",
-            "peak_MiB", "failed", "tok/s before", "during", "after")
+            "peak_MiB", "gloo_MiB", "disk_MiB", "nodes", "failed", "tok/s before", "during", "after")
     rows: list[tuple[str, ...]] = [head]
     for e in doc["events"]:
         tp = e["throughput_tok_s"]
@@ -299,7 +318,8 @@ def format_tables(doc: dict[str, Any]) -> str:
         rows.append((e["strategy"], f"{e['from_dp']}->{e['to_dp']}", state, _fmt(e["scale_latency_s"]),
                      _fmt(e["latency_ratio_vs_cold_restart"]), _fmt(e["downtime_s"], ".3f"),
                      _fmt(e["client_downtime_s"]), _fmt(e["baseline_client_downtime_s"]),
-                     _mib(e["peak_memory_bytes"]), f"{e['failed_requests']}/{e['failed_requests_total']}",
+                     _mib(e["peak_memory_bytes"]), _moved(e, "p2p_gloo"), _moved(e, "disk"),
+                     str(e.get("num_rank_nodes", "-")), f"{e['failed_requests']}/{e['failed_requests_total']}",
                      _fmt(tp["before"], ".1f"), _fmt(tp["during"], ".1f"), _fmt(tp["after"], ".1f")))
     lines = [_table(rows)]
     if doc["ablation"]:
@@ -368,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="logical devices to register (default: as many as the planned events need; "
                    "extravagant needs from+to)")
+    p.add_argument("--nodes", default=None, metavar="D0,D1,...",
+                   help="run on a Ray cluster of these nodes on this machine, each offering that many devices "
+                   "(the head first; --devices is then their sum): transitions onto another node's devices "
+                   "cross nodes")
     p.add_argument("--device-memory-gb", type=float, default=None, metavar="G",
                    help="memory budget per device in GiB (default: per preset)")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="G",
@@ -438,13 +462,14 @@ def main(argv: list[str] | None = None) -> int:
         transitions = parse_transitions(args.transitions)
         (ablation,) = parse_transitions(args.ablation_transition)
         runs = plan_runs(args.strategy, transitions, ablation)
+        nodes = parse_nodes(args.nodes) if args.nodes else None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     model_dir = resolve_model(args)
     args.vocab_size = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     preset = PRESETS[args.preset]
-    devices = args.devices or devices_needed(runs)
+    devices = sum(nodes) if nodes else (args.devices or devices_needed(runs))
     if devices < devices_needed(runs):
         _progress(f"warning: --devices {devices} < {devices_needed(runs)} needed; some events will be refused")
 
@@ -459,18 +484,25 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes_per_device=int((args.kv_cache_gb or preset[2]) * _GIB),
         max_queued=256, shm_prefix=f"emoebench{secrets.token_hex(4)}",
     )
-    _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
-    server = start_elastic(config, port=args.port or _free_port(),
-                           ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
-    try:
-        events = asyncio.run(run_events(server.url, runs, args))
-    finally:
-        _progress("shutting the server down")
-        server.shutdown()
+    with contextlib.ExitStack() as stack:
+        address = None
+        if nodes is not None:
+            _progress(f"starting a Ray cluster of {len(nodes)} nodes offering {list(nodes)} devices")
+            cluster = stack.enter_context(ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:]))
+            stack.enter_context(joined(cluster))
+            address = cluster.address
+        _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
+        server = start_elastic(config, port=args.port or _free_port(), address=address,
+                               ray_init_kwargs={} if address else {"num_cpus": 2, "log_to_driver": False})
+        try:
+            events = asyncio.run(run_events(server.url, runs, args))
+        finally:
+            _progress("shutting the server down")
+            server.shutdown()
     doc = {
         "benchmark": "coordinator.bench.scaling",
         "config": {
-            "model": model_dir, "dtype": args.dtype, "devices": devices, "strategy": args.strategy,
+            "model": model_dir, "dtype": args.dtype, "devices": devices, "nodes": nodes, "strategy": args.strategy,
             "transitions": transitions, "ablation_transition": ablation, "rps": args.rps, "seed": args.seed,
             "warmup_s": args.warmup_s, "window_s": args.window_s, "during_s": args.during_s,
             "prompt_len": args.prompt_len,

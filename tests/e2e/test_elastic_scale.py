@@ -2,7 +2,7 @@
 Ray nodes join.
 
 One Ray cluster per module (`ray start --head` and `ray start --address`, each node offering one
-device, token authentication on, `tests/ray_nodes.py`) and the server on it (`elasticmoe serve
+device, token authentication on, `coordinator/bench/local_nodes.py`) and the server on it (`elasticmoe serve
 --address`): the walk scales onto the second node's device; then a third node joins while
 serving, its device is registered without a restart, and the walk scales onto it and back. Every device worker and rank
 runs on its device's node, and weights cross nodes by p2p (gloo), counted. Four clients keep streaming greedy
@@ -28,9 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from ray_nodes import RayNodes, Served, ray_nodes, serve_on
 from streaming_clients import MODEL, PROMPTS, client, client_loop, reference_outputs, scale, wait_event
 
+from coordinator.bench.local_nodes import RayNodes, Served, ray_nodes, serve_on
 from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow

@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from ray_nodes import ray_nodes, serve_on
 from streaming_clients import MODEL, PROMPTS, client, client_loop, reference_outputs, scale, wait_event
 
+from coordinator.bench.local_nodes import ray_nodes, serve_on
 from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow

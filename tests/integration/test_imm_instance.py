@@ -17,6 +17,7 @@ from ray_hmm import ray_hmm
 from elasticmoe.config import EngineConfig, EngineOptions
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.outputs import OutputAccumulator
 from elasticmoe.sampling_params import SamplingParams
 from imm.instance import Instance
 from imm.lifecycle import IllegalTransition, InstanceState
@@ -49,9 +50,9 @@ def _reference(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def _stream(rank, request_id: str, prompt: list[int], params: SamplingParams, on_output=None) -> list:
-    outs = []
+    outs, acc = [], OutputAccumulator(prompt)
     for ref in rank.generate.remote(EngineRequest(request_id, prompt, params)):
-        outs.append(ray.get(ref))
+        outs.append(acc.add(ray.get(ref)))
         if on_output is not None:
             on_output(outs)
     return outs

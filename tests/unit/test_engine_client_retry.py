@@ -18,7 +18,7 @@ from coordinator.router import Router
 from coordinator.routing_state import RoutingState
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError
-from elasticmoe.outputs import RequestOutput
+from elasticmoe.outputs import OutputDelta, RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 
 _versions = iter(range(1, 10_000))
@@ -29,21 +29,19 @@ def serving(*ranks: str) -> RoutingState:
     return RoutingState("e0", next(_versions), "inst", ranks, 64, (), True, True)
 
 
-def _output(request_id: str, finished: bool) -> RequestOutput:
-    return RequestOutput(request_id=request_id, prompt_token_ids=[1], new_token_ids=[7], new_text="x",
-                         output_token_ids=[7], text="x", finished=finished,
-                         finish_reason="length" if finished else None)
+def _output(request_id: str, finished: bool) -> OutputDelta:
+    return OutputDelta(request_id, [7], "x", finished=finished, finish_reason="length" if finished else None)
 
 
 def _client(monkeypatch, script):
     """A client over ranks "old" and "new" whose streams follow `script(rank, attempt)`."""
     calls: list[str] = []
 
-    async def fake_stream_from(rank, request, *args, **kwargs):
+    async def fake_stream_from(rank, request, channels, progress):
         calls.append(rank)
         sent.append(request)
-        async for out in script(rank, len(calls), request.request_id):
-            yield out
+        async for delta in script(rank, len(calls), request.request_id):
+            yield progress.add(delta)
 
     sent: list[EngineRequest] = []
 

@@ -1,5 +1,6 @@
 """A Ray cluster of several nodes on this machine, built as an operator builds one: `ray start
 --head`, then `ray start --address` per further node, each offering `elasticmoe_device`.
+For the multi-node tests and benchmarks (`--nodes`).
 
 Ray 2.60 turns token authentication on: every node and every driver must carry the same
 token, or they are refused with `InvalidAuthToken`. The head's GCS declares a node dead after
@@ -32,6 +33,8 @@ from pathlib import Path
 import httpx
 
 from hmm.placement import DEVICE_RESOURCE
+
+_AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -115,6 +118,33 @@ def ray_nodes(head_devices: int = 1, worker_devices: tuple[int, ...] = (1,), cpu
         yield nodes
     finally:
         nodes.stop()
+
+
+@contextlib.contextmanager
+def joined(nodes: RayNodes) -> Iterator[None]:
+    """This process carries the cluster's token while inside (a driver that `ray.init`s the
+    cluster: Ray reads the mode once per process, so enter this before the first `ray.init`)."""
+    saved = {k: os.environ.get(k) for k in _AUTH}
+    os.environ.update({k: nodes.env[k] for k in _AUTH})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def parse_nodes(text: str) -> tuple[int, ...]:
+    """`--nodes 2,1` -> (2, 1): the devices each node offers, the head's first; `ValueError` otherwise."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if len(counts) < 2 or any(c < 0 for c in counts) or sum(counts) < 1:
+        raise ValueError(f"--nodes: want D0,D1,... devices per node (at least two nodes), got {text!r}")
+    return counts
 
 
 @dataclass
