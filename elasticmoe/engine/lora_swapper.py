@@ -15,8 +15,9 @@ the resident adapter the eviction policy picks (`elasticmoe.adapter_policy.evict
 - **lru**, **fifo**: the Samba-CoE baselines.
 
 Whatever the policy: an adapter a running request uses, one that became resident in this pass,
-or one the request being served needs beside the incoming adapter (a per-token table or router
-mixes them) is never evicted; adapters with waiting requests in the window go last. Copies run
+one the request being served needs beside the incoming adapter (a per-token table or router
+mixes them), or one an older request in the window waits for is never evicted; adapters with
+younger requests in the window go last. Copies run
 on a background thread where the engine allows it (not under EP: there every loaded adapter is
 resident); the waiting requests get their slots once the copy is done.
 
@@ -144,14 +145,20 @@ class LoraSwapper:
         # NOTE: adapters that just became resident are not evicted before their requests ran once
         # (else a one-slot hot set would swap them out again at once, forever).
         busy = set().union(arrived, *(r.binding.lora_names for r in running))
-        queued = set().union(*(r.binding.lora_names for r in window))
+        first_need: dict[str, int] = {}  # adapter -> queue position of the first window request needing it
+        for i, r in enumerate(window):
+            for n in r.binding.lora_names:
+                first_need.setdefault(n, i)
         for name, requests in pending.items():  # the adapter of the longest-waiting request first
             free = lora.free_slots()
             if free:
                 slot = free[0]
             else:
                 together = set().union(*(r.binding.lora_names for r in requests))  # resident beside `name`
-                victim = self._victim(busy | together, queued - {name})
+                # NOTE: an adapter an older request waits for is not evicted for a younger one's (else
+                # a window with more adapters than slots swaps its adapters out and back, forever).
+                ahead = {n for n, i in first_need.items() if i < first_need[name]}
+                victim = self._victim(busy | together | ahead, set(first_need) - {name})
                 if victim is None:
                     return  # every slot serves running requests: wait for one to finish
                 slot = lora.evict(victim)

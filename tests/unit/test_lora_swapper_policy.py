@@ -59,8 +59,9 @@ def make_request(request_id: str, adapter: str | None = None, routing: VocabRout
 
 
 def make_swapper(eviction: str = "coserve", names: str = "abc", slots: int = 2, routers=None, profiled=None,
-                 declared: dict[str, float] | None = None) -> LoraSwapper:
-    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=1000, max_num_seqs=8, window=8)
+                 declared: dict[str, float] | None = None, max_num_seqs: int = 8) -> LoraSwapper:
+    """`max_num_seqs=0`: nothing starts, every request stays in the window."""
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=1000, max_num_seqs=max_num_seqs, window=8)
     swapper = LoraSwapper(FakeSlots(slots, list(names)), sched, can_swap_async=False, eviction=eviction,
                           routers=lambda: routers or {}, profiled=profiled)
     for name, p in (declared or {}).items():
@@ -136,11 +137,31 @@ def test_adapters_needed_beside_the_incoming_one_and_queued_ones_go_last():
     submit(swapper, make_request("mix", routing=VocabRouting((10,), ("c", "a"))))
     swapper.swap_in()
     assert swapper.lora.evicted == ["b"] and swapper.scheduler.waiting[0].is_ready
-    # A request for a waits in the window: b goes although it is more probable.
-    swapper = make_swapper(declared={"a": 0.1, "b": 0.6, "c": 0.3})
-    swapper.scheduler.max_num_seqs = 0  # nothing starts: both requests stay in the window
+    # A younger request for a waits in the window: b goes although it is more probable.
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.6, "c": 0.3}, max_num_seqs=0)
+    want = submit(swapper, make_request("want-c", "c"))
     submit(swapper, make_request("queued-a", "a"))
-    assert evicted_for(swapper) == ["b"]
+    swapper.swap_in()
+    assert swapper.lora.evicted == ["b"] and want.is_ready
+
+
+def test_an_adapter_an_older_request_waits_for_stays_for_a_younger_requests_adapter():
+    # Window: a (ready, not started: no room), c (waiting for a slot), b (ready, not started). a is
+    # the least probable, but its request is older than c's: b goes. Without this rule a window
+    # with more adapters than slots swaps them out and back forever.
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.6, "c": 0.3}, max_num_seqs=0)
+    submit(swapper, make_request("queued-a", "a"))
+    want = submit(swapper, make_request("want-c", "c"))
+    submit(swapper, make_request("queued-b", "b"))
+    swapper.swap_in()
+    assert swapper.lora.evicted == ["b"] and want.is_ready
+    assert not swapper.scheduler.waiting[2].is_ready  # b's request waits for b again
+    # Every resident adapter is wanted by an older request: c waits.
+    swapper = make_swapper(max_num_seqs=0)
+    for rid, a in (("qa", "a"), ("qb", "b"), ("want-c", "c")):
+        submit(swapper, make_request(rid, a))
+    swapper.swap_in()
+    assert swapper.lora.evicted == [] and not swapper.scheduler.waiting[2].is_ready
 
 
 def test_nothing_is_evicted_under_running_requests_and_unloads_are_forgotten():
