@@ -22,10 +22,11 @@ def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 
 def plateau_batch(points: Sequence[tuple[int, float]], tolerance: float = 0.05) -> int:
-    """The maximum batch size from (batch size, batch latency) points: the smallest batch size
-    after which a larger batch lowers the average latency per request (latency / size) by less
-    than `tolerance` (relative) — the processor is nearly fully used there. Without a plateau,
-    the largest size measured."""
+    """The maximum batch size from (batch size, batch latency) points: the smallest batch size from
+    which no larger size measured lowers the average latency per request (latency / size) by
+    `tolerance` (relative) or more — the processor is nearly fully used there. Looking at every
+    larger size, not just the next, keeps one disturbed measurement from ending the curve early.
+    """
     if not points:
         raise ValueError("plateau_batch: no points")
     if not 0 <= tolerance < 1:
@@ -33,7 +34,8 @@ def plateau_batch(points: Sequence[tuple[int, float]], tolerance: float = 0.05) 
     ordered = sorted(points)
     if ordered[0][0] < 1:
         raise ValueError(f"plateau_batch: batch sizes must be >= 1, got {ordered[0][0]}")
-    for (b, t), (b_next, t_next) in zip(ordered, ordered[1:], strict=False):
-        if t_next / b_next > (t / b) * (1 - tolerance):
+    averages = [(b, t / b) for b, t in ordered]
+    for i, (b, avg) in enumerate(averages):
+        if all(later > avg * (1 - tolerance) for _, later in averages[i + 1:]):
             return b
-    return ordered[-1][0]
+    return ordered[-1][0]  # unreachable: the last size always qualifies

@@ -12,7 +12,8 @@ every LoRA slot has the padded shape of `max_lora_rank`):
   `--prompt-len`, exactly `--output-len` new tokens) submitted at once and run to completion,
   the fastest of `--repeats` runs after a warm-up (the run least disturbed by other processes on
   a shared machine); K and B are the least-squares line through (b, latency) (Fig. 12), the
-  max batch is where latency / b stops falling by 5 % (Fig. 5);
+  max batch the smallest b from which no larger size lowers latency / b by 5 % (Fig. 5,
+  `fitting.plateau_batch`);
 - load latency: LoRA, one synchronous copy of the adapter from host memory into its slot; ESFT,
   loading the adapter's rows; expert, reading one expert's rows from its safetensors file and
   writing them into a row (the disk tier);
