@@ -291,7 +291,9 @@ class AdapterManager:
             check_probability(usage_probability)
 
     def _declare(self, key: str, usage_probability: float | None) -> None:
-        if usage_probability is not None:
+        if usage_probability is None:
+            self.usage_probability.pop(key, None)
+        else:
             self.usage_probability[key] = usage_probability
         if self.swapper is not None:
             self.swapper.declare(key, usage_probability)

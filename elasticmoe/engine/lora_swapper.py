@@ -160,7 +160,7 @@ class LoraSwapper:
                 ahead = {n for n, i in first_need.items() if i < first_need[name]}
                 victim = self._victim(busy | together | ahead, set(first_need) - {name})
                 if victim is None:
-                    return  # every slot serves running requests: wait for one to finish
+                    return  # every slot serves running or older requests: wait for one to finish
                 slot = lora.evict(victim)
                 self._loaded_seq.pop(victim, None)
                 for r in waiting:
