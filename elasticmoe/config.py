@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from elasticmoe.adapter_policy.arranging import arranger
+from elasticmoe.adapter_policy.eviction import eviction_policy
+
 SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -197,6 +200,13 @@ class EngineConfig:
     max_lora_topk: int = 2  # adapters one token may combine (learned routing); fixed per step for EP
     # The first `scheduling_window` waiting requests are admitted grouped by LoRA adapter (CoServe §4.2).
     scheduling_window: int = 16
+    # CoServe policies (elasticmoe.adapter_policy): which resident LoRA adapter a swap evicts
+    # ("coserve": two-stage, §4.3; "lru"; "fifo") and the admission order inside the window
+    # ("coserve": grouped by adapter, §4.2; "fcfs"); a profile (`elasticmoe profile`) whose usage
+    # probabilities the eviction prefers over declared ones and over observed rates.
+    adapter_eviction: str = "coserve"
+    request_arranging: str = "coserve"
+    adapter_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_esft_adapters < 0 or self.max_esft_experts < 0:
@@ -217,6 +227,13 @@ class EngineConfig:
             raise ValueError(f"scheduling_window: must be >= 1, got {self.scheduling_window}")
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank: must be in [0, ep_size), got {self.ep_rank} of {self.ep_size}")
+        _check_policies(self.adapter_eviction, self.request_arranging)
+
+
+def _check_policies(adapter_eviction: str, request_arranging: str) -> None:
+    """`ValueError` naming the option unless both name registered policies."""
+    eviction_policy(adapter_eviction)
+    arranger(request_arranging)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +252,12 @@ class EngineOptions:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    adapter_eviction: str = "coserve"  # "coserve" (two-stage, CoServe §4.3), "lru", "fifo"
+    request_arranging: str = "coserve"  # "coserve" (grouped by adapter in the window, §4.2), "fcfs"
+    adapter_profile: str | None = None  # a profile JSON (`elasticmoe profile`): usage probabilities
+
+    def __post_init__(self) -> None:
+        _check_policies(self.adapter_eviction, self.request_arranging)
 
     def engine_config(self, model: str, **placement: Any) -> EngineConfig:
         """This engine's config; `placement` are the fields only its place knows (ep_rank, ...)."""

@@ -6,8 +6,8 @@ is free, into that slot. A request for an adapter that is not resident waits (it
 requests are passed over by the scheduler, not waited on) until the engine swaps it in
 on a background thread (its requests keep waiting; the forward goes on beside the copy, which
 writes a slot no scheduled token reads): into a free slot, else in place of the resident
-adapter with the lowest expected use (an exponential moving average of its request rate plus its queued
-requests: CoServe §4.3's argument against plain LRU), never one with running requests.
+adapter the eviction policy picks (`elasticmoe.engine.lora_swapper`, CoServe §4.3), never one
+with running requests.
 
 Sites (see `elasticmoe.layers.lora`): per GQA attention layer a fused q|k|v site (the three
 modules at rank offsets 0, R, 2R and their own output rows) and an o site; per MLA attention
@@ -128,7 +128,6 @@ class LoraSlots:
             raise ValueError(f"lora: max_cached ({self.max_cached}) must be >= max_loras ({max_loras})")
         self.host: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # name -> path -> (A, sB)
         self.slot_of: dict[str, int] = {}  # resident adapters
-        self.rate: dict[str, float] = {}  # EMA of requests per step
         self.num_swaps_in = self.num_evictions = self.num_hits = self.num_misses = 0
         self.filling: dict[int, tuple[str, Future[None]]] = {}  # slot -> adapter copied in the background
         self._copier: ThreadPoolExecutor | None = None
@@ -192,7 +191,6 @@ class LoraSlots:
             a, b = weights(path, site.a.dtype)
             factors[path] = (a.clone(), (b * scaling).to(site.b.dtype))
         self.host[name] = factors
-        self.rate[name] = 0.0
         free = self.free_slots()
         if slot is not None:
             if slot not in free:
@@ -266,20 +264,6 @@ class LoraSlots:
         if name in self.slot_of:
             self._clear(self.slot_of.pop(name))
         self.host.pop(name)
-        self.rate.pop(name, None)
-
-    def note_requests(self, counts: dict[str, int], decay: float = 0.9) -> None:
-        """Update each adapter's request-rate estimate with this step's new requests."""
-        for name in self.rate:
-            self.rate[name] = decay * self.rate[name] + (1 - decay) * counts.get(name, 0)
-
-    def victim(self, busy: set[str], queued: dict[str, int]) -> str | None:
-        """The resident adapter to evict: lowest expected use (rate + queued requests), never one in
-        `busy` (with running requests). None if every resident adapter is busy."""
-        candidates = [n for n in self.slot_of if n not in busy]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda n: (self.rate.get(n, 0.0) + queued.get(n, 0), self.slot_of[n]))
 
     def _clear(self, slot: int) -> None:
         for site in {id(site): site for sites in self.attention.values() for site, _, _ in sites.values()}.values():

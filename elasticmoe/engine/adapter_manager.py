@@ -19,6 +19,10 @@ The engine calls, on its thread:
 The server calls `load_esft` / `load_lora` / `load_router` / `unload` / `discard` /
 `finish_unload` / `in_use` / `stats`, through the engine's thread too. `served` is one tuple
 assignment, so any thread may read it.
+
+Usage probabilities (CoServe §4.3, the eviction's stage 2): from the profile named by
+`EngineConfig.adapter_profile`, else the `usage_probability` given at load, else the observed
+request rate (`elasticmoe.adapter_policy.usage`).
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from elasticmoe.adapter_policy.profile import load_profile
+from elasticmoe.adapter_policy.usage import check_probability
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
 from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.engine_request import AdapterRef
-from elasticmoe.engine.lora_swapper import LoraSwapper
+from elasticmoe.engine.lora_swapper import LoraSwapper, router_node
 from elasticmoe.engine.request import AdapterBinding, Request
 from elasticmoe.engine.scheduler import Scheduler
 from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
@@ -57,14 +63,18 @@ class AdapterManager:
             self.esft = EsftSlots(model, placement, config.ep_rank, config.max_esft_adapters, config.max_esft_experts)
         self.lora: LoraSlots | None = None
         self.swapper: LoraSwapper | None = None
+        self.routers: dict[str, LoraRouter] = {}
+        self.usage_probability: dict[str, float] = {}  # declared at load, by adapter (routers: router_node)
+        profiled = load_profile(config.adapter_profile).usage_probability if config.adapter_profile else {}
         if config.max_loras:
             # NOTE: under EP a slot's expert factors serve every rank's tokens, so slots cannot be
             # swapped per rank: there, every loaded adapter stays resident (no host-only adapters).
             cached = config.max_cpu_loras if self.is_single_rank else config.max_loras
             self.lora = LoraSlots(model, placement, config.ep_rank, config.max_loras, config.max_lora_rank,
                                   config.dtype, max_cached=cached, top_k=config.max_lora_topk)
-            self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank)
-        self.routers: dict[str, LoraRouter] = {}
+            self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank,
+                                       eviction=config.adapter_eviction, routers=lambda: self.routers,
+                                       profiled=profiled)
         self.unloading: set[str] = set()
         self.served: tuple[str, ...] = ()  # loaded adapters that accept requests
 
@@ -89,6 +99,11 @@ class AdapterManager:
         if self.swapper is not None:
             if routing is not None:
                 self.swapper.assign(request)
+                if isinstance(routing, LearnedRouting):
+                    self.swapper.note_arrival(router_node(routing.router_name))
+                else:  # a per-token table: its request needs each of its adapters
+                    for name in sorted(routing.names):
+                        self.swapper.note_arrival(name)
             elif ref.name is not None and esft_slot < 0:  # a LoRA adapter, resident or not
                 if lora_slot < 0:
                     request.binding.wait()
@@ -124,34 +139,43 @@ class AdapterManager:
     # ---- loading and unloading ---------------------------------------------------------------
 
     def load_esft(self, name: str, experts: dict[int, tuple[int, ...]], expert_weights: ExpertWeights | None,
-                  slot: int | None = None) -> int:
+                  slot: int | None = None, usage_probability: float | None = None) -> int:
         """Load an ESFT adapter (its tuned experts that live on this rank) into slot `slot` (None:
         a free one). `expert_weights=None`: the provider already filled its rows (HMM memory).
-        Raises `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError` naming the field."""
+        `usage_probability`: the chance a request uses it, declared (None: unknown). Raises
+        `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError` naming the field."""
         if self.esft is None:
             raise AdapterLimitError("this engine serves no ESFT adapters (--max-esft-adapters 0)")
         self._check_new_name(name)
+        self._check_probability(usage_probability)
         slot = self.esft.load(name, experts, expert_weights, slot)
+        self._declare(name, usage_probability)
         self._publish()
         return slot
 
     def load_lora(self, name: str, modules: dict[str, tuple[int, int, int]], weights: LoraWeights, scaling: float,
-                  slot: int | None = None) -> int | None:
+                  slot: int | None = None, usage_probability: float | None = None) -> int | None:
         """Load a LoRA adapter (`modules`: base module path -> (r, in, out); `weights(path, dtype)`
         -> (A, B)) into host memory and LoRA slot `slot` (None: a free one if any; returns None
         when it waits in host memory until a request needs it). Under EP only this rank's
-        experts' factors are kept. Raises `AdapterLimitError` / `AdapterConflictError` (409) or
-        `ValueError` naming the field."""
+        experts' factors are kept. `usage_probability`: the chance a request uses it, declared
+        (None: unknown; the eviction then falls back to its observed rate unless the profile has
+        it). Raises `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError` naming the
+        field."""
         if self.lora is None:
             raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
         self._check_new_name(name)
+        self._check_probability(usage_probability)
         slot = self.lora.load(name, modules, weights, scaling, slot)
+        self._declare(name, usage_probability)
         self._publish()
         return slot
 
-    def load_router(self, name: str, router: LoraRouter) -> None:
+    def load_router(self, name: str, router: LoraRouter, usage_probability: float | None = None) -> None:
         """Register a learned router (MoLoRA §4.3) over loaded LoRA adapters; requests pick it
-        with `lora_routing={"type": "learned", "router": name}`."""
+        with `lora_routing={"type": "learned", "router": name}`. `usage_probability`: the chance a
+        request uses the router (its adapters are then needed together)."""
+        self._check_probability(usage_probability)
         if self.lora is None:
             raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
         if router.top_k > self.config.max_lora_topk:
@@ -163,6 +187,7 @@ class AdapterManager:
             raise ValueError(f"path: router input size {router.w1.shape[1]} != hidden size "
                              f"{self.model_config.hidden_size}")
         self.routers[name] = router
+        self._declare(router_node(name), usage_probability)
 
     def unload(self, name: str) -> bool:
         """Stop admitting requests for `name`. With one rank it is unloaded (its rows released)
@@ -211,12 +236,16 @@ class AdapterManager:
                 "hits": lora.num_hits, "misses": lora.num_misses}
 
     def describe(self) -> list[dict[str, Any]]:
-        """Loaded adapters: name, slot, kind, experts and bytes (ESFT), state."""
+        """Loaded adapters: name, slot (LoRA: None while only in host memory), kind, experts and
+        bytes (ESFT), declared usage probability, state."""
         from elasticmoe.adapters.esft_slots import describe
 
         out = [{**d, "type": "esft"} for d in describe(self.esft)]
         if self.lora is not None:
-            out += [{"name": n, "slot": self.lora.slot_of[n], "type": "lora"} for n in self.lora.names]
+            out += [{"name": n, "slot": self.lora.slot_of.get(n), "type": "lora"} for n in self.lora.names]
+        for d in out:
+            if d["name"] in self.usage_probability:
+                d["usage_probability"] = self.usage_probability[d["name"]]
         return [{**d, "state": "unloading" if d["name"] in self.unloading else "loaded"} for d in out]
 
     # ---- internals ---------------------------------------------------------------------------
@@ -257,13 +286,33 @@ class AdapterManager:
         ):
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
 
+    def _check_probability(self, usage_probability: float | None) -> None:
+        if usage_probability is not None:
+            check_probability(usage_probability)
+
+    def _declare(self, key: str, usage_probability: float | None) -> None:
+        if usage_probability is None:
+            self.usage_probability.pop(key, None)
+        else:
+            self.usage_probability[key] = usage_probability
+        if self.swapper is not None:
+            self.swapper.declare(key, usage_probability)
+
+    def _forget(self, key: str) -> None:
+        self.usage_probability.pop(key, None)
+        if self.swapper is not None:
+            self.swapper.forget(key)
+
     def _release(self, name: str) -> None:
         if self.esft is not None and self.esft.index(name) is not None:
             self.esft.unload(name)
         elif self.lora is not None:
             self.lora.unload(name)
             # A router over a released adapter is dropped with it (its requests would wait forever).
-            self.routers = {k: r for k, r in self.routers.items() if name not in r.adapters}
+            for k in [k for k, r in self.routers.items() if name in r.adapters]:
+                del self.routers[k]
+                self._forget(router_node(k))
+        self._forget(name)
 
     def _publish(self) -> None:
         # NOTE: one tuple assignment, so other threads (HTTP handlers listing models) read a

@@ -82,7 +82,7 @@ class LLMEngine:
 
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   window=config.scheduling_window)
+                                   window=config.scheduling_window, arranging=config.request_arranging)
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterManager(self.model, self.placement, config, cfg, self.scheduler,
                                        live=lambda: self.requests.values())

@@ -1,33 +1,97 @@
 """Which LoRA slot each waiting request gets, and which adapters to swap into the hot set.
 
-The engine's LoRA policy between steps (MoLoRA §5.2 hot set, CoServe §4.2-4.3):
-a request whose adapters are resident gets their slots; the adapters of waiting
-requests inside the scheduling window that are only in host memory are copied into
-a free slot, else in place of the resident adapter with the lowest expected use (its
-request rate plus its queued requests) that no running request needs. Copies run on
-a background thread where the engine allows it (not under EP: there every loaded
-adapter is resident); the waiting requests get their slots once the copy is done.
+The engine's LoRA policy between steps (MoLoRA §5.2 hot set, CoServe §4.2-4.3): a request
+whose adapters are resident gets their slots; the adapters of waiting requests inside the
+scheduling window that are only in host memory are copied into a free slot, else in place of
+the resident adapter the eviction policy picks (`elasticmoe.adapter_policy.eviction`;
+`EngineConfig.adapter_eviction`):
+
+- **coserve** (default): two-stage over the dependency graph of the loaded adapters and learned
+  routers (router -> each adapter it routes to). Stage 1, adapters stranded behind a predecessor
+  that is not resident; stage 2, by the probability that the next request needs the adapter:
+  its usage probability from the profile, else declared at load, else its observed request rate
+  (an EMA) as a fallback, plus that of the routers that route to it (their requests need all of
+  their adapters resident);
+- **lru**, **fifo**: the Samba-CoE baselines.
+
+Whatever the policy: an adapter a running request uses, one that became resident in this pass,
+one the request being served needs beside the incoming adapter (a per-token table or router
+mixes them), or one an older request in the window waits for is never evicted; adapters with
+younger requests in the window go last. Copies run
+on a background thread where the engine allows it (not under EP: there every loaded adapter is
+resident); the waiting requests get their slots once the copy is done.
+
+NOTE: in this engine routers live beside the model, always resident, so no LoRA adapter is ever
+stranded and stage 1 picks nothing; it acts where a predecessor can leave the tier (see
+`adapter_policy.graph`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
 import torch
 
+from elasticmoe.adapter_policy.eviction import Residency, TierView, eviction_policy, select_victims
+from elasticmoe.adapter_policy.graph import DependencyGraph, Node
+from elasticmoe.adapter_policy.usage import (
+    RateEstimator,
+    check_probability,
+    needed_probability,
+    usage_probabilities,
+)
 from elasticmoe.adapters.lora_slots import LoraSlots
 from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import Scheduler
 
 
+def router_node(name: str) -> str:
+    """The graph node (and usage key) of learned router `name`: routers and adapters have separate
+    namespaces, so a router's node is prefixed."""
+    return f"router:{name}"
+
+
 class LoraSwapper:
-    def __init__(self, lora: LoraSlots, scheduler: Scheduler, can_swap_async: bool) -> None:
+    def __init__(self, lora: LoraSlots, scheduler: Scheduler, can_swap_async: bool, eviction: str = "coserve",
+                 routers: Callable[[], Mapping[str, Any]] = dict, profiled: Mapping[str, float] | None = None) -> None:
+        """`routers()`: the loaded learned routers by name (each with `.adapters`); `profiled`: usage
+        probabilities from an offline profile, by adapter name (routers: `router_node(name)`)."""
         self.lora = lora
         self.scheduler = scheduler
         self.can_swap_async = can_swap_async
         self.async_swaps = True  # copy adapters into slots on a background thread (when it can)
-        self._arrivals: dict[str, int] = {}  # adapter -> requests since the last swap pass
+        self.policy = eviction_policy(eviction)
+        self.routers = routers
+        self.profiled = {n: check_probability(p, f"profile usage_probability of {n!r}")
+                         for n, p in (profiled or {}).items()}
+        self.declared: dict[str, float] = {}  # usage_probability given at load, by usage key
+        self.rates = RateEstimator()  # the observed fallback, by usage key
+        self._arrivals: dict[str, int] = {}  # usage key -> requests since the last swap pass
+        self._seq = 0  # one counter orders loads and uses (FIFO / LRU)
+        self._loaded_seq: dict[str, int] = {}
+        self._used_seq: dict[str, int] = {}
 
-    def note_arrival(self, adapter: str) -> None:
-        self._arrivals[adapter] = self._arrivals.get(adapter, 0) + 1
+    # ---- what the adapter manager tells it -----------------------------------------------------
+
+    def note_arrival(self, key: str) -> None:
+        """A request arrived for `key`: an adapter, `router_node(router)`, or each adapter of a
+        per-token table."""
+        self._arrivals[key] = self._arrivals.get(key, 0) + 1
+
+    def declare(self, key: str, probability: float | None) -> None:
+        """The usage probability declared at load (None: none declared)."""
+        if probability is None:
+            self.declared.pop(key, None)
+        else:
+            self.declared[key] = check_probability(probability)
+
+    def forget(self, key: str) -> None:
+        """`key` was unloaded: drop what was known about it."""
+        for table in (self.declared, self._arrivals, self._loaded_seq, self._used_seq):
+            table.pop(key, None)
+
+    # ---- around a step -------------------------------------------------------------------------
 
     def assign(self, request: Request) -> None:
         """Give a request its slot(s) if its adapters are resident now, else make it wait.
@@ -50,12 +114,20 @@ class LoraSwapper:
     def swap_in(self) -> None:
         """One pass between steps: assign arrived adapters, start the swaps the window needs."""
         lora = self.lora
-        lora.note_requests(self._arrivals)
+        self.rates.update(self._arrivals, self._usage_keys())
         self._arrivals = {}
+        arrived = set(lora.finish_swaps())  # background copies that completed since the last step
+        for name in sorted(arrived):
+            self._mark_loaded(name)
+        self._note_residents()
+        running = self.scheduler.running
+        for r in running:
+            for name in sorted(r.binding.lora_names):
+                self._mark_used(name)
         waiting = self.scheduler.waiting
         # Swap in only for the scheduling window (the requests admission looks at next, CoServe §4.2).
-        window = {id(r) for r in self.scheduler.window_requests()}
-        arrived = set(lora.finish_swaps())  # background copies that completed since the last step
+        window = self.scheduler.window_requests()
+        in_window = {id(r) for r in window}
         pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
         for r in waiting:
             if r.binding.is_waiting:
@@ -63,7 +135,7 @@ class LoraSwapper:
                     self.assign(r)
                     if not r.binding.is_waiting:
                         continue
-                if id(r) not in window:
+                if id(r) not in in_window:
                     continue
                 for name in sorted(r.binding.lora_names):
                     if lora.index(name) is None and not lora.is_filling(name):
@@ -72,20 +144,25 @@ class LoraSwapper:
             return
         # NOTE: adapters that just became resident are not evicted before their requests ran once
         # (else a one-slot hot set would swap them out again at once, forever).
-        busy = set().union(arrived, *(r.binding.lora_names for r in self.scheduler.running))
-        queued: dict[str, int] = {}
-        for r in waiting:
-            for name in r.binding.lora_names:
-                queued[name] = queued.get(name, 0) + 1
+        busy = set().union(arrived, *(r.binding.lora_names for r in running))
+        first_need: dict[str, int] = {}  # adapter -> queue position of the first window request needing it
+        for i, r in enumerate(window):
+            for n in r.binding.lora_names:
+                first_need.setdefault(n, i)
         for name, requests in pending.items():  # the adapter of the longest-waiting request first
             free = lora.free_slots()
             if free:
                 slot = free[0]
             else:
-                victim = lora.victim(busy, queued)
+                together = set().union(*(r.binding.lora_names for r in requests))  # resident beside `name`
+                # NOTE: an adapter an older request waits for is not evicted for a younger one's (else
+                # a window with more adapters than slots swaps its adapters out and back, forever).
+                ahead = {n for n, i in first_need.items() if i < first_need[name]}
+                victim = self._victim(busy | together | ahead, set(first_need) - {name})
                 if victim is None:
-                    return  # every slot serves running requests: wait for one to finish
+                    return  # every slot serves running or older requests: wait for one to finish
                 slot = lora.evict(victim)
+                self._loaded_seq.pop(victim, None)
                 for r in waiting:
                     if victim in r.binding.lora_names:
                         r.binding.wait()
@@ -94,5 +171,49 @@ class LoraSwapper:
                 lora.swap_in_async(name, slot)  # its requests wait until `finish_swaps` reports it
                 continue
             lora.swap_in(name, slot)
+            self._mark_loaded(name)
             for r in requests:
                 self.assign(r)
+
+    # ---- the eviction decision -----------------------------------------------------------------
+
+    def tier_view(self, pinned: Iterable[str] = (), queued: Iterable[str] = ()) -> TierView:
+        """The LoRA slots as the eviction policies see them: every loaded adapter a node of one
+        slot, every learned router a resident node (it lives beside the model) with edges to its
+        adapters; the needed probability of each (see the module docstring)."""
+        lora = self.lora
+        self._note_residents()
+        routers = {router_node(k): r for k, r in self.routers().items()}
+        nodes = [Node(n, "lora", 1) for n in lora.names] + [Node(k, "router", 0) for k in routers]
+        edges = [(k, a) for k, r in routers.items() for a in r.adapters if lora.is_loaded(a)]
+        graph = DependencyGraph.build(nodes, edges)
+        resident = {n: Residency(self._loaded_seq[n], max(self._loaded_seq[n], self._used_seq.get(n, 0)))
+                    for n in lora.slot_of}
+        resident.update(dict.fromkeys(routers, Residency(0, 0)))
+        usage = usage_probabilities(graph.nodes, self.profiled, self.declared, self.rates.rate)
+        return TierView(graph, resident, needed_probability(graph, usage),
+                        frozenset(n for n in pinned if n in graph), frozenset(n for n in queued if n in graph))
+
+    def _victim(self, pinned: set[str], queued: set[str]) -> str | None:
+        victims = select_victims(self.policy, self.tier_view(pinned, queued), need=1)
+        return victims[0] if victims else None
+
+    def _usage_keys(self) -> list[str]:
+        return self.lora.names + [router_node(k) for k in self.routers()]
+
+    def _tick(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _mark_loaded(self, name: str) -> None:
+        self._loaded_seq[name] = self._used_seq[name] = self._tick()
+
+    def _mark_used(self, name: str) -> None:
+        self._used_seq[name] = self._tick()
+
+    def _note_residents(self) -> None:
+        """Adapters that became resident without a swap (loaded into a free slot at registration)
+        count as loaded now, in slot order."""
+        lora = self.lora
+        for name in sorted((n for n in lora.slot_of if n not in self._loaded_seq), key=lora.slot_of.__getitem__):
+            self._mark_loaded(name)

@@ -16,6 +16,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 
+from elasticmoe.adapter_policy.arranging import arranger
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.request import Request, RequestStatus
 
@@ -46,13 +47,14 @@ def adapter_key(request: Request) -> Hashable:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 window: int = 16) -> None:
+                 window: int = 16, arranging: str = "coserve") -> None:
         if window < 1:
             raise ValueError(f"scheduling_window: must be >= 1, got {window}")
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.window = window  # waiting requests at the head admitted grouped by adapter
+        self.window = window  # waiting requests at the head admitted in the arranging policy's order
+        self.arrange = arranger(arranging)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for metrics and tests
@@ -96,9 +98,10 @@ class Scheduler:
         return list(islice(self.waiting, self.window))
 
     def _admission_order(self, window: list[Request]) -> list[Request]:
-        """The `window` grouped by `adapter_key`: groups in the order of their oldest request,
-        arrival order inside a group (CoServe §4.2 arranges a request behind the queued requests of
-        its expert, so each one is loaded once and its requests run together).
+        """The `window` in the arranging policy's order: by default grouped by `adapter_key`,
+        groups in the order of their oldest request, arrival order inside a group (CoServe §4.2
+        arranges a request behind the queued requests of its expert, so each one is loaded once
+        and its requests run together); `fcfs`: as it came.
 
         No request starves: readiness is the same for a whole group (it is its adapter's
         residency), so the first request admitted in a step is always the oldest ready one in
@@ -107,14 +110,11 @@ class Scheduler:
         the queue: one with p ready requests ahead of it is admitted within p + 1 steps that
         admit anyone (preempted requests rejoin at the front, as in plain arrival order).
         """
-        groups: dict[Hashable, list[Request]] = {}
-        for request in window:
-            groups.setdefault(adapter_key(request), []).append(request)
-        return [request for group in groups.values() for request in group]
+        return self.arrange(window, adapter_key)
 
     def _admit(self, num_scheduled: dict[Request, int], budget: int) -> int:
         """Start waiting requests while the budget, `max_num_seqs` and the KV pool allow: the
-        window grouped by adapter, then the rest in arrival order. Returns the budget left.
+        window in admission order, then the rest in arrival order. Returns the budget left.
 
         NOTE: a request whose adapter is still being swapped in is passed over, not waited on,
         so requests for resident adapters behind it start (CoServe §4.2); at most `skip_window`

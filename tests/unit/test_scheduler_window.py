@@ -23,9 +23,10 @@ def make_request(request_id: str, adapter: str | None = None, ready: bool = True
     return Request(request_id, list(range(num_prompt)), num_prompt, SamplingParams(), 10_000, binding=binding)
 
 
-def make_scheduler(*requests: Request, window: int = 16, max_num_seqs: int = 64, num_blocks: int = 256) -> Scheduler:
+def make_scheduler(*requests: Request, window: int = 16, max_num_seqs: int = 64, num_blocks: int = 256,
+                   arranging: str = "coserve") -> Scheduler:
     sched = Scheduler(BlockManager(num_blocks, 4), max_num_batched_tokens=10_000, max_num_seqs=max_num_seqs,
-                      window=window)
+                      window=window, arranging=arranging)
     for r in requests:
         sched.add(r)
     return sched
@@ -116,3 +117,18 @@ def test_window_requests_and_config():
         EngineConfig(model="m", scheduling_window=0)
     with pytest.raises(ValueError, match="scheduling_window"):
         Scheduler(BlockManager(4, 4), 8, 8, window=0)
+
+
+def test_fcfs_arranging_admits_the_window_in_arrival_order():
+    """The Samba-CoE baseline (`request_arranging="fcfs"`): no grouping, the oldest first."""
+    requests = [make_request(f"{a}{i}", a) for i in range(3) for a in "AB"]  # A0 B0 A1 B1 A2 B2
+    sched = make_scheduler(*requests, max_num_seqs=4, arranging="fcfs")
+    assert scheduled_ids(sched) == ["A0", "B0", "A1", "B1"] and waiting_ids(sched) == ["A2", "B2"]
+    sched = make_scheduler(make_request("X0", "X", ready=False), make_request("A0", "A"), make_request("B0", "B"),
+                           make_request("A1", "A"), window=4, arranging="fcfs")
+    assert scheduled_ids(sched) == ["A0", "B0", "A1"] and waiting_ids(sched) == ["X0"]  # still passed over
+    assert EngineConfig(model="m").request_arranging == "coserve"
+    with pytest.raises(ValueError, match="request_arranging"):
+        EngineConfig(model="m", request_arranging="sjf")
+    with pytest.raises(ValueError, match="request_arranging"):
+        Scheduler(BlockManager(4, 4), 8, 8, arranging="sjf")

@@ -1,0 +1,36 @@
+"""The offline profiler (CoServe §4.5) on the tiny Qwen3-MoE: it runs a real engine per adapter
+kind and writes a profile the policies can load. Timings are not asserted (shared machine), only
+what must hold whatever they are."""
+
+from __future__ import annotations
+
+from elasticmoe.adapter_policy.profile import load_profile
+from elasticmoe.bench.adapter_profile import write_profile
+from elasticmoe.config import ModelConfig
+
+
+def test_profile_of_the_tiny_model(tiny_model_dir, tmp_path):
+    budget = 4 << 20
+    out = tmp_path / "profile.json"
+    profile = write_profile(tiny_model_dir, out, batch_sizes=(1, 2, 4), output_len=2, repeats=1,
+                            usage={"a": 0.6}, sample=["a", "b", "b", "c"], budget_bytes=budget, num_threads=1)
+    assert load_profile(out) == profile
+    assert set(profile.kinds) == {"base", "lora", "esft", "expert"}
+    for name, kind in profile.kinds.items():
+        assert kind.max_batch in (1, 2, 4) and kind.k_s >= 0 and kind.b_s >= 0 and kind.load_s >= 0, name
+    assert profile.kinds["base"].load_s == 0 and profile.kinds["base"].footprint_bytes == 0
+    assert min(profile.kinds[k].load_s for k in ("lora", "esft", "expert")) > 0
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    # One expert's rows (w13 [2I, H] + w2 [H, I]) in fp32; an ESFT adapter of 2 experts per MoE layer.
+    expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    assert profile.kinds["expert"].footprint_bytes == expert
+    assert profile.kinds["esft"].footprint_bytes == 2 * len(cfg.moe_layer_ids) * expert
+    assert profile.kinds["lora"].footprint_bytes > 0
+    assert profile.kv_bytes_per_token == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    # The declaration wins over the sample's share; the others are their shares of the sample.
+    assert profile.usage_probability == {"a": 0.6, "b": 0.5, "c": 0.25}
+    assert profile.adapter_kind == {"a": "lora", "b": "lora", "c": "lora"}
+    split = profile.memory_split
+    assert split is not None and split.budget_bytes == budget and split.used_bytes <= budget
+    assert 1 <= split.num_lora_slots <= 3 and split.kv_cache_bytes >= profile.request_kv_bytes
+    assert len(profile.meta["points"]["lora"]) == 3

@@ -1,0 +1,181 @@
+"""The engine's swapper under each eviction policy (CoServe §4.3 two-stage, LRU, FIFO): which
+resident adapter a swap evicts, with a stand-in for the LoRA slots (names and slots only) and the
+real scheduler."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from elasticmoe.adapters.lora_routing import VocabRouting
+from elasticmoe.engine.block_manager import BlockManager
+from elasticmoe.engine.lora_swapper import LoraSwapper, router_node
+from elasticmoe.engine.request import AdapterBinding, Request
+from elasticmoe.engine.scheduler import Scheduler
+from elasticmoe.sampling_params import SamplingParams
+
+
+class FakeSlots:
+    """What the swapper uses of `LoraSlots`: loaded names, slots, evict and a synchronous swap."""
+
+    def __init__(self, max_loras: int, names: list[str]) -> None:
+        self.max_loras = max_loras
+        self.host = dict.fromkeys(names)
+        self.slot_of: dict[str, int] = {}
+        self.evicted: list[str] = []
+        for name in names[:max_loras]:  # loaded into free slots first, in order (as `LoraSlots.load`)
+            self.slot_of[name] = len(self.slot_of)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.host)
+
+    def index(self, name: str) -> int | None:
+        return self.slot_of.get(name)
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self.host
+
+    def is_filling(self, name: str) -> bool:
+        return False
+
+    def free_slots(self) -> list[int]:
+        return sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
+
+    def finish_swaps(self) -> list[str]:
+        return []
+
+    def evict(self, name: str) -> int:
+        self.evicted.append(name)
+        return self.slot_of.pop(name)
+
+    def swap_in(self, name: str, slot: int) -> None:
+        self.slot_of[name] = slot
+
+
+def make_request(request_id: str, adapter: str | None = None, routing: VocabRouting | None = None) -> Request:
+    return Request(request_id, [5, 6], 2, SamplingParams(), 10_000, binding=AdapterBinding(adapter, routing=routing))
+
+
+def make_swapper(eviction: str = "coserve", names: str = "abc", slots: int = 2, routers=None, profiled=None,
+                 declared: dict[str, float] | None = None, max_num_seqs: int = 8) -> LoraSwapper:
+    """`max_num_seqs=0`: nothing starts, every request stays in the window."""
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=1000, max_num_seqs=max_num_seqs, window=8)
+    swapper = LoraSwapper(FakeSlots(slots, list(names)), sched, can_swap_async=False, eviction=eviction,
+                          routers=lambda: routers or {}, profiled=profiled)
+    for name, p in (declared or {}).items():
+        swapper.declare(name, p)
+    return swapper
+
+
+def submit(swapper: LoraSwapper, request: Request) -> Request:
+    """What `AdapterManager.bind` and the engine do with a new request."""
+    swapper.assign(request)
+    for name in sorted(request.binding.lora_names):
+        swapper.note_arrival(name)
+    swapper.scheduler.add(request)
+    return request
+
+
+def run_once(swapper: LoraSwapper, *adapters: str) -> None:
+    """A request for each adapter runs one step (marking it used), then finishes."""
+    requests = [submit(swapper, make_request(f"run-{a}", a)) for a in adapters]
+    swapper.swap_in()
+    swapper.scheduler.schedule()
+    swapper.swap_in()  # a pass while they run: they count as used
+    for r in requests:
+        swapper.scheduler.finish(r)
+
+
+def evicted_for(swapper: LoraSwapper, adapter: str = "c") -> list[str]:
+    request = submit(swapper, make_request(f"want-{adapter}", adapter))
+    assert not request.is_ready
+    swapper.swap_in()
+    assert request.is_ready and swapper.lora.index(adapter) is not None
+    return swapper.lora.evicted
+
+
+@pytest.mark.parametrize("used, want", [
+    ("ab", {"coserve": "b", "lru": "a", "fifo": "a"}),  # b used last
+    ("ba", {"coserve": "b", "lru": "b", "fifo": "a"}),  # a used last
+])
+def test_each_policy_picks_its_victim(used, want):
+    for policy, victim in want.items():
+        swapper = make_swapper(policy, declared={"a": 0.7, "b": 0.1, "c": 0.2})
+        run_once(swapper, *used[:1])
+        run_once(swapper, *used[1:])
+        assert evicted_for(swapper) == [victim], policy
+
+
+def test_probability_sources_profile_then_declared_then_observed_rate():
+    swapper = make_swapper(profiled={"a": 0.05}, declared={"a": 0.7, "b": 0.1})
+    assert evicted_for(swapper) == ["a"]  # the profile says a is rarer than b's declaration
+    # Nothing pre-assessed: the observed request rates decide (b was asked for more often, a
+    # more recently: LRU would evict b).
+    swapper = make_swapper()
+    run_once(swapper, "b", "b", "b")
+    run_once(swapper, "a")
+    view = swapper.tier_view()
+    assert view.probability("b") > view.probability("a") > view.probability("c") == 0.0
+    assert evicted_for(swapper) == ["a"]
+
+
+def test_a_router_makes_its_adapters_needed_with_its_requests():
+    routers = {"r": SimpleNamespace(adapters=("b",))}
+    declared = {"a": 0.3, "b": 0.1, "c": 0.1}
+    assert evicted_for(make_swapper(declared=declared)) == ["b"]
+    swapper = make_swapper(routers=routers, declared={**declared, router_node("r"): 0.5})
+    assert swapper.tier_view().probability("b") == pytest.approx(0.6)
+    assert swapper.tier_view().graph.predecessors("b") == {router_node("r")}
+    assert evicted_for(swapper) == ["a"]
+
+
+def test_adapters_needed_beside_the_incoming_one_and_queued_ones_go_last():
+    # A per-token request mixes c with a: a stays resident although it is the least probable.
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.6, "c": 0.3})
+    submit(swapper, make_request("mix", routing=VocabRouting((10,), ("c", "a"))))
+    swapper.swap_in()
+    assert swapper.lora.evicted == ["b"] and swapper.scheduler.waiting[0].is_ready
+    # A younger request for a waits in the window: b goes although it is more probable.
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.6, "c": 0.3}, max_num_seqs=0)
+    want = submit(swapper, make_request("want-c", "c"))
+    submit(swapper, make_request("queued-a", "a"))
+    swapper.swap_in()
+    assert swapper.lora.evicted == ["b"] and want.is_ready
+
+
+def test_an_adapter_an_older_request_waits_for_stays_for_a_younger_requests_adapter():
+    # Window: a (ready, not started: no room), c (waiting for a slot), b (ready, not started). a is
+    # the least probable, but its request is older than c's: b goes. Without this rule a window
+    # with more adapters than slots swaps them out and back forever.
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.6, "c": 0.3}, max_num_seqs=0)
+    submit(swapper, make_request("queued-a", "a"))
+    want = submit(swapper, make_request("want-c", "c"))
+    submit(swapper, make_request("queued-b", "b"))
+    swapper.swap_in()
+    assert swapper.lora.evicted == ["b"] and want.is_ready
+    assert not swapper.scheduler.waiting[2].is_ready  # b's request waits for b again
+    # Every resident adapter is wanted by an older request: c waits.
+    swapper = make_swapper(max_num_seqs=0)
+    for rid, a in (("qa", "a"), ("qb", "b"), ("want-c", "c")):
+        submit(swapper, make_request(rid, a))
+    swapper.swap_in()
+    assert swapper.lora.evicted == [] and not swapper.scheduler.waiting[2].is_ready
+
+
+def test_nothing_is_evicted_under_running_requests_and_unloads_are_forgotten():
+    swapper = make_swapper(declared={"a": 0.1})
+    for a in "ab":
+        submit(swapper, make_request(f"run-{a}", a))
+    swapper.swap_in()
+    swapper.scheduler.schedule()
+    want = submit(swapper, make_request("want-c", "c"))
+    swapper.swap_in()
+    assert not want.is_ready and swapper.lora.evicted == []
+    swapper.forget("a")
+    assert "a" not in swapper.declared
+    with pytest.raises(ValueError, match="adapter_eviction"):
+        make_swapper("mru")
+    with pytest.raises(ValueError, match="usage_probability"):
+        swapper.declare("b", 1.5)
