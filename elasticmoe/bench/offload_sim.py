@@ -119,6 +119,14 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def shown(path: str) -> str:
+    """`path` relative to the repository when inside it (results stay comparable across clones)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path
+
+
 def default_trace_path(args: argparse.Namespace) -> Path:
     name = (f"offload-trace-v1-{args.preset if args.model is None else Path(args.model).name}-r{args.requests}"
             f"-p{args.prompt_tokens}-g{args.new_tokens}-t{args.topics}-s{args.seed}.npz")
@@ -200,10 +208,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "bench": "offload_sim",
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "trace": {"path": trace_path, "num_layers": trace.num_layers, "num_experts": trace.num_experts,
+        "trace": {"path": shown(trace_path), "num_layers": trace.num_layers, "num_experts": trace.num_experts,
                   "top_k": trace.top_k, "expert_bytes": trace.expert_bytes, "num_requests": trace.num_requests,
                   "num_iterations": trace.num_iterations,
-                  **{k: v for k, v in trace.meta.items() if k != "topics"}},
+                  **{k: shown(v) if k == "model" else v for k, v in trace.meta.items() if k != "topics"}},
         "config": {"policies": args.policies, "budgets": args.budgets, "prefetch_distance": args.prefetch_distance,
                    "store_capacity": args.store_capacity, "prefetch_per_layer": per_layer or None,
                    "batch_size": args.batch_size, "history_fraction": args.history_fraction,

@@ -1,17 +1,19 @@
 """The interface every expert-offloading policy implements, and the values that cross it.
 
-How an engine step drives a policy (batch of requests, MoE layers 0..L-1):
+How an engine step drives a policy (batch of requests, MoE layers 0..L-1; `cache_ops`
+holds the decisions the engine and its prefetch thread take):
 
     policy.begin_iteration([RequestContext(id, num_tokens, embedding, is_prefill), ...])
-    prefetcher.submit(policy.prefetch_plan(cache))           # layers 0.. (before layer 0 runs)
+    prefetcher.submit(policy.prefetch_plan(cache))        # for layers 0.. while layer 0's attention runs
     for layer in range(L):
-        probs, topk_ids = router(x)                           # [T, E], [T, k]
-        policy.observe_layer(layer, probs, topk_ids, next_gate_probs)
-        prefetcher.pause()                                    # the forward needs the copy engine
-        cache = load_on_demand(cache, policy, layer, topk_ids)   # cache_ops: victims never routed here
-        cache = cache.use(layer, topk_ids.unique())
-        prefetcher.submit(policy.prefetch_plan(cache))        # supersedes the previous plan; resumes
-        x = experts(x)                                        # the prefetcher copies meanwhile
+        probs, topk_ids = router(x)                        # [T, E], [T, k]
+        policy.observe_layer(layer, probs, topk_ids, next_gate_probs)  # next: only if needs_next_layer_gate
+        needed = routed_experts(topk_ids)
+        prefetcher.pause()                                 # the forward needs the copy engine now
+        update = load_on_demand(cache, policy, layer, needed)   # never evicts `needed`
+        cache = update.cache.use(layer, needed)            # one visit each (frequencies)
+        prefetcher.submit(policy.prefetch_plan(cache))     # supersedes the old plan; resumes
+        x = experts(x)                                     # meanwhile the prefetcher copies
     policy.end_iteration(finished_request_ids)
 
 The cache (`CacheState`) belongs to the engine; a policy reads it and never keeps it. A
