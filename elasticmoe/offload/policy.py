@@ -162,6 +162,6 @@ class OffloadPolicy(Protocol):
         ...
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:
-        """The iteration's layers all ran; requests in `finished_request_ids` will not come
-        back (their per-request state can go)."""
+        """The iteration's layers all ran; requests in `finished_request_ids` (finished or
+        aborted) will not come back, so their per-request state can go."""
         ...
