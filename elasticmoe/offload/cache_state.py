@@ -1,0 +1,152 @@
+"""What the expert cache holds, as an immutable snapshot the engine owns.
+
+The expert cache is one global pool of `capacity` expert slots shared by all MoE layers
+(the HMM's page pool backs every layer's virtual expert tensor, so a slot freed in one
+layer can hold an expert of another). All experts of a model have the same size (FineMoE
+§3.3 assumes homogeneous `M_e`), so a slot budget is a byte budget divided by the expert
+size. A global budget is what FineMoE's constraint (3) states (`|E_cache| * M_e <= M`) and
+what its eviction priority needs: it ranks every cached expert, whatever its layer.
+
+Besides residency the snapshot keeps the two usage facts eviction policies read:
+
+- `last_used[l, e]`: the clock value of the expert's last use or load (LRU);
+- `num_uses[l, e]`: its visit count (LFU, FineMoE's `freq`). One visit per (iteration,
+  layer, expert) lookup, however many tokens the iteration routed to it: a 500-token
+  prefill is one lookup of each expert it needs, not 500 (see `use`). Counts persist
+  across evictions: they measure how popular an expert is, not how long it stayed.
+
+Invariants (checked by `check_integrity`; construction checks the shapes and the capacity):
+the arrays are `[L, E]` and read-only; at most `capacity` experts are resident;
+`last_used < clock`; visit counts are non-negative.
+Transitions return a new snapshot; nothing mutates one, so a prefetch thread may read a
+snapshot while the forward thread builds the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+# (layer, expert): layer indexes the MoE layers 0..L-1, expert the routed experts 0..E-1.
+ExpertKey = tuple[int, int]
+
+BoolGrid = npt.NDArray[np.bool_]
+IntGrid = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CacheState:
+    """Residency and usage of every routed expert under a global slot budget."""
+
+    capacity: int  # expert slots
+    resident: BoolGrid  # [L, E]
+    last_used: IntGrid  # [L, E] clock of the last use or load; -1 = never
+    num_uses: IntGrid  # [L, E] visits since the cache was created
+    clock: int = 0  # the next stamp; advances once per `load` / `use`
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"cache capacity: need >= 1 expert slot, got {self.capacity}")
+        for arr in (self.resident, self.last_used, self.num_uses):
+            arr.flags.writeable = False  # snapshots are shared between threads: no writes
+        shape = self.resident.shape
+        if len(shape) != 2 or self.last_used.shape != shape or self.num_uses.shape != shape:
+            raise ValueError(f"cache arrays: need three [L, E] arrays, got {shape}, {self.last_used.shape}, "
+                             f"{self.num_uses.shape}")
+        if self.num_resident > self.capacity:
+            raise ValueError(f"cache: {self.num_resident} resident experts exceed the capacity {self.capacity}")
+
+    @classmethod
+    def empty(cls, num_layers: int, num_experts: int, capacity: int) -> CacheState:
+        if num_layers < 1 or num_experts < 1:
+            raise ValueError(f"cache shape: need >= 1 layer and expert, got [{num_layers}, {num_experts}]")
+        shape = (num_layers, num_experts)
+        return cls(capacity, np.zeros(shape, dtype=np.bool_), np.full(shape, -1, dtype=np.int64),
+                   np.zeros(shape, dtype=np.int64))
+
+    # ---- predicates ---------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.resident.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.resident.shape[1])
+
+    @property
+    def num_resident(self) -> int:
+        return int(self.resident.sum())
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - self.num_resident
+
+    @property
+    def is_full(self) -> bool:
+        return self.num_free == 0
+
+    def is_resident(self, key: ExpertKey) -> bool:
+        return bool(self.resident[key])
+
+    def resident_keys(self) -> list[ExpertKey]:
+        """Resident experts in (layer, expert) order."""
+        return [(int(layer), int(expert)) for layer, expert in np.argwhere(self.resident)]
+
+    def missing(self, layer: int, expert_ids: Iterable[int]) -> list[int]:
+        """The experts of `layer` among `expert_ids` that are not resident, sorted, once each."""
+        row = self.resident[layer]
+        return sorted({int(e) for e in expert_ids if not row[int(e)]})
+
+    # ---- transitions ----------------------------------------------------------------
+
+    def load(self, keys: Sequence[ExpertKey]) -> CacheState:
+        """`keys` become resident, stamped with the clock as if just used (LRU counts a load)."""
+        if not keys:
+            return self
+        resident, last_used = self.resident.copy(), self.last_used.copy()
+        for key in keys:
+            if resident[key]:
+                raise ValueError(f"load: expert {key} is already resident")
+            resident[key] = True
+            last_used[key] = self.clock
+        if int(resident.sum()) > self.capacity:
+            raise ValueError(f"load: {len(keys)} experts do not fit in {self.num_free} free slots")
+        return CacheState(self.capacity, resident, last_used, self.num_uses, self.clock + 1)
+
+    def evict(self, keys: Sequence[ExpertKey]) -> CacheState:
+        """`keys` leave the cache; their visit counts stay (see the module docstring)."""
+        if not keys:
+            return self
+        resident = self.resident.copy()
+        for key in keys:
+            if not resident[key]:
+                raise ValueError(f"evict: expert {key} is not resident")
+            resident[key] = False
+        return CacheState(self.capacity, resident, self.last_used, self.num_uses, self.clock)
+
+    def use(self, layer: int, expert_ids: Iterable[int]) -> CacheState:
+        """Layer `layer` ran its experts `expert_ids` (all resident): one visit each, whatever
+        the number of tokens routed to an expert, and each stamped with the clock."""
+        ids = sorted({int(e) for e in expert_ids})
+        if not ids:
+            return self
+        if not self.resident[layer, ids].all():
+            absent = [e for e in ids if not self.resident[layer, e]]
+            raise ValueError(f"use: layer {layer} experts {absent} are not resident")
+        last_used, num_uses = self.last_used.copy(), self.num_uses.copy()
+        last_used[layer, ids] = self.clock
+        num_uses[layer, ids] += 1
+        return CacheState(self.capacity, self.resident, last_used, num_uses, self.clock + 1)
+
+    def check_integrity(self) -> None:
+        """The invariants construction does not check (O(L * E)); tests and debug runs call it."""
+        if self.num_resident > self.capacity:
+            raise ValueError(f"cache: {self.num_resident} resident experts exceed the capacity {self.capacity}")
+        if self.last_used.size and int(self.last_used.max()) >= self.clock:
+            raise ValueError(f"cache: a stamp {int(self.last_used.max())} is not before the clock {self.clock}")
+        if self.num_uses.size and int(self.num_uses.min()) < 0:
+            raise ValueError("cache: negative visit count")

@@ -1,0 +1,134 @@
+"""FineMoE (§4): fine-grained expert offloading guided by searched expert maps.
+
+Per iteration:
+1. `begin_iteration`: each request's semantic embedding is matched against the Expert Map
+   Store (eq. 4); the best map's layers 0..d-1 guide the first d layers (§4.2.1).
+2. `observe_layer(l)`: the request's gate distribution at layer l joins its trajectory;
+   the trajectory of layers 0..l is matched against the stored maps' same layers (eq. 5),
+   and the best map's layer l + d is planned (§4.2.2). The hybrid switch is in
+   `search_schedule`.
+3. Each planned layer takes, per request, the minimum expert set of its searched
+   distribution under the threshold `delta = Clip(1 - score, 0, 1)` (eqs. 6-8); the plan
+   orders them by `p / (l - l_now)` (§4.5).
+4. Victims go by `1 / (p * freq)` (§4.5), `p` from the maps searched for the iteration
+   (the semantic match for all layers, replaced from layer l + d on by each trajectory
+   match), `freq` the cache's visit count (`CacheState.num_uses`).
+5. `end_iteration`: each request's map {P_0..P_{L-1}} and embedding are stored; the store
+   deduplicates by RDY once full (§4.4).
+
+In a batch each request is searched on its own (eqs. 4-5 are [B, C]); an expert planned
+for several requests keeps its largest probability, and `p` for eviction is the largest
+over the batch's searched maps: the expert is needed if any request needs it.
+
+With an empty store (the first iteration online, §6.3) nothing is planned and eviction
+falls back to visit counts (LFU), which is what `1 / (p * freq)` does with `p` equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import numpy as np
+import torch
+
+from elasticmoe.offload.cache_state import CacheState, ExpertKey
+from elasticmoe.offload.map_store import ExpertMapStore
+from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
+from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
+from elasticmoe.offload.routing_map import RoutingMapRecord, request_layer_probs
+from elasticmoe.offload.search_schedule import trajectory_length, trajectory_target
+from elasticmoe.offload.selection import eviction_priority, minimum_expert_set, selection_threshold
+
+
+class SearchLog:
+    """Similarity scores of the searches made (the paper's Fig. 16a reports their means)."""
+
+    def __init__(self) -> None:
+        self.semantic: list[float] = []
+        self.trajectory: list[float] = []
+
+    def summary(self) -> dict[str, float | None]:
+        def mean(values: list[float]) -> float | None:
+            return sum(values) / len(values) if values else None
+
+        return {"mean_semantic_score": mean(self.semantic), "mean_trajectory_score": mean(self.trajectory),
+                "num_semantic_searches": len(self.semantic), "num_trajectory_searches": len(self.trajectory)}
+
+
+class FineMoEPolicy:
+    """`OffloadPolicy` of FineMoE; owns its Expert Map Store."""
+
+    name = "finemoe"
+    needs_next_layer_gate = False
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        shape = (config.num_layers, config.num_experts)
+        self.store = ExpertMapStore(config.store_capacity, config.num_layers, config.num_experts,
+                                    config.prefetch_distance)
+        self.search_log = SearchLog()
+        self._requests: list[RequestContext] = []
+        self._observed = torch.zeros(0, *shape)  # [B, L, E] this iteration's P_l per request
+        self._current_layer = -1  # the last layer observed
+        self._planned = np.zeros(shape, dtype=np.bool_)
+        self._planned_probs = np.zeros(shape, dtype=np.float64)
+        self._guide = np.zeros(shape, dtype=np.float64)  # p_{l,j} of the searched maps, for eviction
+
+    def begin_iteration(self, requests: Sequence[RequestContext]) -> None:
+        if not requests:
+            raise ValueError("begin_iteration: an iteration needs at least one request")
+        cfg = self.config
+        self._requests = list(requests)
+        self._observed = torch.zeros(len(requests), cfg.num_layers, cfg.num_experts)
+        self._current_layer = -1
+        self._planned[:] = False
+        self._planned_probs[:] = 0.0
+        if len(self.store) == 0:
+            return
+        index, scores = self.store.search_semantic(torch.stack([r.embedding.float() for r in requests]))
+        self.search_log.semantic += scores.tolist()
+        maps = self.store.layers_from(index, 0)  # [L, B, E]
+        self._guide = maps.amax(dim=1).double().numpy()
+        for layer in range(min(cfg.prefetch_distance, cfg.num_layers)):
+            self._plan_layer(layer, maps[layer], scores)
+
+    def observe_layer(self, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor,
+                      next_gate_probs: torch.Tensor | None = None) -> None:
+        if layer != self._current_layer + 1:
+            raise ValueError(f"observe_layer: expected layer {self._current_layer + 1}, got {layer}")
+        self._observed[:, layer] = request_layer_probs(gate_probs, [r.num_tokens for r in self._requests])
+        self._current_layer = layer
+        target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
+        if target is None or len(self.store) == 0:
+            return
+        n = trajectory_length(target, self.config.prefetch_distance)  # = layer + 1
+        index, scores = self.store.search_trajectory(self._observed[:, :n])
+        self.search_log.trajectory += scores.tolist()
+        maps = self.store.layers_from(index, target)  # [L - target, B, E]
+        self._plan_layer(target, maps[0], scores)
+        self._guide[target:] = maps.amax(dim=1).double().numpy()
+
+    def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
+        return plan_from_predictions(self._planned, self._planned_probs, self._current_layer, cache)
+
+    def choose_victims(self, cache: CacheState, num_victims: int,
+                       protected: Collection[ExpertKey]) -> list[ExpertKey]:
+        return pick_victims(cache, eviction_priority(self._guide, cache.num_uses), num_victims, protected)
+
+    def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:
+        # Only complete maps are stored: an iteration cut short has no trajectory to offer.
+        if self._current_layer == self.config.num_layers - 1:
+            for request, probs in zip(self._requests, self._observed, strict=True):
+                self.store.add(RoutingMapRecord(request.embedding.float(), probs.clone()))
+        self._requests = []
+        self._current_layer = -1
+        self._planned[:] = False  # nothing to prefetch until the next iteration's search
+
+    def _plan_layer(self, layer: int, probs: torch.Tensor, scores: torch.Tensor) -> None:
+        """Plan `layer` from each request's searched distribution `probs` [B, E] and its
+        similarity `scores` [B] (eqs. 6-8)."""
+        for request_probs, score in zip(probs, scores.tolist(), strict=True):
+            for expert in minimum_expert_set(request_probs, selection_threshold(score), self.config.top_k):
+                self._planned[layer, expert] = True
+                self._planned_probs[layer, expert] = max(self._planned_probs[layer, expert],
+                                                         float(request_probs[expert]))

@@ -1,0 +1,142 @@
+"""FineMoE's Expert Map Store (§4.4): at most C iteration records, deduplicated by the
+redundancy score RDY, searched by semantic (eq. 4) and trajectory (eq. 5) similarity.
+
+Records live in preallocated tensors (the paper keeps ndarrays and converts them to tensors
+to search, §5); slot i is valid for i < len. Searching runs once per layer of every
+iteration, so the store keeps what the cosine needs ready: maps layer-major [L, C, E] (the
+first n layers of every map are one contiguous block) and, per record, the prefix sums of
+its squared layer norms [C, L] and its embedding's norm [C]. The scores equal
+`similarity.semantic_scores` / `trajectory_scores` / `redundancy_scores` (tested).
+
+Deduplication (§4.4): while the store has room a new record is appended. Once it holds C
+records, a new iteration x replaces the stored iteration y with the highest `RDY_{x,y}`,
+the one it is most redundant with ("we update the old iterations y with new iterations
+x"). New records are inserted one at a time against the store as it stands, so two
+near-identical new iterations of one batch replace each other rather than two old ones.
+
+Equal scores (identical embeddings: every iteration of a request presents its prompt's
+embedding) go to the most recently stored record: the latest iteration of the same
+request is the best guess of the next one. The paper does not say; this is our choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elasticmoe.offload.routing_map import RoutingMapRecord
+
+_EPS = 1e-12  # as in `similarity`: a zero vector has cosine 0 with everything
+
+
+class ExpertMapStore:
+    """Iteration records of a model with `num_layers` MoE layers of `num_experts` experts."""
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int, prefetch_distance: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"expert map store: capacity must be >= 1, got {capacity}")
+        if not 0 <= prefetch_distance <= num_layers:
+            raise ValueError(f"expert map store: prefetch distance {prefetch_distance} outside [0, {num_layers}]")
+        self.capacity = capacity
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.prefetch_distance = prefetch_distance
+        self._maps = torch.zeros(num_layers, capacity, num_experts)  # layer-major, see the module docstring
+        self._prefix_sq = torch.zeros(capacity, num_layers)  # [C, L] sum of |P_l|^2 over layers <= l
+        self._embeddings: torch.Tensor | None = None  # [C, h], sized by the first record
+        self._embedding_norms = torch.zeros(capacity)
+        self._stamps = torch.zeros(capacity, dtype=torch.long)  # insertion order, for ties
+        self._num_added = 0
+        self._size = 0
+        self.num_replaced = 0  # records dropped as redundant
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def maps(self) -> torch.Tensor:
+        """[len, L, E] (a copy)."""
+        return self._maps[:, : self._size].transpose(0, 1).clone()
+
+    def layer_probs(self, index: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer `layer` of the stored maps `index` [B] -> [B, E]."""
+        return self._maps[layer, index]
+
+    def layers_from(self, index: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layers `layer`..L-1 of the stored maps `index` [B] -> [L - layer, B, E]."""
+        return self._maps[layer:, index]
+
+    @property
+    def embeddings(self) -> torch.Tensor:
+        """[len, h] (a view: do not write)."""
+        if self._embeddings is None:
+            return torch.zeros(0, 0)
+        return self._embeddings[: self._size]
+
+    def add(self, record: RoutingMapRecord) -> int:
+        """Store `record`; returns the slot it took (replacing the most redundant record when full)."""
+        if tuple(record.probs.shape) != (self.num_layers, self.num_experts):
+            raise ValueError(f"expert map store: map must be [{self.num_layers}, {self.num_experts}], "
+                             f"got {tuple(record.probs.shape)}")
+        if self._embeddings is None:
+            self._embeddings = torch.zeros(self.capacity, record.embedding.numel())
+        if record.embedding.numel() != self._embeddings.shape[1]:
+            raise ValueError(f"expert map store: embedding must have {self._embeddings.shape[1]} values, "
+                             f"got {record.embedding.numel()}")
+        embedding, probs = record.embedding.float(), record.probs.float()
+        if self._size < self.capacity:
+            slot = self._size
+            self._size += 1
+        else:
+            slot = int(self._best(self._redundancy(embedding, probs))[0][0])
+            self.num_replaced += 1
+        self._embeddings[slot] = embedding
+        self._embedding_norms[slot] = embedding.norm()
+        self._maps[:, slot] = probs
+        self._prefix_sq[slot] = torch.cumsum(probs.square().sum(dim=1), dim=0)
+        self._stamps[slot] = self._num_added
+        self._num_added += 1
+        return slot
+
+    def search_semantic(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 4 for `embeddings` [B, h]: per row the most similar stored iteration (index [B],
+        score [B]). Needs a non-empty store."""
+        self._check_searchable()
+        return self._best(self._semantic(embeddings.float()))
+
+    def search_trajectory(self, trajectories: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 5 for observed `trajectories` [B, n, E] (the first n layers of B iterations)
+        against the first n layers of every stored map: (index [B], score [B])."""
+        self._check_searchable()
+        n = trajectories.shape[1]
+        if not 1 <= n <= self.num_layers or trajectories.dim() != 3 or trajectories.shape[2] != self.num_experts:
+            raise ValueError(f"trajectory search: need [B, 1..{self.num_layers}, {self.num_experts}], "
+                             f"got {tuple(trajectories.shape)}")
+        return self._best(self._trajectory(trajectories.float(), n))
+
+    def _best(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`best_matches`, ties to the most recently stored record."""
+        best = scores.amax(dim=1, keepdim=True)
+        stamps = self._stamps[: self._size].expand_as(scores)
+        index = torch.where(scores == best, stamps, -1).argmax(dim=1)
+        return index, best.squeeze(1)
+
+    def _semantic(self, embeddings: torch.Tensor) -> torch.Tensor:
+        assert self._embeddings is not None
+        dots = embeddings @ self._embeddings[: self._size].T  # [B, C]
+        norms = embeddings.norm(dim=1, keepdim=True).clamp_min(_EPS) * self._embedding_norms[: self._size].clamp_min(_EPS)
+        return dots / norms
+
+    def _trajectory(self, trajectories: torch.Tensor, n: int) -> torch.Tensor:
+        # sum over layers of [B, E] x [E, C]: the flattened dot product without copying maps
+        dots = torch.bmm(trajectories.transpose(0, 1), self._maps[:n, : self._size].transpose(1, 2)).sum(dim=0)
+        old_norms = self._prefix_sq[: self._size, n - 1].sqrt().clamp_min(_EPS)
+        new_norms = trajectories.flatten(1).norm(dim=1, keepdim=True).clamp_min(_EPS)
+        return dots / (new_norms * old_norms)
+
+    def _redundancy(self, embedding: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """§4.4 RDY [1, C] of one new record against every stored one."""
+        w_sem = self.prefetch_distance / self.num_layers
+        return w_sem * self._semantic(embedding[None]) + (1.0 - w_sem) * self._trajectory(probs[None], self.num_layers)
+
+    def _check_searchable(self) -> None:
+        if self._size == 0:
+            raise ValueError("expert map store: nothing to search yet (the store is empty)")

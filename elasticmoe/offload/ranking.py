@@ -1,0 +1,49 @@
+"""Turning per-expert numbers into the two orders the engine consumes: a prefetch plan
+(best first) and a victim list (first to go first). Shared by every policy so that they
+differ only in the numbers they feed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+import numpy.typing as npt
+
+from elasticmoe.offload.cache_state import CacheState, ExpertKey
+from elasticmoe.offload.policy import PrefetchItem, PrefetchPlan
+from elasticmoe.offload.selection import prefetch_priority
+
+FloatGrid = npt.NDArray[np.float64]
+BoolGrid = npt.NDArray[np.bool_]
+
+
+def plan_from_predictions(planned: BoolGrid, probs: FloatGrid, current_layer: int,
+                          cache: CacheState) -> PrefetchPlan:
+    """A plan of the `planned` [L, E] experts of layers after `current_layer` that are not
+    resident, ordered by `prefetch_priority(probs[l, j], l, current_layer)` (FineMoE §4.5),
+    ties by (layer, expert)."""
+    wanted = planned & ~cache.resident
+    wanted[: current_layer + 1] = False
+    items = [PrefetchItem(int(layer), int(expert), prefetch_priority(float(probs[layer, expert]), int(layer),
+                                                                      current_layer))
+             for layer, expert in np.argwhere(wanted)]
+    items.sort(key=lambda item: (-item.priority, item.layer, item.expert))
+    return PrefetchPlan(current_layer, tuple(items))
+
+
+def pick_victims(cache: CacheState, evict_first: FloatGrid, num_victims: int,
+                 protected: Collection[ExpertKey]) -> list[ExpertKey]:
+    """Up to `num_victims` resident, unprotected experts, by descending `evict_first` [L, E];
+    ties go to the least recently used, then to the lower (layer, expert)."""
+    if num_victims <= 0:
+        return []
+    candidates = cache.resident.copy()
+    for key in protected:
+        candidates[key] = False
+    layers, experts = np.nonzero(candidates)
+    if layers.size == 0:
+        return []
+    # np.lexsort sorts by the last key first.
+    order = np.lexsort((experts, layers, cache.last_used[layers, experts], -evict_first[layers, experts]))
+    return [(int(layers[i]), int(experts[i])) for i in order[:num_victims]]

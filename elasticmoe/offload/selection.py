@@ -1,0 +1,61 @@
+"""FineMoE's per-expert decisions (§4.3, §4.5): how many experts of a searched map to
+prefetch, in which order, and which cached expert to evict first. Pure functions.
+
+Layers here are 0-based (the paper counts from 1); only differences of layers enter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+# The eviction priority 1/(p * freq) is undefined at p = 0 (an expert the searched map
+# gives no mass); p is floored here so such experts rank by frequency among themselves.
+PROB_FLOOR = 1e-6
+
+
+def selection_threshold(score: float) -> float:
+    """§4.3: `delta_l = Clip(1 - score, 0, 1)` for a searched map of similarity `score` in
+    [-1, 1]: the less the map resembles the request, the more probability mass to cover."""
+    return max(0.0, min(1.0 - score, 1.0))
+
+
+def minimum_expert_set(probs: torch.Tensor, threshold: float, top_k: int) -> list[int]:
+    """Eqs. 6-8: the fewest experts whose summed probability reaches `threshold` (eq. 7),
+    and at least `top_k` of them (eq. 8), picked greedily by descending probability
+    (which minimises the count, eq. 6). `probs` [E]; returns expert ids, most probable
+    first; ties go to the lower id."""
+    if probs.dim() != 1:
+        raise ValueError(f"minimum expert set: need probs [E], got {tuple(probs.shape)}")
+    num_experts = probs.numel()
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"minimum expert set: top_k must be in [1, {num_experts}], got {top_k}")
+    # Stable sort on -p keeps equal probabilities in id order.
+    order = torch.sort(-probs.double(), stable=True).indices
+    covered = torch.cumsum(probs.double()[order], dim=0)
+    reached = torch.nonzero(covered >= threshold)
+    # Rounding can leave the total a hair under a threshold of 1: then every expert is needed.
+    count = int(reached[0]) + 1 if reached.numel() else num_experts
+    return [int(e) for e in order[: max(count, top_k)]]
+
+
+def prefetch_priority(prob: float, layer: int, current_layer: int) -> float:
+    """§4.5: `PRI^prefetch_{l,j} = p_{l,j} / (l - l_now)`: likelier experts first, and nearer
+    layers first. `current_layer` is the last layer routed (-1 before layer 0)."""
+    distance = layer - current_layer
+    if distance < 1:
+        raise ValueError(f"prefetch priority: layer {layer} is not after the current layer {current_layer}")
+    return prob / distance
+
+
+def eviction_priority(prob: npt.ArrayLike, num_visits: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """§4.5: `PRI^evict_{l,j} = 1 / (p_{l,j} * freq_{l,j})`: evict first what is rarely
+    visited and unlikely under the searched map. Elementwise over arrays (e.g. [L, E]).
+
+    `freq` is `num_visits + 1`: the load that brought an expert in counts as its first visit
+    (an expert prefetched for the next layer has no visit yet; with `freq = 0` it would be
+    the first victim, always). `p` is floored at `PROB_FLOOR`.
+    """
+    p = np.maximum(np.asarray(prob, dtype=np.float64), PROB_FLOOR)
+    return 1.0 / (p * (np.asarray(num_visits, dtype=np.float64) + 1.0))

@@ -1,0 +1,84 @@
+"""The engine's side of the decisions: on-demand loads and prefetch steps over a CacheState."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticmoe.offload import (
+    CacheState,
+    CacheTooSmallError,
+    PolicyConfig,
+    PrefetchItem,
+    PrefetchPlan,
+    load_on_demand,
+    next_prefetch,
+    routed_experts,
+    run_prefetch,
+)
+from elasticmoe.offload.lru import OnDemandPolicy
+
+POLICY = OnDemandPolicy(PolicyConfig(num_layers=3, num_experts=4, top_k=2))  # LRU victims
+
+
+def make_cache(capacity: int, *loads: list[tuple[int, int]]) -> CacheState:
+    """A cache with each group of `loads` loaded one clock tick after the previous."""
+    cache = CacheState.empty(3, 4, capacity)
+    for keys in loads:
+        cache = cache.load(keys)
+    return cache
+
+
+def make_plan(after_layer: int, *keys: tuple[int, int]) -> PrefetchPlan:
+    n = len(keys)
+    return PrefetchPlan(after_layer, tuple(PrefetchItem(layer, e, float(n - i)) for i, (layer, e) in enumerate(keys)))
+
+
+def test_routed_experts_are_each_id_once():
+    assert routed_experts(torch.tensor([[3, 1], [1, 0]])) == [0, 1, 3]
+
+
+def test_on_demand_load_evicts_victims_but_never_the_layers_own_experts():
+    cache = make_cache(3, [(1, 0)], [(0, 1)], [(2, 2)])  # (1, 0) is the least recent
+    update = load_on_demand(cache, POLICY, 1, [0, 3])
+    assert update.loaded == ((1, 3),) and update.evicted == ((0, 1),)  # (1, 0) is routed here: spared
+    assert update.cache.resident_keys() == [(1, 0), (1, 3), (2, 2)]
+    assert load_on_demand(update.cache, POLICY, 1, [0, 3]).loaded == ()  # all hits
+    with pytest.raises(CacheTooSmallError, match="holds 3"):
+        load_on_demand(cache, POLICY, 0, [0, 1, 2, 3])
+
+
+def test_a_prefetch_never_evicts_what_its_plan_holds():
+    cache = make_cache(3, [(1, 1)], [(0, 0)], [(2, 3)])
+    plan = make_plan(0, (1, 1), (2, 0), (2, 1))  # (1, 1) is planned, (2, 3) is not
+    step = next_prefetch(cache, POLICY, plan, protected={(0, 0)})
+    assert step is not None and step.item.key == (2, 0) and step.victim == (2, 3)
+    cache = cache.evict([(2, 3)]).load([(2, 0)])
+    assert next_prefetch(cache, POLICY, plan, protected={(0, 0)}) is None  # only planned or protected left
+    assert next_prefetch(cache, POLICY, plan) is not None  # (0, 0) is evictable once its layer is done
+
+
+def test_run_prefetch_makes_the_same_decisions_as_one_step_at_a_time():
+    cache = make_cache(4, [(0, 0)], [(0, 1)], [(1, 2)], [(2, 3)])
+    plan = make_plan(0, (1, 0), (1, 1), (2, 0), (2, 1))
+    update = run_prefetch(cache, POLICY, plan, max_loads=3, protected={(0, 1)})
+    stepped, loaded, evicted = cache, [], []
+    while len(loaded) < 3 and (step := next_prefetch(stepped, POLICY, plan, {(0, 1)})) is not None:
+        if step.victim is not None:
+            stepped = stepped.evict([step.victim])
+            evicted.append(step.victim)
+        stepped = stepped.load([step.item.key])
+        loaded.append(step.item.key)
+    assert list(update.loaded) == loaded == [(1, 0), (1, 1), (2, 0)]
+    assert list(update.evicted) == evicted == [(0, 0), (1, 2), (2, 3)]
+    assert update.cache.resident_keys() == stepped.resident_keys()
+    assert run_prefetch(cache, POLICY, plan, None, {(0, 1)}).loaded == ((1, 0), (1, 1), (2, 0))  # then full
+
+
+def test_plans_are_ordered_and_for_later_layers():
+    with pytest.raises(ValueError, match="descending"):
+        PrefetchPlan(0, (PrefetchItem(1, 0, 0.1), PrefetchItem(1, 1, 0.5)))
+    with pytest.raises(ValueError, match="holds layer 0"):
+        PrefetchPlan(0, (PrefetchItem(0, 0, 0.1),))
+    with pytest.raises(ValueError, match="twice"):
+        PrefetchPlan(0, (PrefetchItem(1, 0, 0.5), PrefetchItem(1, 0, 0.1)))

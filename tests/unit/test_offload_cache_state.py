@@ -1,0 +1,65 @@
+"""The expert cache snapshot: residency under a global slot budget, and how visits are counted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from elasticmoe.offload.cache_state import CacheState
+
+
+def make_cache(capacity: int = 4, num_layers: int = 2, num_experts: int = 3, resident=()) -> CacheState:
+    return CacheState.empty(num_layers, num_experts, capacity).load(list(resident))
+
+
+def test_load_evict_and_the_global_budget():
+    cache = make_cache(capacity=3, resident=[(0, 1), (1, 2)])
+    assert cache.resident_keys() == [(0, 1), (1, 2)]
+    assert (cache.num_resident, cache.num_free, cache.is_full) == (2, 1, False)
+    assert cache.missing(0, [1, 0, 0, 2]) == [0, 2]
+    full = cache.load([(1, 0)])  # any layer may take the free slot
+    assert full.is_full
+    with pytest.raises(ValueError, match="do not fit"):
+        full.load([(0, 0)])
+    with pytest.raises(ValueError, match="already resident"):
+        cache.load([(0, 1)])
+    assert full.evict([(0, 1)]).resident_keys() == [(1, 0), (1, 2)]
+    with pytest.raises(ValueError, match="not resident"):
+        cache.evict([(0, 0)])
+    assert cache.resident_keys() == [(0, 1), (1, 2)]  # transitions never touch the old snapshot
+
+
+def test_a_visit_is_one_lookup_whatever_the_number_of_tokens():
+    cache = make_cache(resident=[(0, 0), (0, 1)])
+    # a prefill routing 5 tokens to expert 0 and 1 token to expert 1: one visit each
+    cache = cache.use(0, [0, 0, 0, 0, 0, 1])
+    cache = cache.use(0, [0])  # the next iteration's lookup
+    assert cache.num_uses[0].tolist() == [2, 1, 0]
+
+
+def test_visit_counts_outlive_eviction_and_stamps_order_loads_and_uses():
+    cache = make_cache(resident=[(0, 0)])  # loaded at clock 0
+    cache = cache.use(0, [0])  # clock 1
+    cache = cache.evict([(0, 0)]).load([(0, 0), (1, 1)])  # clock 2
+    assert cache.num_uses[0, 0] == 1  # popularity survives the round trip
+    assert cache.last_used[0, 0] == 2 and cache.last_used[1, 1] == 2 and cache.clock == 3
+    with pytest.raises(ValueError, match="not resident"):
+        cache.use(1, [0])
+    cache.check_integrity()
+
+
+def test_snapshots_are_read_only_and_validated():
+    cache = make_cache(resident=[(0, 0)])
+    with pytest.raises(ValueError):
+        cache.resident[0, 1] = True
+    with pytest.raises(ValueError, match="capacity"):
+        CacheState(1, np.ones((2, 2), dtype=np.bool_), np.zeros((2, 2), dtype=np.int64),
+                   np.zeros((2, 2), dtype=np.int64), clock=1)
+    with pytest.raises(ValueError, match=r"\[L, E\]"):
+        CacheState(4, np.zeros((2, 2), dtype=np.bool_), np.zeros((2, 3), dtype=np.int64),
+                   np.zeros((2, 2), dtype=np.int64))
+    stale = CacheState(4, np.zeros((1, 2), dtype=np.bool_), np.array([[5, -1]]), np.zeros((1, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="clock"):
+        stale.check_integrity()
+    with pytest.raises(ValueError, match=">= 1 expert slot"):
+        CacheState.empty(2, 2, 0)

@@ -1,0 +1,111 @@
+"""FineMoE's expert maps and their store (§4.1, §4.4): records, per-request distributions,
+capacity C with deduplication by RDY, searches equal to eqs. 4-5, and the hybrid switch at d."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticmoe.offload.map_store import ExpertMapStore
+from elasticmoe.offload.routing_map import RoutingMapRecord, request_layer_probs
+from elasticmoe.offload.search_schedule import trajectory_length, trajectory_target, uses_semantic_search
+from elasticmoe.offload.similarity import best_matches, redundancy_scores, semantic_scores, trajectory_scores
+
+
+def one_hot_map(experts: list[int], num_experts: int = 4) -> torch.Tensor:
+    """An expert map [L, E] routing all mass of layer l to `experts[l]`."""
+    return torch.nn.functional.one_hot(torch.tensor(experts), num_experts).float()
+
+
+def make_record(experts: list[int], embedding: list[float]) -> RoutingMapRecord:
+    return RoutingMapRecord(torch.tensor(embedding), one_hot_map(experts))
+
+
+def random_record(gen: torch.Generator, num_layers: int = 3, num_experts: int = 4, h: int = 5) -> RoutingMapRecord:
+    probs = torch.softmax(torch.randn(num_layers, num_experts, generator=gen), dim=1)
+    return RoutingMapRecord(torch.randn(h, generator=gen), probs)
+
+
+def test_a_record_holds_one_distribution_per_layer():
+    make_record([0, 1, 2], [1.0, 0.0])
+    with pytest.raises(ValueError, match="sum to 1"):
+        RoutingMapRecord(torch.ones(2), torch.full((3, 4), 0.5))
+    with pytest.raises(ValueError, match=r"\[h\]"):
+        RoutingMapRecord(torch.ones(1, 2), one_hot_map([0]))
+
+
+def test_request_layer_probs_is_the_mean_over_each_requests_tokens():
+    gate = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])  # request a: 2 tokens, b: 1
+    assert request_layer_probs(gate, [2, 1]).tolist() == [[0.5, 0.5], [0.5, 0.5]]
+    assert request_layer_probs(gate[:1], [1]).tolist() == [[1.0, 0.0]]
+    with pytest.raises(ValueError):
+        request_layer_probs(gate, [1, 1])
+
+
+def test_store_appends_until_full_then_replaces_the_most_redundant_record():
+    store = ExpertMapStore(capacity=3, num_layers=3, num_experts=4, prefetch_distance=1)
+    slots = [store.add(make_record(e, v)) for e, v in (([0, 0, 0], [1.0, 0.0]), ([1, 1, 1], [0.0, 1.0]),
+                                                        ([2, 2, 2], [1.0, 1.0]))]
+    assert slots == [0, 1, 2] and len(store) == 3
+    # routes like record 1 and has its embedding: RDY is highest against slot 1
+    assert store.add(make_record([1, 1, 3], [0.0, 1.0])) == 1
+    assert store.num_replaced == 1 and len(store) == 3
+    assert store.maps[1].argmax(dim=1).tolist() == [1, 1, 3]
+    # the new record is the one kept, and the others are untouched
+    assert store.maps[0].argmax(dim=1).tolist() == [0, 0, 0]
+
+
+def test_the_store_replaces_the_argmax_of_rdy_on_random_records():
+    gen = torch.Generator().manual_seed(0)
+    store = ExpertMapStore(capacity=6, num_layers=3, num_experts=4, prefetch_distance=1)
+    for _ in range(6):
+        store.add(random_record(gen))
+    new = random_record(gen)
+    rdy = redundancy_scores(new.embedding[None], store.embeddings, new.probs[None], store.maps, 1)
+    assert store.add(new) == int(rdy.argmax())
+
+
+def test_searches_equal_equations_4_and_5():
+    gen = torch.Generator().manual_seed(1)
+    store = ExpertMapStore(capacity=8, num_layers=3, num_experts=4, prefetch_distance=1)
+    for _ in range(8):
+        store.add(random_record(gen))
+    queries = [random_record(gen) for _ in range(2)]
+    emb = torch.stack([q.embedding for q in queries])
+    index, score = store.search_semantic(emb)
+    want_index, want_score = best_matches(semantic_scores(emb, store.embeddings))
+    assert torch.equal(index, want_index) and torch.allclose(score, want_score, atol=1e-6)
+    for n in (1, 2, 3):
+        traj = torch.stack([q.probs[:n] for q in queries])
+        index, score = store.search_trajectory(traj)
+        want_index, want_score = best_matches(trajectory_scores(traj, store.maps[:, :n]))
+        assert torch.equal(index, want_index) and torch.allclose(score, want_score, atol=1e-6)
+
+
+def test_equal_scores_go_to_the_latest_record():
+    store = ExpertMapStore(capacity=4, num_layers=3, num_experts=4, prefetch_distance=1)
+    for experts in ([0, 0, 0], [1, 1, 1], [2, 2, 2]):  # three iterations of one prompt
+        store.add(make_record(experts, [1.0, 2.0]))
+    index, score = store.search_semantic(torch.tensor([[1.0, 2.0]]))
+    assert index.tolist() == [2] and score.item() == pytest.approx(1.0)
+
+
+def test_an_empty_store_cannot_be_searched():
+    store = ExpertMapStore(capacity=2, num_layers=3, num_experts=4, prefetch_distance=1)
+    with pytest.raises(ValueError, match="empty"):
+        store.search_semantic(torch.ones(1, 2))
+    store.add(make_record([0, 1, 2], [1.0, 0.0]))
+    with pytest.raises(ValueError, match="embedding must have 2"):
+        store.add(make_record([0, 1, 2], [1.0, 0.0, 0.0]))
+    with pytest.raises(ValueError):
+        store.search_trajectory(torch.ones(1, 4, 4))  # more layers than the model has
+
+
+def test_hybrid_switch_at_the_prefetch_distance():
+    # d = 2, L = 5 (paper: layers 1..2 semantic; layer l > 2 uses layers 1..l-2)
+    assert [uses_semantic_search(layer, 2) for layer in range(5)] == [True, True, False, False, False]
+    assert [trajectory_length(layer, 2) for layer in (2, 3, 4)] == [1, 2, 3]
+    assert [trajectory_target(layer, 2, 5) for layer in range(5)] == [2, 3, 4, None, None]
+    with pytest.raises(ValueError, match="semantic"):
+        trajectory_length(1, 2)
+    assert trajectory_target(0, 1, 1) is None  # a one-layer model: the semantic search guides it all

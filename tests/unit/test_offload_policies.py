@@ -1,0 +1,191 @@
+"""The four policies behind one interface, driven as an engine drives them, on hand-made routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticmoe.offload import POLICIES, CacheState, PolicyConfig, RequestContext, make_policy
+from elasticmoe.offload.finemoe import FineMoEPolicy
+from elasticmoe.offload.lfu import LFUPolicy, count_activations
+from elasticmoe.offload.lru import LRUPolicy, OnDemandPolicy, speculative_guess
+from elasticmoe.offload.routing_map import RoutingMapRecord
+
+
+def make_config(**kw) -> PolicyConfig:
+    return PolicyConfig(**{"num_layers": 3, "num_experts": 4, "top_k": 1, "prefetch_distance": 1, **kw})
+
+
+def make_requests(*embeddings: list[float], num_tokens: int = 1) -> list[RequestContext]:
+    return [RequestContext(f"r{i}", num_tokens, torch.tensor(e)) for i, e in enumerate(embeddings)]
+
+
+def one_hot(experts: list[int], num_experts: int = 4) -> torch.Tensor:
+    """Gate output [T, E] sending token t to `experts[t]` with probability 1."""
+    return torch.nn.functional.one_hot(torch.tensor(experts), num_experts).float()
+
+
+def plan_keys(policy, cache: CacheState) -> list[tuple[int, int]]:
+    return [item.key for item in policy.prefetch_plan(cache).items]
+
+
+def empty_cache(capacity: int = 12) -> CacheState:
+    return CacheState.empty(3, 4, capacity)
+
+
+# ---- FineMoE ---------------------------------------------------------------------------
+
+
+def test_finemoe_semantic_search_plans_the_first_d_layers():
+    policy = FineMoEPolicy(make_config(prefetch_distance=2))
+    policy.store.add(RoutingMapRecord(torch.tensor([1.0, 0.0]), one_hot([0, 1, 2])))
+    policy.store.add(RoutingMapRecord(torch.tensor([0.0, 1.0]), one_hot([3, 3, 3])))
+    policy.begin_iteration(make_requests([1.0, 0.1]))  # close to the first record
+    plan = policy.prefetch_plan(empty_cache())
+    assert plan.after_layer == -1
+    assert [(i.key, i.priority) for i in plan.items] == [((0, 0), 1.0), ((1, 1), 0.5)]  # p / (l - l_now)
+    assert plan_keys(policy, empty_cache().load([(0, 0)])) == [(1, 1)]  # resident experts are left out
+
+
+def test_finemoe_trajectory_search_plans_layer_l_plus_d_after_layer_l():
+    policy = FineMoEPolicy(make_config(prefetch_distance=1))
+    policy.store.add(RoutingMapRecord(torch.tensor([1.0, 0.0]), one_hot([0, 1, 2])))
+    policy.store.add(RoutingMapRecord(torch.tensor([0.0, 1.0]), one_hot([3, 3, 3])))
+    policy.begin_iteration(make_requests([1.0, 0.0]))  # semantically the first record...
+    assert plan_keys(policy, empty_cache()) == [(0, 0)]
+    policy.observe_layer(0, one_hot([3]), torch.tensor([[3]]))  # ...but it routes like the second
+    assert plan_keys(policy, empty_cache()) == [(1, 3)]
+    policy.observe_layer(1, one_hot([3]), torch.tensor([[3]]))
+    assert plan_keys(policy, empty_cache()) == [(2, 3)]
+    assert policy.search_log.summary()["num_trajectory_searches"] == 2
+    with pytest.raises(ValueError, match="expected layer 2"):
+        policy.observe_layer(0, one_hot([3]), torch.tensor([[3]]))
+
+
+def test_finemoe_prefetches_more_experts_when_the_match_is_weak():
+    soft = torch.tensor([[0.5, 0.3, 0.2, 0.0]] * 3)
+    policy = FineMoEPolicy(make_config())
+    policy.store.add(RoutingMapRecord(torch.tensor([1.0, 0.0]), soft))
+    policy.begin_iteration(make_requests([1.0, 1.0]))  # score 0.71: delta 0.29, expert 0 covers it
+    assert plan_keys(policy, empty_cache()) == [(0, 0)]
+    policy.begin_iteration(make_requests([0.2, 1.0]))  # score 0.20: delta 0.80 needs 0.5 + 0.3 + 0.2
+    assert plan_keys(policy, empty_cache()) == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_finemoe_evicts_by_one_over_p_times_freq_and_spares_the_protected():
+    policy = FineMoEPolicy(make_config())
+    policy.store.add(RoutingMapRecord(torch.tensor([1.0]), torch.tensor([[0.6, 0.3, 0.1, 0.0]] * 3)))
+    policy.begin_iteration(make_requests([1.0]))
+    cache = empty_cache().load([(0, 0), (0, 1), (0, 2), (1, 0)])
+    cache = cache.use(0, [0, 1, 2]).use(0, [1])  # visits: (0,0) 1, (0,1) 2, (0,2) 1, (1,0) 0
+    # 1/(p * (visits + 1)): (0,2) 5.0, (1,0) 1.67, (0,1) 1.11, (0,0) 0.83
+    assert policy.choose_victims(cache, 4, ()) == [(0, 2), (1, 0), (0, 1), (0, 0)]
+    assert policy.choose_victims(cache, 2, {(0, 2)}) == [(1, 0), (0, 1)]
+
+
+def test_finemoe_stores_each_complete_iteration_per_request():
+    policy = FineMoEPolicy(make_config())
+    requests = make_requests([1.0, 0.0], [0.0, 1.0], num_tokens=2)
+    policy.begin_iteration(requests)
+    for layer in range(3):  # request r0's tokens go to expert 0 and 1, r1's to 2 and 3
+        policy.observe_layer(layer, one_hot([0, 1, 2, 3]), torch.tensor([[0], [1], [2], [3]]))
+    policy.end_iteration()
+    assert len(policy.store) == 2
+    assert policy.store.maps[0, 0].tolist() == [0.5, 0.5, 0.0, 0.0]
+    assert policy.store.maps[1, 2].tolist() == [0.0, 0.0, 0.5, 0.5]
+    policy.begin_iteration(make_requests([1.0, 0.0]))
+    policy.observe_layer(0, one_hot([0]), torch.tensor([[0]]))
+    policy.end_iteration(["r0"])  # cut short: no map to keep
+    assert len(policy.store) == 2
+
+
+# ---- baselines ---------------------------------------------------------------------------
+
+
+def test_lru_speculates_on_the_next_layer_only():
+    policy = LRUPolicy(make_config(top_k=2, prefetch_distance=2))
+    assert policy.needs_next_layer_gate
+    policy.begin_iteration(make_requests([1.0]))
+    assert plan_keys(policy, empty_cache()) == []
+    next_gate = torch.tensor([[0.1, 0.6, 0.2, 0.1]])
+    policy.observe_layer(0, one_hot([0]), torch.tensor([[0, 1]]), next_gate)
+    plan = policy.prefetch_plan(empty_cache())
+    assert [(i.key, i.priority) for i in plan.items] == [((1, 1), pytest.approx(0.6)), ((1, 2), pytest.approx(0.2))]
+    assert speculative_guess(torch.tensor([[0.5, 0.4, 0.1, 0.0], [0.1, 0.2, 0.7, 0.0]]), 1) == pytest.approx({0: 0.5, 2: 0.7})
+
+
+def test_lru_without_the_next_gate_guesses_last_iterations_experts():
+    policy = LRUPolicy(make_config())
+    policy.begin_iteration(make_requests([1.0]))
+    for layer, expert in enumerate([0, 2, 3]):
+        policy.observe_layer(layer, one_hot([expert]), torch.tensor([[expert]]))
+    policy.end_iteration()
+    policy.begin_iteration(make_requests([1.0]))
+    policy.observe_layer(0, one_hot([1]), torch.tensor([[1]]))
+    assert plan_keys(policy, empty_cache()) == [(1, 2)]
+
+
+def test_lru_and_on_demand_evict_the_least_recently_used():
+    cache = empty_cache().load([(0, 0)]).load([(1, 1)]).load([(2, 2)]).use(0, [0])
+    for policy in (LRUPolicy(make_config()), OnDemandPolicy(make_config())):
+        assert policy.choose_victims(cache, 3, ()) == [(1, 1), (2, 2), (0, 0)]
+        assert policy.choose_victims(cache, 3, {(1, 1)}) == [(2, 2), (0, 0)]
+
+
+def test_on_demand_never_prefetches():
+    policy = OnDemandPolicy(make_config())
+    policy.begin_iteration(make_requests([1.0]))
+    policy.observe_layer(0, one_hot([0]), torch.tensor([[0]]))
+    plan = policy.prefetch_plan(empty_cache())
+    assert plan.items == () and plan.after_layer == 0
+
+
+def test_lfu_counts_tokens_per_request_and_predicts_from_finished_requests():
+    assert count_activations(torch.tensor([[0, 1], [1, 3]]), 4).tolist() == [1.0, 2.0, 0.0, 1.0]
+    policy = LFUPolicy(make_config())
+    policy.begin_iteration(make_requests([1.0], num_tokens=2))
+    assert plan_keys(policy, empty_cache()) == []  # no history yet
+    for layer, experts in enumerate(([2, 2], [1, 3], [0, 0])):
+        policy.observe_layer(layer, one_hot(experts), torch.tensor([[e] for e in experts]))
+    policy.end_iteration(["r0"])
+    assert len(policy.collection) == 1
+    assert policy.collection.matrices[0].tolist() == [[0, 0, 2, 0], [0, 1, 0, 1], [2, 0, 0, 0]]
+    # a new request has no activations: the collection's most popular experts guide layer 0
+    policy.begin_iteration([RequestContext("r1", 1, torch.tensor([1.0]))])
+    assert plan_keys(policy, empty_cache()) == [(0, 2)]
+    policy.observe_layer(0, one_hot([2]), torch.tensor([[2]]))
+    assert plan_keys(policy, empty_cache()) == [(1, 1)]  # top-1 of the matched matrix's layer 1 (tie: id 1)
+
+
+def test_lfu_evicts_the_least_visited_then_the_least_recent():
+    cache = empty_cache().load([(0, 0), (0, 1), (0, 2)]).use(0, [0, 1]).use(0, [1])
+    assert LFUPolicy(make_config()).choose_victims(cache, 3, ()) == [(0, 2), (0, 0), (0, 1)]
+
+
+# ---- the registry ---------------------------------------------------------------------
+
+
+def test_make_policy_by_name_and_the_interface_they_share():
+    assert set(POLICIES) == {"finemoe", "lru", "lfu", "on_demand"}
+    for name in POLICIES:
+        policy = make_policy(name, make_config())
+        assert policy.name == name
+        policy.begin_iteration(make_requests([1.0]))
+        for layer in range(3):
+            policy.observe_layer(layer, one_hot([layer]), torch.tensor([[layer]]), torch.full((1, 4), 0.25))
+            assert policy.prefetch_plan(empty_cache()).after_layer == layer
+        assert policy.choose_victims(empty_cache().load([(0, 0)]), 1, {(0, 0)}) == []
+        policy.end_iteration(["r0"])
+    with pytest.raises(ValueError, match="'belady'"):
+        make_policy("belady", make_config())
+
+
+def test_config_and_context_validation():
+    with pytest.raises(ValueError, match="prefetch_distance"):
+        make_config(prefetch_distance=4)
+    with pytest.raises(ValueError, match="top_k"):
+        make_config(top_k=5)
+    with pytest.raises(ValueError, match="num_tokens"):
+        RequestContext("r", 0, torch.ones(2))
+    with pytest.raises(ValueError, match="embedding"):
+        RequestContext("r", 1, torch.ones(2, 2))
