@@ -62,7 +62,7 @@ class _Producer:
     def push(self, address: str, steps: int, batch: int) -> None:
         import zmq
 
-        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock: Any = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(address)
         for step in range(steps):
             sock.send(pickle.dumps([_delta(f"r{b}", step) for b in range(batch)], protocol=5))
@@ -91,7 +91,7 @@ async def _zmq(producer: Any, steps: int, batch: int) -> float:
     import zmq
     import zmq.asyncio
 
-    sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
+    sock: Any = zmq.asyncio.Context.instance().socket(zmq.PULL)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
