@@ -46,15 +46,22 @@ logger = logging.getLogger(__name__)
 @dataclass
 class AdapterState:
     name: str
-    slot: int
+    slot: int | None  # ESFT: its slot; LoRA: the slot it had when loaded (None: host memory only)
     path: str
     experts: dict[int, tuple[int, ...]]
     state: str = "loaded"  # loaded | unloading
     kind: str = "esft"  # esft | lora
+    usage_probability: float | None = None  # declared at registration (CoServe §4.3)
     unloaded: threading.Event = field(default_factory=threading.Event)
 
+    @property
+    def order(self) -> tuple[str, int, str]:
+        """How listings sort adapters: by kind, then slot (host-only LoRA adapters last), then name."""
+        return (self.kind, self.slot if self.slot is not None else 1 << 30, self.name)
+
     def describe(self) -> dict[str, Any]:
-        out = {"name": self.name, "type": self.kind, "slot": self.slot, "path": self.path, "state": self.state}
+        out = {"name": self.name, "type": self.kind, "slot": self.slot, "path": self.path, "state": self.state,
+               "usage_probability": self.usage_probability}
         if self.kind == "esft":
             out["num_experts"] = sum(len(v) for v in self.experts.values())
         return out
@@ -79,6 +86,7 @@ class ClusterAdapterHost:
         self.publish = publish  # what `/v1/models` and the model check see
         self.adapters: dict[str, AdapterState] = {}
         self.routers: dict[str, Any] = {}  # learned LoRA routers (MoLoRA §4.3), loaded on every instance
+        self.router_probabilities: dict[str, float | None] = {}  # declared usage (CoServe §4.3)
         self.lock = threading.Lock()  # adapter changes vs scale events (see the module docstring)
         self.poll_s = 0.05
 
@@ -96,25 +104,28 @@ class ClusterAdapterHost:
 
     # ---- AdapterHost ------------------------------------------------------------------------
 
-    async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]:
-        return await asyncio.to_thread(self.load_blocking, adapter.name, str(adapter.path), adapter.config.experts)
+    async def load_esft(self, adapter: EsftAdapter, usage_probability: float | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.load_blocking, adapter.name, str(adapter.path), adapter.config.experts,
+                                       usage_probability)
 
-    def load_blocking(self, name: str, path: str, experts: dict[int, tuple[int, ...]]) -> dict[str, Any]:
+    def load_blocking(self, name: str, path: str, experts: dict[int, tuple[int, ...]],
+                      usage_probability: float | None = None) -> dict[str, Any]:
         if not self.lock.acquire(blocking=False):
             raise AdapterConflictError("a scale or another adapter change is in progress; retry")
         try:
-            return self._load(name, path, experts)
+            return self._load(name, path, experts, usage_probability)
         finally:
             self.lock.release()
 
-    def _load(self, name: str, path: str, experts: dict[int, tuple[int, ...]]) -> dict[str, Any]:
+    def _load(self, name: str, path: str, experts: dict[int, tuple[int, ...]],
+              usage_probability: float | None) -> dict[str, Any]:
         cluster = self.cluster
         if cluster.scale_events.running is not None:
             raise AdapterConflictError("a scale is in progress; retry when it finished")
         if name in self.adapters:
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
         n, e_max = self.max_adapters, cluster.config.max_esft_experts
-        free = sorted(set(range(n)) - {a.slot for a in self.adapters.values() if a.kind == "esft"})
+        free = sorted(set(range(n)) - {a.slot for a in self.adapters.values() if a.kind == "esft" and a.slot is not None})
         if not free:
             raise AdapterLimitError(f"all {n} adapter slots are in use (--max-esft-adapters)")
         widest = max((len(v) for v in experts.values()), default=0)
@@ -128,21 +139,21 @@ class ClusterAdapterHost:
         pages = hmm.load_adapter(name, slot, path, experts)
         try:
             ray.get([
-                rank.load_esft_adapter.remote(name, slot, experts, pages.get(device, {}))
+                rank.load_esft_adapter.remote(name, slot, experts, pages.get(device, {}), usage_probability)
                 for rank, device in zip(inst.ranks, inst.device_ids, strict=True)
             ])
         except BaseException:
             logger.exception("adapter %r: a rank failed to load it; undoing", name)
             self._release_everywhere(name, slot, inst)
             raise
-        self.adapters[name] = AdapterState(name, slot, path, dict(experts))
+        self.adapters[name] = AdapterState(name, slot, path, dict(experts), usage_probability=usage_probability)
         self._publish()
         return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
 
-    async def load_lora(self, adapter: Any) -> dict[str, Any]:
-        return await asyncio.to_thread(self.load_lora_blocking, adapter.name, str(adapter.path))
+    async def load_lora(self, adapter: Any, usage_probability: float | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.load_lora_blocking, adapter.name, str(adapter.path), usage_probability)
 
-    def load_lora_blocking(self, name: str, path: str) -> dict[str, Any]:
+    def load_lora_blocking(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
         """Every rank loads the adapter (its own experts' factors) into the same slot: the ranks'
         slot tables stay equal because they load the same adapters in the same order."""
         if not self.lock.acquire(blocking=False):
@@ -158,31 +169,34 @@ class ClusterAdapterHost:
             inst = cluster.active
             assert inst is not None
             try:
-                slots = ray.get([rank.load_lora_adapter.remote(name, path) for rank in inst.ranks])
+                slots = ray.get([rank.load_lora_adapter.remote(name, path, usage_probability) for rank in inst.ranks])
             except BaseException:
                 logger.exception("adapter %r: a rank failed to load it; undoing", name)
                 ray.get([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks])
                 raise
             if len(set(slots)) != 1:
                 raise RuntimeError(f"adapter {name!r}: ranks chose different slots {slots}")
-            self.adapters[name] = AdapterState(name, int(slots[0]), path, {}, kind="lora")
+            # A slot, or None: it waits in every rank's host memory until a request needs it.
+            self.adapters[name] = AdapterState(name, slots[0], path, {}, kind="lora",
+                                               usage_probability=usage_probability)
             self._publish()
             return {"slot": slots[0]}
         finally:
             self.lock.release()
 
-    async def load_router(self, name: str, router: Any) -> dict[str, Any]:
-        return await asyncio.to_thread(self.load_router_blocking, name, router)
+    async def load_router(self, name: str, router: Any, usage_probability: float | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.load_router_blocking, name, router, usage_probability)
 
-    def load_router_blocking(self, name: str, router: Any) -> dict[str, Any]:
+    def load_router_blocking(self, name: str, router: Any, usage_probability: float | None = None) -> dict[str, Any]:
         """Register a learned LoRA router on every rank (and on every later instance)."""
         with self.lock:
             if self.cluster.scale_events.running is not None:
                 raise AdapterConflictError("a scale is in progress; retry when it finished")
             inst = self.cluster.active
             assert inst is not None
-            ray.get([rank.load_lora_router.remote(name, router) for rank in inst.ranks])
+            ray.get([rank.load_lora_router.remote(name, router, usage_probability) for rank in inst.ranks])
             self.routers[name] = router
+            self.router_probabilities[name] = usage_probability
         return {"adapters": list(router.adapters), "top_k": router.top_k}
 
     async def unload(self, name: str) -> bool:
@@ -224,7 +238,7 @@ class ClusterAdapterHost:
         entry.unloaded.set()
         logger.info("adapter %r unloaded", entry.name)
 
-    def _release_everywhere(self, name: str, slot: int, inst: Instance) -> None:
+    def _release_everywhere(self, name: str, slot: int | None, inst: Instance) -> None:
         hmm = self.cluster.hmm
         assert hmm is not None
         entry = self.adapters.get(name)
@@ -241,18 +255,21 @@ class ClusterAdapterHost:
             hmm.unload_adapter(name)
 
     async def describe(self) -> list[dict[str, Any]]:
-        return [a.describe() for a in sorted(self.adapters.values(), key=lambda a: a.slot)]
+        return [a.describe() for a in sorted(self.adapters.values(), key=lambda a: a.order)]
 
     # ---- scaling --------------------------------------------------------------------------
 
     def prepare_instance(self, inst: Instance) -> None:
         """Point a new instance's expert maps at the registered adapters' rows (which the HMM
         layout it attached to already holds). Before it takes any request."""
-        for a in sorted(self.adapters.values(), key=lambda a: (a.kind, a.slot)):
+        # NOTE: in registration order: LoRA adapters take the new instance's slots as they did the old one's.
+        for a in list(self.adapters.values()):
             if a.kind == "lora":  # read from the adapter's files for this instance's placement
-                ray.get([rank.load_lora_adapter.remote(a.name, a.path) for rank in inst.ranks])
+                ray.get([rank.load_lora_adapter.remote(a.name, a.path, a.usage_probability) for rank in inst.ranks])
             else:
-                ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None) for rank in inst.ranks])
+                ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None, a.usage_probability)
+                         for rank in inst.ranks])
         for name, router in self.routers.items():
-            ray.get([rank.load_lora_router.remote(name, router) for rank in inst.ranks])
+            ray.get([rank.load_lora_router.remote(name, router, self.router_probabilities.get(name))
+                     for rank in inst.ranks])
 

@@ -397,11 +397,14 @@ class ClusterManager:
     def _publish(self, **changes: Any) -> None:
         active, health = self._active, self._health
         ranks = active.ranks if active is not None and not self._is_shut_down and not self._withdrawn else ()
+        adapters = active.adapters if ranks and active is not None else ()
+        registry = self.adapters.adapters
         self.feed.update(
             instance_id=active.instance.instance_id if ranks and active is not None else None,
             ranks=ranks,
             max_model_len=active.max_model_len if ranks and active is not None else 0,
-            adapters=active.adapters if ranks and active is not None else (),
+            adapters=adapters,
+            adapter_kinds=tuple((n, registry[n].kind) for n in adapters if n in registry),
             is_serving=bool(ranks) and not health.is_broken,
             faults=health.faults,
             has_given_up=health.has_given_up,
@@ -574,7 +577,7 @@ class ClusterManager:
             "routing": {"version": self.routing.version, "accepting": self.routing.is_accepting,
                         "num_ranks": len(self.routing.ranks)},
             "scale_event": running.to_dict() if running is not None else None,
-            "adapters": [a.describe() for a in sorted(self.adapters.adapters.values(), key=lambda a: a.slot)],
+            "adapters": [a.describe() for a in sorted(self.adapters.adapters.values(), key=lambda a: a.order)],
             "standby": {
                 "enabled": self.config.standby_pool,
                 "dps": sorted(self.standby.pool),

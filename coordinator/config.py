@@ -13,7 +13,7 @@ exit 2 with a clear message before Ray starts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -45,6 +45,10 @@ class CoordinatorConfig(ServeSettings):
     max_hold_s: float = Field(30.0, description="longest a new request is held at the ingress while no instance "
                               "accepts (a switchover, a repair, a coordinator restart), seconds",
                               json_schema_extra=cli("--max-hold", metavar="S"))
+    request_assigning: Literal["coserve", "parallel"] = Field(
+        "coserve", description="which rank a request goes to: coserve (the shortest expected finish with the "
+        "latency model K*n + B of --profile and adapter switch costs: CoServe §4.2) or parallel (the "
+        "least-loaded rank, adapter-unaware)")
     standby_pool: bool = Field(True, description="pre-initialise standby instances for dp-1 and dp+1 (paper "
                                "§4.5); --no-standby-pool saves their processes' memory, and each scale then "
                                "boots its target instance, ~2 s slower")
@@ -95,9 +99,6 @@ class CoordinatorConfig(ServeSettings):
             raise ValueError(f"--max-queued: must be >= 1, got {self.max_queued}")
         if not 0 < self.max_hold_s <= 3600:
             raise ValueError(f"--max-hold: must be > 0 and at most 3600 s, got {self.max_hold_s:g}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras != self.max_loras:
-            raise ValueError("--max-cpu-loras: the elastic server keeps every LoRA adapter resident (any instance "
-                             "may take over); leave it unset")
         if self.autoscale.min_dp > self.num_devices:
             raise ValueError(f"--autoscale-min-dp: {self.autoscale.min_dp} exceeds the {self.num_devices} devices")
         if self.max_devices is not None and self.max_devices < self.dp:
@@ -110,10 +111,9 @@ class CoordinatorConfig(ServeSettings):
 
     def engine_options(self) -> EngineOptions:
         """What every rank's `EngineConfig` gets (its KV pool is its device's, from the HMM)."""
-        # NOTE: an instance of any dp may take over (dp 1 could swap through a host cache; the
-        # others cannot): every loaded LoRA adapter is resident, the same in every instance.
-        return dataclasses.replace(super().engine_options(), kv_cache_bytes=None, num_threads=self.num_threads or 1,
-                                   max_cpu_loras=self.max_loras or None)
+        # NOTE: every rank keeps every registered LoRA adapter in host memory (--max-cpu-loras) and
+        # the slots hold the hot set; under EP the ranks swap in lockstep (`engine.lora_lockstep`).
+        return dataclasses.replace(super().engine_options(), kv_cache_bytes=None, num_threads=self.num_threads or 1)
 
     @property
     def device_limit(self) -> int:

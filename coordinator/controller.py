@@ -172,14 +172,15 @@ class Coordinator:
 
     # ---- adapters (`coordinator.ingress_adapters.RemoteAdapterHost` calls these) ----------------
 
-    async def load_esft(self, name: str, path: str, experts: dict[int, tuple[int, ...]]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.cluster.adapters.load_blocking, name, path, experts)
+    async def load_esft(self, name: str, path: str, experts: dict[int, tuple[int, ...]],
+                        usage_probability: float | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.cluster.adapters.load_blocking, name, path, experts, usage_probability)
 
-    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
-        return await asyncio.to_thread(self.cluster.adapters.load_lora_blocking, name, path)
+    async def load_lora(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.cluster.adapters.load_lora_blocking, name, path, usage_probability)
 
-    async def load_router(self, name: str, router: Any) -> dict[str, Any]:
-        return await asyncio.to_thread(self.cluster.adapters.load_router_blocking, name, router)
+    async def load_router(self, name: str, router: Any, usage_probability: float | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.cluster.adapters.load_router_blocking, name, router, usage_probability)
 
     async def unload_adapter(self, name: str) -> bool:
         return await self.cluster.adapters.unload(name)

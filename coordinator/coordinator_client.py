@@ -76,14 +76,15 @@ class RemoteAdapterHost:
     def __init__(self, coordinator: CoordinatorClient) -> None:
         self.coordinator = coordinator
 
-    async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]:
-        return dict(await self.coordinator.call("load_esft", adapter.name, str(adapter.path), adapter.config.experts))
+    async def load_esft(self, adapter: EsftAdapter, usage_probability: float | None = None) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_esft", adapter.name, str(adapter.path), adapter.config.experts,
+                                                usage_probability))
 
-    async def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]:
-        return dict(await self.coordinator.call("load_lora", adapter.name, str(adapter.path)))
+    async def load_lora(self, adapter: LoraAdapter, usage_probability: float | None = None) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_lora", adapter.name, str(adapter.path), usage_probability))
 
-    async def load_router(self, name: str, router: LoraRouter) -> dict[str, Any]:
-        return dict(await self.coordinator.call("load_router", name, router))
+    async def load_router(self, name: str, router: LoraRouter, usage_probability: float | None = None) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_router", name, router, usage_probability))
 
     async def unload(self, name: str) -> bool:
         return bool(await self.coordinator.call("unload_adapter", name))

@@ -149,7 +149,7 @@ class RouterEngineClient:
             while True:
                 rank, key = None, None
                 try:
-                    async with self.router.route() as route:
+                    async with self.router.route(request.adapter.name) as route:
                         rank, key = route.rank, route.key
                         resumed = request.resumed(progress.output_token_ids, progress.num_chars)
                         async for out in _stream_from(rank, resumed, self.channels, progress):

@@ -83,6 +83,15 @@ async def _handle_queue_full(request: Request, exc: Exception) -> Response:
     return response
 
 
+def _profile_kinds(path: str | None) -> dict[str, Any]:
+    """The latency model per adapter kind of the server's profile (none without one)."""
+    if path is None:
+        return {}
+    from elasticmoe.adapter_policy.profile import load_profile
+
+    return dict(load_profile(path).kinds)
+
+
 class _Observers:
     """Finished requests go to the metrics and to the coordinator's SLO estimator."""
 
@@ -161,7 +170,8 @@ class Ingress:
         tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
         self.model_config = await asyncio.to_thread(ModelConfig.from_pretrained, config.model_dir)
         self.observations = ObservationBuffer()
-        router: Router[Any] = Router(max_hold_s=config.max_hold_s)
+        router: Router[Any] = Router(max_hold_s=config.max_hold_s, assign=config.request_assigning,
+                                     kinds=await asyncio.to_thread(_profile_kinds, config.profile))
         self.engine = RouterEngineClient(router, tokenizer, config.max_queued,
                                          on_rank_failure=lambda rank: self.coordinator.notify_rank_failure())
         self.engine.on_arrival, self.engine.on_failed = self.observations.on_arrival, self.observations.on_failed

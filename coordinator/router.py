@@ -1,9 +1,13 @@
-"""Request routing in the ingress: the published instance's least-loaded DP rank, held while the
-coordinator says so.
+"""Request routing in the ingress: a DP rank of the published instance, held while the coordinator
+says so.
 
 The router holds the latest `RoutingState` the coordinator published (`update`, from the
-ingress's follower) and knows its ranks only as opaque targets with a load count, so it can
-be tested without Ray. New requests wait (for at most `max_hold_s`) while the state says
+ingress's follower) and knows its ranks only as opaque targets with their requests in flight
+per adapter, so it can be tested without Ray. Which rank: `assign` names the policy of
+`elasticmoe.adapter_policy.assigning`: `coserve` (CoServe §4.2: the rank whose queue, with the
+latency model K*n + B per adapter and the switch latency of a non-resident adapter, keeps the
+longest queue shortest) or `parallel` (the least-loaded rank, adapter-unaware). The latency
+model comes from the server's profile (`serve --profile`), else a unit cost per request. New requests wait (for at most `max_hold_s`) while the state says
 `is_accepting=False`: a switchover's critical section, a repair replacing a dead instance,
 or a coordinator that cannot be reached; then they go to whatever ranks are published.
 A request turned away by a rank that was pausing waits for the next state (`wait_newer`),
@@ -13,12 +17,15 @@ one whose rank failed until that rank is no longer published (`wait_replaced`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from coordinator.routing_state import RoutingState
+from elasticmoe.adapter_policy.assigning import RankState, RouteRequest, assigner
+from elasticmoe.adapter_policy.profile import BASE_KIND, KindProfile
 
 T = TypeVar("T")
 
@@ -27,13 +34,17 @@ class NoActiveInstance(RuntimeError):
     """No instance can take requests (none published, or requests were held too long)."""
 
 
+# Without a profile every request costs the same: the assignment balances requests, adapter-aware.
+UNIT_COST = KindProfile(max_batch=1 << 30, k_s=1.0, b_s=0.0)
+
+
 @dataclass
 class _Routes(Generic[T]):
     targets: list[T]
-    in_flight: list[int] = field(default_factory=list)
+    in_flight: list[collections.Counter[str | None]] = field(default_factory=list)  # per rank, per adapter
 
     def __post_init__(self) -> None:
-        self.in_flight = [0] * len(self.targets)
+        self.in_flight = [collections.Counter() for _ in self.targets]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +63,13 @@ class Router(Generic[T]):
     its own counters. Lives on one event loop (the ingress's): `update` is called there.
     """
 
-    def __init__(self, max_hold_s: float = 30.0) -> None:
+    def __init__(self, max_hold_s: float = 30.0, assign: str = "coserve",
+                 kinds: Mapping[str, KindProfile] | None = None) -> None:
         self.max_hold_s = max_hold_s
+        self.choose = assigner(assign)
+        # NOTE: every kind gets a model (the profile's, else the unit cost): the assigner needs one.
+        self.kinds: dict[str, KindProfile] = {k: UNIT_COST for k in (BASE_KIND, "lora", "esft")}
+        self.kinds.update(kinds or {})
         self.state: RoutingState | None = None  # the last state published
         self._routes: _Routes[T] | None = None
         self._changed = asyncio.Event()  # set (and replaced) whenever the state changes
@@ -98,11 +114,18 @@ class Router(Generic[T]):
         return await self._wait_until(lambda: self.state is not None and self.state.key != key, timeout_s)
 
     def loads(self) -> list[int]:
-        return list(self._routes.in_flight) if self._routes else []
+        return [sum(c.values()) for c in self._routes.in_flight] if self._routes else []
+
+    def _choose(self, routes: _Routes[T], state: RoutingState, adapter: str | None) -> int:
+        kind_of = dict(state.adapter_kinds)
+        resident = frozenset(state.adapters)  # ranks of one EP instance share their adapters
+        ranks = [RankState(counts, resident, self.kinds, kind_of) for counts in routes.in_flight]
+        return self.choose(ranks, RouteRequest(adapter, kind_of.get(adapter, "lora") if adapter else BASE_KIND))
 
     @contextlib.asynccontextmanager
-    async def route(self) -> AsyncIterator[Route[T]]:
-        """Yield the least-loaded rank; its in-flight count covers the body of the `async with`."""
+    async def route(self, adapter: str | None = None) -> AsyncIterator[Route[T]]:
+        """Yield the rank the assignment picks for a request of `adapter` (None: the base model);
+        its in-flight count covers the body of the `async with`."""
         if not self.is_accepting:
             self.num_held += 1
             try:
@@ -113,9 +136,12 @@ class Router(Generic[T]):
         routes, state = self._routes, self.state
         if routes is None or state is None or not routes.targets:
             raise NoActiveInstance("no active instance")
-        rank = min(range(len(routes.targets)), key=routes.in_flight.__getitem__)
-        routes.in_flight[rank] += 1
+        rank = self._choose(routes, state, adapter)
+        counts = routes.in_flight[rank]
+        counts[adapter] += 1
         try:
             yield Route(routes.targets[rank], state.key)
         finally:
-            routes.in_flight[rank] -= 1
+            counts[adapter] -= 1
+            if not counts[adapter]:
+                del counts[adapter]

@@ -35,6 +35,7 @@ class RoutingState:
     ranks: tuple[Any, ...] = ()  # `InstanceRank` actor handles
     max_model_len: int = 0
     adapters: tuple[str, ...] = ()
+    adapter_kinds: tuple[tuple[str, str], ...] = ()  # adapter -> "esft" | "lora" (the router's latency model)
     is_accepting: bool = False
     is_serving: bool = False  # an instance serves and is not known to be broken (`/ready`)
     faults: tuple[tuple[str, str], ...] = ()  # component -> what is wrong (`/health`)

@@ -281,6 +281,28 @@ def _run_drain_node(args: argparse.Namespace) -> int:
     return 0 if result.get("removable") else 1
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    from elasticmoe.bench.adapter_profile import add_arguments
+
+    p = sub.add_parser(
+        "profile",
+        help="profile adapters on this machine for `serve --profile` (CoServe §4.4)",
+        description="Measure, on a real engine over the checkpoint, the latency model (K*n + B per adapter kind), "
+        "the largest useful batch, the adapter load latencies and footprints, and (with --budget-gb) the memory "
+        "split between KV cache, adapter slots and experts found by the decay-window search; write them as JSON "
+        "for `elasticmoe serve --profile FILE` (eviction and assignment read the usage probabilities, the "
+        "engines the memory split).",
+    )
+    add_arguments(p)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from elasticmoe.bench.adapter_profile import run
+
+    run(args)
+    return 0
+
+
 def _add_reap_shm(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "reap-shm",
@@ -361,13 +383,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_drain(sub)
     _add_drain_node(sub)
+    _add_profile(sub)
     _add_reap_shm(sub)
     return parser
 
 
 _COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter,
              "make-lora-adapter": _run_make_lora_adapter, "serve": _run_serve,
-             "drain": _run_drain, "drain-node": _run_drain_node, "reap-shm": _run_reap_shm}
+             "drain": _run_drain, "drain-node": _run_drain_node, "profile": _run_profile,
+             "reap-shm": _run_reap_shm}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,10 @@ idle, so it cannot be used for ep_size > 1. This loop instead runs rounds:
 2. one `all_reduce(MAX)` over the instance group of `[has_work, stop_code]`
    (stop_code 0: run, 1: pause, 2: stop; without a group the local values count);
 3. if any rank wants to stop or pause: every rank leaves the loop in this same
-   round (a stop wins over a pause); if any rank has work: every rank steps
-   (idle ranks run an empty forward); otherwise wait for a command
+   round (a stop wins over a pause); if any rank waits for a LoRA adapter that is in host
+   memory only, every rank takes part in one more exchange (the adapters wanted, the slots in
+   use) and applies the same swaps (`engine.lora_lockstep`); if any rank has work: every rank
+   steps (idle ranks run an empty forward); otherwise wait for a command
    (up to `idle_wait_s` with a group, blocking without one), then the next round.
 
 A *pause* leaves the loop without failing the consumers: their streams wait
@@ -50,6 +52,7 @@ from elasticmoe.engine.async_llm import (
     Stream,
     call_soon,
 )
+from elasticmoe.engine.lora_lockstep import NO_ID
 from elasticmoe.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -202,9 +205,10 @@ class LockstepAsyncLLM(AsyncLLM):
             while True:
                 stop_code = max(stop_code, self._drain_commands())
                 has_work = self.engine.has_unfinished_requests()
+                wants = self._lora_wants()
                 # NOTE: every rank must reach this all_reduce once per round; never `continue`
                 # or `return` between rounds without it, or the other ranks hang in gloo.
-                flags = torch.tensor([int(has_work), stop_code])
+                flags = torch.tensor([int(has_work), stop_code, int(bool(wants and wants[0]))])
                 if self.group is not None:
                     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
                 any_work, agreed = bool(flags[0]), int(flags[1])
@@ -212,6 +216,8 @@ class LockstepAsyncLLM(AsyncLLM):
                 self._last_tick = time.monotonic()
                 if agreed != _RUN:
                     return
+                if flags[2] and wants is not None:
+                    self._swap_lora_in_lockstep(*wants)  # NOTE: a collective too: every rank, this round
                 self._has_work = any_work
                 if any_work:
                     # NOTE: with a group, a step that raised may have left a peer inside an
@@ -237,6 +243,30 @@ class LockstepAsyncLLM(AsyncLLM):
                 "lockstep loop %s after %d rounds, %d steps",
                 "paused" if self.is_paused else "stopped", self.num_rounds, self.num_steps,
             )
+
+    def _lora_wants(self) -> tuple[list[int], list[int]] | None:
+        """(adapter ids this rank waits for, LoRA slots its live requests use), or None when the
+        engine swaps LoRA adapters on its own (one rank, or no LoRA)."""
+        adapters = getattr(self.engine, "adapters", None)
+        lockstep = getattr(adapters, "lockstep_lora", None)
+        if lockstep is None or self.group is None:
+            return None
+        return lockstep.wants(r.binding.lora_names for r in adapters.live())  # type: ignore[union-attr]
+
+    def _swap_lora_in_lockstep(self, wanted: list[int], used: list[int]) -> None:
+        """Gather every rank's wants and apply the same swaps on each (`engine.lora_lockstep`)."""
+        lockstep = self.engine.adapters.lockstep_lora  # type: ignore[attr-defined]
+        mine = torch.full((lockstep.num_slots,), NO_ID, dtype=torch.int64)
+        mine[: len(wanted)] = torch.tensor(wanted, dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(everyone, mine, group=self.group)
+        in_use = torch.zeros(lockstep.num_slots, dtype=torch.int64)
+        in_use[used] = 1
+        dist.all_reduce(in_use, op=dist.ReduceOp.MAX, group=self.group)
+        swapped = lockstep.apply({int(i) for t in everyone for i in t.tolist()},
+                                 {i for i, u in enumerate(in_use.tolist()) if u})
+        if swapped:
+            logger.info("lora: swapped in %s on every rank (round %d)", swapped, self.num_rounds)
 
     def _drain_commands(self) -> int:
         """Apply all queued commands without blocking; the highest stop code among them."""

@@ -286,7 +286,8 @@ class InstanceRank:
     # ---- ESFT adapters (ExpertWeave; the coordinator drives every rank, see coordinator.adapters) ----
 
     async def load_esft_adapter(
-        self, name: str, slot: int, experts: dict[int, tuple[int, ...]], pages: dict[str, list[SlotPages]] | None
+        self, name: str, slot: int, experts: dict[int, tuple[int, ...]], pages: dict[str, list[SlotPages]] | None,
+        usage_probability: float | None = None,
     ) -> int:
         """Route adapter `name` (slot `slot`) to its expert rows, which the HMM has mapped and
         filled on this rank's device: `pages` are rows mapped after this engine attached (this
@@ -297,9 +298,10 @@ class InstanceRank:
             handle = handles[param]
             assert isinstance(handle, VirtualTensorHandle)
             map_slot_pages(engine.weights[param], handle, slot_pages)
-        return int(await self._on_loop(lambda: engine.adapters.load_esft(name, experts, None, slot=slot)))
+        return int(await self._on_loop(lambda: engine.adapters.load_esft(name, experts, None, slot=slot,
+                                                                         usage_probability=usage_probability)))
 
-    async def load_lora_adapter(self, name: str, path: str) -> int | None:
+    async def load_lora_adapter(self, name: str, path: str, usage_probability: float | None = None) -> int | None:
         """Load a PEFT LoRA adapter from `path` (this rank keeps its own experts' factors)."""
         engine = self.engine
         assert engine is not None
@@ -307,14 +309,15 @@ class InstanceRank:
         dtype = engine.config.dtype
         factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
         return await self._on_loop(
-            lambda: engine.adapters.load_lora(name, adapter.modules, lambda m, _: factors[m], adapter.config.scaling)
+            lambda: engine.adapters.load_lora(name, adapter.modules, lambda m, _: factors[m], adapter.config.scaling,
+                                              usage_probability=usage_probability)
         )
 
-    async def load_lora_router(self, name: str, router: Any) -> None:
+    async def load_lora_router(self, name: str, router: Any, usage_probability: float | None = None) -> None:
         """Register a learned LoRA router (MoLoRA §4.3) over this engine's loaded LoRA adapters."""
         engine = self.engine
         assert engine is not None
-        await self._on_loop(lambda: engine.adapters.load_router(name, router))
+        await self._on_loop(lambda: engine.adapters.load_router(name, router, usage_probability))
 
     async def unload_adapter(self, name: str) -> bool:
         """Stop admitting requests for `name` (see `LLMEngine.unload_adapter`)."""

@@ -176,6 +176,12 @@ CASES: list[Case] = [
     ("adapter-name-traversal", "POST", "/admin/adapters", {"name": "../x", "path": "/tmp"}, 400, "name"),
     ("adapter-name-missing", "POST", "/admin/adapters", {"path": "/tmp"}, 400, "name"),
     ("adapter-type-unknown", "POST", "/admin/adapters", {"name": "a", "path": "/tmp", "type": "weird"}, 400, "type"),
+    ("adapter-usage-above-1", "POST", "/admin/adapters", {"name": "a", "path": "/tmp", "usage_probability": 1.5},
+     400, "usage_probability"),
+    ("adapter-usage-negative", "POST", "/admin/adapters", {"name": "a", "path": "/tmp", "usage_probability": -0.1},
+     400, "usage_probability"),
+    ("adapter-usage-string", "POST", "/admin/adapters", {"name": "a", "path": "/tmp", "usage_probability": "hi"},
+     400, "usage_probability"),
     ("adapter-unload-unknown", "DELETE", "/admin/adapters/nope", None, 404, "name"),
 ]
 

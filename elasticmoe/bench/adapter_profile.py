@@ -231,9 +231,8 @@ def _parse_usage(items: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> Profile:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The profiler's options (this module's `main` and `elasticmoe profile`)."""
     p.add_argument("--model", required=True, help="base checkpoint directory")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--lora", default=None, help="a LoRA adapter directory to profile (default: a random rank-8 one)")
@@ -247,7 +246,10 @@ def main(argv: list[str] | None = None) -> Profile:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--num-threads", type=int, default=None)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Profile:
+    """Profile as `args` say, write the JSON and print it."""
     sample = Path(args.sample).read_text().split() if args.sample else None
     profile = write_profile(
         args.model, args.out, lora_dir=args.lora, esft_dir=args.esft, usage=_parse_usage(args.usage), sample=sample,
@@ -256,6 +258,13 @@ def main(argv: list[str] | None = None) -> Profile:
         dtype=args.dtype, num_threads=args.num_threads)
     print(json.dumps(profile.to_json(), indent=2))
     return profile
+
+
+def main(argv: list[str] | None = None) -> Profile:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.engine_request import AdapterRef
+from elasticmoe.engine.lora_lockstep import LockstepLora
 from elasticmoe.engine.lora_swapper import LoraSwapper, router_node
 from elasticmoe.engine.request import AdapterBinding, Request
 from elasticmoe.engine.scheduler import Scheduler
@@ -66,15 +67,17 @@ class AdapterManager:
         self.routers: dict[str, LoraRouter] = {}
         self.usage_probability: dict[str, float] = {}  # declared at load, by adapter (routers: router_node)
         profiled = load_profile(config.adapter_profile).usage_probability if config.adapter_profile else {}
+        self.lockstep_lora: LockstepLora | None = None
         if config.max_loras:
-            # NOTE: under EP a slot's expert factors serve every rank's tokens, so slots cannot be
-            # swapped per rank: there, every loaded adapter stays resident (no host-only adapters).
-            cached = config.max_cpu_loras if self.is_single_rank else config.max_loras
             self.lora = LoraSlots(model, placement, config.ep_rank, config.max_loras, config.max_lora_rank,
-                                  config.dtype, max_cached=cached, top_k=config.max_lora_topk)
+                                  config.dtype, max_cached=config.max_cpu_loras, top_k=config.max_lora_topk)
+            # NOTE: under EP a slot's expert factors serve every rank's tokens, so a rank cannot swap
+            # on its own: the lockstep loop swaps every rank alike at a round boundary.
             self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank,
                                        eviction=config.adapter_eviction, routers=lambda: self.routers,
-                                       profiled=profiled)
+                                       profiled=profiled, lockstep=not self.is_single_rank)
+            if not self.is_single_rank:
+                self.lockstep_lora = LockstepLora(self.swapper)
         self.unloading: set[str] = set()
         self.served: tuple[str, ...] = ()  # loaded adapters that accept requests
 
@@ -166,6 +169,8 @@ class AdapterManager:
             raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
         self._check_new_name(name)
         self._check_probability(usage_probability)
+        if self.lockstep_lora is not None:
+            self.lockstep_lora.check_new(name)
         slot = self.lora.load(name, modules, weights, scaling, slot)
         self._declare(name, usage_probability)
         self._publish()

@@ -17,9 +17,9 @@ the resident adapter the eviction policy picks (`elasticmoe.adapter_policy.evict
 Whatever the policy: an adapter a running request uses, one that became resident in this pass,
 one the request being served needs beside the incoming adapter (a per-token table or router
 mixes them), or one an older request in the window waits for is never evicted; adapters with
-younger requests in the window go last. Copies run
-on a background thread where the engine allows it (not under EP: there every loaded adapter is
-resident); the waiting requests get their slots once the copy is done.
+younger requests in the window go last. Copies run on a background thread where the engine
+allows it; the waiting requests get their slots once the copy is done. Under EP the swaps are
+the lockstep loop's, the same on every rank (`engine.lora_lockstep`).
 
 NOTE: in this engine routers live beside the model, always resident, so no LoRA adapter is ever
 stranded and stage 1 picks nothing; it acts where a predecessor can leave the tier (see
@@ -54,12 +54,16 @@ def router_node(name: str) -> str:
 
 class LoraSwapper:
     def __init__(self, lora: LoraSlots, scheduler: Scheduler, can_swap_async: bool, eviction: str = "coserve",
-                 routers: Callable[[], Mapping[str, Any]] = dict, profiled: Mapping[str, float] | None = None) -> None:
+                 routers: Callable[[], Mapping[str, Any]] = dict, profiled: Mapping[str, float] | None = None,
+                 lockstep: bool = False) -> None:
         """`routers()`: the loaded learned routers by name (each with `.adapters`); `profiled`: usage
-        probabilities from an offline profile, by adapter name (routers: `router_node(name)`)."""
+        probabilities from an offline profile, by adapter name (routers: `router_node(name)`).
+        `lockstep`: the engine is one rank of an EP group, whose swaps the lockstep loop makes at
+        round boundaries for every rank alike (`engine.lora_lockstep`); this swapper only assigns."""
         self.lora = lora
         self.scheduler = scheduler
         self.can_swap_async = can_swap_async
+        self.lockstep = lockstep
         self.async_swaps = True  # copy adapters into slots on a background thread (when it can)
         self.policy = eviction_policy(eviction)
         self.routers = routers
@@ -140,7 +144,7 @@ class LoraSwapper:
                 for name in sorted(r.binding.lora_names):
                     if lora.index(name) is None and not lora.is_filling(name):
                         pending.setdefault(name, []).append(r)
-        if not pending:
+        if not pending or self.lockstep:
             return
         # NOTE: adapters that just became resident are not evicted before their requests ran once
         # (else a one-slot hot set would swap them out again at once, forever).

@@ -96,8 +96,18 @@ class ServeSettings(BaseModel):
     max_lora_rank: int = Field(16, description="largest LoRA rank a slot holds", json_schema_extra=cli(metavar="R"))
     max_cpu_loras: int | None = Field(
         None, description="LoRA adapters kept loaded in host memory, >= --max-loras (default: --max-loras); beyond "
-        "the slots they are swapped in when a request needs them (single server only: the elastic server keeps "
-        "every adapter resident)", json_schema_extra=cli(metavar="C"))
+        "the slots they are swapped in when a request needs them (the elastic server's ranks swap together)",
+        json_schema_extra=cli(metavar="C"))
+    adapter_eviction: Literal["coserve", "lru", "fifo"] = Field(
+        "coserve", description="which adapter leaves a full hot set: coserve (adapters stranded by their "
+        "dependencies first, then the least likely to be used: CoServe §4.3), lru, or fifo")
+    request_arranging: Literal["coserve", "fcfs"] = Field(
+        "coserve", description="admission order inside the scheduling window: coserve (grouped by adapter, "
+        "oldest group first, no starvation: CoServe §4.2) or fcfs")
+    profile: str | None = Field(
+        None, description="a profile written by `elasticmoe profile`: adapters' usage probabilities for eviction "
+        "and assignment, and (unless given) the memory split: KV cache, --max-num-seqs, --max-loras",
+        json_schema_extra=cli(metavar="FILE"))
     lora_adapters: LoraDirs = Field(
         (), description="load a LoRA adapter (adapter_config.json + adapter_model.safetensors) at start; clients "
         "select it with model=NAME. Repeatable; POST /admin/adapters with type=lora loads more at run time",
@@ -142,6 +152,8 @@ class ServeSettings(BaseModel):
         both = sorted({n for n, _ in self.esft_adapters} & {n for n, _ in self.lora_adapters})
         if both:
             raise ValueError(f"--lora-adapter: names {both} are ESFT adapters too")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise ValueError(f"--profile: {self.profile} is not a file (write one with `elasticmoe profile`)")
         if not 0 <= self.shutdown_timeout_s <= 3600:
             raise ValueError(f"--shutdown-timeout: must be between 0 and 3600 s, got {self.shutdown_timeout_s:g}")
         self.access  # noqa: B018 - validates the keys and limits
@@ -169,11 +181,29 @@ class ServeSettings(BaseModel):
         return (self.max_esft_adapters, self.max_esft_experts) if self.max_esft_adapters else (0, 0)
 
     def engine_options(self) -> EngineOptions:
-        """What every engine of this server is built with (the elastic server's KV pool comes from its HMM)."""
+        """What every engine of this server is built with (the elastic server's KV pool comes from its HMM).
+        With `profile`, its memory split fills what was not given explicitly."""
         slots, experts = self.esft_slots
+        split = self.profile_split()
+        given = self.model_fields_set
         return EngineOptions(
             dtype=self.torch_dtype, num_threads=self.num_threads, max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            kv_cache_bytes=self.kv_bytes_per_device, max_esft_adapters=slots, max_esft_experts=experts,
-            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs if "max_num_seqs" in given else split.get("max_num_seqs", self.max_num_seqs),
+            kv_cache_bytes=self.kv_bytes_per_device if "kv_bytes_per_device" in given else split.get(
+                "kv_cache_bytes", self.kv_bytes_per_device),
+            max_esft_adapters=slots, max_esft_experts=experts,
+            max_loras=self.max_loras if "max_loras" in given else split.get("max_loras", self.max_loras),
+            max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
+            adapter_eviction=self.adapter_eviction, request_arranging=self.request_arranging,
+            adapter_profile=self.profile,
         )
+
+    def profile_split(self) -> dict[str, int]:
+        """The engine fields of the profile's memory split (empty without a profile or a split)."""
+        if self.profile is None:
+            return {}
+        from elasticmoe.adapter_policy.profile import load_profile
+
+        split = load_profile(self.profile).memory_split
+        return split.engine_fields() if split is not None else {}

@@ -14,6 +14,7 @@ import contextlib
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -231,15 +232,16 @@ def test_esft_adapter_over_http_on_dp2(server, tiny_model_dir, tmp_path):
 
     with _client(server) as c:
         before = used()
-        r = c.post("/admin/adapters", json={"name": "law", "path": str(path)})
+        r = c.post("/admin/adapters", json={"name": "law", "path": str(path), "usage_probability": 0.7})
         assert r.status_code == 201, r.text
         assert used() > before  # the adapter's experts got pages on the devices holding their base experts
         assert "law" in [m["id"] for m in c.get("/v1/models").json()["data"]]
+        assert [a["usage_probability"] for a in c.get("/admin/adapters").json()["adapters"]] == [0.7]
         body = {"model": "law", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        for _ in range(2):  # both ranks (least-loaded routing alternates)
-            got = c.post("/v1/completions", json=body)
-            assert got.status_code == 200, got.text
-            assert got.json()["choices"][0]["text"] == done[0].text
+        with ThreadPoolExecutor(2) as pool:  # at once: the assignment spreads them over both ranks
+            for got in pool.map(lambda _: _post(server, "/v1/completions", body), range(2)):
+                assert got.status_code == 200, got.text
+                assert got.json()["choices"][0]["text"] == done[0].text
         assert c.delete("/admin/adapters/law").status_code in (200, 202)
         deadline = time.monotonic() + 20
         while c.get("/admin/adapters").json()["adapters"]:

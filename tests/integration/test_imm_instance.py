@@ -6,6 +6,7 @@ the actors; illegal transitions raise."""
 
 from __future__ import annotations
 
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,7 +53,10 @@ def _reference(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
 def _stream(rank, request_id: str, prompt: list[int], params: SamplingParams, on_output=None) -> list:
     outs, acc = [], OutputAccumulator(prompt)
     for ref in rank.generate.remote(EngineRequest(request_id, prompt, params)):
-        outs.append(acc.add(ray.get(ref)))
+        item = ray.get(ref)
+        # Only the delta travels: an item's size does not grow with the prompt or the output so far.
+        assert len(pickle.dumps(item)) < 400 and len(item.new_token_ids) <= 2, item
+        outs.append(acc.add(item))
         if on_output is not None:
             on_output(outs)
     return outs

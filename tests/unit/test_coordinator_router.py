@@ -5,6 +5,7 @@ reached holds requests and says so; the next state it publishes is taken at once
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 
@@ -21,7 +22,8 @@ _versions = iter(range(1, 10_000))
 def serving(*ranks: str, accepting: bool = True, max_model_len: int = 64, adapters: tuple[str, ...] = (),
             epoch: str = "e0") -> RoutingState:
     """A published state with these ranks (the router sees nothing else of an instance)."""
-    return RoutingState(epoch, next(_versions), "inst", ranks, max_model_len, adapters, accepting, bool(ranks))
+    return RoutingState(epoch, next(_versions), "inst", ranks, max_model_len, adapters, is_accepting=accepting,
+                        is_serving=bool(ranks))
 
 
 def run(coro):
@@ -196,3 +198,28 @@ def test_follower_holds_requests_while_the_coordinator_is_unreachable():
         await follower.stop()
 
     run(main())
+
+
+def test_coserve_assignment_groups_an_adapter_and_balances_the_latency_model():
+    from elasticmoe.adapter_policy.profile import KindProfile
+
+    async def main(assign: str) -> list[str]:
+        # A batch of one adapter costs B once and K per request (K=0.1, B=1): a further request of
+        # an adapter already queued on a rank adds only K there, a first one B + K anywhere.
+        kind = KindProfile(max_batch=8, k_s=0.1, b_s=1.0)
+        router: Router[str] = Router(assign=assign, kinds={"lora": kind, "base": kind})
+        router.update(dataclasses.replace(serving("r0", "r1", adapters=("law", "med")),
+                                          adapter_kinds=(("law", "lora"), ("med", "lora"))))
+        chosen: list[str] = []
+        async with contextlib.AsyncExitStack() as stack:
+            for adapter in ("law", "med", "law", "law"):
+                chosen.append((await stack.enter_async_context(router.route(adapter))).rank)
+        assert router.loads() == [0, 0]
+        return chosen
+
+    # coserve keeps law's three requests in one batch on r0 (queues 1.3 s and 1.1 s); parallel
+    # balances counts and splits law over both ranks (two batches of it: 1.2 s and 2.2 s).
+    assert run(main("coserve")) == ["r0", "r1", "r0", "r0"]
+    assert run(main("parallel")) == ["r0", "r1", "r0", "r1"]
+    with pytest.raises(ValueError, match="request_assigning"):
+        Router(assign="magic")

@@ -26,7 +26,7 @@ _versions = iter(range(1, 10_000))
 
 def serving(*ranks: str) -> RoutingState:
     """A published state with these ranks (the router sees nothing else of an instance)."""
-    return RoutingState("e0", next(_versions), "inst", ranks, 64, (), True, True)
+    return RoutingState("e0", next(_versions), "inst", ranks, 64, (), is_accepting=True, is_serving=True)
 
 
 def _output(request_id: str, finished: bool) -> OutputDelta:

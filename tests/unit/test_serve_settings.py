@@ -67,7 +67,7 @@ def test_flags_file_and_serve_args_mean_the_same(tiny_model_dir, tmp_path):
     from_args = config_from_args({"model_dir": tiny_model_dir, **SAMPLE}, environ={})
     assert from_flags == from_file == from_args
     assert from_args.kv_bytes_per_device == 8 << 20 and from_args.lora_adapters == (("a", "/adapters/a"),)
-    assert from_args.standby_pool is False and from_args.engine_options().max_cpu_loras == 1
+    assert from_args.standby_pool is False and from_args.engine_options().max_cpu_loras is None  # = the slots
 
 
 def _toml(tmp_path: Path, serve: dict, autoscale: dict | None = None) -> Path:
@@ -145,3 +145,24 @@ def test_the_chart_offers_every_setting_the_serve_args_take():
     not_in_chart = {"model_dir", "num_devices", "autoscale", "max_cpu_loras"} | secret_fields(CoordinatorConfig)
     assert set(schema["coordinator"]["properties"]) == set(CoordinatorConfig.model_fields) - not_in_chart
     assert set(schema["autoscale"]["properties"]) == set(AutoscaleConfig.model_fields)
+
+
+def test_a_profile_fills_the_memory_split_unless_given(tiny_model_dir, tmp_path):
+    from elasticmoe.adapter_policy.profile import KindProfile, MemorySplit, Profile
+
+    split = MemorySplit(budget_bytes=1 << 30, kv_cache_bytes=256 << 20, num_lora_slots=6, lora_slot_bytes=1 << 20,
+                        max_num_seqs=24)
+    profile = Profile("m", "cpu", {"base": KindProfile(16, 0.01, 0.1), "lora": KindProfile(16, 0.012, 0.1, 0.05)},
+                      kv_bytes_per_token=4096, tokens_per_request=256, usage_probability={"law": 0.6},
+                      memory_split=split)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile.to_json()))
+    options = ServeSettings(model_dir=tiny_model_dir, profile=str(path), adapter_eviction="lru").engine_options()
+    assert (options.kv_cache_bytes, options.max_num_seqs, options.max_loras) == (256 << 20, 24, 6)
+    assert options.adapter_eviction == "lru" and options.adapter_profile == str(path)
+    given = ServeSettings(model_dir=tiny_model_dir, profile=str(path), max_num_seqs=8).engine_options()
+    assert given.max_num_seqs == 8 and given.max_loras == 6  # a given value wins
+    with pytest.raises(ValueError, match="--profile: .* is not a file"):
+        ServeSettings(model_dir=tiny_model_dir, profile=str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match="adapter_eviction"):
+        ServeSettings(model_dir=tiny_model_dir, adapter_eviction="random")

@@ -1,6 +1,6 @@
 """Admin API for adapters, shared by the single-process server and the coordinator.
 
-    POST   /admin/adapters {"name", "path", "type": "esft"|"lora"}   load (201), serving continues
+    POST   /admin/adapters {"name", "path", "type": "esft"|"lora", "usage_probability"}   load (201)
     DELETE /admin/adapters/{name}                       unload once its requests finish (202/200)
     GET    /admin/adapters                              what is loaded
 
@@ -48,6 +48,10 @@ class LoadAdapterRequest(BaseModel):
         "esft", description="Adapter kind; lora_router: a learned per-token router over loaded LoRA adapters "
         "(router_config.json + router.safetensors), used with lora_routing={type: learned, router: name}."
     )
+    usage_probability: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="The chance a request uses this adapter (CoServe §4.3): what the eviction keeps longest. "
+        "Default: the server's profile (serve --profile), else the observed request rate.")
 
 
     @field_validator("path")
@@ -68,9 +72,10 @@ class LoadAdapterRequest(BaseModel):
 class AdapterHost(Protocol):
     """Where adapters are loaded: one engine, or every rank of the active instance."""
 
-    async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]: ...
-    async def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]: ...
-    async def load_router(self, name: str, router: LoraRouter) -> dict[str, Any]: ...
+    async def load_esft(self, adapter: EsftAdapter, usage_probability: float | None = None) -> dict[str, Any]: ...
+    async def load_lora(self, adapter: LoraAdapter, usage_probability: float | None = None) -> dict[str, Any]: ...
+    async def load_router(self, name: str, router: LoraRouter,
+                          usage_probability: float | None = None) -> dict[str, Any]: ...
     async def unload(self, name: str) -> bool: ...  # True: unloaded now; False: once its requests finish
     async def describe(self) -> list[dict[str, Any]]: ...
 
@@ -95,15 +100,16 @@ def add_adapter_routes(
             raise OpenAIError(f"name: {body.name!r} is the base model's id", status_code=HTTPStatus.CONFLICT,
                               param="name")
         try:
+            p = body.usage_probability
             if body.type == "lora_router":
                 router = await asyncio.to_thread(LoraRouter.open, body.path)
-                info = await host.load_router(body.name, router)
+                info = await host.load_router(body.name, router, p)
             elif body.type == "lora":
                 lora = await asyncio.to_thread(read_lora_adapter, body.name, body.path, model_config())
-                info = await host.load_lora(lora)
+                info = await host.load_lora(lora, p)
             else:
                 adapter = await asyncio.to_thread(read_esft_adapter, body.name, body.path, model_config())
-                info = await host.load_esft(adapter)
+                info = await host.load_esft(adapter, p)
         except (ValueError, RuntimeError) as exc:
             raise _adapter_error(unwrap_remote(exc)) from None
         logger.info("adapter %r loaded from %s", body.name, body.path)
@@ -147,29 +153,30 @@ class EngineAdapterHost:
     def engine(self) -> Any:
         return self.async_llm.engine
 
-    async def load_esft(self, adapter: EsftAdapter) -> dict[str, Any]:
+    async def load_esft(self, adapter: EsftAdapter, usage_probability: float | None = None) -> dict[str, Any]:
         engine, experts = self.engine, adapter.config.experts
         dtype = engine.config.dtype
         rank, placement = engine.config.ep_rank, engine.placement
         weights = await asyncio.to_thread(read_expert_weights, adapter, rank, placement.expert_to_rank, dtype)
         slot = await self.async_llm.run_on_loop(
-            lambda: engine.adapters.load_esft(adapter.name, experts, lambda layer, e, _: weights[(layer, e)])
+            lambda: engine.adapters.load_esft(adapter.name, experts, lambda layer, e, _: weights[(layer, e)],
+                                              usage_probability=usage_probability)
         )
         return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
 
-    async def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]:
+    async def load_lora(self, adapter: LoraAdapter, usage_probability: float | None = None) -> dict[str, Any]:
         engine = self.engine
         dtype = engine.config.dtype
         factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
         slot = await self.async_llm.run_on_loop(
             lambda: engine.adapters.load_lora(adapter.name, adapter.modules, lambda m, _: factors[m],
-                                             adapter.config.scaling)
+                                             adapter.config.scaling, usage_probability=usage_probability)
         )
         return {"slot": slot, "rank": adapter.config.r, "num_modules": len(adapter.modules)}
 
-    async def load_router(self, name: str, router: LoraRouter) -> dict[str, Any]:
+    async def load_router(self, name: str, router: LoraRouter, usage_probability: float | None = None) -> dict[str, Any]:
         engine = self.engine
-        await self.async_llm.run_on_loop(lambda: engine.adapters.load_router(name, router))
+        await self.async_llm.run_on_loop(lambda: engine.adapters.load_router(name, router, usage_probability))
         return {"adapters": list(router.adapters), "top_k": router.top_k}
 
     async def unload(self, name: str) -> bool:

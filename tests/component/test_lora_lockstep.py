@@ -1,0 +1,108 @@
+"""LoRA swaps under EP: two ranks (processes, gloo) with one LoRA slot and three adapters in host
+memory each; every rank asks for different adapters, the lockstep loop swaps them in on both ranks
+at once (`engine.lora_lockstep`), and every request's tokens equal an EP=1 engine holding every
+adapter resident (itself equal to the merged models: tests/component/test_lora_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_lora_adapter import make_lora_adapter
+
+pytestmark = pytest.mark.slow
+
+NAMES = ("law", "med", "code")
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Each rank asks for other adapters, interleaved, so the one slot must change under live requests.
+RANK_REQUESTS = {0: [("a0", [5, 6, 7, 8], "med"), ("a1", [9, 10, 11], "law"), ("a2", [12, 13], "code")],
+                 1: [("b0", [20, 21, 22], "code"), ("b1", [23, 24, 25, 26], "med"), ("b2", [27, 28], None)]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine(model_dir: str, rank: int = 0, world: int = 1, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=128, num_threads=1,
+                                  ep_rank=rank, ep_size=world, max_lora_rank=8, **kwargs))
+
+
+def _load_all(engine: LLMEngine, paths: dict[str, str], model_dir: str) -> None:
+    cfg = ModelConfig.from_pretrained(model_dir)
+    for name in NAMES:  # the same order on every rank, as the coordinator loads them
+        a = LoraAdapter.open(name, paths[name], cfg)
+        engine.adapters.load_lora(name, a.modules, a.weights, a.config.scaling)
+
+
+def _worker(rank: int, port: int, model_dir: str, paths: dict[str, str], queue) -> None:
+    from imm.lockstep_loop import LockstepAsyncLLM
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        engine = _engine(model_dir, rank, 2, max_loras=1, max_cpu_loras=len(NAMES))
+        _load_all(engine, paths, model_dir)
+        llm = LockstepAsyncLLM(engine, dist.group.WORLD)
+        llm.start()
+
+        async def one(rid: str, prompt: list[int], adapter: str | None) -> list[int]:
+            tokens: list[int] = []
+            async for out in llm.generate(EngineRequest(rid, prompt, PARAMS, AdapterRef(adapter))):
+                tokens += out.new_token_ids
+            return tokens
+
+        async def main() -> dict[str, list[int]]:
+            outs = await asyncio.gather(*(one(*r) for r in RANK_REQUESTS[rank]))
+            return {r[0]: o for r, o in zip(RANK_REQUESTS[rank], outs, strict=True)}
+
+        tokens = asyncio.run(main())
+        slots = dict(engine.adapters.lora.slot_of)
+        stats = engine.adapters.stats()
+        llm.shutdown()
+        queue.put((rank, (tokens, slots, stats["swaps_in"])))
+    except BaseException as e:  # report instead of leaving the parent waiting
+        queue.put((rank, f"rank {rank} failed: {e!r}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_swap_the_same_adapters_into_the_same_slots(tiny_model_dir, tmp_path):
+    paths = {name: make_lora_adapter(tiny_model_dir, str(tmp_path / name), rank=4, seed=i,
+                                     target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))
+             for i, name in enumerate(NAMES)}
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, tiny_model_dir, paths, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    failures = [r for r in results.values() if isinstance(r, str)]
+    assert not failures, failures
+
+    reference = _engine(tiny_model_dir, max_loras=len(NAMES))  # every adapter resident, one rank
+    _load_all(reference, paths, tiny_model_dir)
+    for rid, prompt, adapter in [r for rs in RANK_REQUESTS.values() for r in rs]:
+        reference.add_request(rid, prompt, PARAMS, adapter)
+    want: dict[str, list[int]] = {}
+    while reference.has_unfinished_requests():
+        want.update({o.request_id: o.output_token_ids for o in reference.step() if o.finished})
+
+    (tokens0, slots0, swaps0), (tokens1, slots1, swaps1) = results[0], results[1]
+    assert {**tokens0, **tokens1} == want  # every adapter's tokens, as if it never left its slot
+    assert slots0 == slots1 and swaps0 == swaps1 >= 3  # the same swaps on both ranks
