@@ -206,9 +206,20 @@ class ClusterAdapterHost:
         """Stop admitting `name` everywhere; release it in the background once no rank uses it.
         Returns True if it is already gone (`wait=True`: waits for that)."""
         with self.lock:
+            if name in self.routers:  # a learned router: every rank drops it at once
+                inst = self.cluster.active
+                assert inst is not None
+                ray.get([rank.unload_adapter.remote(name) for rank in inst.ranks])
+                del self.routers[name]
+                self.router_probabilities.pop(name, None)
+                return True
             entry = self.adapters.get(name)
             if entry is None or entry.state != "loaded":
                 raise UnknownAdapterError(name)
+            dependents = sorted(r for r, router in self.routers.items() if name in router.adapters)
+            if dependents:
+                raise AdapterConflictError(f"adapter {name!r} is routed to by learned routers {dependents}; they "
+                                           "depend on it")
             inst = self.cluster.active
             assert inst is not None
             entry.state = "unloading"

@@ -41,6 +41,9 @@ class AdapterError(ValueError):
         return (type(self), (self.param, self.message))
 
 
+_INNER = "model."  # `model.model`'s prefix in a checkpoint's tensor names
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -198,6 +201,7 @@ class EsftAdapter:
         self._file_of = file_of
         self._stored_dtype = stored_dtype
         self._handles: dict[Path, Any] = {}
+        self._stored_name: dict[str, str] = {}  # full checkpoint name -> the name in the file, where they differ
 
     @classmethod
     def open(cls, name: str, path: str | os.PathLike, model_config: ModelConfig,
@@ -242,6 +246,17 @@ class EsftAdapter:
         expected: dict[str, tuple[int, ...]] = {}
         for t in tuned.values():
             expected.update(t.shapes())
+        # The ESFT repository's own loader names tensors relative to `model.model` ("layers...");
+        # checkpoints name them in full ("model.layers..."). Either is accepted, not a mix.
+        relative = {n.removeprefix(_INNER): n for n in expected if n.startswith(_INNER)}
+        if not any(n in file_of for n in expected) and any(k in relative for k in file_of):
+            renamed = {relative.get(k, k): k for k in file_of}
+            file_of = {full: file_of[k] for full, k in renamed.items()}
+            shape_of = {full: shape_of[k] for full, k in renamed.items()}
+            dtype_of = {full: dtype_of[k] for full, k in renamed.items()}
+            stored_name = {full: k for full, k in renamed.items() if full != k}
+        else:
+            stored_name = {}
         missing = [n for n in expected if n not in file_of]
         if missing:
             raise AdapterError("path", f"{len(missing)} tuned-expert tensors missing, e.g. {missing[0]!r}")
@@ -255,14 +270,16 @@ class EsftAdapter:
                                f"e.g. {extra[0]!r}")
         logger.info("adapter %s: %d experts over %d layers from %s", name, config.num_experts_total,
                     len(config.experts), root)
-        return cls(name, root, config, tuned, file_of, dtype_of, dtype)
+        adapter = cls(name, root, config, tuned, file_of, dtype_of, dtype)
+        adapter._stored_name = stored_name
+        return adapter
 
     def _read(self, name: str) -> torch.Tensor:
         file = self._file_of[name]
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = safe_open(str(file), framework="pt")
-        return handle.get_tensor(name)
+        return handle.get_tensor(self._stored_name.get(name, name))
 
     def expert_weights(self, layer: int, expert: int,
                        dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

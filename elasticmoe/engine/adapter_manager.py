@@ -32,6 +32,7 @@ from typing import Any
 
 from elasticmoe.adapter_policy.profile import load_profile
 from elasticmoe.adapter_policy.usage import check_probability
+from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
 from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
@@ -185,9 +186,10 @@ class AdapterManager:
             raise AdapterLimitError("this engine serves no LoRA adapters (--max-loras 0)")
         if router.top_k > self.config.max_lora_topk:
             raise AdapterLimitError(f"router top_k {router.top_k} > {self.config.max_lora_topk} (max_lora_topk)")
-        missing = [a for a in router.adapters if not self.lora.is_loaded(a)]
+        missing = [a for a in router.adapters if not self.lora.is_loaded(a) or a in self.unloading]
         if missing:
-            raise UnknownAdapterError(missing[0])
+            raise AdapterError("path", f"router {name!r} routes to adapters {missing} that are not loaded; load "
+                               "them first")
         if router.w1.shape[1] != self.model_config.hidden_size:
             raise ValueError(f"path: router input size {router.w1.shape[1]} != hidden size "
                              f"{self.model_config.hidden_size}")
@@ -197,10 +199,20 @@ class AdapterManager:
     def unload(self, name: str) -> bool:
         """Stop admitting requests for `name`. With one rank it is unloaded (its rows released)
         once none of its requests is live, now or at the end of a later step; returns True if
-        that happened now. Under EP other ranks route tokens to the experts this rank holds, so
-        the caller unloads every rank with `finish_unload` once no rank is `in_use`."""
+        that happened now. A learned router is dropped at once; an adapter a router routes to is
+        refused (`AdapterConflictError` naming the routers: unload them first). Under EP other
+        ranks route tokens to the experts this rank holds, so the caller unloads every rank with `finish_unload` once no rank is `in_use`."""
+        if name in self.routers:  # a learned router: nothing runs through it once it is gone
+            del self.routers[name]
+            if self.swapper is not None:
+                self.swapper.forget(router_node(name))
+            return True
         if name not in self.served:
             raise UnknownAdapterError(name)
+        dependents = sorted(r for r, router in self.routers.items() if name in router.adapters)
+        if dependents:
+            raise AdapterConflictError(f"adapter {name!r} is routed to by learned routers {dependents}; they "
+                                       "depend on it")
         self.unloading.add(name)
         self._publish()
         if self.is_single_rank:

@@ -240,3 +240,32 @@ def test_cli_help(capsys):
     assert info.value.code == 0
     text = capsys.readouterr().out
     assert "--experts-per-layer" in text and "--merged-out" in text and "expert_cfg.json" in text
+
+
+def test_tensors_named_relative_to_the_inner_model_are_read_too(tiny_model_dirs, adapters, tmp_path):
+    """The ESFT repository's loader names tensors relative to `model.model` ("layers..."): accepted."""
+    cfg = ModelConfig.from_pretrained(tiny_model_dirs["qwen3_moe"])
+    full = EsftAdapter.open("a", adapters["qwen3_moe"], cfg)
+    relative = tmp_path / "relative"
+    relative.mkdir()
+    shutil.copy(adapters["qwen3_moe"] / "expert_cfg.json", relative / "expert_cfg.json")
+    stored = load_file(str(adapters["qwen3_moe"] / ADAPTER_FILE))
+    assert all(n.startswith("model.") for n in stored)
+    save_file({n.removeprefix("model."): t for n, t in stored.items()}, str(relative / ADAPTER_FILE))
+    short = EsftAdapter.open("a", relative, cfg)
+    for layer, ids in full.config.experts.items():
+        for e in ids:
+            assert all(torch.equal(x, y) for x, y in zip(short.expert_weights(layer, e), full.expert_weights(layer, e),
+                                                           strict=True))
+
+
+def test_the_kind_is_read_from_the_files(tiny_model_dirs, adapters, tmp_path):
+    from elasticmoe.entrypoints.openai.adapters_api import adapter_kind
+    from elasticmoe.tools.make_lora_adapter import make_lora_adapter
+
+    assert adapter_kind(str(adapters["qwen3_moe"])) == "esft"
+    assert adapter_kind(str(make_lora_adapter(tiny_model_dirs["qwen3_moe"], str(tmp_path / "lora")))) == "lora"
+    for nothing in (tmp_path, tmp_path / "missing"):  # the same answer: no hint which paths exist
+        with pytest.raises(AdapterError, match="no adapter here") as info:
+            adapter_kind(str(nothing))
+        assert info.value.param == "path"

@@ -21,6 +21,7 @@ from elastic_server import cluster_of, tiny_config
 from coordinator.cluster import ClusterManager
 from coordinator.scale_events import ScaleConflict, ScaleState
 from coordinator.scaler import Scaler
+from elasticmoe.adapters.esft_slots import AdapterConflictError
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
@@ -158,8 +159,10 @@ def test_lora_across_scaling(cluster, adapters, tmp_path):
         "learned", PROMPT, PARAMS, AdapterRef(routing={"type": "learned", "router": "mix"}))))
               if isinstance(o, RequestOutput)]
     assert routed[-1].output_token_ids == want  # top-1 of one adapter: that adapter
+    with pytest.raises(AdapterConflictError, match=r"routers \['mix'\]"):
+        host.unload_blocking("style")  # the router depends on it
+    assert host.unload_blocking("mix") and host.routers == {}
     assert host.unload_blocking("style", wait=True)
-    assert host.routers == {}  # dropped with its adapter
     with pytest.raises(UnknownAdapterError):
         _generate(cluster, "lora-gone", "style")
 

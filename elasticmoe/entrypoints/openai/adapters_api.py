@@ -16,15 +16,17 @@ import asyncio
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
 
-from elasticmoe.adapters.esft import AdapterError, EsftAdapter
+from elasticmoe.adapters.esft import EXPERT_CFG, AdapterError, EsftAdapter
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.adapters.lora_router import CONFIG as ROUTER_CONFIG
 from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.errors import OpenAIError
@@ -44,9 +46,10 @@ class LoadAdapterRequest(BaseModel):
                       description="Adapter directory on the server (ESFT: expert_cfg.json + safetensors; LoRA: "
                       "PEFT's adapter_config.json + adapter_model.safetensors). At most 4096 characters, each "
                       "path component at most 255 bytes.")
-    type: Literal["esft", "lora", "lora_router"] = Field(
-        "esft", description="Adapter kind; lora_router: a learned per-token router over loaded LoRA adapters "
-        "(router_config.json + router.safetensors), used with lora_routing={type: learned, router: name}."
+    type: Literal["esft", "lora", "lora_router"] | None = Field(
+        None, description="Adapter kind; omitted: read from the files (PEFT's adapter_config.json: lora; "
+        "expert_cfg.json: esft; router_config.json: lora_router). lora_router: a learned per-token router over "
+        "loaded LoRA adapters, used with lora_routing={type: learned, router: name}."
     )
     usage_probability: float | None = Field(
         None, ge=0.0, le=1.0, allow_inf_nan=False,
@@ -80,6 +83,17 @@ class AdapterHost(Protocol):
     async def describe(self) -> list[dict[str, Any]]: ...
 
 
+def adapter_kind(path: str) -> str:
+    """The kind of the adapter directory at `path`, read from its files; `AdapterError` naming
+    `path` when none is recognised (the same answer whether the path exists or not)."""
+    root = Path(path)
+    for marker, kind in (("adapter_config.json", "lora"), (EXPERT_CFG, "esft"), (ROUTER_CONFIG, "lora_router")):
+        if (root / marker).is_file():
+            return kind
+    raise AdapterError("path", f"{root}: no adapter here (want a directory with adapter_config.json, {EXPERT_CFG} "
+                       f"or {ROUTER_CONFIG}, or give type)")
+
+
 def read_esft_adapter(name: str, path: str, model_config: ModelConfig) -> EsftAdapter:
     """Open and validate an adapter directory (blocking: run it in a thread)."""
     return EsftAdapter.open(name, path, model_config)
@@ -99,12 +113,15 @@ def add_adapter_routes(
         if body.name == base_name:
             raise OpenAIError(f"name: {body.name!r} is the base model's id", status_code=HTTPStatus.CONFLICT,
                               param="name")
+        kind: str | None = body.type
         try:
+            if kind is None:
+                kind = await asyncio.to_thread(adapter_kind, body.path)
             p = body.usage_probability
-            if body.type == "lora_router":
+            if kind == "lora_router":
                 router = await asyncio.to_thread(LoraRouter.open, body.path)
                 info = await host.load_router(body.name, router, p)
-            elif body.type == "lora":
+            elif kind == "lora":
                 lora = await asyncio.to_thread(read_lora_adapter, body.name, body.path, model_config())
                 info = await host.load_lora(lora, p)
             else:
@@ -113,7 +130,7 @@ def add_adapter_routes(
         except (ValueError, RuntimeError) as exc:
             raise _adapter_error(unwrap_remote(exc)) from None
         logger.info("adapter %r loaded from %s", body.name, body.path)
-        return JSONResponse({"name": body.name, "type": body.type, "state": "loaded", **info}, status_code=201)
+        return JSONResponse({"name": body.name, "type": kind, "state": "loaded", **info}, status_code=201)
 
     @app.delete("/admin/adapters/{name}")
     async def unload_adapter(name: str) -> Response:
@@ -122,6 +139,8 @@ def add_adapter_routes(
         except UnknownAdapterError as exc:
             raise OpenAIError(f"No adapter {name!r} is loaded.", status_code=HTTPStatus.NOT_FOUND,
                               param="name") from exc
+        except AdapterConflictError as exc:  # others depend on it (learned routers over it)
+            raise OpenAIError(str(unwrap_remote(exc)), status_code=HTTPStatus.CONFLICT, param="name") from exc
         state = "unloaded" if done else "unloading"
         return JSONResponse({"name": name, "state": state}, status_code=200 if done else 202)
 
