@@ -157,7 +157,8 @@ def build_ingress_app(
     return app
 
 
-@serve.deployment(name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="ingress", num_replicas=1, health_check_period_s=1.0, health_check_timeout_s=15.0,
+                  ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Ingress:
     """One replica: follows the coordinator, serves HTTP."""

@@ -72,20 +72,21 @@ async def run_all(url: str, model: str, faults: list[tuple[str, int]], args: arg
             result = await run_fault(client, fault, model, ps, reference, args.max_tokens, shm_prefix=shm_prefix,
                                      kill_node=kill_node)
             _progress(f"  {result.failed} failed, {result.identical}/{result.requests} identical, "
-                      f"recovered in {result.recover_s}, longest stall {result.max_stall_s:.2f} s")
+                      f"recovered in {_seconds(result.recover_s)}, longest stall {result.max_stall_s:.2f} s")
             results.append(result)
     return results
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
-    def sec(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f} s"
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
 
+
+def format_table(results: list[dict[str, Any]]) -> str:
     lines = ["| fault | dp | detect | recover | longest stall / before | /ready 503 | failed | recovered | "
              "tokens recomputed | identical | orphaned shm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
-            f"| {r['fault']} | {r['dp_before']}->{r['dp_after']} | {sec(r['detect_s'])} | {sec(r['recover_s'])} | "
+            f"| {r['fault']} | {r['dp_before']}->{r['dp_after']} | {_seconds(r['detect_s'])} | {_seconds(r['recover_s'])} | "
             f"{r['max_stall_s']:.2f} / {r['baseline_stall_s']:.2f} s | {r['ready_503_s']:.2f} s | "
             f"{r['failed']}/{r['requests']} | {r['recovered']} | {r['tokens_recomputed']} | "
             f"{r['identical']}/{r['requests']} | {r['orphaned_shm_files']} |")
