@@ -273,7 +273,8 @@ class ClusterManager:
 
     def forget_lost_node(self, ray_node_id: str) -> list[int]:
         """A node died: its devices are forgotten (no call reaches them; the next plan neither
-        reads nor frees them), pooled standby instances with a rank there are retired."""
+        reads nor frees them), pooled standby instances with a rank there are retired, and the
+        shared memory its workers left is freed wherever we can reach it."""
         with self.devices_lock:
             hmm = self.hmm
             assert hmm is not None
@@ -281,6 +282,16 @@ class ClusterManager:
             hmm.forget_devices(ids)
             self.nodes.mark(ray_node_id, NodeState.LOST, detail=f"devices {ids} lost")
         self.standby.retire_where(lambda inst: ray_node_id in getattr(inst, "nodes", ()))
+        # NOTE: a lost node's machine usually goes with it, but a dead raylet on a live host (or
+        # several Ray nodes on one host, as here) leaves its workers' files behind: every live
+        # node and this one free the files whose owner is gone (lease-checked, so never a live one's).
+        try:
+            freed = [*hmm.reap(), *reap(self.config.shm_prefix)]
+            if freed:
+                logger.info("coordinator: node %s lost; freed %d shared-memory files it left", ray_node_id,
+                            len(freed))
+        except Exception:  # noqa: BLE001 - the repair matters more than the files
+            logger.exception("coordinator: reaping after the loss of node %s failed", ray_node_id)
         return ids
 
     def lost_nodes(self, dead_device_ids: Iterable[int]) -> set[str]:

@@ -336,8 +336,8 @@ class Scaler:
             self._exported = [s.request_id for ss in snaps.values() for s in ss]
             old.release_engines()  # NOTE: its processes stay until their streams are routed
             hmm.unload()
-            hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
-                     esft_slots=cfg.esft_slots)
+            event.bytes_moved = hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype,
+                                         kv_bytes=cfg.kv_bytes_per_device, esft_slots=cfg.esft_slots)
             assert hmm.layout is not None
             new = Instance.create_standby(cfg.model_dir, event.to_dp, engine_options=cfg.engine_options(),
                                           nodes=cluster.rank_nodes(hmm.layout.devices))

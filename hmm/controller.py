@@ -248,9 +248,10 @@ class HMMController:
         dtype: torch.dtype = torch.bfloat16,
         kv_bytes: int | None = None,
         esft_slots: tuple[int, int] = (0, 0),
-    ) -> ScalePlan:
+    ) -> dict[str, int]:
         """Initial layout of (dp, ep=dp) on the first `dp` devices: each tensor read from
-        disk once, the replicas filled by p2p; committed on success. `esft_slots` = (N, E_max):
+        disk once, the replicas filled by p2p; committed on success; bytes by source, as
+        `execute` returns them. `esft_slots` = (N, E_max):
         every expert stack is a virtual weight tensor with N adapter slots of E_max rows
         (address space only). Adapters registered before (an `unload` + `load`) are mapped again."""
         if self.layout is not None:
@@ -259,12 +260,11 @@ class HMMController:
         self.model_config = cfg = ModelConfig.from_pretrained(model_dir)
         sizes = ModelSizes.from_model(cfg, dtype.itemsize)
         layout = layout_for(None, sizes, list(self.devices.values()), dp, dp, kv_bytes=kv_bytes)
-        p = load_plan(layout)
-        self.execute(p)
+        moved = self.execute(load_plan(layout))
         self.commit()
         for entry in list(self.adapters.values()):
             self._map_adapter(entry)
-        return p
+        return moved
 
     # ---- ESFT adapters ------------------------------------------------------------------
 

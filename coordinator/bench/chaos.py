@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import random
 import secrets
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 
 from coordinator.bench.chaos_faults import FAULTS, FaultResult, run_fault, settle, undisturbed
-from coordinator.bench.local_nodes import joined, parse_nodes, ray_nodes
+from coordinator.bench.local_nodes import attached, parse_nodes, ray_nodes, run_attached
 from coordinator.bench.report_output import claim_stdout, emit
 from hmm.memory.lease import reap
 
@@ -131,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _progress(f"building {args.model} (make-model --arch qwen3_moe --preset tiny --seed 0)")
         make_model("qwen3_moe", "tiny", seed=0, out=args.model)
+    cluster = attached()
+    if nodes is not None and cluster is None:  # start the nodes, then measure on them as their driver
+        _progress(f"starting a Ray cluster of {len(nodes)} nodes offering {list(nodes)} devices")
+        with ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:]) as started:
+            return run_attached(started, "coordinator.bench.chaos", sys.argv[1:] if argv is None else argv)
     from coordinator.config import CoordinatorConfig
     from elasticmoe.config import ModelConfig
 
@@ -144,22 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    with contextlib.ExitStack() as stack:
-        kill_node, address = None, None
-        if nodes is not None:
-            _progress(f"starting a Ray cluster of {len(nodes)} nodes offering {list(nodes)} devices")
-            cluster = stack.enter_context(ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:]))
-            stack.enter_context(joined(cluster))
-            kill_node, address = cluster.kill_node, cluster.address
-        _progress(f"starting the elastic server: {args.model}, {args.devices} devices")
-        server = start_elastic(config, port=port, address=address,
-                               ray_init_kwargs={} if address else {"num_cpus": 2, "log_to_driver": False})
-        try:
-            results = asyncio.run(run_all(server.url, "chaos", faults, args, vocab_size, config.shm_prefix,
-                                          kill_node))
-        finally:
-            _progress("shutting the server down")
-            server.shutdown()
+    kill_node, address = (cluster.kill_node, cluster.address) if cluster is not None else (None, None)
+    _progress(f"starting the elastic server: {args.model}, {args.devices} devices")
+    server = start_elastic(config, port=port, address=address,
+                           ray_init_kwargs={"log_to_driver": False} if address else {"num_cpus": 2, "log_to_driver": False})
+    try:
+        results = asyncio.run(run_all(server.url, "chaos", faults, args, vocab_size, config.shm_prefix, kill_node))
+    finally:
+        _progress("shutting the server down")
+        server.shutdown()
     left = reap(config.shm_prefix)
     doc: dict[str, Any] = {"benchmark": "coordinator.bench.chaos",
            "config": {"model": args.model, "devices": args.devices, "nodes": nodes, "faults": args.faults,

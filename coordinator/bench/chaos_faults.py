@@ -118,10 +118,12 @@ async def _inject(client: httpx.AsyncClient, fault: str, st: dict[str, Any],
     if fault == "node":
         if kill_node is None:
             raise ValueError("fault node: needs a multi-node cluster (--nodes)")
-        home = next(n["ray_node_id"] for n in (await client.get("/admin/nodes")).json()["nodes"] if n["home"])
+        nodes = (await client.get("/admin/nodes")).json()["nodes"]
+        home = next((n["ray_node_id"] for n in nodes if n["home"]), None)  # None: the head offers no device
         victim = next((r["ray_node_id"] for r in reversed(ranks) if r["ray_node_id"] != home), None)
         if victim is None:
-            raise RuntimeError("fault node: every rank runs on the head's node")
+            raise RuntimeError("fault node: every rank runs on the head's node, and the head is not killed (the "
+                               "coordinator lives there); give the head no devices, e.g. --nodes 0,1,1")
         kill_node(victim)
         return time.monotonic(), time.time()
     if fault == "rank":

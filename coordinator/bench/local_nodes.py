@@ -8,7 +8,8 @@ about 2 s without answers here (Ray's default is about 15 s), so a killed node i
 within a test's patience. As KubeRay does (a Secret in
 `RAY_AUTH_TOKEN` on every pod), the nodes get `RAY_AUTH_MODE=token` and a fresh token in
 their environment, and so does the server `serve_on` starts (`elasticmoe serve --address`,
-its own process: Ray reads the mode once per process). Every process of the cluster is
+its own process: Ray reads the mode when it is imported), and a benchmark's driver
+(`run_attached`). Every process of the cluster is
 found by its own temp dir, so `stop()` ends this cluster's processes and never another
 Ray on the machine.
 """
@@ -33,8 +34,6 @@ from pathlib import Path
 import httpx
 
 from hmm.placement import DEVICE_RESOURCE
-
-_AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -120,20 +119,25 @@ def ray_nodes(head_devices: int = 1, worker_devices: tuple[int, ...] = (1,), cpu
         nodes.stop()
 
 
-@contextlib.contextmanager
-def joined(nodes: RayNodes) -> Iterator[None]:
-    """This process carries the cluster's token while inside (a driver that `ray.init`s the
-    cluster: Ray reads the mode once per process, so enter this before the first `ray.init`)."""
-    saved = {k: os.environ.get(k) for k in _AUTH}
-    os.environ.update({k: nodes.env[k] for k in _AUTH})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+_ATTACHED = "ELASTICMOE_BENCH_NODES"  # a child run by `run_attached`: its cluster's temp dir and address
+
+
+def run_attached(nodes: RayNodes, module: str, argv: list[str]) -> int:
+    """Run `python -m module argv` as a driver of `nodes` and return its exit status. A child
+    process, because Ray reads its token mode when it is imported: a process that imported Ray
+    before the cluster existed can never join it. stdout and stderr are this process's."""
+    env = {**nodes.env, _ATTACHED: json.dumps({"temp_dir": nodes.temp_dir, "address": nodes.address})}
+    return subprocess.run([sys.executable, "-m", module, *argv], env=env).returncode
+
+
+def attached() -> RayNodes | None:
+    """In a child of `run_attached`: the cluster it was started on (its address, and
+    `kill_node`); elsewhere None."""
+    spec = os.environ.get(_ATTACHED)
+    if spec is None:
+        return None
+    fields = json.loads(spec)
+    return RayNodes(fields["temp_dir"], fields["address"], dict(os.environ))
 
 
 def parse_nodes(text: str) -> tuple[int, ...]:

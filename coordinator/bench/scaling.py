@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -41,7 +40,7 @@ from typing import Any
 import httpx
 
 from coordinator.bench.loadgen import LoadResult, PoissonLoad, Workload
-from coordinator.bench.local_nodes import joined, parse_nodes, ray_nodes
+from coordinator.bench.local_nodes import attached, parse_nodes, ray_nodes, run_attached
 from coordinator.bench.report_output import claim_stdout, emit
 from coordinator.bench.scale_metrics import (
     EventKey,
@@ -319,7 +318,7 @@ def format_tables(doc: dict[str, Any]) -> str:
                      _fmt(e["latency_ratio_vs_cold_restart"]), _fmt(e["downtime_s"], ".3f"),
                      _fmt(e["client_downtime_s"]), _fmt(e["baseline_client_downtime_s"]),
                      _mib(e["peak_memory_bytes"]), _moved(e, "p2p_gloo"), _moved(e, "disk"),
-                     str(e.get("num_rank_nodes", "-")), f"{e['failed_requests']}/{e['failed_requests_total']}",
+                     str(e.get("num_rank_nodes", "-")), f"{e['failed_requests_total']}/{e['num_requests']}",
                      _fmt(tp["before"], ".1f"), _fmt(tp["during"], ".1f"), _fmt(tp["after"], ".1f")))
     lines = [_table(rows)]
     if doc["ablation"]:
@@ -472,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     devices = sum(nodes) if nodes else (args.devices or devices_needed(runs))
     if devices < devices_needed(runs):
         _progress(f"warning: --devices {devices} < {devices_needed(runs)} needed; some events will be refused")
+    cluster = attached()
+    if nodes is not None and cluster is None:  # start the nodes, then measure on them as their driver
+        _progress(f"starting a Ray cluster of {len(nodes)} nodes offering {list(nodes)} devices")
+        with ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:]) as started:
+            return run_attached(started, "coordinator.bench.scaling", sys.argv[1:] if argv is None else argv)
 
     from coordinator.config import CoordinatorConfig
     from coordinator.launch import start_elastic
@@ -484,21 +488,15 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes_per_device=int((args.kv_cache_gb or preset[2]) * _GIB),
         max_queued=256, shm_prefix=f"emoebench{secrets.token_hex(4)}",
     )
-    with contextlib.ExitStack() as stack:
-        address = None
-        if nodes is not None:
-            _progress(f"starting a Ray cluster of {len(nodes)} nodes offering {list(nodes)} devices")
-            cluster = stack.enter_context(ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:]))
-            stack.enter_context(joined(cluster))
-            address = cluster.address
-        _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
-        server = start_elastic(config, port=args.port or _free_port(), address=address,
-                               ray_init_kwargs={} if address else {"num_cpus": 2, "log_to_driver": False})
-        try:
-            events = asyncio.run(run_events(server.url, runs, args))
-        finally:
-            _progress("shutting the server down")
-            server.shutdown()
+    address = cluster.address if cluster is not None else None
+    _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
+    server = start_elastic(config, port=args.port or _free_port(), address=address,
+                           ray_init_kwargs={"log_to_driver": False} if address else {"num_cpus": 2, "log_to_driver": False})
+    try:
+        events = asyncio.run(run_events(server.url, runs, args))
+    finally:
+        _progress("shutting the server down")
+        server.shutdown()
     doc = {
         "benchmark": "coordinator.bench.scaling",
         "config": {

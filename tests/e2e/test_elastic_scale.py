@@ -32,6 +32,7 @@ from streaming_clients import MODEL, PROMPTS, client, client_loop, reference_out
 
 from coordinator.bench.local_nodes import RayNodes, Served, ray_nodes, serve_on
 from hmm.memory import list_segments
+from hmm.memory.lease import reap
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def served(tiny_model_dir, reference):
         with serve_on(nodes, "--model", tiny_model_dir, "--served-model-name", MODEL, "--dtype", "float32",
                       "--device-memory-gb", str(64 / 1024), "--kv-cache-gb", str(8 / 1024),
                       "--shm-prefix", prefix) as srv:
-            yield srv, nodes
+            yield srv, nodes, prefix
         assert _actor_processes() == [], "a device worker or rank outlived the server"
     assert list_segments(prefix) == [], "shared-memory files leaked"
 
@@ -88,7 +89,7 @@ def _join_node(c: httpx.Client, nodes: RayNodes, timeout_s: float = 60) -> dict:
 
 
 def test_streams_survive_scaling_1_2_3_2_1(served, reference):
-    server, nodes = served
+    server, nodes, _ = served
     stop = threading.Event()
     events, rank_nodes = [], []
     with ThreadPoolExecutor(len(PROMPTS)) as pool, client(server) as c:
@@ -151,7 +152,7 @@ def _wait(c: httpx.Client, what: str, done, timeout_s: float = 120) -> dict:  # 
 
 
 def test_a_drained_node_is_given_back_and_a_killed_node_loses_no_request(served, reference):
-    server, nodes = served
+    server, nodes, prefix = served
     stop = threading.Event()
     with client(server) as c:
         assert c.get("/admin/status").json()["active_config"]["dp"] == 1  # where the walk ended
@@ -187,6 +188,9 @@ def test_a_drained_node_is_given_back_and_a_killed_node_loses_no_request(served,
                     any(e["strategy"] == "heal" and e["state"] == "succeeded" for e in st["scale_events"])
                     and st["health"]["ready"] and st["scale_event"] is None), timeout_s=180)
                 time.sleep(1.0)  # streams progress on the repaired instance
+                # The killed node's workers could not free their files (this host is shared): the
+                # repair freed them, not only the shutdown.
+                assert reap(prefix, dry_run=True) == []
             finally:
                 stop.set()
             results = [res for f in futures for res in f.result(timeout=300)]

@@ -180,9 +180,9 @@ def test_load_dp2_over_gloo_reads_each_tensor_once(prefix, tiny_model_dir):
     try:
         for d in range(2):
             ctl.add_device(DeviceSpec(d, 0, BUDGET))
-        p = ctl.load(tiny_model_dir, dp=2, dtype=torch.float32, kv_bytes=KV)
-        assert ctl.bytes_read_from_disk == _checkpoint_bytes(tiny_model_dir)  # replicas came by p2p
-        assert p.bytes_p2p > 0 and ctl.group is not None and ctl.group.world_size == 2
+        moved = ctl.load(tiny_model_dir, dp=2, dtype=torch.float32, kv_bytes=KV)
+        assert ctl.bytes_read_from_disk == _checkpoint_bytes(tiny_model_dir) == moved["bytes_disk"]  # once each
+        assert moved["bytes_p2p_gloo"] > 0 and ctl.group is not None and ctl.group.world_size == 2
         _check_layout_holds_the_checkpoint(ctl, tiny_model_dir)
     finally:
         ctl.shutdown()
