@@ -1,11 +1,13 @@
 """Adapters on the elastic server: one registry; ESFT experts in the HMM's pages and every rank's
 expert map; LoRA factors in every rank's slots (each rank keeps its own experts' share).
 
-Loading adapter `A` (`POST /admin/adapters`): a free slot `i` is chosen; the HMM maps
+Loading ESFT adapter `A` (`POST /admin/adapters`): a free slot `i` is chosen; the HMM maps
 and fills A's experts on the devices that hold the base experts they replace (its
 page pools, accounted per device); every rank of the active instance maps the new
 rows into its view and points its expert map at them. Only then does `A` appear in
-`/v1/models` and accept requests, so no token is routed to a row some rank lacks.
+`/v1/models` and accept requests, so no token is routed to a row some rank lacks. With
+every slot taken, `A` is registered on disk and swapped in when a request needs it
+(`coordinator.esft_residency`).
 
 Unloading (`DELETE`): every rank stops admitting `A` at once; a background task waits
 until no rank has a live request of `A` (under EP a rank's tokens reach experts on
@@ -24,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
+from coordinator.esft_residency import EsftResidency
 from elasticmoe.adapters.esft import EsftAdapter
 from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.errors import UnknownAdapterError
@@ -42,6 +46,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_LOCK_WAIT_S = 10.0  # a registration waits this long for a swap step or a scale's start to end
+
 
 @dataclass
 class AdapterState:
@@ -50,6 +56,7 @@ class AdapterState:
     path: str
     experts: dict[int, tuple[int, ...]]
     state: str = "loaded"  # loaded | unloading
+    evicting: bool = False  # ESFT: being swapped out of its slot (no rank admits it)
     kind: str = "esft"  # esft | lora
     usage_probability: float | None = None  # declared at registration (CoServe §4.3)
     unloaded: threading.Event = field(default_factory=threading.Event)
@@ -59,9 +66,15 @@ class AdapterState:
         """How listings sort adapters: by kind, then slot (host-only LoRA adapters last), then name."""
         return (self.kind, self.slot if self.slot is not None else 1 << 30, self.name)
 
+    @property
+    def is_resident(self) -> bool:
+        """Requests for it run now (ESFT: in a slot, not being swapped out; LoRA: in every
+        rank's host memory, which the ranks' own swapper serves)."""
+        return self.kind != "esft" or (self.slot is not None and not self.evicting)
+
     def describe(self) -> dict[str, Any]:
         out = {"name": self.name, "type": self.kind, "slot": self.slot, "path": self.path, "state": self.state,
-               "usage_probability": self.usage_probability}
+               "resident": self.is_resident, "usage_probability": self.usage_probability}
         if self.kind == "esft":
             out["num_experts"] = sum(len(v) for v in self.experts.values())
         return out
@@ -89,18 +102,47 @@ class ClusterAdapterHost:
         self.router_probabilities: dict[str, float | None] = {}  # declared usage (CoServe §4.3)
         self.lock = threading.Lock()  # adapter changes vs scale events (see the module docstring)
         self.poll_s = 0.05
+        config = cluster.config
+        self.residency = EsftResidency(self, config.adapter_eviction, config.profile)
 
     @property
     def max_adapters(self) -> int:
         return self.cluster.config.max_esft_adapters
 
-    def _publish(self) -> None:
+    def publish_registry(self) -> None:
+        """The adapters that accept requests (resident or not) changed: publish them."""
         self.publish(tuple(n for n, a in self.adapters.items() if a.state == "loaded"))
+
+    @property
+    def swapped_out(self) -> tuple[str, ...]:
+        """Accepted adapters a request must wait for (on disk, or being swapped out)."""
+        return tuple(n for n, a in self.adapters.items() if a.state == "loaded" and not a.is_resident)
+
+    def swap_stats(self) -> dict[str, Any]:
+        """ESFT residency: in a slot / on disk, and the swaps so far."""
+        esft = [a for a in list(self.adapters.values()) if a.kind == "esft" and a.state == "loaded"]
+        r = self.residency
+        return {"eviction": r.policy.name, "esft_resident": sum(a.is_resident for a in esft),
+                "esft_on_disk": sum(not a.is_resident for a in esft), "esft_swaps_in": r.num_swaps_in,
+                "esft_evictions": r.num_evictions}
 
     def busy_reason(self) -> str | None:
         """Why a scale may not start now (None: it may)."""
         unloading = [n for n, a in self.adapters.items() if a.state == "unloading"]
         return f"adapters {unloading} are unloading" if unloading else None
+
+    def wait_swaps(self, timeout_s: float) -> str | None:
+        """A scale started (so no swap starts now): wait until no adapter is being swapped out
+        (its running requests finish first). None when settled, else what is still under way."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.lock:
+                evicting = [n for n, a in self.adapters.items() if a.evicting]
+            if not evicting:
+                return None
+            if time.monotonic() > deadline:
+                return f"adapter {evicting[0]!r} was still being swapped out after {timeout_s:.0f}s"
+            time.sleep(self.poll_s)
 
     # ---- AdapterHost ------------------------------------------------------------------------
 
@@ -110,7 +152,7 @@ class ClusterAdapterHost:
 
     def load_blocking(self, name: str, path: str, experts: dict[int, tuple[int, ...]],
                       usage_probability: float | None = None) -> dict[str, Any]:
-        if not self.lock.acquire(blocking=False):
+        if not self.lock.acquire(timeout=_LOCK_WAIT_S):
             raise AdapterConflictError("a scale or another adapter change is in progress; retry")
         try:
             return self._load(name, path, experts, usage_probability)
@@ -124,31 +166,52 @@ class ClusterAdapterHost:
             raise AdapterConflictError("a scale is in progress; retry when it finished")
         if name in self.adapters:
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
-        n, e_max = self.max_adapters, cluster.config.max_esft_experts
-        free = sorted(set(range(n)) - {a.slot for a in self.adapters.values() if a.kind == "esft" and a.slot is not None})
-        if not free:
-            raise AdapterLimitError(f"all {n} adapter slots are in use (--max-esft-adapters)")
+        if self.max_adapters == 0:
+            raise AdapterLimitError("this server has no ESFT slots (--max-esft-adapters 0)")
+        e_max = cluster.config.max_esft_experts
         widest = max((len(v) for v in experts.values()), default=0)
         if widest > e_max:
             raise AdapterLimitError(
                 f"the adapter tunes {widest} experts in a layer; a slot holds at most {e_max} (--max-esft-experts)"
             )
-        hmm, inst = cluster.hmm, cluster.active
+        entry = AdapterState(name, None, path, dict(experts), usage_probability=usage_probability)
+        slot = self.free_esft_slot()
+        if slot is not None:
+            self.load_into(entry, slot)
+            self.residency.on_resident(name)
+        self.adapters[name] = entry  # on disk without a slot: swapped in when a request needs it
+        self.publish_registry()
+        return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
+
+    def free_esft_slot(self) -> int | None:
+        taken = {a.slot for a in self.adapters.values() if a.kind == "esft" and a.slot is not None}
+        return next((i for i in range(self.max_adapters) if i not in taken), None)
+
+    def load_into(self, entry: AdapterState, slot: int) -> None:
+        """Map `entry`'s experts into ESFT slot `slot` (HMM rows, every rank's expert map); all or
+        nothing. Under the lock."""
+        hmm, inst = self.cluster.hmm, self.cluster.active
         assert hmm is not None and inst is not None
-        slot = free[0]
-        pages = hmm.load_adapter(name, slot, path, experts)
+        pages = hmm.load_adapter(entry.name, slot, entry.path, entry.experts)
         try:
             ray.get([
-                rank.load_esft_adapter.remote(name, slot, experts, pages.get(device, {}), usage_probability)
+                rank.load_esft_adapter.remote(entry.name, slot, entry.experts, pages.get(device, {}),
+                                              entry.usage_probability)
                 for rank, device in zip(inst.ranks, inst.device_ids, strict=True)
             ])
         except BaseException:
-            logger.exception("adapter %r: a rank failed to load it; undoing", name)
-            self._release_everywhere(name, slot, inst)
+            logger.exception("adapter %r: a rank failed to load it; undoing", entry.name)
+            self.release_everywhere(entry.name, inst, kind="esft")
             raise
-        self.adapters[name] = AdapterState(name, slot, path, dict(experts), usage_probability=usage_probability)
-        self._publish()
-        return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
+        entry.slot = slot
+
+    def stop_admitting(self, name: str) -> None:
+        """Every rank of the active instance turns `name`'s new requests away (the ingress waits
+        and sends them again); its running requests go on. Under the lock."""
+        inst = self.cluster.active
+        assert inst is not None
+        self.publish_registry()  # the ingress stops sending them first
+        ray.get([rank.unload_adapter.remote(name) for rank in inst.ranks])
 
     async def load_lora(self, adapter: Any, usage_probability: float | None = None) -> dict[str, Any]:
         return await asyncio.to_thread(self.load_lora_blocking, adapter.name, str(adapter.path), usage_probability)
@@ -156,7 +219,7 @@ class ClusterAdapterHost:
     def load_lora_blocking(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
         """Every rank loads the adapter (its own experts' factors) into the same slot: the ranks'
         slot tables stay equal because they load the same adapters in the same order."""
-        if not self.lock.acquire(blocking=False):
+        if not self.lock.acquire(timeout=_LOCK_WAIT_S):
             raise AdapterConflictError("a scale or another adapter change is in progress; retry")
         try:
             cluster = self.cluster
@@ -179,7 +242,7 @@ class ClusterAdapterHost:
             # A slot, or None: it waits in every rank's host memory until a request needs it.
             self.adapters[name] = AdapterState(name, slots[0], path, {}, kind="lora",
                                                usage_probability=usage_probability)
-            self._publish()
+            self.publish_registry()
             return {"slot": slots[0]}
         finally:
             self.lock.release()
@@ -220,10 +283,18 @@ class ClusterAdapterHost:
             if dependents:
                 raise AdapterConflictError(f"adapter {name!r} is routed to by learned routers {dependents}; they "
                                            "depend on it")
+            if entry.evicting:
+                raise AdapterConflictError(f"adapter {name!r} is being swapped out of its slot; retry")
+            if entry.kind == "esft" and entry.slot is None:  # on disk only: nothing is mapped anywhere
+                del self.adapters[name]
+                self.residency.forget(name)
+                self.publish_registry()
+                entry.unloaded.set()
+                return True
             inst = self.cluster.active
             assert inst is not None
             entry.state = "unloading"
-            self._publish()
+            self.publish_registry()
             ray.get([rank.unload_adapter.remote(name) for rank in inst.ranks])
         threading.Thread(target=self._finish_unload, args=(entry,), name=f"unload-{name}", daemon=True).start()
         if wait:
@@ -239,8 +310,9 @@ class ClusterAdapterHost:
                     break
                 threading.Event().wait(self.poll_s)
             with self.lock:
-                self._release_everywhere(entry.name, entry.slot, inst)
+                self.release_everywhere(entry.name, inst)
                 del self.adapters[entry.name]
+                self.residency.forget(entry.name)
                 # the engines dropped the routers over it too (`LLMEngine._release`)
                 self.routers = {k: r for k, r in self.routers.items() if entry.name not in r.adapters}
         except Exception:  # noqa: BLE001 - the adapter stays "unloading" (visible), scales stay blocked
@@ -249,11 +321,13 @@ class ClusterAdapterHost:
         entry.unloaded.set()
         logger.info("adapter %r unloaded", entry.name)
 
-    def _release_everywhere(self, name: str, slot: int | None, inst: Instance) -> None:
+    def release_everywhere(self, name: str, inst: Instance, kind: str | None = None) -> None:
+        """Every rank of `inst` releases `name` (no live request may use it), then the HMM frees
+        its rows (ESFT). Under the lock."""
         hmm = self.cluster.hmm
         assert hmm is not None
         entry = self.adapters.get(name)
-        if entry is not None and entry.kind == "lora":  # no HMM pages: the ranks hold the factors
+        if (kind or (entry.kind if entry is not None else "esft")) == "lora":  # the ranks hold the factors
             ray.get([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks])
             return
         rows = hmm.adapter_rows(name)
@@ -277,9 +351,11 @@ class ClusterAdapterHost:
         for a in list(self.adapters.values()):
             if a.kind == "lora":  # read from the adapter's files for this instance's placement
                 ray.get([rank.load_lora_adapter.remote(a.name, a.path, a.usage_probability) for rank in inst.ranks])
-            else:
+            elif a.slot is not None:  # resident ESFT: the HMM layout holds its rows
                 ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None, a.usage_probability)
                          for rank in inst.ranks])
+                if a.evicting:  # a swap is taking it out: the new ranks do not admit it either
+                    ray.get([rank.unload_adapter.remote(a.name) for rank in inst.ranks])
         for name, router in self.routers.items():
             ray.get([rank.load_lora_router.remote(name, router, self.router_probabilities.get(name))
                      for rank in inst.ranks])

@@ -416,6 +416,7 @@ class ClusterManager:
             max_model_len=active.max_model_len if ranks and active is not None else 0,
             adapters=adapters,
             adapter_kinds=tuple((n, registry[n].kind) for n in adapters if n in registry),
+            swapped_out=tuple(n for n in self.adapters.swapped_out if n in adapters),
             is_serving=bool(ranks) and not health.is_broken,
             faults=health.faults,
             has_given_up=health.has_given_up,
@@ -589,6 +590,7 @@ class ClusterManager:
                         "num_ranks": len(self.routing.ranks)},
             "scale_event": running.to_dict() if running is not None else None,
             "adapters": [a.describe() for a in sorted(self.adapters.adapters.values(), key=lambda a: a.order)],
+            "adapter_swaps": self.adapters.swap_stats(),
             "standby": {
                 "enabled": self.config.standby_pool,
                 "dps": sorted(self.standby.pool),

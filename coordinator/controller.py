@@ -97,8 +97,10 @@ class Coordinator:
         self.healer.notify()
 
     async def observe(self, batch: Observations) -> None:
-        """What the ingress saw of requests since its last report (the SLO estimator's input)."""
+        """What the ingress saw of requests since its last report (the SLO estimator's input, and
+        the adapter swaps' usage)."""
         batch.apply(self.autoscale.tracker)
+        self.cluster.adapters.residency.note_used(dict(batch.adapters_used))
 
     # ---- admin ---------------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ class Coordinator:
             self.metrics.refresh(stats)
         if not isinstance(devices, BaseException):
             self.metrics.refresh_devices(devices)
-        self.metrics.refresh_adapters(self.cluster.adapter_slots())
+        self.metrics.refresh_adapters(self.cluster.adapter_slots(), self.cluster.adapters.swap_stats())
         return self.metrics.render()
 
     # ---- adapters (`coordinator.ingress_adapters.RemoteAdapterHost` calls these) ----------------
@@ -185,6 +187,10 @@ class Coordinator:
 
     async def unload_adapter(self, name: str) -> bool:
         return await self.cluster.adapters.unload(name)
+
+    async def make_resident(self, name: str) -> None:
+        """Swap ESFT adapter `name` into a slot if it is not in one (`coordinator.esft_residency`)."""
+        await self.cluster.adapters.residency.make_resident(name)
 
     async def describe_adapters(self) -> list[dict[str, Any]]:
         return await self.cluster.adapters.describe()

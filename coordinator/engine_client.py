@@ -29,13 +29,17 @@ Invariants:
 - A scale's switchover ends a request's items on its rank with a `HandedOverOutput` naming the
   rank that continues it (`rank.resume_into`), so the handler sees one unbroken stream (the
   marker is not passed on). A handover that never completes fails the stream like a dead rank.
+- A request for an adapter the state lists as swapped out (an ESFT adapter beyond the slots)
+  first waits for the coordinator to swap it in (`make_resident`; one call per adapter however
+  many requests wait). One that still reaches a rank after its adapter was swapped out again is
+  refused there before anything was streamed (`UnknownAdapterError`) and waits again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -45,7 +49,7 @@ from coordinator.router import NoActiveInstance, Router
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError
-from elasticmoe.errors import describe_error
+from elasticmoe.errors import UnknownAdapterError, describe_error
 from elasticmoe.outputs import OutputAccumulator, OutputDelta, RequestOutput
 from imm.handover import HandedOverOutput, RankPaused
 from imm.rank_streams import StreamFailure
@@ -53,6 +57,7 @@ from imm.rank_streams import StreamFailure
 logger = logging.getLogger(__name__)
 
 _MAX_ROUTES = 5  # a request turned away by pausing ranks is routed again at most this often
+_MAX_SWAP_WAITS = 20  # a request whose adapter was swapped out under it waits for it again at most this often
 MAX_RECOVERIES = 3  # an instance failure under one request is survived this often (a request that
 # kills every instance it runs on is failed, not retried forever)
 # What a rank's failure looks like from here: the actor died or is unreachable, or its step loop
@@ -73,6 +78,10 @@ def _nothing() -> None:
 
 
 def _ignore(rank: Any) -> None:
+    pass
+
+
+def _ignore_name(name: str) -> None:
     pass
 
 
@@ -99,6 +108,8 @@ class RouterEngineClient:
         on_rank_failure: Callable[[Any], None] = _ignore,
         max_recoveries: int = MAX_RECOVERIES,
         recovery_wait_s: float = 120.0,
+        make_resident: Callable[[str], Awaitable[None]] | None = None,
+        swap_wait_s: float = 300.0,
     ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued: must be >= 1, got {max_queued}")
@@ -112,11 +123,16 @@ class RouterEngineClient:
         self.recovery_wait_s = recovery_wait_s
         self.num_queued = 0  # waiting at the gate + in flight
         self.num_rejected = 0
+        self.make_resident = make_resident  # swaps an adapter in (the coordinator); None: nothing is swapped
+        self.swap_wait_s = swap_wait_s
+        self._swaps: dict[str, asyncio.Future[None]] = {}  # adapter -> the one swap-in its requests wait for
+        self.num_swap_waits = 0  # requests that waited for their adapter's swap-in
         self.num_recovered = 0  # requests continued on another instance after theirs failed
         self.num_tokens_recomputed = 0  # output tokens those requests had, recomputed there
         # The SLO estimator's inputs: every request offered, and every one that got no answer.
         self.on_arrival: Callable[[], None] = _nothing
         self.on_failed: Callable[[], None] = _nothing
+        self.on_adapter: Callable[[str], None] = _ignore_name  # a request for this adapter arrived
 
     @property
     def tokenizer(self) -> Any:
@@ -137,6 +153,9 @@ class RouterEngineClient:
         """Stream `request`'s outputs from one rank; the last has `finished=True`. If the instance
         serving it fails, it continues on the next one (see the module docstring)."""
         self.on_arrival()
+        adapter = request.adapter.name
+        if adapter is not None:
+            self.on_adapter(adapter)
         if self.num_queued >= self.max_queued:
             self.num_rejected += 1
             self.on_failed()
@@ -145,11 +164,13 @@ class RouterEngineClient:
         prompt = request.prompt if isinstance(request.prompt, list) else []
         progress = OutputAccumulator(prompt)
         try:
-            num_routes = num_recoveries = 0
+            num_routes = num_recoveries = num_swap_waits = 0
             while True:
                 rank, key = None, None
                 try:
-                    async with self.router.route(request.adapter.name) as route:
+                    if adapter is not None:
+                        await self._wait_resident(adapter)
+                    async with self.router.route(adapter) as route:
                         rank, key = route.rank, route.key
                         resumed = request.resumed(progress.output_token_ids, progress.num_chars)
                         async for out in _stream_from(rank, resumed, self.channels, progress):
@@ -165,6 +186,12 @@ class RouterEngineClient:
                                 request.request_id, num_routes)
                     if key is not None:
                         await self.router.wait_newer(key, self.router.max_hold_s)
+                except UnknownAdapterError as exc:
+                    # Swapped out between our look at the state and the rank's admission: wait again.
+                    state = self.router.state
+                    num_swap_waits += 1
+                    if state is None or exc.adapter not in state.adapters or num_swap_waits > _MAX_SWAP_WAITS:
+                        raise
                 except (RankFailed, *_INSTANCE_FAILURES) as exc:
                     failed_rank, cause = (exc.rank, exc.cause) if isinstance(exc, RankFailed) else (rank, exc)
                     num_recoveries += 1
@@ -187,6 +214,25 @@ class RouterEngineClient:
             raise
         finally:
             self.num_queued -= 1
+
+    async def _wait_resident(self, adapter: str) -> None:
+        """Return once `adapter` is resident (at once unless the state lists it as swapped out)."""
+        state = self.router.state
+        if self.make_resident is None or state is None or adapter not in state.swapped_out:
+            return
+        self.num_swap_waits += 1
+        swap = self._swaps.get(adapter)
+        if swap is None:
+            swap = self._swaps[adapter] = asyncio.ensure_future(self.make_resident(adapter))
+            swap.add_done_callback(lambda _: self._swaps.pop(adapter, None))
+        try:
+            await asyncio.wait_for(asyncio.shield(swap), self.swap_wait_s)  # NOTE: the swap outlives one waiter
+            is_resident = await self.router.wait_resident(adapter, self.swap_wait_s)
+        except TimeoutError:
+            is_resident = False
+        if not is_resident:
+            raise OpenAIError(f"Adapter {adapter!r} was not swapped in within {self.swap_wait_s:.0f}s; retry "
+                              "later.", status_code=503)
 
     async def _await_recovery(self, request_id: str, rank: Any, progress: OutputAccumulator, exc: BaseException) -> None:
         """The rank (or its whole instance) failed under this request: tell the watcher, and wait

@@ -174,8 +174,10 @@ class Ingress:
         router: Router[Any] = Router(max_hold_s=config.max_hold_s, assign=config.request_assigning,
                                      kinds=await asyncio.to_thread(_profile_kinds, config.profile))
         self.engine = RouterEngineClient(router, tokenizer, config.max_queued,
-                                         on_rank_failure=lambda rank: self.coordinator.notify_rank_failure())
+                                         on_rank_failure=lambda rank: self.coordinator.notify_rank_failure(),
+                                         make_resident=self._make_resident)
         self.engine.on_arrival, self.engine.on_failed = self.observations.on_arrival, self.observations.on_failed
+        self.engine.on_adapter = self.observations.on_adapter
         self.follower = RoutingFollower(self.coordinator.routing, router)
         self.drainer = Drainer()
         self.metrics = IngressMetrics(
@@ -188,6 +190,9 @@ class Ingress:
         # Serve routes to this replica once its constructor returns: only when something serves.
         await self.follower.wait_serving()
         self._reporter = asyncio.create_task(self._report(), name="observation-reporter")
+
+    async def _make_resident(self, adapter: str) -> None:
+        await self.coordinator.call("make_resident", adapter, timeout_s=self.engine.swap_wait_s)
 
     async def _report(self) -> None:
         while True:

@@ -17,7 +17,8 @@ only grow over the server's life.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -133,6 +134,17 @@ class ClusterMetrics:
             ["kind"],
             registry=registry,
         )
+        self.esft_resident = Gauge(
+            "elasticmoe_esft_adapters_resident",
+            "ESFT adapters in a slot (the others are registered on disk and swapped in on demand).",
+            registry=registry,
+        )
+        self.esft_swaps = Gauge(
+            "elasticmoe_esft_swaps",
+            "ESFT adapter swaps since the coordinator started, by direction (in, out).",
+            ["direction"],
+            registry=registry,
+        )
         self.lora_slots_used = Gauge(
             "elasticmoe_lora_slots_used",
             "LoRA slots holding an adapter, per DP rank of the active instance.",
@@ -193,10 +205,13 @@ class ClusterMetrics:
             for kind, num_bytes in d.layout_bytes.items():
                 self.device_layout.labels(device, kind).set(num_bytes)
 
-    def refresh_adapters(self, slots: Sequence[AdapterSlotStats]) -> None:
+    def refresh_adapters(self, slots: Sequence[AdapterSlotStats], swaps: Mapping[str, Any]) -> None:
         for s in slots:
             self.adapters_loaded.labels(s.kind).set(s.num_loaded)
             self.adapter_slots.labels(s.kind).set(s.num_slots)
+        self.esft_resident.set(swaps["esft_resident"])
+        self.esft_swaps.labels("in").set(swaps["esft_swaps_in"])
+        self.esft_swaps.labels("out").set(swaps["esft_evictions"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ class Observations:
     num_arrivals: int
     num_failed: int
     finished: tuple[RequestStats, ...]
+    adapters_used: tuple[tuple[str, int], ...] = ()  # adapter -> requests for it (the swaps' LRU and rates)
 
     def apply(self, tracker: SloTracker) -> None:
         """Replay into `tracker` (on its event loop)."""
@@ -41,9 +42,14 @@ class ObservationBuffer:
     num_arrivals: int = 0
     num_failed: int = 0
     finished: list[RequestStats] = field(default_factory=list)
+    adapters_used: dict[str, int] = field(default_factory=dict)  # in order of last use
 
     def on_arrival(self) -> None:
         self.num_arrivals += 1
+
+    def on_adapter(self, name: str) -> None:
+        count = self.adapters_used.pop(name, 0)  # re-inserted last: the dict keeps the order of use
+        self.adapters_used[name] = count + 1
 
     def on_failed(self) -> None:
         self.num_failed += 1
@@ -55,8 +61,9 @@ class ObservationBuffer:
 
     def take(self) -> Observations | None:
         """Everything collected since the last call (None: nothing)."""
-        if not (self.num_arrivals or self.num_failed or self.finished):
+        if not (self.num_arrivals or self.num_failed or self.finished or self.adapters_used):
             return None
-        batch = Observations(self.num_arrivals, self.num_failed, tuple(self.finished))
-        self.num_arrivals, self.num_failed, self.finished = 0, 0, []
+        batch = Observations(self.num_arrivals, self.num_failed, tuple(self.finished),
+                             tuple(self.adapters_used.items()))
+        self.num_arrivals, self.num_failed, self.finished, self.adapters_used = 0, 0, [], {}
         return batch

@@ -113,12 +113,18 @@ class Router(Generic[T]):
         """Wait until a state other than the one keyed `key` is published; False after `timeout_s`."""
         return await self._wait_until(lambda: self.state is not None and self.state.key != key, timeout_s)
 
+    async def wait_resident(self, adapter: str, timeout_s: float) -> bool:
+        """Wait until a published state no longer lists `adapter` as swapped out; False after
+        `timeout_s`."""
+        return await self._wait_until(lambda: self.state is not None and adapter not in self.state.swapped_out,
+                                      timeout_s)
+
     def loads(self) -> list[int]:
         return [sum(c.values()) for c in self._routes.in_flight] if self._routes else []
 
     def _choose(self, routes: _Routes[T], state: RoutingState, adapter: str | None) -> int:
         kind_of = dict(state.adapter_kinds)
-        resident = frozenset(state.adapters)  # ranks of one EP instance share their adapters
+        resident = frozenset(state.adapters) - frozenset(state.swapped_out)  # an EP instance's ranks share them
         ranks = [RankState(counts, resident, self.kinds, kind_of) for counts in routes.in_flight]
         return self.choose(ranks, RouteRequest(adapter, kind_of.get(adapter, "lora") if adapter else BASE_KIND))
 

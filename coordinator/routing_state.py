@@ -26,7 +26,7 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class RoutingState:
     """The ranks to route to (DP rank order; empty: none yet), their context limit, the adapters
-    accepting requests, whether new requests may start now (False inside a switchover's critical
+    accepting requests (and which of them must be swapped in first), whether new requests may start now (False inside a switchover's critical
     section: hold them), and what `/ready` and `/health` say."""
 
     epoch: str  # the publishing coordinator's incarnation
@@ -36,6 +36,7 @@ class RoutingState:
     max_model_len: int = 0
     adapters: tuple[str, ...] = ()
     adapter_kinds: tuple[tuple[str, str], ...] = ()  # adapter -> "esft" | "lora" (the router's latency model)
+    swapped_out: tuple[str, ...] = ()  # accepted adapters not resident: a request waits for its swap first
     is_accepting: bool = False
     is_serving: bool = False  # an instance serves and is not known to be broken (`/ready`)
     faults: tuple[tuple[str, str], ...] = ()  # component -> what is wrong (`/health`)

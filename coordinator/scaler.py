@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 HEAL = "heal"  # the strategy name of a scale nobody asked for: replacing what failed
 DRAIN = "drain"  # the strategy name of a scale that moves the model off a node being drained
 _OWN_REASONS = (HEAL, DRAIN)  # events that run with the default mechanisms
+_SWAP_WAIT_S = 120.0  # how long a scale waits for an adapter being swapped out (its requests finish)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +204,11 @@ class Scaler:
         assert hmm is not None and old is not None
         strat = strategy(DEFAULT_STRATEGY if event.strategy in _OWN_REASONS else event.strategy)
         if repair is None:
+            # An adapter swap under way finishes first (none starts now): its victim's requests
+            # must not be handed over to an instance that does not admit them.
+            busy = cluster.adapters.wait_swaps(_SWAP_WAIT_S)
+            if busy is not None:
+                return f"rolled back before switchover: {busy}"
             needed = event.to_dp + (old.dp if strat.placement == "fresh_devices" else 0)
             try:
                 cluster.acquire_devices(needed, cluster.config.device_wait_s)

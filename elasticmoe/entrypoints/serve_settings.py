@@ -84,7 +84,9 @@ class ServeSettings(BaseModel):
 
     max_esft_adapters: int = Field(
         4, description="ESFT adapter slots (0 disables ESFT adapters). Slots cost address space, not memory: "
-        "physical memory is used only by the experts an adapter tunes", json_schema_extra=cli(metavar="N"))
+        "physical memory is used only by the experts an adapter tunes. The elastic server registers more "
+        "adapters than slots and swaps them in when a request needs one (--adapter-eviction picks what leaves)",
+        json_schema_extra=cli(metavar="N"))
     max_esft_experts: int = Field(16, description="most experts one ESFT adapter may tune in one layer (E_max)",
                                   json_schema_extra=cli(metavar="E"))
     esft_adapters: EsftDirs = Field(

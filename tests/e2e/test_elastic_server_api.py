@@ -14,7 +14,6 @@ import contextlib
 import json
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -208,48 +207,6 @@ def test_queue_overflow_is_503_with_retry_after(server):
             time.sleep(0.1)
         assert c.get("/health").status_code == 200
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
-
-
-def test_esft_adapter_over_http_on_dp2(server, tiny_model_dir, tmp_path):
-    """An ESFT adapter loaded at run time on a dp=2 (EP=2) instance serves its merged model's
-    text; it is listed, refused once deleted, and its pages go back to the devices."""
-    import torch
-
-    from elasticmoe.config import EngineConfig
-    from elasticmoe.engine.llm_engine import LLMEngine
-    from elasticmoe.sampling_params import SamplingParams
-    from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
-
-    path = make_esft_adapter(tiny_model_dir, str(tmp_path / "a"), experts_per_layer=3, seed=7, noise=0.5)
-    merged = write_merged_model(tiny_model_dir, path, str(tmp_path / "m"))
-    ref = LLMEngine(EngineConfig(model=str(merged), dtype=torch.float32, num_kv_blocks=64))
-    ref.add_request("r", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    while ref.has_unfinished_requests():
-        done = [o for o in ref.step() if o.finished]
-
-    def used() -> int:
-        return sum(d["used_bytes"] for d in c.get("/admin/status").json()["devices"])
-
-    with _client(server) as c:
-        before = used()
-        r = c.post("/admin/adapters", json={"name": "law", "path": str(path), "usage_probability": 0.7})
-        assert r.status_code == 201, r.text
-        assert used() > before  # the adapter's experts got pages on the devices holding their base experts
-        assert "law" in [m["id"] for m in c.get("/v1/models").json()["data"]]
-        assert [a["usage_probability"] for a in c.get("/admin/adapters").json()["adapters"]] == [0.7]
-        body = {"model": "law", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        with ThreadPoolExecutor(2) as pool:  # at once: the assignment spreads them over both ranks
-            for got in pool.map(lambda _: _post(server, "/v1/completions", body), range(2)):
-                assert got.status_code == 200, got.text
-                assert got.json()["choices"][0]["text"] == done[0].text
-        assert c.delete("/admin/adapters/law").status_code in (200, 202)
-        deadline = time.monotonic() + 20
-        while c.get("/admin/adapters").json()["adapters"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        assert c.post("/v1/completions", json=body).status_code == 404
-        assert used() == before  # every page returned
-        assert c.delete("/admin/adapters/law").status_code == 404
 
 
 def test_schemathesis_over_every_route_gets_no_server_error(server):

@@ -171,3 +171,44 @@ def asyncio_run(coro: Any) -> Any:
     import asyncio
 
     return asyncio.run(coro)
+
+
+def test_esft_adapters_beyond_the_slots_swap_in_on_demand(cluster, adapters, tmp_path):
+    """Four adapters over three slots: the fourth is registered on disk, a request for it makes
+    the coordinator swap out a resident one (its rows back to the pools) and swap it in; the same
+    under EP at dp 2; every adapter's output equals its merged model, whichever was swapped."""
+    hmm, host = cluster.hmm, cluster.adapters
+    residency = host.residency
+    residency.min_resident_s = 0.0  # no request waits between the swaps here
+    for name in list(host.adapters):  # what the tests before left
+        assert host.unload_blocking(name, wait=True)
+    used_before = {d: u.used for d, u in hmm.usage().items()}
+    extra = str(make_esft_adapter(cluster.config.model_dir, str(tmp_path / "delta"), experts_per_layer=2, seed=9,
+                                  noise=0.5))
+    want = {**{n: adapters[n][1] for n in NAMES},
+            "delta": _reference(str(write_merged_model(cluster.config.model_dir, extra, str(tmp_path / "delta-m"))))}
+    for name in NAMES:
+        host.load_blocking(name, adapters[name][0], _experts(adapters[name][0]), usage_probability=0.3)
+    info = host.load_blocking("delta", extra, _experts(extra), usage_probability=0.1)
+    assert info["slot"] is None and host.swapped_out == ("delta",)  # registered on disk, not refused
+    assert cluster.feed.current.swapped_out == ("delta",) and "delta" in cluster.feed.current.adapters
+    with pytest.raises(UnknownAdapterError):  # no rank admits it before its swap
+        _generate(cluster, "early-delta", "delta")
+    for dp in (1, 2):
+        if cluster.active.dp != dp:
+            assert Scaler(cluster).scale(dp).state is ScaleState.SUCCEEDED
+        for name in ("delta", *NAMES, "delta"):
+            asyncio_run(residency.make_resident(name))
+            assert name not in host.swapped_out and len(host.swapped_out) == 1  # one on disk: three slots
+            for i in range(cluster.active.dp):
+                assert _generate(cluster, f"swap-dp{dp}-{name}-{i}", name) == want[name], (dp, name)
+    assert residency.num_swaps_in >= 4 and residency.num_evictions >= 4
+    assert {a["name"]: a["resident"] for a in asyncio_run(host.describe())} == {
+        n: n not in host.swapped_out for n in (*NAMES, "delta")}
+    with pytest.raises(UnknownAdapterError):
+        asyncio_run(residency.make_resident("nobody"))
+    for name in (*NAMES, "delta"):  # resident or on disk alike
+        assert host.unload_blocking(name, wait=True)
+    assert hmm.adapters == {} and host.adapters == {}
+    assert Scaler(cluster).scale(1).state is ScaleState.SUCCEEDED
+    assert sum(u.used for u in hmm.usage().values()) == sum(used_before.values())  # every row's pages returned

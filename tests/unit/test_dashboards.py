@@ -143,7 +143,8 @@ def test_device_and_adapter_snapshots():
     registry = metrics.registry
     layout = {"weights": 60, "kv": 30, "adapters": 5}
     metrics.refresh_devices([DeviceMemoryStats(0, 200, 100, 150, layout), DeviceMemoryStats(1, 200, 0, 0, {})])
-    metrics.refresh_adapters([AdapterSlotStats("esft", 1, 4), AdapterSlotStats("lora", 0, 2)])
+    metrics.refresh_adapters([AdapterSlotStats("esft", 1, 4), AdapterSlotStats("lora", 0, 2)],
+                             {"esft_resident": 1, "esft_swaps_in": 2, "esft_evictions": 1})
     value = registry.get_sample_value
     assert value("elasticmoe_num_devices") == 2
     assert value("elasticmoe_device_memory_used_bytes", {"device": "0"}) == 100

@@ -8,6 +8,7 @@ estimator hears about arrivals and failures. A rank's exported streams wait for 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -16,8 +17,9 @@ import coordinator.engine_client as engine_client
 from coordinator.engine_client import MAX_RECOVERIES, RouterEngineClient
 from coordinator.router import Router
 from coordinator.routing_state import RoutingState
-from elasticmoe.engine.engine_request import EngineRequest
+from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.entrypoints.openai.errors import OpenAIError
+from elasticmoe.errors import UnknownAdapterError
 from elasticmoe.outputs import OutputDelta, RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 
@@ -152,3 +154,81 @@ def test_exported_streams_wait_for_their_route_or_fail_as_a_rank_failure():
             await pending.next_rank("never-exported", 30.0)
 
     asyncio.run(main())
+
+
+def _with_adapter(state: RoutingState, swapped_out: tuple[str, ...]) -> RoutingState:
+    return dataclasses.replace(state, version=next(_versions), adapters=("law",), swapped_out=swapped_out)
+
+
+def _law(request_id: str = "r1") -> EngineRequest:
+    return EngineRequest(request_id, [1], SamplingParams(max_tokens=4), AdapterRef("law"))
+
+
+def test_requests_for_a_swapped_out_adapter_wait_for_one_swap_in(monkeypatch):
+    """Three requests for an adapter on disk: one `make_resident` call, all three stream once
+    the coordinator published it resident."""
+    async def script(rank, attempt, request_id):
+        yield _output(request_id, finished=True)
+
+    client, router, calls, events = _client(monkeypatch, script)
+    router.update(_with_adapter(serving("old"), ("law",)))
+    swaps: list[str] = []
+
+    async def make_resident(name):
+        swaps.append(name)
+        await asyncio.sleep(0.05)
+        router.update(_with_adapter(serving("old"), ()))
+
+    client.make_resident = make_resident
+    used: list[str] = []
+    client.on_adapter = used.append
+
+    async def main():
+        return await asyncio.gather(*[_drain(client.generate(_law(f"r{i}"))) for i in range(3)])
+
+    outs = asyncio.run(main())
+    assert swaps == ["law"] and all(o[-1].finished for o in outs) and calls == ["old"] * 3
+    assert client.num_swap_waits == 3 and used == ["law"] * 3 and client.num_queued == 0
+
+
+def test_a_request_refused_because_its_adapter_was_swapped_out_again_waits_and_is_sent_again(monkeypatch):
+    async def script(rank, attempt, request_id):
+        if attempt == 1:  # swapped out between the look at the state and the rank's admission
+            router.update(_with_adapter(serving("old"), ("law",)))
+            raise UnknownAdapterError("law")
+        yield _output(request_id, finished=True)
+
+    client, router, calls, events = _client(monkeypatch, script)
+    router.update(_with_adapter(serving("old"), ()))
+
+    async def make_resident(name):
+        router.update(_with_adapter(serving("old"), ()))
+
+    client.make_resident = make_resident
+    outs = asyncio.run(_drain(client.generate(_law())))
+    assert outs[-1].finished and calls == ["old", "old"] and client.num_swap_waits == 1
+
+
+def test_an_adapter_not_swapped_in_in_time_is_a_503_and_an_unknown_one_a_404(monkeypatch):
+    async def script(rank, attempt, request_id):
+        raise UnknownAdapterError("law")
+        yield  # pragma: no cover - a generator
+
+    client, router, calls, events = _client(monkeypatch, script)
+    router.update(_with_adapter(serving("old"), ("law",)))
+
+    async def never(name):
+        await asyncio.sleep(10)
+
+    client.make_resident, client.swap_wait_s = never, 0.1
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(_drain(client.generate(_law())))
+    assert info.value.status_code == 503 and "swapped in" in str(info.value) and calls == []
+    router.update(dataclasses.replace(serving("old"), version=next(_versions)))  # unloaded meanwhile: not accepted
+    with pytest.raises(UnknownAdapterError):
+        asyncio.run(_drain(client.generate(_law("r2"))))
+    assert events == ["arrival", "failed", "arrival"] and client.num_queued == 0
+
+
+async def _drain(gen) -> list[RequestOutput]:
+    return [o async for o in gen]

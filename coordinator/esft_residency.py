@@ -1,0 +1,184 @@
+"""ESFT adapters beyond their slots on the elastic server: a registry on disk, a hot set in the slots.
+
+An ESFT adapter registered while every slot (`--max-esft-adapters`) is taken stays on disk
+(its directory; `slot` None). A request for it does not fail: the ingress asks the
+coordinator to `make_resident` it and sends the request once it is (`swapped_out` in the
+routing state names the adapters a request must wait for). One swap at a time, each a few
+steps under the adapter lock, never holding it while requests drain:
+
+1. the adapter is resident: done;
+2. a scale runs: wait, so a swap never meets a half-built instance (an eviction already
+   under way is finished first: the scale waits for that, `ClusterAdapterHost.wait_swaps`);
+3. a slot is free: the HMM maps and fills the adapter's rows there and every rank of the
+   active instance points its expert map at them (the same load as a registration);
+4. else a victim is chosen by the configured eviction policy (`--adapter-eviction`, CoServe
+   §4.3: usage probability ascending, from the profile or the declaration, else the observed
+   rate; or `lru`, `fifo`) among the resident ones that were not made resident within
+   `min_resident_s` (the requests that waited for them must reach their ranks first), those
+   with live requests last. Every rank stops admitting it at once (its later requests come
+   back to wait, like any other swapped-out adapter's), and once no rank has a live request
+   of it (under EP another rank's tokens may use its rows) every rank releases it and the
+   HMM unmaps its rows: its slot is free for step 3.
+
+A request that still reached a rank for an adapter swapped out meanwhile is refused there
+before anything was streamed (`UnknownAdapterError`), and the ingress waits and sends it
+again. Scales exclude swaps both ways: a scale waits for the eviction in progress to finish,
+and no swap starts while a scale runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from elasticmoe.adapter_policy.eviction import Residency, TierView, eviction_order, eviction_policy
+from elasticmoe.adapter_policy.graph import DependencyGraph, Node
+from elasticmoe.adapter_policy.profile import load_profile
+from elasticmoe.adapter_policy.usage import usage_probabilities
+from elasticmoe.errors import UnknownAdapterError
+
+if TYPE_CHECKING:
+    from coordinator.adapters import AdapterState, ClusterAdapterHost
+
+logger = logging.getLogger(__name__)
+
+MIN_RESIDENT_S = 2.0
+
+
+class EsftResidency:
+    """Which ESFT adapters hold the slots, and the swaps that change it (see the module docstring)."""
+
+    def __init__(self, host: ClusterAdapterHost, eviction: str = "coserve", profile: str | None = None,
+                 min_resident_s: float = MIN_RESIDENT_S, poll_s: float = 0.02) -> None:
+        self.host = host
+        self.policy = eviction_policy(eviction)
+        self.profiled = load_profile(profile).usage_probability if profile else {}
+        self.min_resident_s = min_resident_s
+        self.poll_s = poll_s
+        self._swaps: asyncio.Lock | None = None  # one swap at a time (created on the coordinator's loop)
+        self._seq = itertools.count(1)
+        self.loaded_seq: dict[str, int] = {}  # FIFO's order
+        self.used_seq: dict[str, int] = {}  # LRU's order (requests the ingress saw)
+        self.num_requested: dict[str, int] = {}  # the observed rate (the fallback usage source)
+        self.resident_at: dict[str, float] = {}
+        self.num_swaps_in = 0
+        self.num_evictions = 0
+
+    def note_used(self, names: dict[str, int]) -> None:
+        """The ingress saw requests for these adapters (name -> how many) since its last report."""
+        for name, count in names.items():
+            self.used_seq[name] = next(self._seq)
+            self.num_requested[name] = self.num_requested.get(name, 0) + count
+
+    def on_resident(self, name: str) -> None:
+        self.loaded_seq[name] = self.used_seq[name] = next(self._seq)
+        self.resident_at[name] = time.monotonic()
+
+    def forget(self, name: str) -> None:
+        for table in (self.loaded_seq, self.used_seq, self.num_requested, self.resident_at):
+            table.pop(name, None)
+
+    async def make_resident(self, name: str) -> None:
+        """Return once `name` (a registered ESFT adapter) is resident and admitted by every rank
+        of the active instance; `UnknownAdapterError` if it is not registered (or is unloading)."""
+        # NOTE: shielded: a waiter that gives up (its client left) must not leave a victim half evicted.
+        await asyncio.shield(self._swap(name))
+
+    async def _swap(self, name: str) -> None:
+        if self._swaps is None:
+            self._swaps = asyncio.Lock()
+        async with self._swaps:
+            while (wait_s := await asyncio.to_thread(self._step, name)) is not None:
+                await asyncio.sleep(wait_s)
+
+    # ---- one step, under the adapter lock ---------------------------------------------------
+
+    def _step(self, name: str) -> float | None:
+        """Advance the swap for `name`: None when it is resident, else seconds to wait before the
+        next step."""
+        host = self.host
+        if not host.lock.acquire(timeout=self.poll_s):
+            return self.poll_s  # a registration or a scale's start holds it
+        try:
+            entry = host.adapters.get(name)
+            if entry is None or entry.kind != "esft" or entry.state != "loaded":
+                raise UnknownAdapterError(name)
+            victim = next((a for a in host.adapters.values() if a.evicting), None)
+            if entry.slot is not None and victim is not entry:
+                return None
+            if victim is not None:  # finish the eviction this swap started (a scale waits for it)
+                if self._in_use(victim.name):
+                    return self.poll_s
+                self._release(victim)
+            if host.cluster.scale_events.running is not None:
+                return self.poll_s
+            slot = host.free_esft_slot()
+            if slot is not None:
+                host.load_into(entry, slot)
+                host.publish_registry()  # the ingress sends its waiting requests now
+                self.on_resident(name)
+                self.num_swaps_in += 1
+                logger.info("adapter %r: swapped in to slot %d", name, slot)
+                return None
+            return self._start_eviction(exclude=name)
+        finally:
+            host.lock.release()
+
+    def _start_eviction(self, exclude: str) -> float:
+        """Choose a victim and stop admitting it everywhere; the seconds until the next step."""
+        host = self.host
+        resident = [a for a in host.adapters.values()
+                    if a.kind == "esft" and a.slot is not None and a.state == "loaded" and a.name != exclude]
+        now = time.monotonic()
+        fresh = {a.name for a in resident if now - self.resident_at.get(a.name, 0.0) < self.min_resident_s}
+        order = eviction_order(self.policy, self._view(resident, fresh))
+        if not order:  # every slot was filled moments ago: wait for the oldest to age
+            ages = [now - self.resident_at.get(a.name, 0.0) for a in resident]
+            return max(self.poll_s, self.min_resident_s - max(ages, default=0.0))
+        victim = host.adapters[order[0]]
+        victim.evicting = True
+        host.stop_admitting(victim.name)
+        self.num_evictions += 1
+        logger.info("adapter %r: swapping out of slot %s for %r (%s)", victim.name, victim.slot, exclude,
+                    self.policy.name)
+        return 0.0
+
+    def _view(self, resident: list[AdapterState], fresh: set[str]) -> TierView:
+        names = [a.name for a in resident]
+        graph = DependencyGraph.build(Node(n, "esft", 1) for n in names)
+        declared = {a.name: a.usage_probability for a in resident if a.usage_probability is not None}
+        total = sum(self.num_requested.get(n, 0) for n in names)
+        observed = {n: self.num_requested.get(n, 0) / total for n in names} if total else {}
+        return TierView(
+            graph,
+            resident={n: Residency(self.loaded_seq.get(n, 0), max(self.used_seq.get(n, 0), self.loaded_seq.get(n, 0)))
+                      for n in names},
+            probabilities=usage_probabilities(names, self.profiled, declared, observed),
+            pinned=frozenset(fresh),
+            queued=frozenset(n for n in names if n not in fresh and self._in_use(n)),  # running: evicted last
+        )
+
+    def _in_use(self, name: str) -> bool:
+        """Some rank of the active instance has a live request of `name` (an instance that cannot
+        answer, being replaced, counts as using it: ask again later)."""
+        inst = self.host.cluster.active
+        if inst is None:
+            return True
+        try:
+            return any(ray.get([rank.adapter_in_use.remote(name) for rank in inst.ranks]))
+        except (RayActorError, ActorUnavailableError):
+            return True
+
+    def _release(self, victim: AdapterState) -> None:
+        inst = self.host.cluster.active
+        assert inst is not None
+        self.host.release_everywhere(victim.name, inst)
+        victim.slot, victim.evicting = None, False  # swapped out since `stop_admitting` published it so
+        self.resident_at.pop(victim.name, None)
+        logger.info("adapter %r: swapped out", victim.name)

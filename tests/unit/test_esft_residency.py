@@ -1,0 +1,137 @@
+"""`EsftResidency`'s decisions without Ray: which resident adapter a swap evicts under each policy
+(CoServe's usage probability, LRU, FIFO), that adapters made resident moments ago are not evicted
+and running ones go last, and the step order (finish an eviction, wait for a scale, load)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from coordinator.adapters import AdapterState
+from coordinator.esft_residency import EsftResidency
+from elasticmoe.errors import UnknownAdapterError
+
+
+@dataclass
+class _Events:
+    running: Any = None
+
+
+@dataclass
+class _Cluster:
+    scale_events: _Events = field(default_factory=_Events)
+    active: Any = object()
+
+
+class FakeHost:
+    """Slots 0..n-1; what a swap does to the ranks and the HMM is recorded."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.adapters: dict[str, AdapterState] = {}
+        self.lock = threading.Lock()
+        self.cluster = _Cluster()
+        self.num_slots = num_slots
+        self.log: list[tuple[str, str]] = []
+
+    def free_esft_slot(self) -> int | None:
+        taken = {a.slot for a in self.adapters.values() if a.slot is not None}
+        return next((i for i in range(self.num_slots) if i not in taken), None)
+
+    def load_into(self, entry: AdapterState, slot: int) -> None:
+        entry.slot = slot
+        self.log.append(("load", entry.name))
+
+    def stop_admitting(self, name: str) -> None:
+        self.log.append(("stop", name))
+
+    def release_everywhere(self, name: str, inst: Any) -> None:
+        self.log.append(("release", name))
+
+    def publish_registry(self) -> None:
+        self.log.append(("publish", ""))
+
+
+def _setup(policy: str, resident: dict[str, float | None], on_disk: tuple[str, ...] = ("new",),
+           in_use: frozenset[str] = frozenset()) -> tuple[FakeHost, EsftResidency]:
+    host = FakeHost(len(resident))
+    residency = EsftResidency(host, policy, min_resident_s=0.0, poll_s=0.001)  # type: ignore[arg-type]
+    residency._in_use = lambda name: name in in_use  # type: ignore[method-assign]
+    for slot, (name, p) in enumerate(resident.items()):
+        host.adapters[name] = AdapterState(name, slot, f"/a/{name}", {0: (1,)}, usage_probability=p)
+        residency.on_resident(name)
+    for name in on_disk:
+        host.adapters[name] = AdapterState(name, None, f"/a/{name}", {0: (1,)}, usage_probability=0.05)
+    return host, residency
+
+
+def _victim(policy: str, resident: dict[str, float | None], **kw: Any) -> str:
+    host, residency = _setup(policy, resident, **kw)
+    asyncio.run(residency.make_resident("new"))
+    released = [name for what, name in host.log if what == "release"]
+    assert host.log == [("stop", released[0]), ("release", released[0]), ("load", "new"), ("publish", "")]
+    assert host.adapters[released[0]].slot is None and host.adapters["new"].slot is not None
+    return released[0]
+
+
+def test_coserve_evicts_the_least_probable_lru_the_least_recent_fifo_the_first_loaded():
+    resident = {"a": 0.5, "b": 0.1, "c": 0.3}  # loaded a, b, c in that order
+    assert _victim("coserve", resident) == "b"
+    host, residency = _setup("lru", resident)
+    residency.note_used({"a": 1})  # b, then c, then a by last use
+    asyncio.run(residency.make_resident("new"))
+    assert ("release", "b") in host.log
+    host, residency = _setup("fifo", resident)
+    residency.note_used({"a": 5})
+    asyncio.run(residency.make_resident("new"))
+    assert ("release", "a") in host.log
+
+
+def test_without_declarations_the_observed_rate_decides():
+    host, residency = _setup("coserve", {"a": None, "b": None})
+    residency.note_used({"a": 1, "b": 9})
+    asyncio.run(residency.make_resident("new"))
+    assert ("release", "a") in host.log
+
+
+def test_running_adapters_go_last_and_fresh_ones_not_at_all():
+    assert _victim("coserve", {"a": 0.5, "b": 0.1}, in_use=frozenset({"b"})) == "a"
+    host, residency = _setup("coserve", {"a": 0.5, "b": 0.1})
+    residency.min_resident_s = 60.0
+    residency.resident_at["a"] = 0.0  # long ago; b just now
+    asyncio.run(residency.make_resident("new"))
+    assert ("release", "a") in host.log
+
+
+def test_an_eviction_waits_for_the_victims_requests_and_no_swap_runs_during_a_scale():
+    host, residency = _setup("coserve", {"a": 0.1})
+    busy = {"a"}
+    residency._in_use = lambda name: name in busy  # type: ignore[method-assign]
+
+    async def main() -> None:
+        swap = asyncio.ensure_future(residency.make_resident("new"))
+        await asyncio.sleep(0.05)
+        assert host.log == [("stop", "a")] and host.adapters["a"].evicting  # its request still runs
+        host.cluster.scale_events.running = "scale-1"
+        busy.clear()
+        await asyncio.sleep(0.05)
+        assert host.log == [("stop", "a"), ("release", "a")]  # finished, but nothing loads during the scale
+        host.cluster.scale_events.running = None
+        await swap
+
+    asyncio.run(main())
+    assert host.log[-2:] == [("load", "new"), ("publish", "")] and residency.num_evictions == residency.num_swaps_in == 1
+
+
+def test_an_unknown_or_unloading_adapter_is_refused():
+    host, residency = _setup("coserve", {"a": 0.1})
+    with pytest.raises(UnknownAdapterError):
+        asyncio.run(residency.make_resident("nobody"))
+    host.adapters["new"].state = "unloading"
+    with pytest.raises(UnknownAdapterError):
+        asyncio.run(residency.make_resident("new"))
+    asyncio.run(residency.make_resident("a"))  # resident: nothing to do
+    assert host.log == []
