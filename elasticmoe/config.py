@@ -27,6 +27,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def parse_engine_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """`parse_dtype`, plus "auto" (and None) -> None: the engine picks the fastest exact dtype for
+    the checkpoint on this CPU (`elasticmoe.utils.cpu_features.choose_compute_plan`)."""
+    if name is None or name == "auto":
+        return None
+    return parse_dtype(name)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Architecture facts the engine needs, normalised across the three families."""
@@ -176,7 +184,10 @@ class EngineConfig:
     """How one engine instance runs: memory, batching and parallel layout."""
 
     model: str
-    dtype: torch.dtype = torch.bfloat16
+    # Weights and activations. None ("auto"): the checkpoint's dtype if this CPU computes it fast,
+    # else float32. A 16-bit dtype without a fast GEMM here is computed in float32
+    # (`elasticmoe.utils.cpu_features`); the engine's own config then says float32.
+    dtype: torch.dtype | None = torch.bfloat16
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30

@@ -8,6 +8,7 @@ collectives never hang.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -39,6 +40,12 @@ from elasticmoe.parallel.dispatch import AllToAllDispatcher, LocalDispatcher
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tokenizer import Tokenizer
+from elasticmoe.utils.cpu_features import (
+    checkpoint_dtype,
+    choose_compute_plan,
+    cpu_compute_info,
+    detect_cpu_features,
+)
 from elasticmoe.utils.malloc import tune_malloc
 
 logger = logging.getLogger(__name__)
@@ -53,11 +60,16 @@ class LLMEngine:
         placement: ExpertPlacement | None = None,
         ep_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.config = config
         tune_malloc()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = cfg = ModelConfig.from_pretrained(config.model)
+        # The dtypes this CPU computes fast; from here on config.dtype is the compute dtype.
+        self.compute_plan = plan = choose_compute_plan(
+            detect_cpu_features(), config.dtype, checkpoint_dtype(cfg.extra), weight_provider is not None
+        )
+        self.config = config = dataclasses.replace(config, dtype=plan.compute_dtype)
+        logger.info("cpu compute: %s", cpu_compute_info(plan=plan))
         self.tokenizer = Tokenizer(config.model)
         self.placement = placement or ExpertPlacement.balanced(cfg.num_experts, config.ep_size)
         if self.placement.num_ranks != config.ep_size:
@@ -68,13 +80,14 @@ class LLMEngine:
         # ESFT: each expert stack is a virtual weight tensor [E_local + N*E_max, ...] (rows unfilled).
         specs = with_adapter_slots(specs, config.max_esft_adapters * config.max_esft_experts)
         provider = weight_provider or SafetensorsWeightProvider(config.model)
-        self.weights = load_weights(specs, provider, config.dtype)
+        self.weights = load_weights(specs, provider, plan.weight_dtype)
         dispatcher: LocalDispatcher | AllToAllDispatcher
         if config.ep_size == 1:
             dispatcher = LocalDispatcher(self.placement)
         else:
             dispatcher = AllToAllDispatcher(self.placement, config.ep_rank, ep_group)
         self.model = family.build(cfg, self.weights, dispatcher)
+        self.model.compute_dtype = plan.compute_dtype
         self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), config.dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
         self.kv_pool = (kv_provider or LocalKVProvider()).allocate(self.kv_spec, num_blocks)

@@ -27,13 +27,14 @@ class ModelRunner:
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _decode_metadata(self, decodes: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded block tables [D, max_blocks] of the decoding sequences and their masks [D, 1, 1, K_max]."""
+    def _decode_metadata(self, decodes: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded block tables [D, max_blocks] of the decoding sequences, their masks [D, 1, 1, K_max]
+        and context lengths [D]."""
         context_lens = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
         max_blocks = max(len(r.block_ids) for r in decodes)
         table = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes])
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)  # [D, K_max]
-        return table, mask[:, None, None, :]
+        return table, mask[:, None, None, :], context_lens
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Returns input ids [T], positions [T], the forward context, and the token
@@ -68,7 +69,7 @@ class ModelRunner:
             prefills=prefills,
         )
         if decodes:
-            meta.decode_block_table, meta.decode_mask = self._decode_metadata(decodes)
+            meta.decode_block_table, meta.decode_mask, meta.decode_context_lens = self._decode_metadata(decodes)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         ctx = ForwardContext(attn=meta)

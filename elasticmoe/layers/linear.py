@@ -4,6 +4,10 @@ PyTorch's float32 CPU matmul goes to MKL, which on the AMD EPYC machines this
 project runs on measured 2.3x slower than oneDNN's kernel for the same shapes
 ([2048, 512] x [512, 1536]: 18.1 ms vs 7.8 ms). bfloat16 already goes to oneDNN.
 Results agree to float32 rounding (max abs diff ~1e-6 relative).
+
+A weight stored in another dtype than x (bf16 weights from a shared-memory provider on a host
+without a fast bf16 GEMM, computed in float32: `elasticmoe.utils.cpu_features`) is widened
+at use; bf16 values are exact in float32.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ _USE_ONEDNN_FP32 = _mkldnn_linear is not None and torch.backends.mkldnn.is_avail
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T -> [..., out] (no bias)."""
+    """x [..., in] @ weight[out, in].T -> [..., out] (no bias), in x's dtype."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
     if _USE_ONEDNN_FP32 and x.dtype == torch.float32 and weight.dtype == torch.float32:
         return _mkldnn_linear(x, weight, None, "none", [], "")  # type: ignore[misc]
     return F.linear(x, weight)

@@ -1,0 +1,150 @@
+// Decode attention over the paged KV cache, read in place (no gathered or contiguous copies).
+//
+// One query token per sequence. For sequence b and KV head h, its G = H / Hkv query heads
+// attend to the first context_lens[b] tokens of its blocks:
+//   cache [num_slots, 2, Hkv, D] (K then V per token; slot = block * block_size + offset)
+//   block_table [B, max_blocks] int64, q [B, H, D] (row stride q_stride_b), out [B, H, D].
+//
+// The math follows the PyTorch path it replaces (layers/attention.py: decode_attention): scores
+// q.k in fp32, rounded to the model dtype (as the bf16 matmul output is), times `scale`;
+// softmax in fp32; probabilities rounded to the model dtype; the weighted sum of V in fp32,
+// rounded once at the end.
+
+#include <math.h>
+#include <omp.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace emoe;
+
+inline float round_as(const float*, float v) { return v; }
+inline float round_as(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+template <typename T>
+inline float dot(const T* a, const T* b, int64_t D) {
+  vec acc = vzero();
+  int64_t d = 0;
+  for (; d + L <= D; d += L) acc = vfma(vload(a + d), vload(b + d), acc);
+  float s = hsum(acc);
+  for (; d < D; ++d) s += scalar(a, d) * scalar(b, d);
+  return s;
+}
+
+// s[j] = a . rows[j] for 8 rows (one reduction for all eight: hsum8).
+template <typename T>
+inline void dot8(const T* a, const T* const* rows, int64_t D, float* s) {
+  vec acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = vzero();
+  int64_t d = 0;
+  for (; d + L <= D; d += L) {
+    const vec av = vload(a + d);
+    for (int j = 0; j < 8; ++j) acc[j] = vfma(av, vload(rows[j] + d), acc[j]);
+  }
+  hsum8(acc, s);
+  for (; d < D; ++d)
+    for (int j = 0; j < 8; ++j) s[j] += scalar(a, d) * scalar(rows[j], d);
+}
+
+// p[0:n] = softmax(p[0:n]) in fp32, then rounded to T's precision (as `.to(v.dtype)` does).
+template <typename T>
+inline void softmax_inplace(float* p, int64_t n, const T* as) {
+  vec mv = vset(-INFINITY);
+  int64_t t = 0;
+  for (; t + L <= n; t += L) mv = vmax(mv, vload(p + t));
+  float mx = hmax(mv);
+  for (; t < n; ++t) mx = p[t] > mx ? p[t] : mx;
+  vec sv = vzero();
+  const vec mxv = vset(mx);
+  for (t = 0; t + L <= n; t += L) {
+    const vec e = vexp_nonpos(vsub(vload(p + t), mxv));
+    vstore(p + t, e);
+    sv = vadd(sv, e);
+  }
+  float sum = hsum(sv);
+  for (; t < n; ++t) sum += (p[t] = expf(p[t] - mx));
+  const float inv = 1.0f / sum;
+  for (t = 0; t < n; ++t) p[t] = round_as(as, p[t] * inv);
+}
+
+template <typename T>
+void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int64_t* block_table, int64_t max_blocks,
+                      const int64_t* context_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                      float scale, T* out) {
+  const int64_t G = H / Hkv;
+  const int64_t slot_stride = 2 * Hkv * D;  // one token: K heads then V heads
+  const T* null = nullptr;
+#pragma omp parallel
+  {
+    std::vector<float> probs;  // [G, ctx]
+    std::vector<float> acc;    // [G, D]
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * Hkv; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t ctx = context_lens[b];
+      const int64_t* blocks = block_table + b * max_blocks;
+      probs.assign(G * ctx, 0.0f);
+      acc.assign(G * D, 0.0f);
+      const T* qh = q + b * q_stride_b + h * G * D;
+      int64_t t = 0;
+      for (; t + 8 <= ctx; t += 8) {
+        const T* k[8];
+        for (int j = 0; j < 8; ++j)
+          k[j] = cache + (blocks[(t + j) / block_size] * block_size + (t + j) % block_size) * slot_stride + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float s[8];
+          dot8(qh + g * D, k, D, s);
+          for (int j = 0; j < 8; ++j) probs[g * ctx + t + j] = round_as(null, s[j]) * scale;
+        }
+      }
+      for (; t < ctx; ++t) {
+        const T* k = cache + (blocks[t / block_size] * block_size + t % block_size) * slot_stride + h * D;
+        for (int64_t g = 0; g < G; ++g) probs[g * ctx + t] = round_as(null, dot(qh + g * D, k, D)) * scale;
+      }
+      for (int64_t g = 0; g < G; ++g) softmax_inplace(probs.data() + g * ctx, ctx, null);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* v = cache + (blocks[t / block_size] * block_size + t % block_size) * slot_stride + (Hkv + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float pt = probs[g * ctx + t];
+          float* a = acc.data() + g * D;
+          int64_t d = 0;
+#if defined(EMOE_AVX512)
+          const vec pv = _mm512_set1_ps(pt);
+          for (; d + L <= D; d += L) _mm512_storeu_ps(a + d, vfma(pv, vload(v + d), _mm512_loadu_ps(a + d)));
+#else
+          const vec pv = _mm256_set1_ps(pt);
+          for (; d + L <= D; d += L) _mm256_storeu_ps(a + d, vfma(pv, vload(v + d), _mm256_loadu_ps(a + d)));
+#endif
+          for (; d < D; ++d) a[d] += pt * scalar(v, d);
+        }
+      }
+      T* o = out + (b * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) store(o, i, acc[i]);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16 (q, cache and out alike). Returns 0, or -1 for another dtype.
+int emoe_paged_decode_attention(const void* q, int64_t q_stride_b, const void* cache, const int64_t* block_table,
+                                int64_t max_blocks, const int64_t* context_lens, int64_t B, int64_t H, int64_t Hkv,
+                                int64_t D, int64_t block_size, float scale, int dtype, void* out) {
+  if (dtype == kF32) {
+    decode_attention(static_cast<const float*>(q), q_stride_b, static_cast<const float*>(cache), block_table,
+                     max_blocks, context_lens, B, H, Hkv, D, block_size, scale, static_cast<float*>(out));
+  } else if (dtype == kBF16) {
+    decode_attention(static_cast<const uint16_t*>(q), q_stride_b, static_cast<const uint16_t*>(cache), block_table,
+                     max_blocks, context_lens, B, H, Hkv, D, block_size, scale, static_cast<uint16_t*>(out));
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+}  // extern "C"
