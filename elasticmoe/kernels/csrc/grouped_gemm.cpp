@@ -27,9 +27,11 @@ using namespace emoe;
 constexpr int NB = 8;  // weight rows per block
 constexpr int MB = 3;  // input rows per block: MB * NB accumulators + MB inputs + 1 weight <= 32 registers
 
-// out[m][n] = x[m, 0:K] . w[n, 0:K] for a block of M (<= MB) input rows and N (<= NB) weight rows.
+// out[m][n] = x[m, 0:K] . w[n, 0:K] for a block of M (<= MB) input rows and N (<= NB) weight rows;
+// full blocks (N == NB) are stored straight into `dst` (row stride ldo), partial ones into `out`.
 template <typename X, typename W, int M, int N>
-inline void dot_block(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float out[MB][NB]) {
+inline void dot_block(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float out[MB][NB], X* dst,
+                      int64_t ldo) {
   vec acc[M][N];
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) acc[m][n] = vzero();
@@ -57,14 +59,23 @@ inline void dot_block(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t 
       for (int m = 0; m < M; ++m) acc[m][n] = vfma(xv[m], wv, acc[m][n]);
     }
   }
+  const int64_t tail = kv > k ? kv : k;
   for (int m = 0; m < M; ++m) {
     if constexpr (N == 8) {
-      hsum8(acc[m], out[m]);
+      __m256 sums = hsum8v(acc[m]);
+      if (tail < K) {
+        float t8[8] = {};
+        for (int n = 0; n < N; ++n)
+          for (int64_t t = tail; t < K; ++t) t8[n] += scalar(x, m * ldx + t) * scalar(w, n * ldw + t);
+        sums = _mm256_add_ps(sums, _mm256_loadu_ps(t8));
+      }
+      store8(dst + m * ldo, sums);
     } else {
-      for (int n = 0; n < N; ++n) out[m][n] = hsum(acc[m][n]);
+      for (int n = 0; n < N; ++n) {
+        out[m][n] = hsum(acc[m][n]);
+        for (int64_t t = tail; t < K; ++t) out[m][n] += scalar(x, m * ldx + t) * scalar(w, n * ldw + t);
+      }
     }
-    for (int n = 0; n < N; ++n)
-      for (int64_t t = kv > k ? kv : k; t < K; ++t) out[m][n] += scalar(x, m * ldx + t) * scalar(w, n * ldw + t);
   }
 }
 
@@ -89,23 +100,25 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, int num_slots
     for (int64_t r = offsets[slot]; r < offsets[slot + 1]; r += MB) {
       const int mb = static_cast<int>(offsets[slot + 1] - r < MB ? offsets[slot + 1] - r : MB);
       const X* xb = x + r * ldx;
+      X* dst = out + r * ldo + n0;
       if (nb == NB) {
         if (mb == 3)
-          dot_block<X, W, 3, NB>(xb, ldx, wb, w_stride_n, K, acc);
+          dot_block<X, W, 3, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo);
         else if (mb == 2)
-          dot_block<X, W, 2, NB>(xb, ldx, wb, w_stride_n, K, acc);
+          dot_block<X, W, 2, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo);
         else
-          dot_block<X, W, 1, NB>(xb, ldx, wb, w_stride_n, K, acc);
+          dot_block<X, W, 1, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo);
+        continue;
       } else {  // the last, partial block of weight rows: one row at a time
         for (int n = 0; n < nb; ++n) {
           float one[MB][NB];
           const W* wn = wb + n * w_stride_n;
           if (mb == 3)
-            dot_block<X, W, 3, 1>(xb, ldx, wn, w_stride_n, K, one);
+            dot_block<X, W, 3, 1>(xb, ldx, wn, w_stride_n, K, one, dst, ldo);
           else if (mb == 2)
-            dot_block<X, W, 2, 1>(xb, ldx, wn, w_stride_n, K, one);
+            dot_block<X, W, 2, 1>(xb, ldx, wn, w_stride_n, K, one, dst, ldo);
           else
-            dot_block<X, W, 1, 1>(xb, ldx, wn, w_stride_n, K, one);
+            dot_block<X, W, 1, 1>(xb, ldx, wn, w_stride_n, K, one, dst, ldo);
           for (int m = 0; m < mb; ++m) acc[m][n] = one[m][0];
         }
       }

@@ -37,6 +37,20 @@ inline float dot(const T* a, const T* b, int64_t D) {
 // s[j] = a . rows[j] for 8 rows (one reduction for all eight: hsum8).
 template <typename T>
 inline void dot8(const T* a, const T* const* rows, int64_t D, float* s) {
+#if defined(EMOE_BF16DOT)
+  if constexpr (sizeof(T) == 2) {
+    if (D % 32 == 0) {  // native bf16 pairs, no widening
+      __m512 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh av = (__m512bh)_mm512_loadu_si512(a + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_loadu_si512(rows[j] + d));
+      }
+      hsum8(acc, s);
+      return;
+    }
+  }
+#endif
   vec acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = vzero();
   int64_t d = 0;
@@ -70,6 +84,30 @@ inline void softmax_inplace(float* p, int64_t n, const T* as) {
   for (t = 0; t < n; ++t) p[t] = round_as(as, p[t] * inv);
 }
 
+// acc[g, :] = sum_t probs[g, t] * v_t for g < G, D = NV * L: V rows widened once per token, the
+// accumulators of HG query heads (16 vectors) kept in registers.
+template <typename T, int NV>
+inline void weighted_sum(const float* probs, int64_t ctx, int64_t G, const T* vbase, const int64_t* blocks,
+                         int64_t block_size, int64_t slot_stride, float* acc) {
+  constexpr int HG = 16 / NV;  // query heads per pass
+  for (int64_t g0 = 0; g0 < G; g0 += HG) {
+    vec a[HG][NV];
+    for (int g = 0; g < HG; ++g)
+      for (int j = 0; j < NV; ++j) a[g][j] = vzero();
+    for (int64_t t = 0; t < ctx; ++t) {
+      const T* v = vbase + (blocks[t / block_size] * block_size + t % block_size) * slot_stride;
+      vec vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = vload(v + j * L);
+      for (int g = 0; g < HG; ++g) {
+        const vec p = vset(probs[(g0 + g) * ctx + t]);
+        for (int j = 0; j < NV; ++j) a[g][j] = vfma(p, vv[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < HG; ++g)
+      for (int j = 0; j < NV; ++j) vstore(acc + (g0 + g) * NV * L + j * L, a[g][j]);
+  }
+}
+
 template <typename T>
 void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int64_t* block_table, int64_t max_blocks,
                       const int64_t* context_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
@@ -81,7 +119,9 @@ void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int6
   {
     std::vector<float> probs;  // [G, ctx]
     std::vector<float> acc;    // [G, D]
-#pragma omp for schedule(dynamic, 1)
+    // A sequence's KV heads go to one thread in turn: the first head pulls the sequence's blocks
+    // (contiguous token slots of all heads) into cache, the others find them there.
+#pragma omp for schedule(dynamic, Hkv)
     for (int64_t task = 0; task < B * Hkv; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t ctx = context_lens[b];
@@ -105,20 +145,22 @@ void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int6
         for (int64_t g = 0; g < G; ++g) probs[g * ctx + t] = round_as(null, dot(qh + g * D, k, D)) * scale;
       }
       for (int64_t g = 0; g < G; ++g) softmax_inplace(probs.data() + g * ctx, ctx, null);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* v = cache + (blocks[t / block_size] * block_size + t % block_size) * slot_stride + (Hkv + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float pt = probs[g * ctx + t];
-          float* a = acc.data() + g * D;
-          int64_t d = 0;
-#if defined(EMOE_AVX512)
-          const vec pv = _mm512_set1_ps(pt);
-          for (; d + L <= D; d += L) _mm512_storeu_ps(a + d, vfma(pv, vload(v + d), _mm512_loadu_ps(a + d)));
-#else
-          const vec pv = _mm256_set1_ps(pt);
-          for (; d + L <= D; d += L) _mm256_storeu_ps(a + d, vfma(pv, vload(v + d), _mm256_loadu_ps(a + d)));
-#endif
-          for (; d < D; ++d) a[d] += pt * scalar(v, d);
+      const T* vbase = cache + (Hkv + h) * D;
+      if (D == 4 * L && G % 4 == 0) {
+        weighted_sum<T, 4>(probs.data(), ctx, G, vbase, blocks, block_size, slot_stride, acc.data());
+      } else if (D == 8 * L && G % 2 == 0) {
+        weighted_sum<T, 8>(probs.data(), ctx, G, vbase, blocks, block_size, slot_stride, acc.data());
+      } else {
+        for (int64_t t = 0; t < ctx; ++t) {
+          const T* v = vbase + (blocks[t / block_size] * block_size + t % block_size) * slot_stride;
+          for (int64_t g = 0; g < G; ++g) {
+            const float pt = probs[g * ctx + t];
+            float* a = acc.data() + g * D;
+            int64_t d = 0;
+            const vec pv = vset(pt);
+            for (; d + L <= D; d += L) vstore(a + d, vfma(pv, vload(v + d), vload(a + d)));
+            for (; d < D; ++d) a[d] += pt * scalar(v, d);
+          }
         }
       }
       T* o = out + (b * H + h * G) * D;

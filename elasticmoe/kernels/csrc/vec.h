@@ -45,7 +45,7 @@ inline vec vpow2i(vec p, vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
 inline float hmax(vec v) { return _mm512_reduce_max_ps(v); }
 inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
 // The 8 horizontal sums of v[0..7], in 24 instructions instead of 8 separate reductions (~70).
-inline void hsum8(const vec* v, float* out) {
+inline __m256 hsum8v(const vec* v) {
   __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
   __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
   __m512 x45 = _mm512_add_ps(_mm512_unpacklo_ps(v[4], v[5]), _mm512_unpackhi_ps(v[4], v[5]));
@@ -57,8 +57,7 @@ inline void hsum8(const vec* v, float* out) {
   __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(y03, y47, 0x88), _mm512_shuffle_f32x4(y03, y47, 0xDD));
   __m512 t = _mm512_add_ps(z, _mm512_shuffle_f32x4(z, z, 0xB1));  // lanes (0+1, 1+0, 2+3, 3+2)
   // lane 0: v0..v3 totals, lane 2: v4..v7 totals
-  _mm_storeu_ps(out, _mm512_castps512_ps128(t));
-  _mm_storeu_ps(out + 4, _mm512_extractf32x4_ps(t, 2));
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm512_castps512_ps128(t)), _mm512_extractf32x4_ps(t, 2), 1);
 }
 #elif defined(EMOE_AVX2)
 using vec = __m256;
@@ -92,15 +91,14 @@ inline float hsum(vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline void hsum8(const vec* v, float* out) {
+inline __m256 hsum8v(const vec* v) {
   __m256 x01 = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
   __m256 x23 = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
   __m256 x45 = _mm256_add_ps(_mm256_unpacklo_ps(v[4], v[5]), _mm256_unpackhi_ps(v[4], v[5]));
   __m256 x67 = _mm256_add_ps(_mm256_unpacklo_ps(v[6], v[7]), _mm256_unpackhi_ps(v[6], v[7]));
   __m256 y03 = _mm256_add_ps(_mm256_shuffle_ps(x01, x23, 0x44), _mm256_shuffle_ps(x01, x23, 0xEE));
   __m256 y47 = _mm256_add_ps(_mm256_shuffle_ps(x45, x67, 0x44), _mm256_shuffle_ps(x45, x67, 0xEE));
-  __m256 t = _mm256_add_ps(_mm256_permute2f128_ps(y03, y47, 0x20), _mm256_permute2f128_ps(y03, y47, 0x31));
-  _mm256_storeu_ps(out, t);
+  return _mm256_add_ps(_mm256_permute2f128_ps(y03, y47, 0x20), _mm256_permute2f128_ps(y03, y47, 0x31));
 }
 #else
 #error "build with -DEMOE_AVX512 or -DEMOE_AVX2"
@@ -127,6 +125,18 @@ inline vec vexp_nonpos(vec x) {
   p = vfma(p, r, vset(1.0f));
   p = vfma(p, r, vset(1.0f));
   return vpow2i(p, n);
+}
+
+inline void hsum8(const vec* v, float* out) { _mm256_storeu_ps(out, hsum8v(v)); }
+
+// Store 8 floats, rounded to nearest even for bf16 (NaN inputs are not expected here).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
 inline float scalar(const float* p, int64_t i) { return p[i]; }
