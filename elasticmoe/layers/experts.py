@@ -20,6 +20,8 @@ unsupported dtype pair) two PyTorch paths remain, chosen per call:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +30,7 @@ from elasticmoe.layers.linear import linear
 
 # The grouped kernel while rows per slot are at most this many (decode, small prefills): past it
 # oneDNN's GEMM per slot is faster (measured crossover 32-64 rows per slot, bf16 and fp32 alike).
-_KERNEL_MAX_ROWS_PER_SLOT = 48
+_KERNEL_MAX_ROWS_PER_SLOT = int(os.environ.get("ELASTICMOE_GROUPED_MAX_ROWS", "48"))  # A/B runs
 # Padded bmm when rows per busy slot are at most this many and most slots are busy.
 _BMM_MAX_ROWS_PER_SLOT = 48
 _BMM_MIN_BUSY_FRACTION = 0.75

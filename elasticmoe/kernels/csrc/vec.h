@@ -37,6 +37,7 @@ inline vec vload(const uint16_t* p) {
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vset(float v) { return _mm512_set1_ps(v); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
@@ -71,6 +72,7 @@ inline vec vload(const uint16_t* p) {
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vset(float v) { return _mm256_set1_ps(v); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
@@ -137,6 +139,32 @@ inline void store8(uint16_t* p, __m256 v) {
   const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// v rounded to bf16 precision (nearest even), kept as fp32.
+inline vec vround_bf16(vec v) {
+#if defined(EMOE_AVX512)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+#else
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+#endif
+}
+
+// Store one vector (L values) as fp32 or, rounded to nearest even, as bf16.
+inline void vstore_as(float* p, vec v) { vstore(p, v); }
+inline void vstore_as(uint16_t* p, vec v) {
+#if defined(EMOE_AVX512)
+  store8(p, _mm512_castps512_ps256(v));
+  store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+  store8(p, v);
+#endif
 }
 
 inline float scalar(const float* p, int64_t i) { return p[i]; }
