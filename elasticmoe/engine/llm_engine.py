@@ -28,11 +28,14 @@ from elasticmoe.engine.request import Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
 from elasticmoe.errors import InvalidRequestError
+from elasticmoe.kernels.grouped_gemm import has_grouped_gemm
 from elasticmoe.models.registry import model_family
 from elasticmoe.models.weights import (
+    ParamSpec,
     SafetensorsWeightProvider,
     WeightProvider,
     load_weights,
+    stores_stacked_as_bf16,
     with_adapter_slots,
 )
 from elasticmoe.outputs import RequestOutput
@@ -80,7 +83,7 @@ class LLMEngine:
         # ESFT: each expert stack is a virtual weight tensor [E_local + N*E_max, ...] (rows unfilled).
         specs = with_adapter_slots(specs, config.max_esft_adapters * config.max_esft_experts)
         provider = weight_provider or SafetensorsWeightProvider(config.model)
-        self.weights = load_weights(specs, provider, plan.weight_dtype)
+        self.weights = load_weights(specs, provider, plan.weight_dtype, self._expert_dtype(specs, provider))
         dispatcher: LocalDispatcher | AllToAllDispatcher
         if config.ep_size == 1:
             dispatcher = LocalDispatcher(self.placement)
@@ -107,6 +110,19 @@ class LLMEngine:
             "engine ready: %s, %s, %d KV blocks x %d tokens, max_model_len %d, ep %d/%d",
             cfg.arch, config.dtype, num_blocks, config.block_size, self.max_model_len, config.ep_rank, config.ep_size,
         )
+
+    def _expert_dtype(self, specs: list[ParamSpec], provider: WeightProvider) -> torch.dtype | None:
+        """bf16 for the expert stacks of a bf16 checkpoint computed in fp32 (lossless: every value
+        is a bf16 value; half the bytes each decode step reads), where the grouped kernel computes
+        fp32 x bf16 and the weights are this engine's own (a provider's memory keeps its dtype).
+        ESFT adapters keep the compute dtype: their rows may be fp32. None: the weight dtype."""
+        if (self.compute_plan.compute_dtype != torch.float32 or self.config.max_esft_adapters
+                or not isinstance(provider, SafetensorsWeightProvider)
+                or not has_grouped_gemm(torch.float32, torch.bfloat16)
+                or not stores_stacked_as_bf16(specs, provider)):
+            return None
+        logger.info("expert weights kept in bf16 (a bf16 checkpoint, computed in fp32: exact)")
+        return torch.bfloat16
 
     def _max_model_len(self, num_blocks: int) -> int:
         limit = self.config.max_model_len or self.model_config.max_position_embeddings

@@ -10,6 +10,7 @@ import torch
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import SchedulerOutput
+from elasticmoe.kernels.build import load_kernel, set_kernel_threads
 from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan
 from elasticmoe.layers.lora import LoraGroups
 from elasticmoe.models.common import CausalLM, ForwardContext
@@ -21,6 +22,10 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.lora_topk = lora_topk  # > 0: LoRA slots exist; every step carries K (slot, weight) per token
+        self.num_threads = torch.get_num_threads()
+        # Decode steps run PyTorch's ops on this thread and only our kernels on all of them (see execute).
+        self.serial_decode = self.num_threads > 1 and load_kernel("grouped_gemm") is not None
+        set_kernel_threads(self.num_threads)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         # Plain ints: per-request tensor ops cost more than the arithmetic at decode batch sizes.
@@ -118,9 +123,23 @@ class ModelRunner:
 
         ctx.before_layers = route
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Run one forward pass; returns logits [N_sample, V] (float32) and the sample indices."""
+        """Run one forward pass; returns logits [N_sample, V] (float32) and the sample indices.
+
+        A decode-only step runs PyTorch's own ops on the calling thread: at decode sizes each
+        would otherwise be an OpenMP region of a few microseconds that every thread must reach
+        (one preempted thread stalls it on a shared machine); the experts, the attention, the
+        norms and the projections run in our kernels on every thread."""
+        if not (self.serial_decode and all(n == 1 for _, n in sched.scheduled)):
+            return self._execute(sched)
+        torch.set_num_threads(1)
+        try:
+            return self._execute(sched)
+        finally:
+            torch.set_num_threads(self.num_threads)
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         ids, pos, ctx, sample_indices = self.prepare(sched)
         hidden = self.model.forward(ids, pos, ctx, self.kv_pool)
         rows = [i for i in sample_indices if i >= 0]  # index_select below: cheaper than hidden[rows]

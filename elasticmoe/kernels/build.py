@@ -32,6 +32,24 @@ _ISA_FLAGS = {
 }
 
 
+_loaded: list[ctypes.CDLL] = []
+_num_threads = 0  # 0: OpenMP's default (PyTorch's thread count at each call)
+
+
+def set_kernel_threads(num_threads: int) -> None:
+    """Threads of every kernel's parallel regions from now on, whatever PyTorch's own count is
+    (a decode step runs PyTorch's small ops on one thread and the kernels on all; see ModelRunner)."""
+    global _num_threads
+    _num_threads = num_threads
+    for lib in _loaded:
+        lib.emoe_set_num_threads(num_threads)
+
+
+def kernel_threads() -> int:
+    """The kernels' thread count as set by `set_kernel_threads` (0: not set)."""
+    return _num_threads
+
+
 def kernels_enabled() -> bool:
     return os.environ.get("ELASTICMOE_KERNELS", "1") not in ("0", "false", "off")
 
@@ -70,4 +88,8 @@ def load_kernel(name: str, isa: str | None = None) -> ctypes.CDLL | None:
             Path(tmp).unlink(missing_ok=True)
             return None
         logger.info("kernels: built %s for %s (%s)", name, isa, target)
-    return ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(target))
+    lib.emoe_set_num_threads.argtypes = [ctypes.c_int]
+    lib.emoe_set_num_threads(_num_threads)
+    _loaded.append(lib)
+    return lib

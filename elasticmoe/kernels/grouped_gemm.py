@@ -13,9 +13,9 @@ import ctypes
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 from elasticmoe.kernels.build import load_kernel
-from elasticmoe.layers.linear import linear
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 # (activation, weight) pairs the kernel computes; the output has the activation's dtype.
@@ -46,6 +46,14 @@ def slot_offsets(sorted_slots: torch.Tensor, num_slots: int) -> torch.Tensor:
     return offsets
 
 
+def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [M, in] @ w[out, in].T on the kernel's threads (decode-size projections while PyTorch
+    runs one thread); None where the kernel does not serve it."""
+    if x.dim() != 2 or (x.dtype, w.dtype) not in _SUPPORTED or w.stride(-1) != 1 or _kernel() is None:
+        return None
+    return grouped_gemm(x, torch.tensor([0, x.shape[0]]), w.unsqueeze(0))
+
+
 def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [N, in] with rows grouped by slot (`offsets` [S + 1], see `slot_offsets`), w [>= S, out, in]
     -> [N, out] in x's dtype."""
@@ -67,5 +75,5 @@ def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> tor
     for slot in range(num_slots):
         start, end = bounds[slot], bounds[slot + 1]
         if end > start:
-            out[start:end] = linear(x[start:end], w[slot])
+            out[start:end] = F.linear(x[start:end], w[slot].to(x.dtype))
     return out

@@ -63,3 +63,21 @@ def test_bf16_without_bf16_gemm_runs_in_float32(arch, tiny_model_dirs, monkeypat
     converted = LLMEngine(EngineConfig(model=model_dir, dtype=torch.bfloat16))  # default provider
     assert converted.weights["embed"].dtype == torch.float32
     assert converted.compute_plan.compute_dtype == torch.float32
+
+
+def test_bf16_checkpoint_in_float32_keeps_its_experts_in_bf16(tiny_model_dirs, tmp_path):
+    """Lossless: the experts of a bf16 checkpoint stay bf16 (half the bytes a decode step reads)
+    and the engine generates what an engine over fp32 copies of the same weights generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = tiny_model_dirs["qwen3_moe"]
+    bf16_dir = str(tmp_path / "bf16")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    AutoTokenizer.from_pretrained(src).save_pretrained(bf16_dir)
+    engine = LLMEngine(EngineConfig(model=bf16_dir, dtype=torch.float32))
+    block = engine.model.moe_blocks()[0]
+    assert block.w13.dtype == torch.bfloat16 and engine.weights["embed"].dtype == torch.float32
+    reference = LLMEngine(EngineConfig(model=bf16_dir, dtype=torch.float32),
+                          weight_provider=RoundedProvider(bf16_dir, torch.float32))
+    assert reference.model.moe_blocks()[0].w13.dtype == torch.float32
+    assert _generate(engine) == _generate(reference)

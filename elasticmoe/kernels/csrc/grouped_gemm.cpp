@@ -90,7 +90,7 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, int num_slots
   for (int s = 0, i = 0; s < num_slots; ++s)
     if (offsets[s + 1] > offsets[s]) busy[i++] = s;
   const int64_t num_tasks = num_busy * blocks_per_slot;
-#pragma omp parallel for schedule(dynamic, 4)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads())
   for (int64_t task = 0; task < num_tasks; ++task) {
     const int slot = busy[task / blocks_per_slot];
     const int64_t n0 = (task % blocks_per_slot) * NB;
@@ -132,6 +132,8 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, int num_slots
 }  // namespace
 
 extern "C" {
+
+void emoe_set_num_threads(int n) { emoe::g_num_threads = n; }
 
 // Returns 0, or -1 for an unsupported dtype pair. dtypes: 0 = float32, 1 = bfloat16; out has x's dtype.
 int emoe_grouped_gemm(const void* x, int64_t ldx, int x_dtype, const int64_t* offsets, int num_slots,

@@ -115,7 +115,7 @@ void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int6
   const int64_t G = H / Hkv;
   const int64_t slot_stride = 2 * Hkv * D;  // one token: K heads then V heads
   const T* null = nullptr;
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads())
   {
     std::vector<float> probs;  // [G, ctx]
     std::vector<float> acc;    // [G, D]
@@ -172,6 +172,8 @@ void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int6
 }  // namespace
 
 extern "C" {
+
+void emoe_set_num_threads(int n) { emoe::g_num_threads = n; }
 
 // dtype: 0 = float32, 1 = bfloat16 (q, cache and out alike). Returns 0, or -1 for another dtype.
 int emoe_paged_decode_attention(const void* q, int64_t q_stride_b, const void* cache, const int64_t* block_table,

@@ -45,13 +45,15 @@ void rms_norm(const X* x, int64_t ldx, const W* w, O* out, int64_t R, int64_t C,
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * ldx, w, out + r * C, C, eps);
     return;
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(num_threads())
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * ldx, w, out + r * C, C, eps);
 }
 
 }  // namespace
 
 extern "C" {
+
+void emoe_set_num_threads(int n) { emoe::g_num_threads = n; }
 
 // dtypes: 0 = float32, 1 = bfloat16. (x, w) -> out: (f32, f32) -> f32, (bf16, bf16) -> bf16,
 // (f32, bf16) -> f32. Returns 0, or -1 for another combination.

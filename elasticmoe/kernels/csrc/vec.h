@@ -2,10 +2,16 @@
 #pragma once
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 namespace emoe {
+
+// Threads of the kernels' parallel regions (0: OpenMP's default). Set by the engine, so the
+// kernels keep every core while PyTorch's own ops of a decode step run on the calling thread.
+inline int g_num_threads = 0;
+inline int num_threads() { return g_num_threads > 0 ? g_num_threads : omp_get_max_threads(); }
 
 constexpr int kF32 = 0;
 constexpr int kBF16 = 1;
