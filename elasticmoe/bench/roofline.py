@@ -41,6 +41,11 @@ class MachinePeaks:
     def gemm_peak(self, dtype: torch.dtype) -> float:
         return self.gemm_gflop_s[str(dtype).removeprefix("torch.")]
 
+    def best(self, other: MachinePeaks) -> MachinePeaks:
+        """Each figure's best of two measurements (a shared machine only ever slows them down)."""
+        gemm = {k: max(v, other.gemm_gflop_s.get(k, 0.0)) for k, v in self.gemm_gflop_s.items()}
+        return MachinePeaks(max(self.read_gb_s, other.read_gb_s), gemm, self.isa, self.num_threads)
+
 
 def measure_machine(repeats: int = 5, gemm_size: int = 2048, read_mib: int = 512) -> MachinePeaks:
     """Bandwidth and GEMM peaks of this machine now (with torch's threads); a few seconds."""
