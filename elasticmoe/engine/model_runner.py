@@ -10,7 +10,7 @@ import torch
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import SchedulerOutput
-from elasticmoe.kernels.build import load_kernel, set_kernel_threads
+from elasticmoe.kernels.build import bind_threads, load_kernel, pinned_to, set_kernel_threads
 from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan
 from elasticmoe.layers.lora import LoraGroups
 from elasticmoe.models.common import CausalLM, ForwardContext
@@ -26,6 +26,9 @@ class ModelRunner:
         # Decode steps run PyTorch's ops on this thread and only our kernels on all of them (see execute).
         self.serial_decode = self.num_threads > 1 and load_kernel("grouped_gemm") is not None
         set_kernel_threads(self.num_threads)
+        # One OpenMP thread per CPU (kernels/csrc/thread_affinity.cpp); this thread joins in per step.
+        self.bound_cpus = bind_threads(self.num_threads)
+        self.master_cpu = self.bound_cpus[0] if self.bound_cpus else None
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         # Plain ints: per-request tensor ops cost more than the arithmetic at decode batch sizes.
@@ -130,13 +133,14 @@ class ModelRunner:
         would otherwise be an OpenMP region of a few microseconds that every thread must reach
         (one preempted thread stalls it on a shared machine); the experts, the attention, the
         norms and the projections run in our kernels on every thread."""
-        if not (self.serial_decode and all(n == 1 for _, n in sched.scheduled)):
-            return self._execute(sched)
-        torch.set_num_threads(1)
-        try:
-            return self._execute(sched)
-        finally:
-            torch.set_num_threads(self.num_threads)
+        with pinned_to(self.master_cpu):
+            if not (self.serial_decode and all(n == 1 for _, n in sched.scheduled)):
+                return self._execute(sched)
+            torch.set_num_threads(1)
+            try:
+                return self._execute(sched)
+            finally:
+                torch.set_num_threads(self.num_threads)
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:

@@ -89,7 +89,45 @@ def load_kernel(name: str, isa: str | None = None) -> ctypes.CDLL | None:
             return None
         logger.info("kernels: built %s for %s (%s)", name, isa, target)
     lib = ctypes.CDLL(str(target))
-    lib.emoe_set_num_threads.argtypes = [ctypes.c_int]
-    lib.emoe_set_num_threads(_num_threads)
-    _loaded.append(lib)
+    if hasattr(lib, "emoe_set_num_threads"):
+        lib.emoe_set_num_threads.argtypes = [ctypes.c_int]
+        lib.emoe_set_num_threads(_num_threads)
+        _loaded.append(lib)
     return lib
+
+
+def bind_threads(num_threads: int) -> list[int] | None:
+    """Pin OpenMP thread i (PyTorch's and the kernels') to the i-th CPU this process may use, when
+    it may use exactly `num_threads` CPUs (its own share of the host). Returns the CPUs, or None
+    (not pinned: more or fewer CPUs than threads, no kernel build, or ELASTICMOE_BIND_THREADS=0).
+    See csrc/thread_affinity.cpp."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if num_threads < 2 or len(cpus) != num_threads or os.environ.get("ELASTICMOE_BIND_THREADS") == "0":
+        return None
+    lib = load_kernel("thread_affinity")
+    if lib is None:
+        return None
+    array = (ctypes.c_int * num_threads)(*cpus)
+    pinned = lib.emoe_bind_threads(array, num_threads) == num_threads
+    # The calling thread (OpenMP's master) is pinned only while it computes (`pinned_to`): threads
+    # and processes it starts otherwise would inherit a single CPU.
+    os.sched_setaffinity(0, cpus)
+    return cpus if pinned else None
+
+
+class pinned_to:
+    """Pin the calling thread to `cpu` for a `with` block (None: no-op), then restore its CPUs."""
+
+    def __init__(self, cpu: int | None) -> None:
+        self.cpu = cpu
+        self.saved: set[int] | None = None
+
+    def __enter__(self) -> None:
+        if self.cpu is not None:
+            self.saved = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {self.cpu})
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            os.sched_setaffinity(0, self.saved)
+            self.saved = None

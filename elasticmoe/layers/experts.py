@@ -28,9 +28,12 @@ import torch.nn.functional as F
 from elasticmoe.kernels.grouped_gemm import grouped_gemm, has_grouped_gemm, slot_offsets
 from elasticmoe.layers.linear import linear
 
-# The grouped kernel while rows per slot are at most this many (decode, small prefills): past it
-# oneDNN's GEMM per slot is faster (measured crossover 32-64 rows per slot, bf16 and fp32 alike).
-_KERNEL_MAX_ROWS_PER_SLOT = int(os.environ.get("ELASTICMOE_GROUPED_MAX_ROWS", "48"))  # A/B runs
+# The grouped kernel up to this many rows per slot (default: always). Past ~48 rows per slot
+# oneDNN's GEMM per slot is faster on a quiet machine (single thread, 256 rows per slot: 16 vs 22 ms
+# per layer), but a whole prefill step only gains ~5%, and its ~160 OpenMP regions per layer (two
+# GEMMs and the glue per expert) each stall when another process preempts one of our threads:
+# two regions per layer keep a shared machine usable. Set ELASTICMOE_GROUPED_MAX_ROWS=48 to compare.
+_KERNEL_MAX_ROWS_PER_SLOT = int(os.environ.get("ELASTICMOE_GROUPED_MAX_ROWS", "1000000000"))
 # Padded bmm when rows per busy slot are at most this many and most slots are busy.
 _BMM_MAX_ROWS_PER_SLOT = 48
 _BMM_MIN_BUSY_FRACTION = 0.75

@@ -108,3 +108,19 @@ def test_fused_rms_norm_equals_torch(isa, monkeypatch, x_dtype, w_dtype):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     if x_dtype == torch.bfloat16:  # the same values bar a rare last-bit tie
         assert (got == want).float().mean() > 0.99
+
+
+def test_threads_are_pinned_only_to_this_process_cpus_and_the_caller_only_per_step():
+    import os
+
+    from elasticmoe.kernels.build import bind_threads, pinned_to
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert bind_threads(len(cpus) + 1) is None  # more threads than CPUs: left to the scheduler
+    before = os.sched_getaffinity(0)
+    if len(cpus) >= 2:
+        assert bind_threads(len(cpus)) in (cpus, None)
+    assert os.sched_getaffinity(0) == before  # the caller itself stays free between steps
+    with pinned_to(cpus[0]):
+        assert os.sched_getaffinity(0) == {cpus[0]}
+    assert os.sched_getaffinity(0) == before
