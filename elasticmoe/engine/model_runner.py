@@ -14,6 +14,7 @@ from elasticmoe.kernels.build import bind_threads, load_kernel, pinned_to, set_k
 from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan
 from elasticmoe.layers.lora import LoraGroups
 from elasticmoe.models.common import CausalLM, ForwardContext
+from elasticmoe.utils.cpu_pressure import ThreadGovernor
 
 
 class ModelRunner:
@@ -29,6 +30,8 @@ class ModelRunner:
         # One OpenMP thread per CPU (kernels/csrc/thread_affinity.cpp); this thread joins in per step.
         self.bound_cpus = bind_threads(self.num_threads)
         self.master_cpu = self.bound_cpus[0] if self.bound_cpus else None
+        self.governor = ThreadGovernor(self.num_threads)  # 1 thread while other processes crowd the CPUs
+        self.active_threads = self.num_threads
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         # Plain ints: per-request tensor ops cost more than the arithmetic at decode batch sizes.
@@ -132,15 +135,21 @@ class ModelRunner:
         A decode-only step runs PyTorch's own ops on the calling thread: at decode sizes each
         would otherwise be an OpenMP region of a few microseconds that every thread must reach
         (one preempted thread stalls it on a shared machine); the experts, the attention, the
-        norms and the projections run in our kernels on every thread."""
+        norms and the projections run in our kernels on every thread. While other processes
+        crowd the CPUs, every step runs on one thread (`ThreadGovernor`)."""
+        threads = self.governor.threads()
+        if threads != self.active_threads:
+            torch.set_num_threads(threads)
+            set_kernel_threads(threads)
+            self.active_threads = threads
         with pinned_to(self.master_cpu):
-            if not (self.serial_decode and all(n == 1 for _, n in sched.scheduled)):
+            if threads == 1 or not (self.serial_decode and all(n == 1 for _, n in sched.scheduled)):
                 return self._execute(sched)
             torch.set_num_threads(1)
             try:
                 return self._execute(sched)
             finally:
-                torch.set_num_threads(self.num_threads)
+                torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:

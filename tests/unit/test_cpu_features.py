@@ -91,3 +91,16 @@ def test_this_hosts_info_is_a_plain_dict():
     assert info["compute_dtype"] in ("bfloat16", "float32")
     assert info["bf16_gemm"] == detect_cpu_features().bf16_gemm
     assert all(isinstance(v, (str, bool, int, type(None))) for v in info.values())
+
+
+def test_thread_governor_drops_to_one_thread_under_pressure_and_comes_back(monkeypatch):
+    from elasticmoe.utils.cpu_pressure import ThreadGovernor
+
+    readings = iter([0.0, 10.0, 80.0, 40.0, 5.0])
+    governor = ThreadGovernor(2, high=50, low=20, period_s=0, read=lambda: next(readings))  # first: enabled?
+    assert governor.enabled
+    assert [governor.threads() for _ in range(4)] == [2, 1, 1, 2]  # 10, 80 (down), 40 (hold), 5 (up)
+    monkeypatch.setenv("ELASTICMOE_ADAPTIVE_THREADS", "0")
+    assert ThreadGovernor(2, read=lambda: 99.0).threads() == 2
+    assert ThreadGovernor(2, read=lambda: None).threads() == 2  # no PSI here
+    assert ThreadGovernor(1, read=lambda: 99.0).threads() == 1
