@@ -130,6 +130,14 @@ void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int6
       acc.assign(G * D, 0.0f);
       const T* qh = q + b * q_stride_b + h * G * D;
       int64_t t = 0;
+      const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+      if (h == 0) {  // the sequence's blocks are scattered: ask for all of them up front (K and V, all heads)
+        const int64_t block_bytes = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
+        for (int64_t i = 0; i < num_blocks; ++i) {
+          const char* p = reinterpret_cast<const char*>(cache + blocks[i] * block_size * slot_stride);
+          for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+        }
+      }
       for (; t + 8 <= ctx; t += 8) {
         const T* k[8];
         for (int j = 0; j < 8; ++j)
