@@ -5,7 +5,7 @@ core busy, the thread on it waits for a time slice at every region, and two thre
 run slower than one (measured beside another team's test suite: 21-110 output tok/s with two
 threads, 280-1000 with one). `ThreadGovernor` reads Linux's CPU pressure (PSI,
 /proc/pressure/cpu "some avg10": the share of the last 10 s in which some task waited for a CPU)
-every few seconds and drops to one thread above `high`, back to all of them below `low`.
+every few seconds and drops to one thread above `high` (60%), back to all of them below `low` (20%).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ThreadGovernor:
     Disabled (always `num_threads`) with ELASTICMOE_ADAPTIVE_THREADS=0, without PSI, or with a
     single thread."""
 
-    def __init__(self, num_threads: int, high: float = 35.0, low: float = 10.0, period_s: float = 2.0,
+    def __init__(self, num_threads: int, high: float = 60.0, low: float = 20.0, period_s: float = 2.0,
                  read=cpu_pressure) -> None:
         self.num_threads, self.high, self.low, self.period_s = num_threads, high, low, period_s
         self.read = read

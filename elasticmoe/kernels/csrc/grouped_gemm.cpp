@@ -31,7 +31,7 @@ constexpr int MB = 3;  // input rows per block: MB * NB accumulators + MB inputs
 // full blocks (N == NB) are stored straight into `dst` (row stride ldo), partial ones into `out`.
 template <typename X, typename W, int M, int N>
 inline void dot_block(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float out[MB][NB], X* dst,
-                      int64_t ldo) {
+                      int64_t ldo, const W* pf = nullptr) {
   vec acc[M][N];
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) acc[m][n] = vzero();
@@ -42,6 +42,8 @@ inline void dot_block(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t 
     // Native bf16 pairs: one vdpbf16ps does 32 multiply-adds.
     const int64_t k2 = K - K % 32;
     for (; k < k2; k += 32) {
+      if (pf != nullptr)  // the next weight block, one line per row per step, spread over the compute
+        for (int n = 0; n < N; ++n) _mm_prefetch(reinterpret_cast<const char*>(pf + n * ldw + k), _MM_HINT_T0);
       __m512bh xv[M];
       for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
       for (int n = 0; n < N; ++n) {
@@ -52,6 +54,8 @@ inline void dot_block(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t 
   }
 #endif
   for (; k < kv; k += L) {
+    if (pf != nullptr && (k * static_cast<int64_t>(sizeof(W))) % 64 == 0)
+      for (int n = 0; n < N; ++n) _mm_prefetch(reinterpret_cast<const char*>(pf + n * ldw + k), _MM_HINT_T0);
     vec xv[M];
     for (int m = 0; m < M; ++m) xv[m] = vload(x + m * ldx + k);
     for (int n = 0; n < N; ++n) {
@@ -101,13 +105,18 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, int num_slots
       const int mb = static_cast<int>(offsets[slot + 1] - r < MB ? offsets[slot + 1] - r : MB);
       const X* xb = x + r * ldx;
       X* dst = out + r * ldo + n0;
+      // While the first rows compute, pull in the next weight block of this slot (its next NB
+      // rows, contiguous): each task's NB rows are short streams the hardware prefetchers barely
+      // start on (decode, weights from DRAM, one thread: 1.25 -> 0.87 ms per layer at 8 rows per
+      // slot). Only within the slot: another slot's rows may be unmapped adapter memory.
+      const W* pf = (r == offsets[slot] && n0 + 2 * NB <= n_out) ? wb + NB * w_stride_n : nullptr;
       if (nb == NB) {
         if (mb == 3)
-          dot_block<X, W, 3, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo);
+          dot_block<X, W, 3, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo, pf);
         else if (mb == 2)
-          dot_block<X, W, 2, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo);
+          dot_block<X, W, 2, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo, pf);
         else
-          dot_block<X, W, 1, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo);
+          dot_block<X, W, 1, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo, pf);
         continue;
       } else {  // the last, partial block of weight rows: one row at a time
         for (int n = 0; n < nb; ++n) {
