@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.config import ModelConfig
+from elasticmoe.kernels.rms_norm import fused_rms_norm
 from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, gqa_decode, paged_attention
 from elasticmoe.layers.experts import grouped_experts_sorted, swiglu_mlp
 from elasticmoe.layers.linear import linear
@@ -192,6 +193,17 @@ class GQAAttention:
                       plain(f"{p}.k_norm", (cfg.head_dim,), f"{hf}.k_norm.weight")]
         return specs
 
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of the fused q/k heads [T, H + Hkv, D]: the fused kernel on q heads and
+        k heads in place of one output, else the PyTorch norm over a [H + Hkv, D] weight."""
+        assert self.q_norm is not None and self.k_norm is not None
+        out = torch.empty(qk.shape, dtype=qk.dtype)
+        h = self.num_heads
+        if (fused_rms_norm(qk[:, :h], self.q_norm, self.eps, out[:, :h]) is not None
+                and fused_rms_norm(qk[:, h:], self.k_norm, self.eps, out[:, h:]) is not None):
+            return out
+        return rms_norm(qk, self._qk_norm_weight(), self.eps)
+
     def _qk_norm_weight(self) -> torch.Tensor:
         """[H + Hkv, D] norm weights for the fused q/k; rebuilt per call so the weights stay used in place."""
         assert self.q_norm is not None and self.k_norm is not None
@@ -213,7 +225,7 @@ class GQAAttention:
         # One norm and one RoPE call for q and k together: at decode batch sizes per-op overhead dominates.
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [T, H + Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:
-            qk = rms_norm(qk, self._qk_norm_weight(), self.eps)
+            qk = self._qk_norm(qk)
         qk = self.rope(qk, positions)
         q = qk[:, : self.num_heads]
         new_kv = torch.cat((qk[:, self.num_heads :], v), dim=1)  # [T, 2 * Hkv, D]: k heads, then v heads

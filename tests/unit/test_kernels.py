@@ -124,3 +124,21 @@ def test_threads_are_pinned_only_to_this_process_cpus_and_the_caller_only_per_st
     with pinned_to(cpus[0]):
         assert os.sched_getaffinity(0) == {cpus[0]}
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_over_heads_of_a_fused_projection(isa, monkeypatch, dtype):
+    from elasticmoe.kernels import rms_norm as rn
+
+    monkeypatch.setattr(rn, "load_kernel", lambda n, _isa=isa: load_kernel(n, _isa))
+    rn._kernel.cache_clear()
+    torch.manual_seed(0)
+    qkv = torch.randn(5, 8 + 2 * 2, 64).to(dtype)  # [T, H + 2 Hkv, D], as the qkv projection's view
+    w = torch.randn(64).to(dtype)
+    out = torch.empty(5, 8 + 2, 64, dtype=dtype)
+    assert rn.fused_rms_norm(qkv[:, 8:10], w, 1e-6, out[:, 8:]) is not None  # the k heads
+    xf = qkv[:, 8:10].float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    rn._kernel.cache_clear()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[:, 8:], want, atol=tol, rtol=tol)

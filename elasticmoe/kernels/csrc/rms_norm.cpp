@@ -1,6 +1,8 @@
 // RMSNorm of rows, fused: out = w * (x / sqrt(mean(x^2) + eps)), with HF's rounding points.
 //
-// x [R, C] (row stride ldx, fp32 or bf16), w [C] (fp32 or bf16), out [R, C] contiguous. The
+// x: R rows of C, in groups of `group` consecutive rows (row j of group t at x + t * ldx + j * C: a
+// plain matrix with group 1, the heads of each token with group = heads); out likewise with ldo.
+// x fp32 or bf16, w [C] fp32 or bf16. The
 // norm is computed in fp32 and rounded to x's dtype before the weight multiplies it (as
 // `weight * x.float()...to(dtype)` does); the product is rounded to the output dtype (x's, or
 // fp32 when a bf16 weight meets fp32 activations). One call instead of eight PyTorch ops; small
@@ -40,13 +42,18 @@ void rms_norm_row(const X* x, const W* w, O* out, int64_t C, float eps) {
 }
 
 template <typename X, typename W, typename O>
-void rms_norm(const X* x, int64_t ldx, const W* w, O* out, int64_t R, int64_t C, float eps) {
+void rms_norm(const X* x, int64_t ldx, int64_t group, const W* w, O* out, int64_t ldo, int64_t R, int64_t C,
+              float eps) {
+  auto row = [&](int64_t r) {
+    const int64_t t = r / group, j = r % group;
+    rms_norm_row(x + t * ldx + j * C, w, out + t * ldo + j * C, C, eps);
+  };
   if (R * C < (1 << 18)) {
-    for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * ldx, w, out + r * C, C, eps);
+    for (int64_t r = 0; r < R; ++r) row(r);
     return;
   }
 #pragma omp parallel for schedule(static) num_threads(num_threads())
-  for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * ldx, w, out + r * C, C, eps);
+  for (int64_t r = 0; r < R; ++r) row(r);
 }
 
 }  // namespace
@@ -57,15 +64,17 @@ void emoe_set_num_threads(int n) { emoe::g_num_threads = n; }
 
 // dtypes: 0 = float32, 1 = bfloat16. (x, w) -> out: (f32, f32) -> f32, (bf16, bf16) -> bf16,
 // (f32, bf16) -> f32. Returns 0, or -1 for another combination.
-int emoe_rms_norm(const void* x, int64_t ldx, int x_dtype, const void* w, int w_dtype, void* out, int64_t R,
-                  int64_t C, float eps) {
+int emoe_rms_norm(const void* x, int64_t ldx, int64_t group, int x_dtype, const void* w, int w_dtype, void* out,
+                  int64_t ldo, int64_t R, int64_t C, float eps) {
   if (x_dtype == kF32 && w_dtype == kF32) {
-    rms_norm(static_cast<const float*>(x), ldx, static_cast<const float*>(w), static_cast<float*>(out), R, C, eps);
+    rms_norm(static_cast<const float*>(x), ldx, group, static_cast<const float*>(w), static_cast<float*>(out), ldo, R,
+             C, eps);
   } else if (x_dtype == kBF16 && w_dtype == kBF16) {
-    rms_norm(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out), R, C,
-             eps);
+    rms_norm(static_cast<const uint16_t*>(x), ldx, group, static_cast<const uint16_t*>(w),
+             static_cast<uint16_t*>(out), ldo, R, C, eps);
   } else if (x_dtype == kF32 && w_dtype == kBF16) {
-    rms_norm(static_cast<const float*>(x), ldx, static_cast<const uint16_t*>(w), static_cast<float*>(out), R, C, eps);
+    rms_norm(static_cast<const float*>(x), ldx, group, static_cast<const uint16_t*>(w), static_cast<float*>(out), ldo,
+             R, C, eps);
   } else {
     return -1;
   }
