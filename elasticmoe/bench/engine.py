@@ -13,7 +13,8 @@ The same workload and definitions are used for vLLM by `scripts/vllm_bench.py`
 (see `scripts/bench_vs_vllm.sh`). Progress goes to stderr, the JSON to stdout.
 
 Roofline (`elasticmoe.bench.roofline`, on by default): the run measures this machine's
-read bandwidth and bf16/fp32 GEMM peaks (before and after the timed runs, the best of each), then reports, for the median run, how far the prefill
+read bandwidth and bf16/fp32 GEMM peaks (before and after each timed run, the best of each: on a
+shared machine a figure measured under load is too low, and fractions above 1 say so), then reports, for the median run, how far the prefill
 steps, the decode steps and the whole workload are from their roofline time (the least time
 their FLOPs and bytes need at those peaks), with the CPU's ISA and the compute path chosen.
 """
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             write_profile(prof, args.profile)
             _log(f"profiled run: {profiled['output_tok_s']:.1f} output tok/s")
         runs.append(run_batch(engine, prompts, args.output_len, f"run{i}", recorder))
+        if peaks is not None:  # between runs too: a shared machine is quiet only now and then
+            peaks = peaks.best(measure_machine())
         _log(f"timed run {i}: {runs[-1]['output_tok_s']:.1f} output tok/s, e2e {runs[-1]['e2e_s']:.2f}s")
     median = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
     steps = median.pop("steps")
@@ -227,7 +230,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run.pop("steps", None)
     roofline = None
     if peaks is not None:
-        peaks = peaks.best(measure_machine())  # measured before and after the runs: the better of each
         roofline = {"machine": {"isa": peaks.isa, "read_gb_s": peaks.read_gb_s, "gemm_gflop_s": peaks.gemm_gflop_s,
                                 "num_threads": peaks.num_threads},
                     "phases": phase_fractions(steps, peaks, engine.compute_plan.compute_dtype)}
