@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ def measure_machine(repeats: int = 5, gemm_size: int = 2048, read_mib: int = 512
     for dtype in (torch.bfloat16, torch.float32):
         a = torch.randn(gemm_size, gemm_size).to(dtype)
         b = torch.randn(gemm_size, gemm_size).to(dtype)
-        seconds = _best_of(lambda a=a, b=b: F.linear(a, b), repeats)
+        seconds = _best_of(partial(F.linear, a, b), repeats)
         peaks[str(dtype).removeprefix("torch.")] = 2 * gemm_size**3 / seconds / 1e9
     features = detect_cpu_features()
     return MachinePeaks(buf.nbytes / read_s / 1e9, peaks, f"{features.kernel_isa} (bf16 GEMM: {features.bf16_gemm})",

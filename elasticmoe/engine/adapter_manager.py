@@ -62,7 +62,7 @@ class AdapterManager:
             # swapped per rank: there, every loaded adapter stays resident (no host-only adapters).
             cached = config.max_cpu_loras if self.is_single_rank else config.max_loras
             self.lora = LoraSlots(model, placement, config.ep_rank, config.max_loras, config.max_lora_rank,
-                                  config.dtype, max_cached=cached, top_k=config.max_lora_topk)
+                                  model.compute_dtype, max_cached=cached, top_k=config.max_lora_topk)
             self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank)
         self.routers: dict[str, LoraRouter] = {}
         self.unloading: set[str] = set()

@@ -91,7 +91,7 @@ class LLMEngine:
             dispatcher = AllToAllDispatcher(self.placement, config.ep_rank, ep_group)
         self.model = family.build(cfg, self.weights, dispatcher)
         self.model.compute_dtype = plan.compute_dtype
-        self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), config.dtype)
+        self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), plan.compute_dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
         self.kv_pool = (kv_provider or LocalKVProvider()).allocate(self.kv_spec, num_blocks)
         self.max_model_len = self._max_model_len(num_blocks)
