@@ -235,7 +235,7 @@ class EngineOptions:
     """What a server sets for every engine it builds; the rest of an `EngineConfig` (the model,
     the EP layout, the KV pool) comes from where the engine runs. None: the engine's default."""
 
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = torch.float32  # None: "auto" (see EngineConfig.dtype)
     num_threads: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -250,4 +250,5 @@ class EngineOptions:
     def engine_config(self, model: str, **placement: Any) -> EngineConfig:
         """This engine's config; `placement` are the fields only its place knows (ep_rank, ...)."""
         given: dict[str, Any] = {f: getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None}
+        given["dtype"] = self.dtype  # None passes through: the engine picks ("auto")
         return EngineConfig(model=model, **given, **placement)
