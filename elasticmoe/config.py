@@ -30,6 +30,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def parse_engine_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """`parse_dtype`, plus "auto" (and None) -> None: the engine picks the fastest exact dtype for
+    the checkpoint on this CPU (`elasticmoe.utils.cpu_features.choose_compute_plan`)."""
+    if name is None or name == "auto":
+        return None
+    return parse_dtype(name)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Architecture facts the engine needs, normalised across the three families."""
@@ -179,7 +187,10 @@ class EngineConfig:
     """How one engine instance runs: memory, batching and parallel layout."""
 
     model: str
-    dtype: torch.dtype = torch.bfloat16
+    # Weights and activations. None ("auto"): the checkpoint's dtype if this CPU computes it fast,
+    # else float32. A 16-bit dtype without a fast GEMM here is computed in float32
+    # (`elasticmoe.utils.cpu_features`); the engine's own config then says float32.
+    dtype: torch.dtype | None = torch.bfloat16
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30
@@ -241,7 +252,7 @@ class EngineOptions:
     """What a server sets for every engine it builds; the rest of an `EngineConfig` (the model,
     the EP layout, the KV pool) comes from where the engine runs. None: the engine's default."""
 
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = torch.float32  # None: "auto" (see EngineConfig.dtype)
     num_threads: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -262,4 +273,5 @@ class EngineOptions:
     def engine_config(self, model: str, **placement: Any) -> EngineConfig:
         """This engine's config; `placement` are the fields only its place knows (ep_rank, ...)."""
         given: dict[str, Any] = {f: getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None}
+        given["dtype"] = self.dtype  # None passes through: the engine picks ("auto")
         return EngineConfig(model=model, **given, **placement)

@@ -6,15 +6,16 @@ import itertools
 
 import torch
 
-from elasticmoe.config import EngineConfig, parse_dtype
+from elasticmoe.config import EngineConfig, parse_engine_dtype
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str | torch.dtype = "bfloat16", **engine_kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=parse_dtype(dtype), **engine_kwargs))
+    def __init__(self, model: str, dtype: str | torch.dtype | None = "bfloat16", **engine_kwargs) -> None:
+        """`dtype`: "float32", "bfloat16", or "auto" (the fastest exact one for the checkpoint here)."""
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=parse_engine_dtype(dtype), **engine_kwargs))
         self._ids = itertools.count()
 
     def generate(

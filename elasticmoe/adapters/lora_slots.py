@@ -99,10 +99,10 @@ class ExpertLora:
         groups = LoraGroups.build(torch.where(has, adapter * self.num_local + local, -1), weights)
         if groups is None:
             return grouped_experts_sorted(xs, slots, w13, w2, self.num_local)
-        gate_up = expert_rows_linear(xs, slots, w13) + groups.delta(xs, self.w13.a, self.w13.b)
+        gate_up = expert_rows_linear(xs, slots, w13, self.num_local) + groups.delta(xs, self.w13.a, self.w13.b)
         gate, up = gate_up.chunk(2, dim=-1)
         h = F.silu(gate) * up
-        return expert_rows_linear(h, slots, w2) + groups.delta(h, self.w2.a, self.w2.b)
+        return expert_rows_linear(h, slots, w2, self.num_local) + groups.delta(h, self.w2.a, self.w2.b)
 
 
 class LoraSlots:

@@ -11,6 +11,12 @@ run on other prompts comes first (not timed); `--repeats` timed runs follow and
 the median one (by output tok/s) is reported, since these machines are shared.
 The same workload and definitions are used for vLLM by `scripts/vllm_bench.py`
 (see `scripts/bench_vs_vllm.sh`). Progress goes to stderr, the JSON to stdout.
+
+Roofline (`elasticmoe.bench.roofline`, on by default): the run measures this machine's
+read bandwidth and bf16/fp32 GEMM peaks (before and after each timed run, the best of each: on a
+shared machine a figure measured under load is too low, and fractions above 1 say so), then reports, for the median run, how far the prefill
+steps, the decode steps and the whole workload are from their roofline time (the least time
+their FLOPs and bytes need at those peaks), with the CPU's ISA and the compute path chosen.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from typing import Any
 
 import torch
 
-from elasticmoe.config import EngineConfig, parse_dtype
+from elasticmoe.bench.roofline import MachinePeaks, ModelCosts, StepWork, measure_machine, phase_fractions
+from elasticmoe.config import EngineConfig, parse_engine_dtype
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.utils.cpu_features import cpu_compute_info
 
 
 def make_prompt_token_ids(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -51,9 +59,33 @@ def _log(msg: str) -> None:
     print(f"[bench.engine] {msg}", file=sys.stderr, flush=True)
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, Any]:
-    """Add every prompt at t0, step until done; return throughput and latency figures."""
+class StepRecorder:
+    """Notes the work (`StepWork`) of each step the engine executes, for the roofline."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.costs = ModelCosts.of(engine.model, engine.kv_pool)
+        self.current: StepWork | None = None
+        execute = engine.runner.execute
+
+        def recording_execute(sched):
+            spans = [(request.num_computed_tokens, n) for request, n in sched.scheduled]
+            logits, sample_indices = execute(sched)
+            self.current = StepWork.of(self.costs, spans, sum(1 for i in sample_indices if i >= 0))
+            return logits, sample_indices
+
+        engine.runner.execute = recording_execute  # type: ignore[method-assign]
+
+    def take(self) -> StepWork | None:
+        work, self.current = self.current, None
+        return work
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str,
+              recorder: StepRecorder | None = None) -> dict[str, Any]:
+    """Add every prompt at t0, step until done; return throughput and latency figures (and, with a
+    `recorder`, each step's work and wall time under "steps")."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    steps: list[tuple[StepWork, float]] = []
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     num_out: dict[str, int] = {}
@@ -62,9 +94,13 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag:
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
         num_steps += 1
+        work = recorder.take() if recorder is not None else None
+        if work is not None:
+            steps.append((work, now - step_start))
         for out in outputs:
             if out.new_token_ids:
                 first.setdefault(out.request_id, now)
@@ -86,6 +122,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag:
         "tpot_ms_p90": percentile(tpot_ms, 90),
         "num_output_tokens": total_out,
         "num_steps": num_steps,
+        "steps": steps,
     }
 
 
@@ -101,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32", "auto"], default="bfloat16",
+                        help="auto: the fastest exact dtype for the checkpoint on this CPU")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
@@ -123,6 +161,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="profile one timed run with torch.profiler (CPU); write the top ops table",
     )
     parser.add_argument(
+        "--roofline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure bandwidth and GEMM peaks first; report each phase's fraction of the roofline",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print the result as JSON (always on; kept for scripts)"
     )
     args = parser.parse_args(argv)
@@ -135,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
     config = EngineConfig(
         model=args.model,
-        dtype=parse_dtype(args.dtype),
+        dtype=parse_engine_dtype(args.dtype),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.input_len + args.output_len,
@@ -146,8 +190,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = time.perf_counter()
     engine = LLMEngine(config)
     load_s = time.perf_counter() - t
-    _log(f"engine loaded in {load_s:.1f}s ({args.dtype}, {torch.get_num_threads()} threads)")
+    cpu = cpu_compute_info(plan=engine.compute_plan)
+    _log(f"engine loaded in {load_s:.1f}s ({args.dtype}: computed in {cpu['compute_dtype']}, "
+         f"{torch.get_num_threads()} threads, kernels {cpu['expert_kernel']}, bf16 GEMM {cpu['bf16_gemm']})")
     vocab_size = engine.model_config.vocab_size
+    peaks: MachinePeaks | None = None
+    if args.roofline:
+        peaks = measure_machine()
+        _log(f"machine: {peaks.isa}, read {peaks.read_gb_s:.1f} GB/s, GEMM bf16 "
+             f"{peaks.gemm_gflop_s['bfloat16']:.0f} / fp32 {peaks.gemm_gflop_s['float32']:.0f} GFLOP/s")
+    recorder = StepRecorder(engine) if args.roofline else None
 
     if args.warmup:
         t = time.perf_counter()
@@ -168,9 +220,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 profiled = run_batch(engine, prompts, args.output_len, "profiled")
             write_profile(prof, args.profile)
             _log(f"profiled run: {profiled['output_tok_s']:.1f} output tok/s")
-        runs.append(run_batch(engine, prompts, args.output_len, f"run{i}"))
+        runs.append(run_batch(engine, prompts, args.output_len, f"run{i}", recorder))
+        if peaks is not None:  # between runs too: a shared machine is quiet only now and then
+            peaks = peaks.best(measure_machine())
         _log(f"timed run {i}: {runs[-1]['output_tok_s']:.1f} output tok/s, e2e {runs[-1]['e2e_s']:.2f}s")
     median = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
+    steps = median.pop("steps")
+    for run in runs:
+        run.pop("steps", None)
+    roofline = None
+    if peaks is not None:
+        roofline = {"machine": {"isa": peaks.isa, "read_gb_s": peaks.read_gb_s, "gemm_gflop_s": peaks.gemm_gflop_s,
+                                "num_threads": peaks.num_threads},
+                    "phases": phase_fractions(steps, peaks, engine.compute_plan.compute_dtype)}
+        phases = roofline["phases"]
+        _log("roofline fraction: " + ", ".join(
+            f"{name} {p['fraction_of_roofline']:.2f} ({p['measured_s']:.2f}s vs {p['roofline_s']:.2f}s)"
+            for name, p in phases.items() if p["measured_s"]))
 
     result = {
         "engine": "elasticmoe",
@@ -187,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "loadavg_1m_at_start": load_at_start,
         "loadavg_1m_at_end": os.getloadavg()[0],
         "load_s": load_s,
+        "cpu": cpu,
+        "roofline": roofline,
         "settings": {
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_num_seqs": config.max_num_seqs,

@@ -71,7 +71,7 @@ class AdapterManager:
         self.lockstep_lora: LockstepLora | None = None
         if config.max_loras:
             self.lora = LoraSlots(model, placement, config.ep_rank, config.max_loras, config.max_lora_rank,
-                                  config.dtype, max_cached=config.max_cpu_loras, top_k=config.max_lora_topk)
+                                  model.compute_dtype, max_cached=config.max_cpu_loras, top_k=config.max_lora_topk)
             # NOTE: under EP a slot's expert factors serve every rank's tokens, so a rank cannot swap
             # on its own: the lockstep loop swaps every rank alike at a round boundary.
             self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank,

@@ -8,6 +8,7 @@ collectives never hang.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -27,11 +28,14 @@ from elasticmoe.engine.request import Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
 from elasticmoe.errors import InvalidRequestError
+from elasticmoe.kernels.grouped_gemm import has_grouped_gemm
 from elasticmoe.models.registry import model_family
 from elasticmoe.models.weights import (
+    ParamSpec,
     SafetensorsWeightProvider,
     WeightProvider,
     load_weights,
+    stores_stacked_as_bf16,
     with_adapter_slots,
 )
 from elasticmoe.outputs import RequestOutput
@@ -39,6 +43,12 @@ from elasticmoe.parallel.dispatch import AllToAllDispatcher, LocalDispatcher
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tokenizer import Tokenizer
+from elasticmoe.utils.cpu_features import (
+    checkpoint_dtype,
+    choose_compute_plan,
+    cpu_compute_info,
+    detect_cpu_features,
+)
 from elasticmoe.utils.malloc import tune_malloc
 
 logger = logging.getLogger(__name__)
@@ -53,11 +63,16 @@ class LLMEngine:
         placement: ExpertPlacement | None = None,
         ep_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.config = config
         tune_malloc()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = cfg = ModelConfig.from_pretrained(config.model)
+        # The dtypes this CPU computes fast; from here on config.dtype is the compute dtype.
+        self.compute_plan = plan = choose_compute_plan(
+            detect_cpu_features(), config.dtype, checkpoint_dtype(cfg.extra), weight_provider is not None
+        )
+        self.config = config = dataclasses.replace(config, dtype=plan.compute_dtype)
+        logger.info("cpu compute: %s", cpu_compute_info(plan=plan))
         self.tokenizer = Tokenizer(config.model)
         self.placement = placement or ExpertPlacement.balanced(cfg.num_experts, config.ep_size)
         if self.placement.num_ranks != config.ep_size:
@@ -68,14 +83,15 @@ class LLMEngine:
         # ESFT: each expert stack is a virtual weight tensor [E_local + N*E_max, ...] (rows unfilled).
         specs = with_adapter_slots(specs, config.max_esft_adapters * config.max_esft_experts)
         provider = weight_provider or SafetensorsWeightProvider(config.model)
-        self.weights = load_weights(specs, provider, config.dtype)
+        self.weights = load_weights(specs, provider, plan.weight_dtype, self._expert_dtype(specs, provider))
         dispatcher: LocalDispatcher | AllToAllDispatcher
         if config.ep_size == 1:
             dispatcher = LocalDispatcher(self.placement)
         else:
             dispatcher = AllToAllDispatcher(self.placement, config.ep_rank, ep_group)
         self.model = family.build(cfg, self.weights, dispatcher)
-        self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), config.dtype)
+        self.model.compute_dtype = plan.compute_dtype
+        self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), plan.compute_dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
         self.kv_pool = (kv_provider or LocalKVProvider()).allocate(self.kv_spec, num_blocks)
         self.max_model_len = self._max_model_len(num_blocks)
@@ -94,6 +110,19 @@ class LLMEngine:
             "engine ready: %s, %s, %d KV blocks x %d tokens, max_model_len %d, ep %d/%d",
             cfg.arch, config.dtype, num_blocks, config.block_size, self.max_model_len, config.ep_rank, config.ep_size,
         )
+
+    def _expert_dtype(self, specs: list[ParamSpec], provider: WeightProvider) -> torch.dtype | None:
+        """bf16 for the expert stacks of a bf16 checkpoint computed in fp32 (lossless: every value
+        is a bf16 value; half the bytes each decode step reads), where the grouped kernel computes
+        fp32 x bf16 and the weights are this engine's own (a provider's memory keeps its dtype).
+        ESFT adapters keep the compute dtype: their rows may be fp32. None: the weight dtype."""
+        if (self.compute_plan.compute_dtype != torch.float32 or self.config.max_esft_adapters
+                or not isinstance(provider, SafetensorsWeightProvider)
+                or not has_grouped_gemm(torch.float32, torch.bfloat16)
+                or not stores_stacked_as_bf16(specs, provider)):
+            return None
+        logger.info("expert weights kept in bf16 (a bf16 checkpoint, computed in fp32: exact)")
+        return torch.bfloat16
 
     def _max_model_len(self, num_blocks: int) -> int:
         limit = self.config.max_model_len or self.model_config.max_position_embeddings

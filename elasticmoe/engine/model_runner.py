@@ -10,9 +10,11 @@ import torch
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import SchedulerOutput
+from elasticmoe.kernels.build import bind_threads, load_kernel, pinned_to, set_kernel_threads
 from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan
 from elasticmoe.layers.lora import LoraGroups
 from elasticmoe.models.common import CausalLM, ForwardContext
+from elasticmoe.utils.cpu_pressure import ThreadGovernor
 
 
 class ModelRunner:
@@ -21,19 +23,29 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.lora_topk = lora_topk  # > 0: LoRA slots exist; every step carries K (slot, weight) per token
+        self.num_threads = torch.get_num_threads()
+        # Decode steps run PyTorch's ops on this thread and only our kernels on all of them (see execute).
+        self.serial_decode = self.num_threads > 1 and load_kernel("grouped_gemm") is not None
+        set_kernel_threads(self.num_threads)
+        # One OpenMP thread per CPU (kernels/csrc/thread_affinity.cpp); this thread joins in per step.
+        self.bound_cpus = bind_threads(self.num_threads)
+        self.master_cpu = self.bound_cpus[0] if self.bound_cpus else None
+        self.governor = ThreadGovernor(self.num_threads)  # 1 thread while other processes crowd the CPUs
+        self.active_threads = self.num_threads
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         # Plain ints: per-request tensor ops cost more than the arithmetic at decode batch sizes.
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _decode_metadata(self, decodes: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded block tables [D, max_blocks] of the decoding sequences and their masks [D, 1, 1, K_max]."""
+    def _decode_metadata(self, decodes: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded block tables [D, max_blocks] of the decoding sequences, their masks [D, 1, 1, K_max]
+        and context lengths [D]."""
         context_lens = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
         max_blocks = max(len(r.block_ids) for r in decodes)
         table = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes])
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)  # [D, K_max]
-        return table, mask[:, None, None, :]
+        return table, mask[:, None, None, :], context_lens
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Returns input ids [T], positions [T], the forward context, and the token
@@ -68,7 +80,7 @@ class ModelRunner:
             prefills=prefills,
         )
         if decodes:
-            meta.decode_block_table, meta.decode_mask = self._decode_metadata(decodes)
+            meta.decode_block_table, meta.decode_mask, meta.decode_context_lens = self._decode_metadata(decodes)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         ctx = ForwardContext(attn=meta)
@@ -117,9 +129,30 @@ class ModelRunner:
 
         ctx.before_layers = route
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Run one forward pass; returns logits [N_sample, V] (float32) and the sample indices."""
+        """Run one forward pass; returns logits [N_sample, V] (float32) and the sample indices.
+
+        A decode-only step runs PyTorch's own ops on the calling thread: at decode sizes each
+        would otherwise be an OpenMP region of a few microseconds that every thread must reach
+        (one preempted thread stalls it on a shared machine); the experts, the attention, the
+        norms and the projections run in our kernels on every thread. While other processes
+        crowd the CPUs, every step runs on one thread (`ThreadGovernor`)."""
+        threads = self.governor.threads()
+        if threads != self.active_threads:
+            torch.set_num_threads(threads)
+            set_kernel_threads(threads)
+            self.active_threads = threads
+        with pinned_to(self.master_cpu):
+            if threads == 1 or not (self.serial_decode and all(n == 1 for _, n in sched.scheduled)):
+                return self._execute(sched)
+            torch.set_num_threads(1)
+            try:
+                return self._execute(sched)
+            finally:
+                torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         ids, pos, ctx, sample_indices = self.prepare(sched)
         hidden = self.model.forward(ids, pos, ctx, self.kv_pool)
         rows = [i for i in sample_indices if i >= 0]  # index_select below: cheaper than hidden[rows]

@@ -3,7 +3,8 @@
 Tokens of a step are laid out decode-first: the first `num_decode_tokens`
 tokens each belong to a different sequence decoding one token; then each
 prefill span (a prompt chunk of one sequence) follows. Decodes run as one
-batched attention call over padded slot lists; each prefill span runs on its
+call: a kernel that reads the blocks in place (`DecodeFn`, GQA caches), else one
+batched attention call over gathered, padded blocks; each prefill span runs on its
 own (causal, and over earlier context when the prefill is chunked).
 """
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from elasticmoe.kernels.paged_attention import paged_decode_attention
 
 
 @dataclass
@@ -32,6 +35,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_table: torch.Tensor | None = None  # [D, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_context_lens: torch.Tensor | None = None  # [D] int64, tokens each decode attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @property
@@ -41,10 +45,13 @@ class AttentionMetadata:
 
 # attend(q [B, Q, H, Dq], kv [B, K, *token_shape], mask [B|1, 1, Q, K] | None, is_causal) -> [B, Q, H, Dv]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
+# decode(q [D, H, Dq], cache [num_slots, *token_shape], meta) -> [D, H, Dv], or None: gather and `attend`
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, "AttentionMetadata"], torch.Tensor | None]
 
 
 def paged_attention(
-    q: torch.Tensor, new_kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, attend: AttendFn
+    q: torch.Tensor, new_kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, attend: AttendFn,
+    decode: DecodeFn | None = None,
 ) -> torch.Tensor:
     """Write the step's new KV into `cache` ([num_slots, *token_shape]) and attend.
 
@@ -64,8 +71,11 @@ def paged_attention(
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         assert meta.decode_block_table is not None
-        kv = gather(meta.decode_block_table)  # [D, K_max, *token_shape]
-        outs.append(attend(q[:num_decodes].unsqueeze(1), kv, meta.decode_mask, False).squeeze(1))
+        out = decode(q[:num_decodes], cache, meta) if decode is not None else None
+        if out is None:
+            kv = gather(meta.decode_block_table)  # [D, K_max, *token_shape]
+            out = attend(q[:num_decodes].unsqueeze(1), kv, meta.decode_mask, False).squeeze(1)
+        outs.append(out)
     for group in _prefill_groups(meta.prefills):
         span, num_spans = group[0], len(group)
         end = span.start + num_spans * span.num_tokens
@@ -133,6 +143,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
     out = torch.bmm(probs, v.view(-1, length, head_dim))  # [B*Hkv, G*L, D]
     return out.view(batch, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
+
+
+def gqa_decode(scale: float) -> DecodeFn:
+    """Decode attention of GQA caches (token_shape (2, Hkv, D)) straight from the blocks."""
+
+    def decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        if meta.decode_block_table is None or meta.decode_context_lens is None:
+            return None
+        return paged_decode_attention(q, cache, meta.decode_block_table, meta.decode_context_lens,
+                                      meta.block_size, scale)
+
+    return decode
 
 
 def gqa_attend(scale: float) -> AttendFn:

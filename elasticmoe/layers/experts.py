@@ -4,7 +4,11 @@
 `w2` is `[E_slots, H, I]`. A slot may hold a base expert or an adapter expert:
 the computation does not care which.
 
-Two kernels, chosen per call:
+The kernel: one grouped GEMM per projection (`elasticmoe.kernels.grouped_gemm`) over the
+stacked weights as they are, reading only the slots that have rows (decode reads each busy
+expert's weights once, at close to memory bandwidth; base and ESFT adapter slots run in the
+same call). Where that kernel is not built (no compiler, `ELASTICMOE_KERNELS=0`, or an
+unsupported dtype pair) two PyTorch paths remain, chosen per call:
 - padded batched GEMM: rows are scattered into `[E_slots, C, H]` (C = the
   busiest slot's row count) and every slot runs in one `bmm`. Best for decode,
   where each expert sees a handful of rows and a per-expert loop is dominated
@@ -16,11 +20,20 @@ Two kernels, chosen per call:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from elasticmoe.kernels.grouped_gemm import grouped_gemm, has_grouped_gemm, slot_offsets
 from elasticmoe.layers.linear import linear
 
+# The grouped kernel up to this many rows per slot (default: always). Past ~48 rows per slot
+# oneDNN's GEMM per slot is faster on a quiet machine (single thread, 256 rows per slot: 16 vs 22 ms
+# per layer), but a whole prefill step only gains ~5%, and its ~160 OpenMP regions per layer (two
+# GEMMs and the glue per expert) each stall when another process preempts one of our threads:
+# two regions per layer keep a shared machine usable. Set ELASTICMOE_GROUPED_MAX_ROWS=48 to compare.
+_KERNEL_MAX_ROWS_PER_SLOT = int(os.environ.get("ELASTICMOE_GROUPED_MAX_ROWS", "1000000000"))
 # Padded bmm when rows per busy slot are at most this many and most slots are busy.
 _BMM_MAX_ROWS_PER_SLOT = 48
 _BMM_MIN_BUSY_FRACTION = 0.75
@@ -31,6 +44,18 @@ def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
     return linear(F.silu(gate) * up, w2)
 
 
+def use_grouped_kernel(num_rows: int, num_slots: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """The grouped kernel for `num_rows` rows over `num_slots` dense slots (no host sync needed)."""
+    if not has_grouped_gemm(x_dtype, w_dtype):
+        return False
+    return x_dtype != w_dtype or num_rows <= _KERNEL_MAX_ROWS_PER_SLOT * num_slots  # mixed: kernel only
+
+
+def _grouped_swiglu(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = grouped_gemm(xs, offsets, w13).chunk(2, dim=-1)  # [N, I] each
+    return grouped_gemm(F.silu(gate) * up, offsets, w2)
+
+
 def _padded_bmm(xs: torch.Tensor, sorted_slots: torch.Tensor, counts: torch.Tensor, max_count: int,
                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     num_slots, hidden = w13.shape[0], xs.shape[1]
@@ -38,6 +63,7 @@ def _padded_bmm(xs: torch.Tensor, sorted_slots: torch.Tensor, counts: torch.Tens
     rank_in_slot = torch.arange(xs.shape[0]) - starts.index_select(0, sorted_slots)  # [N]
     padded_rows = sorted_slots * max_count + rank_in_slot  # row of each input in the [E * C, H] buffer
     padded = xs.new_zeros((num_slots * max_count, hidden)).index_copy_(0, padded_rows, xs)
+    w13, w2 = w13.to(xs.dtype), w2.to(xs.dtype)  # no-ops unless bf16 storage is computed in fp32
     gate, up = torch.bmm(padded.view(num_slots, max_count, hidden), w13.transpose(1, 2)).chunk(2, dim=-1)
     out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [E, C, H]
     return out.view(-1, hidden).index_select(0, padded_rows)
@@ -48,9 +74,13 @@ def grouped_experts_sorted(xs: torch.Tensor, sorted_slots: torch.Tensor, w13: to
     """Rows of xs [N, H] grouped by ascending `sorted_slots` [N] -> expert outputs [N, H] (unweighted).
 
     `dense_slots`: only slots below it are sure to hold weights (a virtual weight tensor whose
-    ESFT adapter slots are mapped sparsely); the padded bmm never reads past them, and rows
-    of adapter slots (sorted last) run per slot.
+    ESFT adapter slots are mapped sparsely); the grouped kernel reads busy slots only, the
+    padded bmm never reads past them, and there rows of adapter slots (sorted last) run per slot.
     """
+    if xs.shape[0] == 0:
+        return xs.new_empty(xs.shape)
+    if use_grouped_kernel(xs.shape[0], dense_slots or w13.shape[0], xs.dtype, w13.dtype):
+        return _grouped_swiglu(xs, slot_offsets(sorted_slots, w13.shape[0]), w13, w2)
     if dense_slots is not None and dense_slots < w13.shape[0]:
         num_dense_rows = int(torch.searchsorted(sorted_slots, dense_slots))
         if num_dense_rows == xs.shape[0]:
@@ -67,8 +97,6 @@ def grouped_experts_sorted(xs: torch.Tensor, sorted_slots: torch.Tensor, w13: to
             start += n
         return ys
     num_slots = w13.shape[0]
-    if xs.shape[0] == 0:
-        return xs.new_empty(xs.shape)
     counts = torch.bincount(sorted_slots, minlength=num_slots)
     counts_list = counts.tolist()  # one host sync per layer
     max_count = max(counts_list)
@@ -84,8 +112,11 @@ def grouped_experts_sorted(xs: torch.Tensor, sorted_slots: torch.Tensor, w13: to
     return ys
 
 
-def expert_rows_linear(xs: torch.Tensor, sorted_slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def expert_rows_linear(xs: torch.Tensor, sorted_slots: torch.Tensor, w: torch.Tensor,
+                       dense_slots: int | None = None) -> torch.Tensor:
     """Rows of xs [N, in] grouped by ascending `sorted_slots` -> `xs[i] @ w[slot_i].T` [N, out]."""
+    if use_grouped_kernel(xs.shape[0], dense_slots or w.shape[0], xs.dtype, w.dtype):
+        return grouped_gemm(xs, slot_offsets(sorted_slots, w.shape[0]), w)
     out = xs.new_empty((xs.shape[0], w.shape[1]))
     slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
     start = 0

@@ -4,9 +4,12 @@ Every LoRA site (a linear layer some adapter may target) keeps its adapters' fac
 fixed slots: `A [K, r_max, in]`, `B [K, out, r_max]` (the scaling folded into B; ranks
 below r_max zero-padded). Each row of the batch carries a key (its adapter's slot, or
 for expert sites slot * E + expert; -1: no adapter). `LoraGroups` groups the rows by key
-once per forward; `delta` then runs two batched GEMMs over the groups
-(`[G, C, in] x [G, in, r] -> [G, C, r] x [G, r, out]`, C = the largest group), whatever
-mix of adapters the batch holds: no per-adapter pass, no per-token loop.
+once per forward; `delta` then runs two grouped GEMMs over the groups, whatever mix of adapters
+the batch holds: no per-adapter pass, no per-token loop. In float32 that is the grouped kernel
+(`elasticmoe.kernels.grouped_gemm`: each group's rows times its slot's factors, read in place, no
+group padded to the largest one: MoLoRA's adaptive tiling); in bf16 (measured faster at LoRA
+ranks) and without the kernel, two batched GEMMs over groups padded to the largest
+(`[G, C, in] x [G, in, r] -> [G, C, r] x [G, r, out]`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from elasticmoe.kernels.grouped_gemm import grouped_gemm, has_grouped_gemm, slot_offsets
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,7 @@ class LoraGroups:
     pad_index: torch.Tensor  # [P] where each pair sits in the padded [G * C] buffer
     capacity: int  # C
     weights: torch.Tensor | None  # [P] pair weights (None: all 1)
+    pair_keys: torch.Tensor  # [P] the key of each pair (ascending)
 
     @classmethod
     def build(cls, keys: torch.Tensor, weights: torch.Tensor | None = None) -> LoraGroups | None:
@@ -51,19 +57,29 @@ class LoraGroups:
         per_row = flat.numel() // max(num_rows, 1)
         rows = torch.div(pairs, per_row, rounding_mode="floor") if keys.dim() == 2 else pairs
         pair_weights = weights.reshape(-1).index_select(0, pairs) if weights is not None else None
-        return cls(num_rows, rows, used, group * capacity + rank_in_group, capacity, pair_weights)
+        return cls(num_rows, rows, used, group * capacity + rank_in_group, capacity, pair_weights, pair_keys)
 
     def delta(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """x [N, in], a [K, r, in], b [K, out, r] -> the rows' LoRA outputs [N, out] (0 without a key)."""
+        # fp32: the grouped kernel (groups 200/30/20/6 rows of 256, r 16: 0.27 vs 0.44 ms); bf16: the
+        # padded bmm stays faster at LoRA ranks (0.21 vs 0.30 ms), oneDNN's bf16 GEMM is that good.
+        if x.dtype == torch.float32 and has_grouped_gemm(x.dtype, a.dtype):
+            offsets = slot_offsets(self.pair_keys, a.shape[0])
+            pair_out = grouped_gemm(grouped_gemm(x.index_select(0, self.rows), offsets, a), offsets, b)
+        else:
+            pair_out = self._padded_delta(x, a, b)
+        if self.weights is not None:
+            pair_out = pair_out * self.weights.unsqueeze(1).to(pair_out.dtype)
+        return x.new_zeros((self.num_rows, pair_out.shape[-1])).index_add_(0, self.rows, pair_out)
+
+    def _padded_delta(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Each pair's LoRA output [P, out], by batched GEMMs over groups padded to the largest."""
         num_groups, width = self.keys.numel(), x.shape[1]
         padded = x.new_zeros((num_groups * self.capacity, width))
         padded.index_copy_(0, self.pad_index, x.index_select(0, self.rows))
         h = torch.bmm(padded.view(num_groups, self.capacity, width), a.index_select(0, self.keys).transpose(1, 2))
         y = torch.bmm(h, b.index_select(0, self.keys).transpose(1, 2))  # [G, C, out]
-        pair_out = y.view(-1, y.shape[-1]).index_select(0, self.pad_index)
-        if self.weights is not None:
-            pair_out = pair_out * self.weights.unsqueeze(1).to(pair_out.dtype)
-        return x.new_zeros((self.num_rows, y.shape[-1])).index_add_(0, self.rows, pair_out)
+        return y.view(-1, y.shape[-1]).index_select(0, self.pad_index)
 
 
 class LoraSite:

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.config import ModelConfig
-from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, paged_attention
+from elasticmoe.kernels.rms_norm import fused_rms_norm
+from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, gqa_decode, paged_attention
 from elasticmoe.layers.experts import grouped_experts_sorted, swiglu_mlp
 from elasticmoe.layers.linear import linear
 from elasticmoe.layers.lora import LoraGroups, LoraSite
@@ -174,6 +175,7 @@ class GQAAttention:
         self.eps = cfg.rms_norm_eps
         self.rope = rope
         self.attend = gqa_attend(self.head_dim**-0.5)
+        self.decode = gqa_decode(self.head_dim**-0.5)
         self.lora_qkv: LoraSite | None = None  # LoRA slots of q|k|v (fused) and o, when enabled
         self.lora_o: LoraSite | None = None
 
@@ -190,6 +192,17 @@ class GQAAttention:
             specs += [plain(f"{p}.q_norm", (cfg.head_dim,), f"{hf}.q_norm.weight"),
                       plain(f"{p}.k_norm", (cfg.head_dim,), f"{hf}.k_norm.weight")]
         return specs
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of the fused q/k heads [T, H + Hkv, D]: the fused kernel on q heads and
+        k heads in place of one output, else the PyTorch norm over a [H + Hkv, D] weight."""
+        assert self.q_norm is not None and self.k_norm is not None
+        out = torch.empty(qk.shape, dtype=qk.dtype)
+        h = self.num_heads
+        if (fused_rms_norm(qk[:, :h], self.q_norm, self.eps, out[:, :h]) is not None
+                and fused_rms_norm(qk[:, h:], self.k_norm, self.eps, out[:, h:]) is not None):
+            return out
+        return rms_norm(qk, self._qk_norm_weight(), self.eps)
 
     def _qk_norm_weight(self) -> torch.Tensor:
         """[H + Hkv, D] norm weights for the fused q/k; rebuilt per call so the weights stay used in place."""
@@ -212,12 +225,13 @@ class GQAAttention:
         # One norm and one RoPE call for q and k together: at decode batch sizes per-op overhead dominates.
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [T, H + Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:
-            qk = rms_norm(qk, self._qk_norm_weight(), self.eps)
+            qk = self._qk_norm(qk)
         qk = self.rope(qk, positions)
         q = qk[:, : self.num_heads]
         new_kv = torch.cat((qk[:, self.num_heads :], v), dim=1)  # [T, 2 * Hkv, D]: k heads, then v heads
         new_kv = new_kv.view(num_tokens, 2, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, new_kv, cache, meta, self.attend).reshape(num_tokens, self.num_heads * self.head_dim)
+        out = paged_attention(q, new_kv, cache, meta, self.attend, self.decode)
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         y = linear(out, self.o)
         if lora is not None and self.lora_o is not None:
             y = y + lora.delta(out, self.lora_o.a, self.lora_o.b)
@@ -243,13 +257,15 @@ class CausalLM:
         self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w["lm_head"]
         self.layers = layers
         self.kv_token_shape = kv_token_shape
+        # Activations' dtype; differs from the weights' when bf16 storage is computed in float32.
+        self.compute_dtype = self.embed.dtype
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, kv_pool: torch.Tensor):
         """input_ids, positions: [T] -> final hidden states [T, H] (normed)."""
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed).to(self.compute_dtype)
         if ctx.before_layers is not None:
             ctx.before_layers(h)
         for i, layer in enumerate(self.layers):

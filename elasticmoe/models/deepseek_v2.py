@@ -91,12 +91,13 @@ class MLAttention:
         never expanded per head: `W_uk` is folded into the query and `W_uv` applied after.
         """
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, C]
+        w_uk, w_uv = self.w_uk.to(q.dtype), self.w_uv.to(q.dtype)  # no-ops unless bf16 storage, fp32 compute
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
         scores = torch.bmm(torch.cat((q_latent, q_pe), dim=-1), kv.transpose(1, 2)).float() * self.scale
         scores.masked_fill_(~mask[:, None, :], float("-inf"))  # [B, H, K]
         probs = scores.softmax(dim=-1).to(kv.dtype)
         out_latent = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, H, C]
-        return torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
+        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         """q [B, Q, H, nope+rope]; kv [B, K, C+R] latents -> [B, Q, H, v]."""

@@ -85,6 +85,16 @@ class SafetensorsWeightProvider:
     def has(self, name: str) -> bool:
         return name in self._file_of
 
+    def stored_dtype(self, name: str) -> str:
+        """The safetensors dtype a checkpoint tensor is stored in ("BF16", "F32", ...), header only."""
+        path = self._file_of.get(name)
+        if path is None:
+            raise KeyError(f"checkpoint tensor {name!r} not found in {self.model_dir}")
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+        return handle.get_slice(name).get_dtype()  # type: ignore[attr-defined]
+
     def read(self, name: str) -> torch.Tensor:
         path = self._file_of.get(name)
         if path is None:
@@ -121,6 +131,13 @@ class SafetensorsWeightProvider:
         self._handles.clear()
 
 
+def stores_stacked_as_bf16(specs: list[ParamSpec], provider: SafetensorsWeightProvider) -> bool:
+    """Whether every checkpoint tensor of the expert stacks is stored in bf16 (then a bf16 copy of
+    them is exact, whatever dtype the model computes in)."""
+    names = [name for spec in specs if spec.is_stacked for group in spec.sources for name in group]
+    return bool(names) and all(provider.stored_dtype(name) == "BF16" for name in names)
+
+
 def with_adapter_slots(specs: list[ParamSpec], extra_rows: int) -> list[ParamSpec]:
     """The specs with every expert stack grown by `extra_rows` unfilled rows (ESFT adapter slots:
     `[E_local + N*E_max, ...]`, ExpertWeave's virtual weight tensor)."""
@@ -132,12 +149,15 @@ def with_adapter_slots(specs: list[ParamSpec], extra_rows: int) -> list[ParamSpe
     ]
 
 
-def load_weights(specs: list[ParamSpec], provider: WeightProvider, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Fetch every spec from the provider, checking shapes and dtypes."""
+def load_weights(specs: list[ParamSpec], provider: WeightProvider, dtype: torch.dtype,
+                 stacked_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Fetch every spec from the provider, checking shapes and dtypes. `stacked_dtype`: the dtype of
+    expert stacks when it differs (bf16 storage of bf16 checkpoint experts computed in fp32)."""
     weights = {}
     for spec in specs:
-        t = provider.get(spec, dtype)
-        if tuple(t.shape) != spec.shape or t.dtype != dtype:
-            raise ValueError(f"{spec.name}: provider gave {tuple(t.shape)}/{t.dtype}, expected {spec.shape}/{dtype}")
+        want = stacked_dtype if stacked_dtype is not None and spec.is_stacked else dtype
+        t = provider.get(spec, want)
+        if tuple(t.shape) != spec.shape or t.dtype != want:
+            raise ValueError(f"{spec.name}: provider gave {tuple(t.shape)}/{t.dtype}, expected {spec.shape}/{want}")
         weights[spec.name] = t
     return weights

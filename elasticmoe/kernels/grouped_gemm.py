@@ -1,0 +1,79 @@
+"""`grouped_gemm(x, offsets, w)`: each group of rows of x times its slot's weight, in one call.
+
+    out[r] = x[r] @ w[s].T   for offsets[s] <= r < offsets[s + 1]
+
+One kernel for the experts of a MoE layer (base and ESFT adapter slots alike: a slot without
+rows is never read) and for LoRA factors grouped by adapter, without padding every group to
+the largest one. The weights are read where they are, in their `[S, out, in]` layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from elasticmoe.kernels.build import load_kernel
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+# (activation, weight) pairs the kernel computes; the output has the activation's dtype.
+_SUPPORTED = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)}
+
+
+@cache
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = load_kernel("grouped_gemm")
+    if lib is None:
+        return None
+    fn = lib.emoe_grouped_gemm
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, ctypes.c_int, ptr, i64, i64, i64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def has_grouped_gemm(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """Whether the compiled kernel serves this dtype pair on this host (else the PyTorch loop runs)."""
+    return (x_dtype, w_dtype) in _SUPPORTED and _kernel() is not None
+
+
+def slot_offsets(sorted_slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """First row of each slot, plus the end: [num_slots + 1] int64, for rows sorted by slot."""
+    offsets = torch.zeros(num_slots + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(sorted_slots, minlength=num_slots), 0, out=offsets[1:])
+    return offsets
+
+
+def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [M, in] @ w[out, in].T on the kernel's threads (decode-size projections while PyTorch
+    runs one thread); None where the kernel does not serve it."""
+    if x.dim() != 2 or (x.dtype, w.dtype) not in _SUPPORTED or w.stride(-1) != 1 or _kernel() is None:
+        return None
+    return grouped_gemm(x, torch.tensor([0, x.shape[0]]), w.unsqueeze(0))
+
+
+def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, in] with rows grouped by slot (`offsets` [S + 1], see `slot_offsets`), w [>= S, out, in]
+    -> [N, out] in x's dtype."""
+    num_slots = offsets.numel() - 1
+    out = x.new_empty((x.shape[0], w.shape[1]))
+    if x.shape[0] == 0:
+        return out
+    fn = _kernel() if (x.dtype, w.dtype) in _SUPPORTED else None
+    if fn is not None and w.stride(-1) == 1 and offsets.dtype == torch.int64:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        offsets = offsets.contiguous()
+        with torch.profiler.record_function("emoe::grouped_gemm"):  # named in profiles (a ctypes call)
+            rc = fn(x.data_ptr(), x.stride(0), _DTYPE_CODE[x.dtype], offsets.data_ptr(), num_slots,
+                    w.data_ptr(), w.stride(0), w.stride(1), _DTYPE_CODE[w.dtype], out.data_ptr(), out.stride(0),
+                    w.shape[1], w.shape[2])
+        if rc == 0:
+            return out
+    bounds = offsets.tolist()
+    for slot in range(num_slots):
+        start, end = bounds[slot], bounds[slot + 1]
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[slot].to(x.dtype))
+    return out

@@ -1,0 +1,83 @@
+"""An engine on a host without a fast bf16 GEMM computes a bf16 model in float32: weights given by
+a provider stay bf16 and are used in place (zero-copy), the default provider converts at load,
+and both generate what a float32 engine over the same (bf16-rounded) weights generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticmoe.config import EngineConfig
+from elasticmoe.engine import llm_engine
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.models.weights import ParamSpec, SafetensorsWeightProvider
+from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.utils.cpu_features import CpuFeatures
+
+NO_BF16_GEMM = CpuFeatures(has_avx2=True, has_avx512=False, has_avx512_bf16=False, has_amx_bf16=False,
+                           aten_capability="AVX2")
+
+
+class RoundedProvider:
+    """Checkpoint weights rounded to bf16, handed out in `as_dtype` (None: the dtype asked for),
+    kept so tests can check they are used in place."""
+
+    def __init__(self, model_dir: str, as_dtype: torch.dtype | None = None) -> None:
+        self.disk = SafetensorsWeightProvider(model_dir)
+        self.as_dtype = as_dtype
+        self.given: dict[str, torch.Tensor] = {}
+
+    def get(self, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
+        t = self.disk.get(spec, torch.bfloat16).to(self.as_dtype or dtype)
+        self.given[spec.name] = t
+        return t
+
+
+def _generate(engine: LLMEngine) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate([[5, 17, 99, 230, 11], list(range(100, 130))]):
+        engine.add_request(str(i), prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.output_token_ids
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_bf16_without_bf16_gemm_runs_in_float32(arch, tiny_model_dirs, monkeypatch):
+    model_dir = tiny_model_dirs[arch]
+    reference = _generate(LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32),
+                                    weight_provider=RoundedProvider(model_dir, torch.float32)))
+
+    monkeypatch.setattr(llm_engine, "detect_cpu_features", lambda: NO_BF16_GEMM)
+    provider = RoundedProvider(model_dir)
+    shared = LLMEngine(EngineConfig(model=model_dir, dtype=torch.bfloat16), weight_provider=provider)
+    assert (shared.compute_plan.weight_dtype, shared.compute_plan.compute_dtype) == (torch.bfloat16, torch.float32)
+    assert shared.config.dtype == torch.float32 and shared.kv_pool.dtype == torch.float32
+    for name, tensor in provider.given.items():  # zero-copy: the provider's bf16 tensors, in place
+        assert shared.weights[name].data_ptr() == tensor.data_ptr() and tensor.dtype == torch.bfloat16
+    assert _generate(shared) == reference
+
+    converted = LLMEngine(EngineConfig(model=model_dir, dtype=torch.bfloat16))  # default provider
+    assert converted.weights["embed"].dtype == torch.float32
+    assert converted.compute_plan.compute_dtype == torch.float32
+
+
+def test_bf16_checkpoint_in_float32_keeps_its_experts_in_bf16(tiny_model_dirs, tmp_path):
+    """Lossless: the experts of a bf16 checkpoint stay bf16 (half the bytes a decode step reads)
+    and the engine generates what an engine over fp32 copies of the same weights generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = tiny_model_dirs["qwen3_moe"]
+    bf16_dir = str(tmp_path / "bf16")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    AutoTokenizer.from_pretrained(src).save_pretrained(bf16_dir)
+    engine = LLMEngine(EngineConfig(model=bf16_dir, dtype=torch.float32))
+    block = engine.model.moe_blocks()[0]
+    assert block.w13.dtype == torch.bfloat16 and engine.weights["embed"].dtype == torch.float32
+    reference = LLMEngine(EngineConfig(model=bf16_dir, dtype=torch.float32),
+                          weight_provider=RoundedProvider(bf16_dir, torch.float32))
+    assert reference.model.moe_blocks()[0].w13.dtype == torch.float32
+    assert _generate(engine) == _generate(reference)

@@ -1,0 +1,144 @@
+"""Our CPU kernels equal the PyTorch computation they replace, for every ISA build this host runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticmoe.kernels import grouped_gemm as gg
+from elasticmoe.kernels import paged_attention as pa
+from elasticmoe.kernels.build import load_kernel
+from elasticmoe.layers.attention import decode_attention
+from elasticmoe.utils.cpu_features import detect_cpu_features
+
+_ORDER = ["avx2", "avx512", "avx512_bf16"]
+ISAS = _ORDER[: _ORDER.index(detect_cpu_features().kernel_isa) + 1] if detect_cpu_features().kernel_isa in _ORDER else []
+DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Run the kernels of one ISA build (each build this CPU can execute)."""
+    if load_kernel("grouped_gemm", request.param) is None:
+        pytest.skip("no C++ compiler")
+    for module in (gg, pa):
+        monkeypatch.setattr(module, "load_kernel", lambda n, _isa=request.param: load_kernel(n, _isa))
+        module._kernel.cache_clear()
+    yield request.param
+    gg._kernel.cache_clear()
+    pa._kernel.cache_clear()
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 300])
+def test_grouped_gemm_equals_per_slot_matmul(isa, x_dtype, w_dtype, num_rows):
+    torch.manual_seed(0)
+    num_slots, n_out, k = 6, 21, 70  # a partial weight-row block and a K tail
+    w = torch.randn(num_slots + 2, n_out, k + 3).to(w_dtype)[:, :, 1 : k + 1]  # strided view, as slices are
+    slots = torch.randint(0, num_slots, (num_rows,)).sort().values
+    slots[slots == 2] = 3  # a slot without rows is skipped
+    x = torch.randn(num_rows, k).to(x_dtype)
+    offsets = gg.slot_offsets(slots, num_slots)
+    assert gg.has_grouped_gemm(x_dtype, w_dtype)
+    got = gg.grouped_gemm(x, offsets, w)
+    want = torch.stack([x[i].float() @ w[s].float().T for i, s in enumerate(slots.tolist())]) if num_rows else got
+    tol = 1e-5 if x_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert got.dtype == x_dtype
+
+
+def test_grouped_gemm_never_reads_slots_without_rows(isa):
+    w = torch.randn(4, 8, 32)
+    w[1:3] = float("nan")  # stands for unmapped adapter rows
+    slots = torch.tensor([0, 0, 3])
+    out = gg.grouped_gemm(torch.randn(3, 32), gg.slot_offsets(slots, 4), w)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_equals_gathered_attention(isa, dtype):
+    torch.manual_seed(0)
+    batch, heads, kv_heads, head_dim, block_size = 5, 8, 2, 64, 4
+    num_blocks = 40
+    cache = torch.randn(num_blocks * block_size, 2, kv_heads, head_dim).to(dtype)
+    lens = torch.tensor([1, 3, 9, 17, 30])
+    max_blocks = int((lens.max() + block_size - 1) // block_size)
+    table = torch.randperm(num_blocks)[: batch * max_blocks].view(batch, max_blocks)
+    q = torch.randn(batch, heads + kv_heads, head_dim).to(dtype)[:, :heads]  # a strided view, as in the model
+    kv = cache.view(-1, block_size, 2, kv_heads, head_dim).index_select(0, table.reshape(-1))
+    kv = kv.view(batch, -1, 2, kv_heads, head_dim)
+    k, v = kv[:, :, 0].transpose(1, 2).contiguous(), kv[:, :, 1].transpose(1, 2).contiguous()
+    mask = torch.arange(max_blocks * block_size)[None] < lens[:, None]
+    want = decode_attention(q, k, v, mask, head_dim**-0.5)
+    got = pa.paged_decode_attention(q, cache, table, lens, block_size, head_dim**-0.5)
+    assert got is not None
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_swiglu_experts_kernel_equals_torch_path(isa, monkeypatch):
+    from elasticmoe.layers import experts
+
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(8, 64, 48), torch.randn(8, 48, 32)
+    x = torch.randn(40, 48)
+    slots = torch.randint(0, 8, (40,)).sort().values
+    got = experts.grouped_experts_sorted(x, slots, w13, w2)
+    monkeypatch.setattr(experts, "has_grouped_gemm", lambda *a: False)
+    want = experts.grouped_experts_sorted(x, slots, w13, w2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+def test_fused_rms_norm_equals_torch(isa, monkeypatch, x_dtype, w_dtype):
+    from elasticmoe.kernels import rms_norm as rn
+    from elasticmoe.layers import norm
+
+    monkeypatch.setattr(rn, "load_kernel", lambda n, _isa=isa: load_kernel(n, _isa))
+    rn._kernel.cache_clear()
+    torch.manual_seed(0)
+    x = torch.randn(7, 3 * 70).to(x_dtype)[:, :70]  # rows with a stride, a tail past the vector width
+    w = torch.randn(70).to(w_dtype)
+    got = rn.fused_rms_norm(x, w, 1e-6)
+    monkeypatch.setattr(norm, "fused_rms_norm", lambda *a: None)
+    want = norm.rms_norm(x, w, 1e-6)
+    rn._kernel.cache_clear()
+    assert got is not None and got.dtype == want.dtype
+    tol = 1e-6 if x_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if x_dtype == torch.bfloat16:  # the same values bar a rare last-bit tie
+        assert (got == want).float().mean() > 0.99
+
+
+def test_threads_are_pinned_only_to_this_process_cpus_and_the_caller_only_per_step():
+    import os
+
+    from elasticmoe.kernels.build import bind_threads, pinned_to
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert bind_threads(len(cpus) + 1) is None  # more threads than CPUs: left to the scheduler
+    before = os.sched_getaffinity(0)
+    if len(cpus) >= 2:
+        assert bind_threads(len(cpus)) in (cpus, None)
+    assert os.sched_getaffinity(0) == before  # the caller itself stays free between steps
+    with pinned_to(cpus[0]):
+        assert os.sched_getaffinity(0) == {cpus[0]}
+    assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_over_heads_of_a_fused_projection(isa, monkeypatch, dtype):
+    from elasticmoe.kernels import rms_norm as rn
+
+    monkeypatch.setattr(rn, "load_kernel", lambda n, _isa=isa: load_kernel(n, _isa))
+    rn._kernel.cache_clear()
+    torch.manual_seed(0)
+    qkv = torch.randn(5, 8 + 2 * 2, 64).to(dtype)  # [T, H + 2 Hkv, D], as the qkv projection's view
+    w = torch.randn(64).to(dtype)
+    out = torch.empty(5, 8 + 2, 64, dtype=dtype)
+    assert rn.fused_rms_norm(qkv[:, 8:10], w, 1e-6, out[:, 8:]) is not None  # the k heads
+    xf = qkv[:, 8:10].float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    rn._kernel.cache_clear()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[:, 8:], want, atol=tol, rtol=tol)
