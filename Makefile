@@ -59,13 +59,13 @@ serve: $(SERVE_STAMP) $(MODEL_DIR)/config.json
 serve-single: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/elasticmoe serve --single --model $(MODEL_DIR) --port $(PORT)
 
-# The whole suite in .venv (tests/vllm skip there), then the vLLM backend's tests in .venv-vllm.
+# The whole suite in .venv (tests/vllm_backend skip there), then the vLLM backend's tests in .venv-vllm.
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -ra
 	$(MAKE) --no-print-directory test-vllm
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/vllm_backend
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check elasticmoe hmm imm coordinator tests

@@ -319,6 +319,8 @@ class Instance:
         """
         if self.state not in (S.WARM, S.ACTIVE):
             raise RuntimeError(f"{self}: import_requests needs a warm or active instance")
+        if self.backend != "native":  # vLLM replicas keep no KV across engines: all recomputed, by load
+            kv_is_shared = False
         loads = [s.num_running + s.num_waiting for s in self.stats()]
         plan = assign_snapshots(snaps_by_device, self.device_ids, loads, kv_is_shared, recompute_devices)
         with self._lock:

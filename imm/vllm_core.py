@@ -75,13 +75,15 @@ class VllmEngineCore:
 
     @property
     def num_running(self) -> int:
-        scheduler = self._scheduler()
-        return len(scheduler.running) if scheduler is not None else len(self.requests)
+        return len(self.requests) - self.num_waiting
 
     @property
     def num_waiting(self) -> int:
+        """Live requests vLLM has not scheduled yet (its queue may still hold finished ones: bounded
+        by what is live here)."""
         scheduler = self._scheduler()
-        return max(0, len(self.requests) - len(scheduler.running)) if scheduler is not None else 0
+        waiting = len(getattr(scheduler, "waiting", ())) if scheduler is not None else 0
+        return min(waiting, len(self.requests))
 
     def _scheduler(self) -> Any:
         """vLLM's scheduler, in this process (an internal: None if its path changes)."""

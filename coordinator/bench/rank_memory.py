@@ -5,25 +5,50 @@ process holds privately is not in it. For the native engine that is little (its 
 are the HMM's). A vLLM rank holds what vLLM's CPU backend repacks (linear and expert weights),
 its own KV cache and vLLM's runtime, so a benchmark of the vLLM backend reports it beside the
 HMM's peak: the sum of `RssAnon` (private resident memory; mapped shared memory is `RssShmem`)
-over every process titled as a rank actor (`ray::InstanceRank...`), old, new and standby alike.
+over every process titled as a rank actor (`ray::InstanceRank...`), old, new and standby alike,
+that descends from this process (the benchmark starts its Ray cluster, so its ranks are its
+descendants; other servers on a shared machine are not counted).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 RANK_TITLE = b"ray::InstanceRank"
 
 
-def rank_private_bytes(proc: Path = Path("/proc")) -> int:
-    """Sum of RssAnon over this machine's rank processes (0 if none)."""
-    total = 0
+def _parents(proc: Path) -> dict[int, int]:
+    """pid -> parent pid of every process."""
+    parents = {}
     for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, ppid
+    return parents
+
+
+def _descends(pid: int, root: int, parents: dict[int, int]) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        pid = parents.get(pid, 0)
+    return False
+
+
+def rank_private_bytes(root_pid: int | None = None, proc: Path = Path("/proc")) -> int:
+    """Sum of RssAnon over the rank processes descending from `root_pid` (default: this one)."""
+    root = os.getpid() if root_pid is None else root_pid
+    parents = _parents(proc)
+    total = 0
+    for pid in parents:
+        entry = proc / str(pid)
         try:
-            if not (entry / "cmdline").read_bytes().startswith(RANK_TITLE):
+            if not (entry / "cmdline").read_bytes().startswith(RANK_TITLE) or not _descends(pid, root, parents):
                 continue
             for line in (entry / "status").read_text().splitlines():
                 if line.startswith("RssAnon:"):
