@@ -91,6 +91,11 @@ class AdapterCluster(Protocol):
     def active(self) -> Instance | None: ...
 
 
+def _check_backend(backend: str) -> None:
+    if backend != "native":  # vLLM replicas serve the base model only
+        raise AdapterLimitError(f"adapters need --backend native; this server runs --backend {backend}")
+
+
 class ClusterAdapterHost:
     """`AdapterHost` of the coordinator (see `elasticmoe.entrypoints.openai.adapters_api`)."""
 
@@ -162,6 +167,7 @@ class ClusterAdapterHost:
     def _load(self, name: str, path: str, experts: dict[int, tuple[int, ...]],
               usage_probability: float | None) -> dict[str, Any]:
         cluster = self.cluster
+        _check_backend(cluster.config.backend)
         if cluster.scale_events.running is not None:
             raise AdapterConflictError("a scale is in progress; retry when it finished")
         if name in self.adapters:
@@ -223,6 +229,7 @@ class ClusterAdapterHost:
             raise AdapterConflictError("a scale or another adapter change is in progress; retry")
         try:
             cluster = self.cluster
+            _check_backend(cluster.config.backend)
             if cluster.config.max_loras == 0:
                 raise AdapterLimitError("this server has no LoRA slots (--max-loras 0)")
             if cluster.scale_events.running is not None:

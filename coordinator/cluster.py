@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from hmm.memory.lease import reap
 from hmm.memory.shm import round_up
 from hmm.placement import DEVICE_RESOURCE
 from hmm.planner import TargetConfig, scale_target
-from imm.instance import Instance
+from imm.instance import Instance, seeds_from_hmm
 from imm.lifecycle import InstanceState
 from imm.manager import InstanceManager
 from imm.rank import RankStats
@@ -101,6 +101,11 @@ def layout_memory(layout: Layout, adapters: Iterable[EsftEntry], page_size: int)
     return out
 
 
+def _attach_dict(report: Any) -> dict[str, Any]:
+    as_dict = getattr(report, "as_dict", None)
+    return as_dict() if as_dict is not None else dataclasses.asdict(report)
+
+
 class ClusterManager:
     """Owns the HMM and the active `Instance`; publishes what the ingress routes by (`feed`)."""
 
@@ -117,6 +122,7 @@ class ClusterManager:
         self.adapters = ClusterAdapterHost(self, publish=self.publish_adapters)
         self._starting: Instance | None = None  # the first instance until it is published
         self._standby_thread: threading.Thread | None = None
+        self._standby_superseded = threading.Event()  # set: the delayed preparation under way is dropped
         self._closing = threading.Event()  # ends a delayed standby preparation at shutdown
         self._is_shut_down = False
         self._lock = threading.Lock()
@@ -143,11 +149,9 @@ class ClusterManager:
                 self.hmm.add_device(spec)
                 self._next_device_id = spec.device_id + 1
                 self._node_index.setdefault(spec.ray_node_id, spec.node_id)
-            self.hmm.load(cfg.model_dir, dp=cfg.dp, dtype=cfg.torch_dtype, kv_bytes=cfg.kv_bytes_per_device,
-                          esft_slots=cfg.esft_slots)
+            self.load_model(cfg.dp)
             assert self.hmm.layout is not None
-            inst = self._starting = Instance.create_standby(
-                cfg.model_dir, cfg.dp, engine_options=cfg.engine_options(), nodes=self.rank_nodes(self.hmm.layout.devices))
+            inst = self._starting = self.create_instance(cfg.dp, self.hmm.layout.devices)
             inst.attach(self.hmm)
             inst.warm_up()
             self.publish(inst, min(ray.get([r.max_model_len.remote() for r in inst.ranks])))
@@ -162,6 +166,24 @@ class ClusterManager:
             logger.exception("coordinator: start failed; releasing what was started")
             self.shutdown()
             raise
+
+    def load_model(self, dp: int) -> dict[str, int]:
+        """Load the model into the HMM at `dp` (each tensor from disk once): experts spread over the
+        ranks (native), or a full replica per device (vLLM, `CoordinatorConfig.is_expert_parallel`).
+        Returns the bytes moved by source (`HMMController.execute`)."""
+        cfg, hmm = self.config, self.hmm
+        assert hmm is not None
+        return hmm.load(cfg.model_dir, dp=dp, dtype=cfg.torch_dtype, kv_bytes=cfg.hmm_kv_bytes, esft_slots=cfg.esft_slots,
+                 replicated=not cfg.is_expert_parallel)
+
+    def create_instance(self, dp: int, devices: Sequence[DeviceSpec], paced: bool = False) -> Instance:
+        """A standby instance of `dp` (the configured backend) whose rank r runs on the node of
+        `devices[r]`; vLLM ranks build their engines on a committed replica's handles where one is on
+        their node (`seeds_from_hmm`). `paced`: see `Instance.create_standby`."""
+        cfg, hmm = self.config, self.hmm
+        seeds = seeds_from_hmm(hmm, devices) if cfg.backend == "vllm" and hmm is not None and hmm.layout else []
+        return Instance.create_standby(cfg.model_dir, dp, engine_options=cfg.engine_options(), paced=paced,
+                                       nodes=self.rank_nodes(devices), seeds=seeds, backend=cfg.backend)
 
     def _offered_devices(self) -> list[DeviceSpec]:
         """Every device the cluster's nodes offer (`elasticmoe_device`), at least dp of them."""
@@ -230,10 +252,10 @@ class ClusterManager:
         usable = self.usable_devices()
         free = [spec for d, spec in usable.items() if d not in layout.device_ids]
         leaving = [d for d in layout.device_ids if d not in usable]
-        kv = self.config.kv_bytes_per_device
+        kv, replicated = self.config.hmm_kv_bytes, not self.config.is_expert_parallel
         if fresh_devices:
-            return TargetConfig(tuple(free[:to_dp]), to_dp, to_dp, kv_bytes=kv)
-        return scale_target(layout, to_dp, free, kv_bytes=kv, leaving=leaving)
+            return TargetConfig(tuple(free[:to_dp]), to_dp, 1 if replicated else to_dp, kv_bytes=kv)
+        return scale_target(layout, to_dp, free, kv_bytes=kv, leaving=leaving, replicated=replicated)
 
     # ---- capacity: devices that come and go (see `coordinator.capacity`) --------------------------
 
@@ -341,8 +363,7 @@ class ClusterManager:
     def _boot_standby(self, dp: int) -> Instance:
         """A standby instance for the scale to `dp` the current layout leads to, its ranks on the
         nodes of that scale's devices (the pool's factory: paced, beside serving)."""
-        return Instance.create_standby(self.config.model_dir, dp, engine_options=self.config.engine_options(),
-                                       paced=True, nodes=self.rank_nodes(self.target(dp).devices))
+        return self.create_instance(dp, self.target(dp).devices, paced=True)
 
     # ---- what is active and what the ingress routes by: published here only ------------------
 
@@ -434,9 +455,10 @@ class ClusterManager:
         if not self.config.standby_pool or inst is None or hmm is None or self._is_shut_down:
             return
         dps = [d for d in (inst.dp + 1, inst.dp - 1) if 1 <= d <= len(self.usable_devices())]
+        superseded = threading.Event()  # a later preparation replaces this one while it still waits
 
         def work() -> None:
-            if self._closing.wait(delay_s):
+            if superseded.wait(delay_s) or self._closing.is_set():  # replaced, or shutting down
                 return
             try:
                 self.standby.prepare(dps)
@@ -444,9 +466,11 @@ class ClusterManager:
                 logger.exception("coordinator: preparing standby instances %s failed", dps)
 
         with self._lock:
-            previous = self._standby_thread
+            previous, cancel = self._standby_thread, self._standby_superseded
             if previous is not None and previous.is_alive():
-                previous.join()  # NOTE: one preparation at a time; a scale just finished, this is rare
+                cancel.set()  # still waiting out its delay: drop it (its dps were for an older dp)
+                previous.join()  # NOTE: one preparation at a time; a boot under way is waited for
+            self._standby_superseded = superseded
             self._standby_thread = threading.Thread(target=work, name="standby-prepare", daemon=True)
             self._standby_thread.start()
 
@@ -463,6 +487,7 @@ class ClusterManager:
                 return
             self._is_shut_down = True
         self._closing.set()
+        self._standby_superseded.set()  # a preparation waiting out its delay ends now
         if self._node_watch is not None:
             self._node_watch.join(timeout=30)  # NOTE: a registration in progress ends before the HMM does
         self.standby.shutdown()  # NOTE: first, so a boot that finishes now is retired, not pooled
@@ -579,10 +604,14 @@ class ClusterManager:
         return {
             "model": self.config.model_name,
             "coordinator": {"pid": os.getpid()},
-            "active_config": None if inst is None else {"dp": inst.dp, "ep": inst.dp, "tp": 1},
+            "backend": self.config.backend,
+            "active_config": None if inst is None else {
+                "dp": inst.dp, "ep": inst.dp if self.config.is_expert_parallel else 1, "tp": 1},
             "instance": None if inst is None else {
                 "instance_id": inst.instance_id, "state": inst.state.value, "timings_s": inst.timings,
                 "ranks": self._rank_info(inst),
+                # per rank, how its weights were attached (vLLM: bytes mapped from the HMM vs copied)
+                "attach": [_attach_dict(r) for r in inst.attach_reports],
             },
             "layout_device_ids": list(layout.device_ids) if layout is not None else [],
             "devices": devices,

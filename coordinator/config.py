@@ -22,21 +22,32 @@ from elasticmoe.config import EngineOptions
 from elasticmoe.entrypoints.serve_settings import ServeSettings
 from elasticmoe.utils.settings import GIB, cli
 from hmm.memory.shm import DEFAULT_PREFIX
+from imm.vllm_support import vllm_problem
 
 _DEFAULT_DEVICE_MEMORY = 4 * GIB
 
 
 class CoordinatorConfig(ServeSettings):
-    """Devices, the initial (dp, ep=dp) configuration and the serving limits.
+    """Devices, the engine backend, the initial (dp, ep) configuration and the serving limits.
 
     Invariants: `1 <= dp <= num_devices`; `kv_bytes_per_device < device_memory_bytes`
-    (the weights must fit beside the KV pool); `max_queued >= 1`.
+    (the weights must fit beside the KV pool); `max_queued >= 1`; ep = dp with the native
+    backend, ep = 1 (dp replicas, every expert on each) with vLLM, which serves the base model only.
     """
+
+    backend: Literal["native", "vllm"] = Field(
+        "native", description="engine of every rank: native (ElasticMoE's engine: expert parallelism across the "
+        "dp ranks, ESFT and LoRA adapters, live handover with KV) or vllm (vLLM's CPU build, the optional "
+        "`vllm` extra: each of the dp ranks is a replica holding every expert; requests move between "
+        "replicas by recomputing their tokens)", json_schema_extra=cli(metavar="B"))
+    expert_parallel: bool | None = Field(
+        None, description="spread the experts over the dp ranks (EP = DP) instead of a full copy on each; "
+        "default: on with --backend native (it always does), off with --backend vllm (its CPU build cannot)")
 
     num_devices: int = Field(1, description="logical devices to create: one HMM worker process and memory "
                              "budget each", json_schema_extra=cli("--devices", metavar="N"))
     dp: int = Field(1, description="data-parallel ranks of the first instance, 1 <= D <= --devices; expert "
-                    "parallelism spans the same D ranks", json_schema_extra=cli(metavar="D"))
+                    "parallelism spans the same D ranks (--backend vllm: D replicas)", json_schema_extra=cli(metavar="D"))
     device_memory_bytes: int = Field(
         _DEFAULT_DEVICE_MEMORY, description="memory budget of each logical device in GiB: weights, KV cache and "
         "scaling headroom", json_schema_extra=cli("--device-memory-gb", metavar="G", unit=GIB))
@@ -107,13 +118,51 @@ class CoordinatorConfig(ServeSettings):
             raise ValueError(f"--device-wait: must be > 0 and at most 3600 s, got {self.device_wait_s:g}")
         if not 0 <= self.standby_delay_s <= 3600:
             raise ValueError(f"--standby-delay: must be between 0 and 3600 s, got {self.standby_delay_s}")
+        self._check_backend()
         return self
+
+    def _check_backend(self) -> None:
+        """Refuse what the chosen backend cannot do, naming the flag (before anything starts)."""
+        if self.backend == "native":
+            if self.expert_parallel is False:
+                raise ValueError("--no-expert-parallel: the native backend always spreads its experts over the dp "
+                                 "ranks (replicas holding every expert are --backend vllm's layout)")
+            return
+        if self.expert_parallel:
+            raise ValueError("--expert-parallel: vLLM's CPU build cannot run expert parallelism across ranks (its "
+                             "CPU communicator has no all_gatherv); with --backend vllm each of the --dp ranks is "
+                             "a replica holding every expert")
+        if self.esft_adapters:
+            raise ValueError("--esft-adapter: ESFT adapters need --backend native (vLLM serves the base model)")
+        if self.max_loras or self.lora_adapters:
+            raise ValueError("--max-loras: LoRA adapters need --backend native (vLLM serves the base model)")
+        problem = vllm_problem(self.model_dir)
+        if problem is not None:
+            raise ValueError(f"--backend vllm: {problem}")
+
+    @property
+    def is_expert_parallel(self) -> bool:
+        """ep = dp (experts spread over the ranks) rather than ep = 1 (a full replica per rank)."""
+        return self.expert_parallel if self.expert_parallel is not None else self.backend == "native"
+
+    @property
+    def hmm_kv_bytes(self) -> int:
+        """The HMM's KV pool per device: the native engine's paged KV cache; none with vLLM, which
+        allocates its own (`kv_bytes_per_device` of it, in the rank's process)."""
+        assert self.kv_bytes_per_device is not None  # the default is filled in before
+        return self.kv_bytes_per_device if self.backend == "native" else 0
+
+    @property
+    def esft_slots(self) -> tuple[int, int]:
+        """(N, E_max) of the ESFT adapter slots; (0, 0) without any (always with vLLM)."""
+        return super().esft_slots if self.backend == "native" else (0, 0)
 
     def engine_options(self) -> EngineOptions:
         """What every rank's `EngineConfig` gets (its KV pool is its device's, from the HMM)."""
         # NOTE: every rank keeps every registered LoRA adapter in host memory (--max-cpu-loras) and
         # the slots hold the hot set; under EP the ranks swap in lockstep (`engine.lora_lockstep`).
-        return dataclasses.replace(super().engine_options(), kv_cache_bytes=None, num_threads=self.num_threads or 1)
+        kv = None if self.backend == "native" else self.kv_bytes_per_device  # vLLM sizes its own KV cache
+        return dataclasses.replace(super().engine_options(), kv_cache_bytes=kv, num_threads=self.num_threads or 1)
 
     @property
     def device_limit(self) -> int:

@@ -266,7 +266,7 @@ class Scaler:
         cfg, nodes = self.cluster.config, self.cluster.rank_nodes(target.devices)
 
         def boot_now(n: int) -> Instance:  # all ranks at once: the scale is waiting for it
-            return Instance.create_standby(cfg.model_dir, n, engine_options=cfg.engine_options(), nodes=nodes)
+            return self.cluster.create_instance(n, target.devices)
 
         if strat.preinit and cfg.standby_pool:
             # NOTE: a pooled instance was placed for the layout of its preparation; its ranks must
@@ -329,7 +329,7 @@ class Scaler:
         until the next scale or restart): the baseline has nothing to roll back to. Its exported
         requests then fail over from their clients' side.
         """
-        cluster, cfg = self.cluster, self.cluster.config
+        cluster = self.cluster
         hmm = cluster.hmm
         assert hmm is not None
         t_close = time.perf_counter()
@@ -342,11 +342,9 @@ class Scaler:
             self._exported = [s.request_id for ss in snaps.values() for s in ss]
             old.release_engines()  # NOTE: its processes stay until their streams are routed
             hmm.unload()
-            event.bytes_moved = hmm.load(cfg.model_dir, dp=event.to_dp, dtype=cfg.torch_dtype,
-                                         kv_bytes=cfg.kv_bytes_per_device, esft_slots=cfg.esft_slots)
+            event.bytes_moved = cluster.load_model(event.to_dp)
             assert hmm.layout is not None
-            new = Instance.create_standby(cfg.model_dir, event.to_dp, engine_options=cfg.engine_options(),
-                                          nodes=cluster.rank_nodes(hmm.layout.devices))
+            new = cluster.create_instance(event.to_dp, hmm.layout.devices)
             new.attach(hmm)
             cluster.adapters.prepare_instance(new)  # `load` mapped the registered adapters again
             new.warm_up()

@@ -18,8 +18,9 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
         "(config.json, model.safetensors, generation_config.json, tokenizer with chat template).",
     )
     p.add_argument("--arch", required=True, choices=sorted(PRESETS), help="model family")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"],
-                   help="tiny: for tests (loads in well under a second); small: the benchmark model")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-vllm", "small"],
+                   help="tiny: for tests (loads in well under a second); tiny-vllm: tiny with head_dim 32 "
+                   "(qwen3_moe only; what vLLM's CPU attention can run); small: the benchmark model")
     p.add_argument("--seed", type=int, default=0, help="RNG seed for weights and tokenizer corpus")
     p.add_argument("--out", required=True, help="output directory")
 

@@ -248,10 +248,11 @@ class HMMController:
         dtype: torch.dtype = torch.bfloat16,
         kv_bytes: int | None = None,
         esft_slots: tuple[int, int] = (0, 0),
+        replicated: bool = False,
     ) -> dict[str, int]:
-        """Initial layout of (dp, ep=dp) on the first `dp` devices: each tensor read from
-        disk once, the replicas filled by p2p; committed on success; bytes by source, as
-        `execute` returns them. `esft_slots` = (N, E_max):
+        """Initial layout of (dp, ep=dp) on the first `dp` devices (`replicated`: ep=1, every device
+        holds every expert): each tensor read from disk once, the replicas filled by p2p; committed
+        on success; bytes by source, as `execute` returns them. `esft_slots` = (N, E_max):
         every expert stack is a virtual weight tensor with N adapter slots of E_max rows
         (address space only). Adapters registered before (an `unload` + `load`) are mapped again."""
         if self.layout is not None:
@@ -259,7 +260,7 @@ class HMMController:
         self.model_dir, self.dtype, self.esft_slots = model_dir, dtype, esft_slots
         self.model_config = cfg = ModelConfig.from_pretrained(model_dir)
         sizes = ModelSizes.from_model(cfg, dtype.itemsize)
-        layout = layout_for(None, sizes, list(self.devices.values()), dp, dp, kv_bytes=kv_bytes)
+        layout = layout_for(None, sizes, list(self.devices.values()), dp, 1 if replicated else dp, kv_bytes=kv_bytes)
         moved = self.execute(load_plan(layout))
         self.commit()
         for entry in list(self.adapters.values()):

@@ -5,9 +5,12 @@ A `Layout` is derived, never edited: from the model's tensor sizes, the devices
 device. Invariants, checked in `__post_init__`:
 
 - every non-expert ("dense") tensor is replicated on every device (tp = 1);
-- every expert lives on exactly one device, `devices[placement.expert_to_rank[e]]`,
-  at local slot `placement.expert_to_slot[e]` of each of that device's virtual
-  expert tensors (one per stacked engine tensor, e.g. `layers.3.moe.w13`);
+- expert parallel (ep = dp, the native engine): every expert lives on exactly one device,
+  `devices[placement.expert_to_rank[e]]`, at local slot `placement.expert_to_slot[e]` of each
+  of that device's virtual expert tensors (one per stacked engine tensor, e.g. `layers.3.moe.w13`);
+- replicated experts (ep = 1, a placement over one rank; data-parallel replicas that run no EP
+  group, e.g. the vLLM backend): every device holds every expert, at the slots of that one rank,
+  so an expert is copied like a dense tensor (every device is a holder);
 - one KV pool per device, and weights + KV pool fit in the device's budget.
 """
 
@@ -150,7 +153,7 @@ class ModelSizes:
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Tensors per device for dp = ep = len(devices) (see the module docstring)."""
+    """Tensors per device for dp = len(devices) and ep = dp or 1 (see the module docstring)."""
 
     sizes: ModelSizes
     devices: tuple[DeviceSpec, ...]
@@ -162,12 +165,12 @@ class Layout:
         if not ids or len(set(ids)) != len(ids):
             raise ValueError(f"layout: device ids must be distinct and non-empty, got {ids}")
         if (
-            self.placement.num_ranks != len(self.devices)
+            self.placement.num_ranks not in (1, len(self.devices))
             or self.placement.num_experts != self.sizes.num_experts
         ):
             raise ValueError(
                 f"layout: placement is {self.placement.num_experts} experts on {self.placement.num_ranks} ranks, "
-                f"expected {self.sizes.num_experts} on {len(self.devices)}"
+                f"expected {self.sizes.num_experts} on {len(self.devices)} (expert parallel) or on 1 (replicated)"
             )
         if len(self.kv_bytes) != len(self.devices) or any(b < 0 for b in self.kv_bytes):
             raise ValueError("layout: one KV pool size >= 0 per device")
@@ -187,6 +190,11 @@ class Layout:
         return self.placement.num_ranks
 
     @property
+    def is_replicated(self) -> bool:
+        """Every device holds every expert (ep = 1; with dp = 1 both readings agree)."""
+        return self.placement.num_ranks == 1
+
+    @property
     def device_ids(self) -> tuple[int, ...]:
         return tuple(d.device_id for d in self.devices)
 
@@ -197,14 +205,18 @@ class Layout:
         return self.devices[self.rank_of(device_id)]
 
     def holder(self, expert: int) -> int:
-        """Device id holding `expert`."""
+        """Device id holding `expert` (replicated: the first of its holders)."""
         return self.devices[self.placement.expert_to_rank[expert]].device_id
+
+    def holders(self, expert: int) -> tuple[int, ...]:
+        """Every device holding `expert`: one with expert parallelism, all when replicated."""
+        return self.device_ids if self.is_replicated else (self.holder(expert),)
 
     def slot(self, expert: int) -> int:
         return self.placement.expert_to_slot[expert]
 
     def local_experts(self, device_id: int) -> tuple[int, ...]:
-        return self.placement.local_expert_ids(self.rank_of(device_id))
+        return self.placement.local_expert_ids(0 if self.is_replicated else self.rank_of(device_id))
 
     def tensors(self, device_id: int) -> dict[TensorKey, int]:
         """key -> bytes of every tensor on `device_id` (empty if not in the layout)."""
@@ -236,16 +248,16 @@ def layout_for(
     kv_bytes: int | None = None,
     dtype_bytes: int = 2,
 ) -> Layout:
-    """The layout of (dp, ep) on `devices[:dp]`.
+    """The layout of (dp, ep) on `devices[:dp]`; ep = dp (expert parallel) or 1 (replicated experts).
 
     `weights` are the engine's ParamSpecs (then `model_cfg` gives num_experts and
     `dtype_bytes` the element size) or precomputed `ModelSizes`. `placement`
-    defaults to `ExpertPlacement.balanced`. `kv_bytes=None` gives each device a
+    defaults to `ExpertPlacement.balanced` over the ep ranks. `kv_bytes=None` gives each device a
     KV pool of its budget minus its weights; an int is the pool size everywhere.
     Raises ValueError when the weights (plus a fixed KV pool) do not fit.
     """
-    if ep != dp:
-        raise ValueError(f"layout: only ep == dp is supported (tp = 1), got dp={dp} ep={ep}")
+    if ep not in (1, dp):
+        raise ValueError(f"layout: ep must be dp (expert parallel) or 1 (replicated experts), got dp={dp} ep={ep}")
     if len(devices) < dp:
         raise ValueError(f"layout: dp={dp} needs {dp} devices, got {len(devices)}")
     if isinstance(weights, ModelSizes):
@@ -259,7 +271,7 @@ def layout_for(
     used = tuple(devices[:dp])
     kv = []
     for rank, dev in enumerate(used):
-        weight = sizes.weight_bytes(len(placement.local_expert_ids(rank)))
+        weight = sizes.weight_bytes(len(placement.local_expert_ids(rank if ep == dp else 0)))
         if weight > dev.budget_bytes:
             raise ValueError(
                 f"device {dev.device_id}: weights {weight} B exceed its budget {dev.budget_bytes} B"

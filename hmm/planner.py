@@ -10,8 +10,10 @@ minimises bytes moved:
   node first, then the least-loaded sender);
 - experts: unless the target names a placement, the balanced placement that
   keeps the most experts in place (`hmm.expert_moves`); kept experts are reused
-  (or remapped when their slot changes), the rest are copied p2p from their one
-  current holder. A layout holds every tensor, so `plan` never reads disk;
+  (or remapped when their slot changes), the rest are copied p2p from a current
+  holder (the least-loaded one: with replicated experts, ep = 1, every device
+  holds every expert, so a new replica gets them like dense tensors). A layout
+  holds every tensor, so `plan` never reads disk;
   `load_plan` (the initial load) reads each tensor from disk exactly once;
 - everything the target does not need is freed at commit, after all other steps.
 
@@ -54,10 +56,11 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TargetConfig:
-    """A configuration to scale to: dp = ep = len(devices), rank r on devices[r].
+    """A configuration to scale to: dp = len(devices), rank r on devices[r]; ep = dp (expert
+    parallel) or 1 (replicated experts: data-parallel replicas, each holding every expert).
 
     `placement=None` asks the planner for the balanced placement that moves the
-    fewest experts. `kv_bytes` sizes the KV pool of devices new to the layout
+    fewest experts (replicated: every expert at its own index). `kv_bytes` sizes the KV pool of devices new to the layout
     (None: budget minus weights); kept devices keep their pool.
     """
 
@@ -71,9 +74,9 @@ class TargetConfig:
         ids = [d.device_id for d in self.devices]
         if len(set(ids)) != len(ids):
             raise ValueError(f"target: device ids must be distinct, got {ids}")
-        if not self.dp == self.ep == len(self.devices):
+        if self.dp != len(self.devices) or self.ep not in (1, self.dp):
             raise ValueError(
-                f"target: needs dp == ep == number of devices, got {self.dp}, {self.ep}, {len(ids)}"
+                f"target: needs dp == number of devices and ep == dp or 1, got {self.dp}, {self.ep}, {len(ids)}"
             )
         if self.placement is not None and self.placement.num_ranks != self.ep:
             raise ValueError(f"target: placement has {self.placement.num_ranks} ranks, ep is {self.ep}")
@@ -89,9 +92,10 @@ def scale_target(
     placement: ExpertPlacement | None = None,
     kv_bytes: int | None = None,
     leaving: Collection[int] = (),
+    replicated: bool = False,
 ) -> TargetConfig:
-    """Target for DP/EP `dp`: scale-up appends `new_devices`; scale-down keeps
-    `keep_device_ids` (default: the lowest device ids), in their current rank order.
+    """Target for DP/EP `dp` (`replicated`: dp replicas, ep = 1): scale-up appends `new_devices`;
+    scale-down keeps `keep_device_ids` (default: the lowest device ids), in their current rank order.
     `leaving`: current devices the target must not use (a node being drained, or lost); the
     others count as the current ones, so a target of the same dp replaces them with new ones."""
     gone = set(leaving)
@@ -107,21 +111,26 @@ def scale_target(
             raise ValueError(
                 f"target: keep {dp} of the current devices {current.device_ids}, got {sorted(keep)}"
             )
-    return TargetConfig(devices, dp, dp, placement, kv_bytes)
+    return TargetConfig(devices, dp, 1 if replicated else dp, placement, kv_bytes)
 
 
 def target_layout(current: Layout, target: TargetConfig) -> Layout:
     """The layout `plan` moves to (kept devices keep their KV pool size)."""
     ids = [d.device_id for d in target.devices]
-    placement = target.placement or max_overlap_placement(
-        {d: current.local_experts(d) for d in current.device_ids},
-        ids,
-        current.sizes.num_experts,
-        {d.device_id: d.node_id for d in (*current.devices, *target.devices)},
-    )
+    if target.placement is not None:
+        placement = target.placement
+    elif target.ep == 1:
+        placement = ExpertPlacement.single(current.sizes.num_experts)
+    else:
+        placement = max_overlap_placement(
+            {d: current.local_experts(d) for d in current.device_ids},
+            ids,
+            current.sizes.num_experts,
+            {d.device_id: d.node_id for d in (*current.devices, *target.devices)},
+        )
     kv = []
     for rank, dev in enumerate(target.devices):
-        weight = current.sizes.weight_bytes(len(placement.local_expert_ids(rank)))
+        weight = current.sizes.weight_bytes(len(placement.local_expert_ids(rank if target.ep > 1 else 0)))
         if dev.device_id in current.device_ids:
             kv.append(current.kv_bytes[current.rank_of(dev.device_id)])
         elif target.kv_bytes is not None:
@@ -186,10 +195,11 @@ def plan(
             elif key.kind == "kv":
                 fill.append(Alloc(d, key, nbytes))
             elif key.kind == "expert":
-                if not options.p2p or current.holder(key.expert_id) in gone:
+                holders = [s for s in current.holders(key.expert_id) if s not in gone]
+                if not options.p2p or not holders:
                     expert_fill += [Alloc(d, key, nbytes), DiskLoad(d, key, nbytes)]
                     continue
-                src = current.holder(key.expert_id)
+                src = min(holders, key=lambda s: (node[s] != node[d], sent[s], s))
                 sent[src] += nbytes
                 expert_fill += [Alloc(d, key, nbytes), P2PCopy(src, d, key, nbytes)]
     # Non-expert tensors for new devices, largest first, each from the least-loaded replica.
@@ -238,9 +248,9 @@ def load_plan(target: Layout) -> ScalePlan:
 
 def restore_plan(layout: Layout, device_id: int) -> ScalePlan:
     """Refill one device of `layout` that lost everything (its worker died): an empty KV pool,
-    every replicated (non-expert) tensor copied from a live replica (same node first, spread
-    over the senders), and what only it held (its experts) read from disk. The other devices
-    only send: the plan starts from `layout` and ends at it."""
+    every replicated tensor (non-expert; experts too when the layout replicates them) copied from a
+    live replica (same node first, spread over the senders), and what only it held (its experts)
+    read from disk. The other devices only send: the plan starts from `layout` and ends at it."""
     if device_id not in layout.device_ids:
         raise ValueError(f"restore: device {device_id} is not in the layout {layout.device_ids}")
     node = {d.device_id: d.node_id for d in layout.devices}
@@ -251,7 +261,7 @@ def restore_plan(layout: Layout, device_id: int) -> ScalePlan:
         steps.append(Alloc(device_id, key, nbytes))
         if key.kind == "kv":
             continue
-        if key.kind == "expert" or not others:
+        if (key.kind == "expert" and not layout.is_replicated) or not others:
             steps.append(DiskLoad(device_id, key, nbytes))
             continue
         src = min(others, key=lambda s: (node[s] != node[device_id], sent[s], s))

@@ -1,4 +1,8 @@
-"""`Instance`: the `InstanceRank` actors of one configuration (dp, tp=1, ep=dp) and their EP group.
+"""`Instance`: the `InstanceRank` actors of one configuration (dp, tp=1, ep) and their EP group.
+
+With the native backend ep = dp: the ranks split the experts and step in lockstep over one gloo
+group. With the vLLM backend ep = 1: the ranks are independent replicas (no group), each holding
+every expert (the HMM's replicated layout).
 
 States and legal transitions are in `imm.lifecycle`; every lifecycle method checks
 its transition *before* doing any work and moves the state only when the work
@@ -31,10 +35,11 @@ from hmm.controller import HMMController
 from hmm.p2p import GroupSpec
 from hmm.placement import on_node
 from hmm.providers import Handle
+from imm.engine_backend import AttachResult, BackendName
 from imm.handover import ImportReport, assign_snapshots
 from imm.lifecycle import InstanceState, check_transition
 from imm.rank import InstanceRankActor, RankStats
-from imm.zero_copy import AttachReport
+from imm.vllm_support import rank_env
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +63,42 @@ def handles_from_hmm(
     return sets, layout.placement, list(layout.device_ids)
 
 
+def seeds_from_hmm(hmm: Any, devices: Sequence[Any]) -> list[dict[str, Handle] | None]:
+    """For standby ranks to be placed on `devices` (`DeviceSpec`s): a handle set of the committed
+    layout with the same tensors as each rank's target (ep = 1 layouts only: every replica holds
+    the same bytes), on the rank's node (handles open in one host): its own device's if that is in
+    the layout, else that of the lowest device id of its node in the layout (scale-downs keep the
+    lowest ids); None where no replica is on its node or the layout is not replicated."""
+    layout = hmm.layout_of() if isinstance(hmm, HMMController) else ray.get(hmm.layout_of.remote())
+    if not layout.is_replicated:
+        return [None] * len(devices)
+    by_node: dict[int, int] = {}
+    for d in sorted(layout.device_ids):
+        by_node.setdefault(layout.device(d).node_id, d)
+    sources = [d.device_id if d.device_id in layout.device_ids else by_node.get(d.node_id) for d in devices]
+    wanted = sorted({s for s in sources if s is not None})
+    if isinstance(hmm, HMMController):
+        sets = [hmm.handle_set(layout.rank_of(d)) for d in wanted]
+    else:
+        sets = ray.get([hmm.handle_set.remote(layout.rank_of(d)) for d in wanted])
+    found = dict(zip(wanted, sets, strict=True))
+    return [found[s] if s is not None else None for s in sources]
+
+
 class Instance:
     """One inference instance. Build with `create_standby`; then attach -> warm_up -> activate."""
 
-    def __init__(self, dp: int, model_dir: str, *, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, dp: int, model_dir: str, *, timeout_s: float = 120.0, backend: BackendName = "native"
+    ) -> None:
         if dp < 1:
             raise ValueError(f"dp: must be >= 1, got {dp}")
         self.instance_id = f"inst{next(_ids)}-dp{dp}"
-        self.dp, self.model_dir, self.timeout_s = dp, model_dir, timeout_s
+        self.dp, self.model_dir, self.timeout_s, self.backend = dp, model_dir, timeout_s, backend
         self.ranks: list[Any] = []
         self.state = S.BOOTING
         self.timings: dict[str, float] = {}
-        self.attach_reports: list[AttachReport] = []
+        self.attach_reports: list[AttachResult] = []
         self.device_ids: list[int] = []  # device of each rank, known from attach
         self.nodes: tuple[str | None, ...] = (None,) * dp  # Ray node of each rank (None: anywhere)
         self.is_paused = False
@@ -107,6 +136,7 @@ class Instance:
         engine_options: EngineOptions | None = None,
         paced: bool = False,
         nodes: Sequence[str | None] = (),
+        seeds: Sequence[Mapping[str, Handle] | None] = (),
         **kwargs: Any,
     ) -> Instance:
         """Start `dp` rank actors, form their EP group, build the skeletons (no weights).
@@ -115,17 +145,28 @@ class Instance:
         start (interpreter, torch import) takes ~2 CPU-seconds; a background preparation
         of a dp=4 standby would otherwise take every core from the serving instance.
         `nodes`: the Ray node of each rank's device (rank r maps device r's memory, so it runs
-        there); empty: anywhere.
+        there); empty: anywhere. `seeds`: per rank, a handle set of the committed layout on its node
+        holding what its target will hold (a vLLM rank builds its engine on it in standby, see
+        `VllmBackend.prepare`; the native backend ignores it); empty: none.
         """
         if nodes and len(nodes) != dp:
             raise ValueError(f"nodes: one per rank, got {len(nodes)} for dp {dp}")
+        if seeds and len(seeds) != dp:
+            raise ValueError(f"seeds: one per rank, got {len(seeds)} for dp {dp}")
         inst = cls(dp, model_dir, **kwargs)
         options = engine_options or EngineOptions()
         inst.nodes = tuple(nodes) or (None,) * dp
+        seed_of = list(seeds) or [None] * dp
+
+        if inst.backend == "vllm":  # vLLM runs in the rank's process, with its thread count from the start
+            placed_env: dict[str, Any] = {"runtime_env": {"env_vars": rank_env(options.num_threads)}}
+        else:
+            placed_env = {}
 
         def start_rank(r: int) -> Any:
             placed = on_node(inst.nodes[r])
-            rank: Any = InstanceRankActor.options(name=f"{inst.instance_id}-r{r}", **placed).remote(r, dp)
+            rank: Any = InstanceRankActor.options(name=f"{inst.instance_id}-r{r}", **placed, **placed_env).remote(
+                r, dp, inst.backend)
             if paced:
                 inst._get(rank.node_address.remote())  # returns once the process is up
             return rank
@@ -137,7 +178,7 @@ class Instance:
             addr, port = inst._get([inst.ranks[0].node_address.remote(), inst.ranks[0].free_port.remote()])
             group = GroupSpec(dp, addr, port, epoch=0)
             inst._get([rank.init_group.remote(group) for rank in inst.ranks])
-            inst._get([rank.build_skeleton.remote(model_dir, options) for rank in inst.ranks])
+            inst._get([rank.build_skeleton.remote(model_dir, options, seed_of[r]) for r, rank in enumerate(inst.ranks)])
 
         try:
             inst._transition(S.STANDBY, boot)
@@ -148,7 +189,7 @@ class Instance:
 
     def attach(
         self, hmm: Any, *, pending: bool = False, fenced_device_ids: Sequence[int] = ()
-    ) -> list[AttachReport]:
+    ) -> list[AttachResult]:
         """Attach every rank to the HMM's committed layout, or to the pending target between
         `execute` and `commit` (`pending=True`, the scale-up/down path; see `attach_handles`)."""
         sets, placement, device_ids = handles_from_hmm(hmm, self.dp, pending)
@@ -160,23 +201,25 @@ class Instance:
         placement: ExpertPlacement,
         device_ids: Sequence[int] | None = None,
         fenced_device_ids: Sequence[int] = (),
-    ) -> list[AttachReport]:
-        """Build each rank's engine on its handle set (zero-copy). Raises if any rank copied.
+    ) -> list[AttachResult]:
+        """Give each rank its handle set (weights used in place). Raises if any rank copied what
+        its engine keeps as given (vLLM's CPU repacks are copies by design, counted in its report).
 
         `fenced_device_ids`: devices whose KV pool a serving instance still allocates from;
-        the ranks there hold a `KVFence` until `import_requests` (they skip the warm-up request).
+        the native ranks there hold a `KVFence` until `import_requests` (they skip the warm-up).
         """
-        if len(handle_sets) != self.dp or placement.num_ranks != self.dp:
-            raise ValueError(f"{self}: need {self.dp} handle sets and a {self.dp}-rank placement")
+        ranks = self.dp if self.backend == "native" else 1  # vLLM replicas: every expert on each
+        if len(handle_sets) != self.dp or placement.num_ranks != ranks:
+            raise ValueError(f"{self}: need {self.dp} handle sets and a {ranks}-rank placement")
         devices = list(device_ids) if device_ids is not None else list(range(self.dp))
         fenced = [d in set(fenced_device_ids) for d in devices]
 
-        def work() -> list[AttachReport]:
+        def work() -> list[AttachResult]:
             refs = [
-                rank.attach.remote(hs, placement, None, f)
+                rank.attach.remote(hs, placement, f)
                 for rank, hs, f in zip(self.ranks, handle_sets, fenced, strict=True)
             ]
-            reports: list[AttachReport] = self._get(refs)
+            reports: list[AttachResult] = self._get(refs)
             bad = [r for r, rep in enumerate(reports) if not rep.is_zero_copy]
             if bad:
                 raise RuntimeError(f"{self}: ranks {bad} did not attach zero-copy: {reports}")
@@ -276,6 +319,8 @@ class Instance:
         """
         if self.state not in (S.WARM, S.ACTIVE):
             raise RuntimeError(f"{self}: import_requests needs a warm or active instance")
+        if self.backend != "native":  # vLLM replicas keep no KV across engines: all recomputed, by load
+            kv_is_shared = False
         loads = [s.num_running + s.num_waiting for s in self.stats()]
         plan = assign_snapshots(snaps_by_device, self.device_ids, loads, kv_is_shared, recompute_devices)
         with self._lock:

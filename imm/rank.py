@@ -1,10 +1,15 @@
 """`InstanceRank`: one DP rank of an inference instance, run as a Ray actor (`InstanceRankActor`).
 
+The rank hosts one engine through an `EngineBackend` (`imm.engine_backend`: the native engine, or
+vLLM) and owns what every engine shares: its EP group, its batched output streams and the routes
+of the requests it handed over.
+
 Lifecycle (driven by `imm.instance.Instance`, which checks the order):
 
-    init_group -> build_skeleton   (standby: process up, group formed, config + tokenizer, no weights)
-    attach                         (engine on HMM handles: zero-copy weights and KV pool, no disk read)
-    start -> warm_up               (lockstep step loop running; one short request went through)
+    init_group -> build_skeleton   (standby: process up, group formed; native: config + tokenizer, no
+                                    weights; vLLM: its engine built on a replica's HMM handles)
+    attach                         (weights on this rank's HMM handles, used in place; no disk read)
+    start -> warm_up               (step loop running; one short request went through)
     submit + outputs / abort       (serving; or generate per request)
     pause -> export_requests       (old rank at a switchover; see `imm.handover`)
     import_requests -> resume      (new rank at a switchover)
@@ -20,9 +25,10 @@ work (group rendezvous, engine build, loop join) runs in `asyncio.to_thread` so
 
 Invariants: the engine is touched only by the loop thread once `start` ran
 (before that, only by `attach`; after a pause, only by `export_requests`); a
-rank that exported never runs its engine again; a rank attached with
-`fence_kv=True` allocates no KV block until its first `import_requests`; the EP group is the process's default gloo
-group, so one process hosts exactly one rank of one instance.
+rank that exported never runs its engine again; a native rank attached with
+`fence_kv=True` allocates no KV block until its first `import_requests`; the EP group is the
+process's default gloo group (and vLLM keeps global state per process), so one process hosts
+exactly one rank of one instance.
 """
 
 from __future__ import annotations
@@ -41,26 +47,23 @@ from typing import Any
 import ray
 import torch.distributed as dist
 
-from elasticmoe.adapters.lora import LoraAdapter
-from elasticmoe.config import EngineConfig, EngineOptions, ModelConfig
+from elasticmoe.config import EngineOptions
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.handover import RequestSnapshot
-from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import OutputDelta
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
-from elasticmoe.tokenizer import Tokenizer
 from hmm.lifeline import in_ray_actor, watch_parent
-from hmm.memory import TensorHandle, VirtualTensorHandle, map_slot_pages, unmap_slot_pages
 from hmm.memory.page_table import SlotPages
 from hmm.p2p import GroupSpec
 from hmm.placement import ray_node_id
 from hmm.providers import Handle
-from imm.handover import HandedOverOutput, ImportReport, KVFence, PendingRoutes, RankPaused
-from imm.lockstep_loop import HandedOver, LockstepAsyncLLM
+from imm.engine_backend import AttachResult, BackendName, make_backend
+from imm.handover import HandedOverOutput, ImportReport, PendingRoutes, RankPaused
+from imm.lockstep_loop import HandedOver
+from imm.native_backend import NativeBackend
 from imm.rank_streams import RankStreams
-from imm.zero_copy import AttachReport, ZeroCopyLoader, check_zero_copy
 
 logger = logging.getLogger(__name__)
 
@@ -95,18 +98,13 @@ class RankStats:
 
 
 class InstanceRank:
-    def __init__(self, rank: int, dp: int) -> None:
+    def __init__(self, rank: int, dp: int, backend: BackendName = "native") -> None:
         self.rank, self.dp = rank, dp
+        self.backend = make_backend(backend)
         self.group: dist.ProcessGroup | None = None
-        self.config: EngineConfig | None = None
-        self.tokenizer: Tokenizer | None = None
-        self.engine: LLMEngine | None = None
-        self.llm: LockstepAsyncLLM | None = None
-        self.kv_fence: KVFence | None = None
         self.has_exported = False
         self.pending_routes = PendingRoutes()  # exported requests awaiting their next rank
         self.streams = RankStreams()  # batched output streams, one per subscriber
-        self.handle_set: dict[str, Handle] = {}  # what the engine attached to (ESFT rows map into it)
         self.engine_id = uuid.uuid4().hex  # see `RankStats.engine_id`
         if in_ray_actor():  # it maps device memory: exit with the node's raylet (see hmm.lifeline)
             watch_parent()
@@ -122,10 +120,11 @@ class InstanceRank:
             return int(s.getsockname()[1])
 
     async def init_group(self, spec: GroupSpec, timeout_s: float = 60.0) -> None:
-        """Join the instance's EP gloo group as `self.rank`; returns when all `dp` ranks joined."""
+        """Join the instance's EP gloo group as `self.rank`; returns when all `dp` ranks joined.
+        A backend whose ranks are independent replicas (vLLM) joins none."""
         if spec.world_size != self.dp:
             raise ValueError(f"group has {spec.world_size} ranks, instance has dp={self.dp}")
-        if self.dp == 1:
+        if self.dp == 1 or not self.backend.uses_ep_group:
             return  # ep_size 1: no collectives
         await asyncio.to_thread(
             dist.init_process_group,
@@ -137,91 +136,54 @@ class InstanceRank:
         )
         self.group = dist.group.WORLD
 
-    async def build_skeleton(self, model_dir: str, engine_options: EngineOptions) -> float:
-        """Load config and tokenizer and validate the engine config; no weights. Returns seconds."""
+    async def build_skeleton(
+        self, model_dir: str, engine_options: EngineOptions, seed: Mapping[str, Handle] | None = None
+    ) -> float:
+        """Standby: whatever the backend prepares before weights are attached (native: config and
+        tokenizer; vLLM: its engine, built on `seed`, a replica's handle set). Returns seconds."""
         t0 = time.perf_counter()
-        self.config = engine_options.engine_config(model_dir, ep_rank=self.rank, ep_size=self.dp)
-        await asyncio.to_thread(ModelConfig.from_pretrained, model_dir)
-        self.tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
+        await self.backend.prepare(model_dir, engine_options, self.rank, self.dp, seed)
         return time.perf_counter() - t0
 
     # ---- attach / warm -----------------------------------------------------------------
 
     async def attach(
-        self,
-        handle_set: Mapping[str, Handle],
-        placement: ExpertPlacement,
-        kv_handle: TensorHandle | None = None,
-        fence_kv: bool = False,
-    ) -> AttachReport:
-        """Build the engine on HMM handles (weights used in place, KV pool = the device's pool).
-
-        Without `num_kv_blocks` in the engine options the engine takes the whole device pool.
-        `fence_kv`: the pool is still allocated by a serving rank (a kept device at a
-        switchover); hold all its blocks until the first `import_requests`.
-        """
-        if self.config is None:
-            raise RuntimeError("attach before build_skeleton")
-        if self.engine is not None:
-            raise RuntimeError("already attached")
-        loader = ZeroCopyLoader(handle_set, kv_handle)
-        self.handle_set = dict(handle_set)
-        config = self.config
-        if config.num_kv_blocks is None:
-            config = dataclasses.replace(config, kv_cache_bytes=loader.kv_pool_bytes)
-        t0 = time.perf_counter()
-        self.engine = await asyncio.to_thread(LLMEngine, config, loader.weights, loader.kv, placement, self.group)
-        seconds = time.perf_counter() - t0
-        if fence_kv:
-            self.kv_fence = KVFence(self.engine.block_manager)
-        return check_zero_copy(self.engine.weights, loader.weights.opened, self.engine.kv_pool, seconds)
+        self, handle_set: Mapping[str, Handle], placement: ExpertPlacement, fence_kv: bool = False
+    ) -> AttachResult:
+        """Give the engine this rank's device tensors (HMM handles: weights used in place where the
+        engine keeps them as given). `fence_kv`: the device's KV pool is still allocated by a
+        serving rank (native: hold all its blocks until the first `import_requests`)."""
+        return await self.backend.attach(handle_set, placement, self.group, fence_kv)
 
     def start(self) -> None:
-        """Start the lockstep loop. NOTE: every rank of the group must be started, or the others hang."""
-        if self.engine is None:
-            raise RuntimeError("start before attach")
+        """Start the step loop. NOTE: every rank of an EP group must be started, or the others hang."""
         if self.has_exported:
             raise RuntimeError("this rank handed its requests over; its engine must not run again")
-        if self.llm is not None and self.llm.is_ready:
-            return
-        self.llm = LockstepAsyncLLM(self.engine, self.group)
-        self.llm.start()
+        self.backend.start()
 
     async def warm_up(self, max_tokens: int = 2) -> float:
-        """Send one short greedy request through the running loop; returns its latency in seconds.
-
-        A fenced rank sends none (it has no KV block yet); it still steps in lockstep with the
-        ranks that warm up, so its forward runs too (on an empty batch)."""
+        """Send one short greedy request through the running loop; returns its latency in seconds
+        (a native rank with a fenced KV pool sends none, see `NativeBackend.warm_up`)."""
         t0 = time.perf_counter()
-        if self.kv_fence is not None:
-            return 0.0
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        async for _ in self._llm().generate(EngineRequest(f"warmup-{self.rank}-{time.monotonic_ns()}", [1, 2, 3],
-                                                          params)):
-            pass
+        await self.backend.warm_up(EngineRequest(f"warmup-{self.rank}-{time.monotonic_ns()}", [1, 2, 3], params))
         return time.perf_counter() - t0
 
     async def stop(self) -> None:
         """Stop the loop at a step boundary; the other ranks stop in the same round."""
-        if self.llm is not None:
-            await asyncio.to_thread(self.llm.shutdown)
+        await self.backend.stop()
 
     # ---- serving -----------------------------------------------------------------------
-
-    def _llm(self) -> LockstepAsyncLLM:
-        if self.llm is None:
-            raise RuntimeError("the step loop is not started")
-        return self.llm
 
     async def _items(self, request: EngineRequest) -> AsyncGenerator[OutputDelta | HandedOverOutput, None]:
         """One request's stream: its `OutputDelta`s; the last is finished, or a `HandedOverOutput`
         naming the rank that continues it (`imm.handover`). A request that reached the engine only
         as it paused is turned away unstreamed (`RankPaused`): its caller routes it again.
         NOTE: closing this early aborts the request in the engine."""
-        llm = self._llm()
+        backend = self.backend
         request_id = request.request_id
         try:
-            async for out in llm.generate(request):
+            async for out in backend.generate(request):
                 yield OutputDelta.of(out)
         except HandedOver:
             yield HandedOverOutput(request_id, await self.pending_routes.next_rank(request_id))
@@ -229,7 +191,7 @@ class InstanceRank:
             # NOTE: Ray may start this after a concurrent `pause` although it was sent first;
             # the request then never reached the engine (or was failed unexported by
             # `hand_over_streams`) and nothing was streamed: send it elsewhere, do not fail it.
-            if llm.pause_requested or llm.is_paused:
+            if backend.is_pausing:
                 raise RankPaused(request_id) from None
             raise
 
@@ -237,14 +199,15 @@ class InstanceRank:
         """The rest of an imported request: the first delta follows the last one the old rank
         sent; the last is finished, or a marker when it moved on again (a second scale)."""
         try:
-            async for out in self._llm().resume(request_id):
+            async for out in self.backend.resume(request_id):
                 yield OutputDelta.of(out)
         except HandedOver:
             yield HandedOverOutput(request_id, await self.pending_routes.next_rank(request_id))
 
     def _check_accepting(self, request_id: str) -> None:
-        llm = self._llm()
-        if llm.pause_requested or llm.is_paused or self.has_exported:
+        if not self.backend.is_started:
+            raise RuntimeError("the step loop is not started")
+        if self.backend.is_pausing or self.has_exported:
             raise RankPaused(request_id)
 
     # ---- serving: batched, one stream per subscriber ------------------------------------
@@ -283,7 +246,12 @@ class InstanceRank:
         async for item in self._resumed_items(request_id):
             yield item
 
-    # ---- ESFT adapters (ExpertWeave; the coordinator drives every rank, see coordinator.adapters) ----
+    # ---- ESFT and LoRA adapters (native backend only; the coordinator drives every rank) ----
+
+    def _native(self) -> NativeBackend:
+        if not isinstance(self.backend, NativeBackend):
+            raise RuntimeError(f"adapters need the native backend; this rank runs {self.backend.name}")
+        return self.backend
 
     async def load_esft_adapter(
         self, name: str, slot: int, experts: dict[int, tuple[int, ...]], pages: dict[str, list[SlotPages]] | None,
@@ -292,89 +260,54 @@ class InstanceRank:
         """Route adapter `name` (slot `slot`) to its expert rows, which the HMM has mapped and
         filled on this rank's device: `pages` are rows mapped after this engine attached (this
         view maps them first); None: rows already in the handle set the engine attached to."""
-        engine, handles = self.engine, self.handle_set
-        assert engine is not None
-        for param, slot_pages in (pages or {}).items():
-            handle = handles[param]
-            assert isinstance(handle, VirtualTensorHandle)
-            map_slot_pages(engine.weights[param], handle, slot_pages)
-        return int(await self._on_loop(lambda: engine.adapters.load_esft(name, experts, None, slot=slot,
-                                                                         usage_probability=usage_probability)))
+        return await self._native().load_esft_adapter(name, slot, experts, pages, usage_probability)
 
     async def load_lora_adapter(self, name: str, path: str, usage_probability: float | None = None) -> int | None:
         """Load a PEFT LoRA adapter from `path` (this rank keeps its own experts' factors)."""
-        engine = self.engine
-        assert engine is not None
-        adapter = await asyncio.to_thread(LoraAdapter.open, name, path, engine.model_config)
-        dtype = engine.config.dtype
-        factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
-        return await self._on_loop(
-            lambda: engine.adapters.load_lora(name, adapter.modules, lambda m, _: factors[m], adapter.config.scaling,
-                                              usage_probability=usage_probability)
-        )
+        return await self._native().load_lora_adapter(name, path, usage_probability)
 
     async def load_lora_router(self, name: str, router: Any, usage_probability: float | None = None) -> None:
         """Register a learned LoRA router (MoLoRA §4.3) over this engine's loaded LoRA adapters."""
-        engine = self.engine
-        assert engine is not None
-        await self._on_loop(lambda: engine.adapters.load_router(name, router, usage_probability))
+        await self._native().load_lora_router(name, router, usage_probability)
 
     async def unload_adapter(self, name: str) -> bool:
         """Stop admitting requests for `name` (see `LLMEngine.unload_adapter`)."""
-        engine = self.engine
-        assert engine is not None
-        return bool(await self._on_loop(lambda: engine.adapters.unload(name)))
+        return await self._native().unload_adapter(name)
 
     async def adapter_in_use(self, name: str) -> bool:
-        engine = self.engine
-        assert engine is not None
-        return bool(await self._on_loop(lambda: engine.adapters.in_use(name)))
+        return await self._native().adapter_in_use(name)
 
     async def finish_adapter_unload(self, name: str, rows: dict[str, list[int]]) -> None:
         """Release `name` in the engine (if still there, unload requested or not: this also undoes a
         load that failed on another rank) and unmap its `rows` from this view; the HMM then
         returns their pages to the pool."""
-        engine, handles = self.engine, self.handle_set
-        assert engine is not None
-        await self._on_loop(lambda: engine.adapters.discard(name))
-        for param, slots in rows.items():
-            handle = handles[param]
-            assert isinstance(handle, VirtualTensorHandle)
-            unmap_slot_pages(engine.weights[param], handle, slots)
+        await self._native().finish_adapter_unload(name, rows)
 
     def served_adapters(self) -> tuple[str, ...]:
-        return tuple(self.engine.adapters.served) if self.engine is not None else ()
-
-    async def _on_loop(self, fn: Any) -> Any:
-        """Run `fn` on the engine thread: through the loop if it runs, else directly (warming up)."""
-        if self.llm is not None and self.llm.is_ready:
-            return await self.llm.run_on_loop(fn)
-        return fn()
+        backend = self.backend
+        return backend.served_adapters() if isinstance(backend, NativeBackend) else ()
 
     # ---- switchover ----------------------------------------------------------------------
 
     async def pause(self) -> None:
         """Stop the loop at a round boundary, agreed by every rank of the group; the
         streams stay open (see `export_requests`). Returns once this rank's loop ended."""
-        await asyncio.to_thread(self._llm().pause)
+        await asyncio.to_thread(self.backend.pause)
 
     async def export_requests(self, hand_over_kv: bool) -> list[RequestSnapshot]:
         """After `pause`: remove every live request (late adds included) and return its snapshot;
         each request's stream then waits for `route_handed_over` and ends with a `HandedOverOutput`.
 
-        `hand_over_kv`: the block tables travel and stay allocated for the pool's next owner.
+        `hand_over_kv`: the block tables travel and stay allocated for the pool's next owner
+        (native; a vLLM replica's requests are always recomputed where they go).
         NOTE: runs on the actor's event loop without awaiting, so no `generate` or `abort`
         interleaves with it; the engine must never step again (`start` refuses).
         """
-        llm = self._llm()
-        if not llm.is_paused or self.engine is None:
-            raise RuntimeError("export_requests: pause first")
-        llm.apply_queued_commands()
-        snaps = self.engine.export_requests(hand_over_kv)
+        snaps = self.backend.export_requests(hand_over_kv)
         self.has_exported = True
         ids = [s.request_id for s in snaps]
         self.pending_routes.expect(ids)  # NOTE: before the streams learn they were handed over
-        llm.hand_over_streams(ids)
+        self.backend.hand_over_streams(ids)
         return snaps
 
     def route_handed_over(self, routes: Mapping[str, Any]) -> int:
@@ -393,7 +326,7 @@ class InstanceRank:
         rank's markers, so every output before them arrived); returns those still unresumed."""
         deadline = time.monotonic() + timeout_s
         while True:
-            missing = self._llm().unresumed(request_ids)
+            missing = self.backend.unresumed(request_ids)
             if not missing or time.monotonic() >= deadline:
                 return missing
             await asyncio.sleep(0.01)
@@ -402,26 +335,10 @@ class InstanceRank:
         """Continue exported requests here; read each one with `resume(request_id)`.
 
         `kv_is_shared`: this rank's pool is the exporter's (same device): block tables are
-        claimed, nothing is recomputed. The first import releases this rank's `KVFence`.
+        claimed, nothing is recomputed (native). The first import releases a native `KVFence`.
         NOTE: call only after every old rank on this rank's device exported.
         """
-        llm, engine = self._llm(), self.engine
-        assert engine is not None
-        ids = [s.request_id for s in snaps]
-        llm.adopt_streams(ids)
-
-        def work() -> dict[str, int]:
-            if self.kv_fence is not None:
-                self.kv_fence.release()
-                self.kv_fence = None
-            engine.import_requests(snaps, kv_is_shared)
-            return {r: engine.requests[r].num_computed_tokens for r in ids}
-
-        try:
-            computed = await llm.run_on_loop(work)
-        except BaseException:
-            llm.drop_streams(ids)
-            raise
+        computed = await self.backend.import_requests(snaps, kv_is_shared)
         return ImportReport(self.rank, kv_is_shared, len(snaps), computed)
 
     async def reinstate(self, snaps: list[RequestSnapshot], kv_kept: bool) -> int:
@@ -430,47 +347,34 @@ class InstanceRank:
         were exported with `hand_over_kv`, so their blocks never left this pool (no recompute).
         NOTE: every rank of the instance must reinstate (lockstep), and the instance they were
         handed to must be retired first (it shares the pool)."""
-        llm, engine = self._llm(), self.engine
-        assert engine is not None
         if snaps and not self.has_exported:
             raise RuntimeError("reinstate: these requests were never exported here")
-        llm.apply_queued_commands()
-        if kv_kept:  # the exported tables are still allocated here, owned by nobody
-            for snap in snaps:
-                engine.block_manager.release(list(snap.block_ids))
-        ids = [s.request_id for s in snaps]
-        llm.adopt_streams(ids)
-        engine.import_requests(snaps, kv_is_shared=kv_kept)  # the loop is not running: safe here
+        await self.backend.reinstate(snaps, kv_kept)
         self.has_exported = False
-        llm.unpause()
         return len(snaps)
 
     async def abort(self, request_id: str) -> None:
         """Abort; its KV blocks are freed. A batched request's pump stops (nothing more is sent for
         it); a per-request stream ends with `finish_reason="abort"`."""
         if not await self.streams.cancel(request_id):
-            await self._llm().abort(request_id)
+            await self.backend.abort(request_id)
 
     def stats(self) -> RankStats:
-        # NOTE: read from the actor thread while the loop thread steps: each counter is
-        # a consistent int, but the set of them is not one snapshot (fine for routing).
-        engine = self.engine
-        bm = engine.block_manager if engine is not None else None
-        lora = engine.adapters.stats() if engine is not None else {}
+        c = self.backend.counters()
         return RankStats(
             rank=self.rank,
-            num_running=self.llm.num_running if self.llm else 0,
-            num_waiting=self.llm.num_waiting if self.llm else 0,
-            num_kv_blocks=bm.num_blocks if bm else 0,
-            num_free_kv_blocks=bm.num_free_blocks if bm else 0,
-            num_steps=self.llm.num_steps if self.llm else 0,
+            num_running=c.num_running,
+            num_waiting=c.num_waiting,
+            num_kv_blocks=c.num_kv_blocks,
+            num_free_kv_blocks=c.num_free_kv_blocks,
+            num_steps=c.num_steps,
             engine_id=self.engine_id,
-            num_lora_slots=lora.get("slots", 0),
-            num_lora_resident=lora.get("resident", 0),
-            num_lora_swaps_in=lora.get("swaps_in", 0),
-            num_lora_evictions=lora.get("evictions", 0),
-            num_lora_hits=lora.get("hits", 0),
-            num_lora_misses=lora.get("misses", 0),
+            num_lora_slots=c.lora.get("slots", 0),
+            num_lora_resident=c.lora.get("resident", 0),
+            num_lora_swaps_in=c.lora.get("swaps_in", 0),
+            num_lora_evictions=c.lora.get("evictions", 0),
+            num_lora_hits=c.lora.get("hits", 0),
+            num_lora_misses=c.lora.get("misses", 0),
         )
 
     def pid(self) -> int:
@@ -483,23 +387,21 @@ class InstanceRank:
 
     def max_model_len(self) -> int:
         """The attached engine's context limit (the KV pool may lower the model's)."""
-        if self.engine is None:
-            raise RuntimeError("rank: not attached")
-        return int(self.engine.max_model_len)
+        return self.backend.max_model_len
 
     def check_health(self) -> bool:
         """Raise `EngineDeadError` unless the loop runs and ticks (or is paused for a switchover,
         on purpose); True otherwise."""
-        llm = self._llm()
-        if llm.is_paused or self.has_exported:  # a paused loop ended cleanly (a crash is not a pause)
+        if not self.backend.is_started:
+            raise RuntimeError("the step loop is not started")
+        if self.backend.is_paused or self.has_exported:  # a paused loop ended cleanly (a crash is not a pause)
             return True
-        llm.check_health()
+        self.backend.check_health()
         return True
 
     async def shutdown(self) -> None:
         """Stop the loop, drop the engine (unmaps the handles) and leave the group. Idempotent."""
-        await self.stop()
-        self.llm = self.engine = None
+        await self.backend.shutdown()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
         self.group = None

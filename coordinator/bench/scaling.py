@@ -14,6 +14,15 @@ restart's for the same transition (§7.4), the cumulative-ablation table for one
 transition (Table 1) and a plot of SLO attainment over time (Fig. 9). Between
 events the server is moved back to the start dp with an unmeasured elastic scale.
 
+With `--backend vllm` every rank runs vLLM (the `vllm` extra: run this from .venv-vllm) as a
+data-parallel replica holding every expert; the same events then measure vLLM's replicas scaling
+(paper Fig. 1's horizontal baseline), `cold_restart` being vLLM restarted on the same machine
+(processes, vLLM import, engine build, the model read from disk). Each event also reports the
+rank processes' private memory at its peak (`peak_rank_private_bytes`: what vLLM repacks, its KV
+cache and runtime; the HMM's `peak_memory_bytes` counts the shared weights only), and the output
+throughput before the POST is the old dp's under this load: run a saturating `--rps` to compare the
+backends' throughput at one dp.
+
 With `--nodes D0,D1,...` the server runs on a Ray cluster of that many nodes on this machine
 (each offering that many devices, the head first; token authentication on), so a transition
 onto another node's devices crosses nodes: its bytes go by p2p over gloo, reported per event
@@ -41,6 +50,7 @@ import httpx
 
 from coordinator.bench.loadgen import LoadResult, PoissonLoad, Workload
 from coordinator.bench.local_nodes import attached, parse_nodes, ray_nodes, run_attached
+from coordinator.bench.rank_memory import RankMemorySampler
 from coordinator.bench.report_output import claim_stdout, emit
 from coordinator.bench.scale_metrics import (
     EventKey,
@@ -63,6 +73,7 @@ PRESETS = {  # preset -> (model dir, device memory GiB, KV cache GiB per device)
     "tiny": ("models/tiny-qwen3-moe", 1 / 16, 1 / 128),
     "small": ("models/small-qwen3-moe", 1.0, 1 / 16),
 }
+VLLM_MODELS = {"tiny": "models/tiny-vllm-qwen3-moe"}  # vLLM's CPU attention needs head_dim >= 32
 _GIB = 1 << 30
 
 
@@ -127,11 +138,13 @@ def _free_port() -> int:
 
 def resolve_model(args: argparse.Namespace) -> str:
     """The model directory; the preset's checkpoint is built (`elasticmoe make-model`) if missing."""
-    model_dir = args.model or PRESETS[args.preset][0]
+    default = VLLM_MODELS.get(args.preset, PRESETS[args.preset][0]) if args.backend == "vllm" else PRESETS[args.preset][0]
+    model_dir = args.model or default
     if not (Path(model_dir) / "config.json").is_file():
-        if args.model is not None and args.model not in (p[0] for p in PRESETS.values()):
+        if args.model is not None and args.model not in (*(p[0] for p in PRESETS.values()), *VLLM_MODELS.values()):
             raise SystemExit(f"error: --model: {model_dir} has no config.json")
-        preset = "tiny" if "tiny" in Path(model_dir).name else "small"
+        name = Path(model_dir).name
+        preset = "tiny-vllm" if "tiny-vllm" in name else "tiny" if "tiny" in name else "small"
         _progress(f"building {model_dir} (make-model --arch qwen3_moe --preset {preset} --seed 0)")
         from elasticmoe.tools.make_model import make_model
 
@@ -210,12 +223,16 @@ async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argpars
     post_s = load.now()
     _progress(f"{run.strategy}: POST /admin/scale dp {run.from_dp} -> {run.to_dp} "
               f"({len(load.records)} requests so far)")
+    rank_memory: RankMemorySampler = args.rank_memory
+    private_before = await asyncio.to_thread(rank_memory.reset)
     r = await client.post("/admin/scale", json={"dp": run.to_dp, "strategy": run.strategy})
     if r.status_code == 202:
         event = await _wait_event(client, r.json()["event_id"], args.event_timeout_s)
     else:
         event = {"state": "rejected", "error": r.text[:300]}
     finished_s = load.now()
+    event = {**event, "rank_private_before_bytes": private_before,
+             "peak_rank_private_bytes": await asyncio.to_thread(rank_memory.peak)}
     if event.get("strategy") not in (None, run.strategy):
         _progress(f"warning: asked for {run.strategy!r}, the server ran {event['strategy']!r}")
     _progress(f"{run.strategy}: event {event.get('event_id', '-')} {event['state']} after "
@@ -256,6 +273,8 @@ def summarize(m: Measured, args: argparse.Namespace) -> dict[str, Any]:
         "event_window_s": w.event.length_s,
         "baseline_window_s": base.length_s,
         "peak_memory_bytes": ev.get("peak_memory_bytes"),
+        "rank_private_before_bytes": ev.get("rank_private_before_bytes"),  # rank processes' RssAnon at the POST
+        "peak_rank_private_bytes": ev.get("peak_rank_private_bytes"),  # ... at its peak until the event ended
         "requests_in_flight": ev.get("requests_in_flight"),
         "requests_handed_over": ev.get("requests_handed_over"),
         "bytes_moved": ev.get("bytes_moved"),  # by source: disk, local copy, p2p within a node, p2p over gloo
@@ -309,7 +328,7 @@ def _moved(e: dict[str, Any], *sources: str) -> str:
 
 def format_tables(doc: dict[str, Any]) -> str:
     head = ("strategy", "dp", "state", "latency_s", "x_cold", "downtime_s", "client_down_s", "baseline_s",
-            "peak_MiB", "gloo_MiB", "disk_MiB", "nodes", "failed", "tok/s before", "during", "after")
+            "peak_MiB", "rank_MiB", "gloo_MiB", "disk_MiB", "nodes", "failed", "tok/s before", "during", "after")
     rows: list[tuple[str, ...]] = [head]
     for e in doc["events"]:
         tp = e["throughput_tok_s"]
@@ -317,7 +336,8 @@ def format_tables(doc: dict[str, Any]) -> str:
         rows.append((e["strategy"], f"{e['from_dp']}->{e['to_dp']}", state, _fmt(e["scale_latency_s"]),
                      _fmt(e["latency_ratio_vs_cold_restart"]), _fmt(e["downtime_s"], ".3f"),
                      _fmt(e["client_downtime_s"]), _fmt(e["baseline_client_downtime_s"]),
-                     _mib(e["peak_memory_bytes"]), _moved(e, "p2p_gloo"), _moved(e, "disk"),
+                     _mib(e["peak_memory_bytes"]), _mib(e.get("peak_rank_private_bytes")),
+                     _moved(e, "p2p_gloo"), _moved(e, "disk"),
                      str(e.get("num_rank_nodes", "-")), f"{e['failed_requests_total']}/{e['num_requests']}",
                      _fmt(tp["before"], ".1f"), _fmt(tp["during"], ".1f"), _fmt(tp["after"], ".1f")))
     lines = [_table(rows)]
@@ -383,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model when --model is not given (models/<preset>-qwen3-moe, built if missing); also "
                    "sets the default device memory and KV cache sizes")
     p.add_argument("--model", default=None, metavar="DIR", help="model directory (overrides --preset's)")
+    p.add_argument("--backend", default="native", choices=["native", "vllm"],
+                   help="engine of every rank (vllm: data-parallel replicas; needs the `vllm` extra, and with "
+                   "--preset tiny uses models/tiny-vllm-qwen3-moe)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="logical devices to register (default: as many as the planned events need; "
@@ -486,21 +509,23 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=model_dir, num_devices=devices, dp=runs[0].from_dp, dtype=args.dtype,
         device_memory_bytes=int((args.device_memory_gb or preset[1]) * _GIB),
         kv_bytes_per_device=int((args.kv_cache_gb or preset[2]) * _GIB),
-        max_queued=256, shm_prefix=f"emoebench{secrets.token_hex(4)}",
+        max_queued=256, shm_prefix=f"emoebench{secrets.token_hex(4)}", backend=args.backend,
     )
     address = cluster.address if cluster is not None else None
     _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
     server = start_elastic(config, port=args.port or _free_port(), address=address,
                            ray_init_kwargs={"log_to_driver": False} if address else {"num_cpus": 2, "log_to_driver": False})
     try:
-        events = asyncio.run(run_events(server.url, runs, args))
+        with RankMemorySampler() as args.rank_memory:
+            events = asyncio.run(run_events(server.url, runs, args))
     finally:
         _progress("shutting the server down")
         server.shutdown()
     doc = {
         "benchmark": "coordinator.bench.scaling",
         "config": {
-            "model": model_dir, "dtype": args.dtype, "devices": devices, "nodes": nodes, "strategy": args.strategy,
+            "model": model_dir, "backend": args.backend, "dtype": args.dtype, "devices": devices, "nodes": nodes,
+            "strategy": args.strategy,
             "transitions": transitions, "ablation_transition": ablation, "rps": args.rps, "seed": args.seed,
             "warmup_s": args.warmup_s, "window_s": args.window_s, "during_s": args.during_s,
             "prompt_len": args.prompt_len,

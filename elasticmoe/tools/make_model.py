@@ -17,12 +17,16 @@ from elasticmoe.tools.tokenizer_builder import EOS_TOKEN, PAD_TOKEN, build_token
 logger = logging.getLogger(__name__)
 
 # Per (arch, preset): transformers config kwargs. `tiny` loads in well under a
-# second for tests; `small` is the benchmark model (~110M parameters for qwen3_moe).
+# second for tests; `small` is the benchmark model (~110M parameters for qwen3_moe);
+# `tiny-vllm` is `tiny` with head_dim 32, the smallest vLLM's CPU attention supports.
 PRESETS: dict[str, dict[str, dict]] = {
     "qwen3_moe": {
         "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=2048),
+        "tiny-vllm": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=2048),
         "small": dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                       num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096),
@@ -54,8 +58,8 @@ PRESETS: dict[str, dict[str, dict]] = {
 
 # Larger than transformers' default (0.02) so that logits are not near-uniform
 # and greedy decoding is not decided by rounding noise.
-_INIT_STD = {"tiny": 0.08, "small": 0.04}
-_SAVE_DTYPE = {"tiny": torch.float32, "small": torch.bfloat16}
+_INIT_STD = {"tiny": 0.08, "tiny-vllm": 0.08, "small": 0.04}
+_SAVE_DTYPE = {"tiny": torch.float32, "tiny-vllm": torch.float32, "small": torch.bfloat16}
 
 
 def _classes(arch: str):

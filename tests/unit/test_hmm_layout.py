@@ -44,8 +44,8 @@ def test_layout_rejects_what_does_not_fit():
         layout_for(None, make_sizes(), make_devices(1, budget=D + 32 * X - 1), dp=1, ep=1)
     with pytest.raises(ValueError, match="exceed"):
         layout_for(None, make_sizes(), make_devices(2), dp=2, ep=2, kv_bytes=100_000 - D - 16 * X + 1)
-    with pytest.raises(ValueError, match="ep == dp"):
-        layout_for(None, make_sizes(), make_devices(2), dp=2, ep=1)
+    with pytest.raises(ValueError, match="ep must be dp"):  # ep = 1 (replicated experts) is a layout too
+        layout_for(None, make_sizes(), make_devices(4), dp=4, ep=2)
     with pytest.raises(ValueError, match="placement"):
         Layout(make_sizes(), tuple(make_devices(2)), ExpertPlacement.balanced(32, 3), (0, 0))
 

@@ -4,6 +4,7 @@ flag, a `[serve]` key of `--config` and a RayService arg, with one meaning in al
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,35 @@ def test_a_profile_fills_the_memory_split_unless_given(tiny_model_dir, tmp_path)
         ServeSettings(model_dir=tiny_model_dir, profile=str(tmp_path / "nope.json"))
     with pytest.raises(ValueError, match="adapter_eviction"):
         ServeSettings(model_dir=tiny_model_dir, adapter_eviction="random")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--backend", "vllm", "--expert-parallel"], "--expert-parallel: vLLM's CPU build cannot run expert parallelism"),
+        (["--backend", "vllm", "--esft-adapter", "a=/adapters/a"], "--esft-adapter: ESFT adapters need --backend native"),
+        (["--backend", "vllm", "--max-loras", "1"], "--max-loras: LoRA adapters need --backend native"),
+        (["--no-expert-parallel"], "--no-expert-parallel: the native backend always spreads its experts"),
+        (["--backend", "vllm"], r"--backend vllm: vLLM's CPU attention supports head_dim .* the model has 16"),
+    ],
+)
+def test_unsupported_backend_combinations_exit_2_naming_the_flag(tiny_model_dir, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("imm.vllm_support.installed_version", lambda: "0.32.0")  # as in the vllm venv
+    assert main(["serve", "--model", tiny_model_dir, *argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_the_vllm_backend_serves_replicas_of_a_model_it_can_run(tiny_model_dir, tmp_path, monkeypatch):
+    from elasticmoe.tools.make_model import make_model
+
+    model = str(make_model("qwen3_moe", "tiny-vllm", seed=0, out=str(tmp_path / "m")))
+    monkeypatch.setattr("imm.vllm_support.installed_version", lambda: None)
+    with pytest.raises(ValueError, match=r"--backend vllm: vLLM is not installed .*pip install -e '\.\[vllm\]'"):
+        elastic_config(_serve_args("--model", model, "--backend", "vllm"))
+    monkeypatch.setattr("imm.vllm_support.installed_version", lambda: "0.32.0")
+    config = elastic_config(_serve_args("--model", model, "--backend", "vllm", "--dp", "2", "--devices", "2"))
+    assert not config.is_expert_parallel and config.esft_slots == (0, 0)
+    assert config.engine_options().max_esft_adapters == 0
+    native = elastic_config(_serve_args("--model", tiny_model_dir))
+    assert native.backend == "native" and native.is_expert_parallel and native.esft_slots == (4, 16)
