@@ -8,7 +8,8 @@ completes without deadlock. Bytes travel as `uint8` views of contiguous buffers.
 
 Adding a device rebuilds the group (paper D.6): every worker destroys its group
 and joins a new one with the new world size at a fresh TCP port (a new store),
-so no message of the old group can reach the new one.
+so no message of the old group can reach the new one. Each member's gloo sockets are on
+the interface of its node's address (`init_gloo`), never where the hostname happens to resolve.
 
 Fast path (same node): the destination opens the source's handle — the same
 physical pages — and copies between the two mappings; no bytes cross a socket.
@@ -16,7 +17,11 @@ physical pages — and copies between the two mappings; no bytes cross a socket.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import socket
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,6 +76,46 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+_SIOCGIFADDR = 0x8915  # ioctl: an interface's IPv4 address
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's (or network namespace's) interface whose IPv4 address is `address`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                ifreq = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(ifreq[20:24]) == address:
+                return name
+    return None
+
+
+def init_gloo(spec: GroupSpec, rank: int, address: str, timeout_s: float = 60.0) -> None:
+    """Join `spec` as `rank` (the process's default `torch.distributed` group, gloo), its sockets
+    on the interface that carries `address`: this process's node address, where its peers reach it.
+
+    # NOTE: left alone, gloo binds where the hostname resolves, which is often 127.0.0.1
+    # (/etc/hosts), and tells its peers to connect there: a peer on another node (another
+    # network namespace) then reaches its own loopback, and the group never forms. An
+    # operator's GLOO_SOCKET_IFNAME wins; the variable is read when the group is created.
+    """
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = interface_of(address)
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+        else:
+            logger.warning("gloo: no interface has %s; gloo binds where the hostname resolves", address)
+    dist.init_process_group(
+        "gloo",
+        init_method=spec.init_method,
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
 class P2PGroup:
     """This worker's membership in the device group; `join` replaces any older group."""
 
@@ -82,16 +127,11 @@ class P2PGroup:
     def is_joined(self) -> bool:
         return self.spec is not None
 
-    def join(self, spec: GroupSpec, rank: int, timeout_s: float = 60.0) -> None:
-        """Leave the old group, join `spec` as `rank`. Blocks until all `world_size` joined."""
+    def join(self, spec: GroupSpec, rank: int, address: str, timeout_s: float = 60.0) -> None:
+        """Leave the old group, join `spec` as `rank` from `address` (this node's). Blocks until
+        all `world_size` joined."""
         self.leave()
-        dist.init_process_group(
-            "gloo",
-            init_method=spec.init_method,
-            rank=rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        init_gloo(spec, rank, address, timeout_s)
         self.spec, self.rank = spec, rank
         logger.info("p2p group epoch %d: rank %d of %d", spec.epoch, rank, spec.world_size)
 

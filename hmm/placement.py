@@ -27,6 +27,12 @@ def on_node(ray_node_id: str | None, device: bool = False) -> dict[str, Any]:
     return options
 
 
+def node_address() -> str:
+    """This process's node address, where processes on other nodes reach it (Ray's node IP;
+    127.0.0.1 outside Ray)."""
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
 def ray_node_id() -> str | None:
     """The Ray node this process runs on (None outside Ray)."""
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

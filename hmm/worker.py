@@ -30,7 +30,7 @@ from hmm.memory.lease import reap
 from hmm.memory.page_table import SlotPages
 from hmm.memory.shm import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, P2PGroup, Transfer, copy_from_handles
-from hmm.placement import ray_node_id
+from hmm.placement import node_address, ray_node_id
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class DeviceWorker:
         return reap(self.prefix)
 
     def node_address(self) -> str:
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return node_address()
 
     def free_port(self) -> int:
         """A free TCP port on this node (for the group store this worker hosts as rank 0)."""
@@ -87,7 +87,7 @@ class DeviceWorker:
             return int(s.getsockname()[1])
 
     def join_group(self, group: GroupSpec, rank: int) -> int:
-        self.group.join(group, rank)
+        self.group.join(group, rank, node_address())
         return group.epoch
 
     def clear(self) -> None:

@@ -41,7 +41,6 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
-from datetime import timedelta
 from typing import Any
 
 import ray
@@ -56,8 +55,8 @@ from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory.page_table import SlotPages
-from hmm.p2p import GroupSpec
-from hmm.placement import ray_node_id
+from hmm.p2p import GroupSpec, init_gloo
+from hmm.placement import node_address, ray_node_id
 from hmm.providers import Handle
 from imm.engine_backend import AttachResult, BackendName, make_backend
 from imm.handover import HandedOverOutput, ImportReport, PendingRoutes, RankPaused
@@ -112,7 +111,7 @@ class InstanceRank:
     # ---- standby -----------------------------------------------------------------------
 
     def node_address(self) -> str:
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return node_address()
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -126,14 +125,7 @@ class InstanceRank:
             raise ValueError(f"group has {spec.world_size} ranks, instance has dp={self.dp}")
         if self.dp == 1 or not self.backend.uses_ep_group:
             return  # ep_size 1: no collectives
-        await asyncio.to_thread(
-            dist.init_process_group,
-            "gloo",
-            init_method=spec.init_method,
-            rank=self.rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        await asyncio.to_thread(init_gloo, spec, self.rank, node_address(), timeout_s)
         self.group = dist.group.WORLD
 
     async def build_skeleton(

@@ -4,13 +4,15 @@
 
 Starts an elastic server in-process (the tiny Qwen3-MoE by default, 3 logical devices,
 float32; with `--nodes D0,D1,...` on a Ray cluster of that many nodes on this machine, each
-offering that many devices, the head first), records an undisturbed run of the prompts, then for each `fault@dp`: brings the
-server to that dp and lets it settle (no scale, standby pool booted), starts one greedy
-stream per prompt, SIGKILLs the process the fault names once every stream produces, and
-reports per fault: time to detect and to recover (server side), the longest pause any
-stream saw after the kill beside the longest before it, how long `/ready` said 503,
-requests failed / recovered (continued on another instance), tokens recomputed, and how
-many streams equal the undisturbed run. See `coordinator.bench.chaos_faults`.
+offering that many devices, the head first; `--netns` puts each node but the head in a
+network namespace of its own behind a veth pair, which needs root), records an undisturbed
+run of the prompts, then for each `fault@dp`: brings the server to that dp and lets it settle
+(no scale, standby pool booted), starts one greedy stream per prompt, SIGKILLs the process
+the fault names once every stream produces, and reports per fault: time to detect and to
+recover (server side), the longest pause any stream saw after the kill beside the longest
+before it, how long `/ready` said 503, requests failed / recovered (continued on another
+instance), tokens recomputed, and how many streams equal the undisturbed run. See
+`coordinator.bench.chaos_faults`.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", default=None, metavar="D0,D1,...",
                    help="run on a Ray cluster of these nodes on this machine, each offering that many devices "
                    "(the head first; --devices is then their sum); needed by the node fault")
+    p.add_argument("--netns", action="store_true",
+                   help="with --nodes: each node but the head in its own network namespace, joined to the host "
+                   "by a veth pair on a bridge (needs root), so what crosses nodes crosses a network interface")
     p.add_argument("--faults", default=DEFAULT_FAULTS, help=f"FAULT@DP list, in order (default {DEFAULT_FAULTS}); "
                    f"faults: {', '.join(f'{k} ({v})' for k, v in FAULTS.items())}")
     p.add_argument("--streams", type=int, default=6, help="concurrent streams under each fault (default 6)")
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         nodes = parse_nodes(args.nodes) if args.nodes else None
         if nodes is not None:
             args.devices = sum(nodes)
+        if args.netns and nodes is None:
+            raise ValueError("--netns: needs --nodes")
         faults = parse_faults(args.faults, args.devices)
         if nodes is None and any(fault == "node" for fault, _ in faults):
             raise ValueError("--faults: the node fault needs --nodes")
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = attached()
     if nodes is not None and cluster is None:  # start the nodes, then measure on them as their driver
         _progress(f"starting a Ray cluster of {len(nodes)} nodes offering {list(nodes)} devices")
-        with ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:]) as started:
+        with ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:], netns=args.netns) as started:
             return run_attached(started, "coordinator.bench.chaos", sys.argv[1:] if argv is None else argv)
     from coordinator.config import CoordinatorConfig
     from elasticmoe.config import ModelConfig
@@ -159,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         server.shutdown()
     left = reap(config.shm_prefix)
     doc: dict[str, Any] = {"benchmark": "coordinator.bench.chaos",
-           "config": {"model": args.model, "devices": args.devices, "nodes": nodes, "faults": args.faults,
-                      "streams": args.streams,
+           "config": {"model": args.model, "devices": args.devices, "nodes": nodes, "netns": args.netns,
+                      "faults": args.faults, "streams": args.streams,
                       "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "seed": args.seed},
            "faults": [r.to_dict() for r in results], "shm_files_left_after_shutdown": len(left)}
     emit(doc, format_table(doc["faults"]), json_out, as_json=args.json, out_path=args.out, plot_path=None,

@@ -12,6 +12,11 @@ its own process: Ray reads the mode when it is imported), and a benchmark's driv
 (`run_attached`). Every process of the cluster is
 found by its own temp dir, so `stop()` ends this cluster's processes and never another
 Ray on the machine.
+
+With `netns=True` every worker node runs in its own network namespace (`coordinator.bench.netns`):
+the head, the server and a benchmark's driver stay on the host and reach the nodes through a
+bridge, so what crosses nodes crosses a veth, counted by `interface_bytes()`, and nothing works
+only because every node shares 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
+from coordinator.bench.netns import NodeNetwork
 from hmm.placement import DEVICE_RESOURCE
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -51,17 +57,29 @@ class RayNodes:
     env: dict[str, str]
     num_nodes: int = 0
     log: list[str] = field(default_factory=list)
+    network: NodeNetwork | None = None  # with `netns`: the bridge and the worker nodes' namespaces
 
-    def _start(self, *args: str, devices: int, cpus: int) -> None:
-        cmd = [RAY, "start", *args, "--num-cpus", str(cpus), "--resources", json.dumps({DEVICE_RESOURCE: devices}),
-               "--disable-usage-stats", "--temp-dir", self.temp_dir]
+    def _start(self, *args: str, devices: int, cpus: int, prefix: tuple[str, ...] = ()) -> None:
+        cmd = [*prefix, RAY, "start", *args, "--num-cpus", str(cpus), "--resources",
+               json.dumps({DEVICE_RESOURCE: devices}), "--disable-usage-stats", "--temp-dir", self.temp_dir]
         out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         self.num_nodes += 1
 
     def add_node(self, devices: int = 1, cpus: int = 1) -> None:
-        """One more node joins the cluster, offering `devices` devices."""
-        self._start("--address", self.address, devices=devices, cpus=cpus)
+        """One more node joins the cluster, offering `devices` devices (in a namespace of its own
+        with `netns`)."""
+        if self.network is None:
+            self._start("--address", self.address, devices=devices, cpus=cpus)
+            return
+        ns, node_ip = self.network.add_namespace()
+        self._start("--address", self.address, "--node-ip-address", node_ip, devices=devices, cpus=cpus,
+                    prefix=tuple(self.network.exec_in(ns)))
+
+    def interface_bytes(self) -> dict[str, int]:
+        """With `netns`: bytes each worker node's veth carried so far (in + out), by host-side veth
+        name; without, {} (everything goes over the shared loopback)."""
+        return self.network.interface_bytes() if self.network is not None else {}
 
     def kill_node(self, ray_node_id: str) -> int:
         """kill -9 one node: its raylet and every process under it (its workers: device workers,
@@ -87,6 +105,8 @@ class RayNodes:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.5)
+        if self.network is not None:  # NOTE: after the processes: a namespace in use outlives its deletion
+            self.network.teardown()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
@@ -102,16 +122,24 @@ FAST_NODE_DEATH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_chec
 
 
 @contextlib.contextmanager
-def ray_nodes(head_devices: int = 1, worker_devices: tuple[int, ...] = (1,), cpus: int = 1) -> Iterator[RayNodes]:
-    """A head offering `head_devices` and one worker node per entry of `worker_devices`; this
-    process carries the cluster's token while inside."""
+def ray_nodes(head_devices: int = 1, worker_devices: tuple[int, ...] = (1,), cpus: int = 1,
+              netns: bool = False) -> Iterator[RayNodes]:
+    """A head offering `head_devices` and one worker node per entry of `worker_devices`; with
+    `netns`, each worker node (and each one `add_node` adds) in its own network namespace, the
+    head on the host at the bridge's address. All is torn down on exit, also when the start fails."""
     token = secrets.token_hex(16)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, **FAST_NODE_DEATH}
     temp_dir = tempfile.mkdtemp(prefix="emoe-ray-")
     port = _free_port()
     nodes = RayNodes(temp_dir, f"127.0.0.1:{port}", env)
     try:
-        nodes._start("--head", "--port", str(port), "--include-dashboard=false", devices=head_devices, cpus=cpus)
+        head_ip: tuple[str, ...] = ()
+        if netns:
+            nodes.network = NodeNetwork.create()
+            nodes.address = f"{nodes.network.bridge_address}:{port}"
+            head_ip = ("--node-ip-address", nodes.network.bridge_address)
+        nodes._start("--head", "--port", str(port), *head_ip, "--include-dashboard=false", devices=head_devices,
+                     cpus=cpus)
         for devices in worker_devices:
             nodes.add_node(devices, cpus)
         yield nodes
@@ -126,18 +154,21 @@ def run_attached(nodes: RayNodes, module: str, argv: list[str]) -> int:
     """Run `python -m module argv` as a driver of `nodes` and return its exit status. A child
     process, because Ray reads its token mode when it is imported: a process that imported Ray
     before the cluster existed can never join it. stdout and stderr are this process's."""
-    env = {**nodes.env, _ATTACHED: json.dumps({"temp_dir": nodes.temp_dir, "address": nodes.address})}
+    network = asdict(nodes.network) if nodes.network is not None else None
+    spec = {"temp_dir": nodes.temp_dir, "address": nodes.address, "network": network}
+    env = {**nodes.env, _ATTACHED: json.dumps(spec)}
     return subprocess.run([sys.executable, "-m", module, *argv], env=env).returncode
 
 
 def attached() -> RayNodes | None:
-    """In a child of `run_attached`: the cluster it was started on (its address, and
-    `kill_node`); elsewhere None."""
+    """In a child of `run_attached`: the cluster it was started on (its address, `kill_node`,
+    `interface_bytes`); elsewhere None. The child never stops it: its starter does."""
     spec = os.environ.get(_ATTACHED)
     if spec is None:
         return None
     fields = json.loads(spec)
-    return RayNodes(fields["temp_dir"], fields["address"], dict(os.environ))
+    network = NodeNetwork(**fields["network"]) if fields.get("network") else None
+    return RayNodes(fields["temp_dir"], fields["address"], dict(os.environ), network=network)
 
 
 def parse_nodes(text: str) -> tuple[int, ...]:

@@ -27,6 +27,9 @@ With `--nodes D0,D1,...` the server runs on a Ray cluster of that many nodes on 
 (each offering that many devices, the head first; token authentication on), so a transition
 onto another node's devices crosses nodes: its bytes go by p2p over gloo, reported per event
 beside those read from disk (`bytes_moved`), and the Ray nodes the new instance's ranks run on.
+With `--netns` as well, each node but the head runs in its own network namespace behind a veth
+pair (needs root): cross-node bytes really cross a network interface, and each event reports
+how many bytes the nodes' veths carried from the POST to the event's end (`veth_bytes`).
 
     python -m coordinator.bench.scaling --nodes 1,1 --transitions 1-2,2-1 --strategy elastic,cold_restart
 """
@@ -49,7 +52,7 @@ from typing import Any
 import httpx
 
 from coordinator.bench.loadgen import LoadResult, PoissonLoad, Workload
-from coordinator.bench.local_nodes import attached, parse_nodes, ray_nodes, run_attached
+from coordinator.bench.local_nodes import RayNodes, attached, parse_nodes, ray_nodes, run_attached
 from coordinator.bench.rank_memory import RankMemorySampler
 from coordinator.bench.report_output import claim_stdout, emit
 from coordinator.bench.scale_metrics import (
@@ -210,10 +213,18 @@ class Measured:
     http_status: int
     event: dict[str, Any]  # the server's event (or {"error": ...} if the POST was refused)
     rank_nodes: list[str | None] = dataclasses.field(default_factory=list)  # Ray node of each new rank
+    veth_bytes: int | None = None  # with --netns: what the worker nodes' veths carried, POST to event end
 
 
-async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argparse.Namespace) -> Measured:
-    """Load -> warm-up -> scale -> poll -> W s more -> stop; the records and the server's event."""
+def _veth_bytes(cluster: RayNodes | None) -> int | None:
+    return sum(cluster.interface_bytes().values()) if cluster is not None and cluster.network else None
+
+
+async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argparse.Namespace,
+                  cluster: RayNodes | None = None) -> Measured:
+    """Load -> warm-up -> scale -> poll -> W s more -> stop; the records and the server's event
+    (and, on namespaced nodes, the bytes their veths carried meanwhile: Ray's traffic and the
+    load's requests included)."""
     workload = Workload(prompt_len=args.prompt_len, max_tokens=args.max_tokens, vocab_size=args.vocab_size)
     load = PoissonLoad(str(client.base_url), model, args.rps, workload, seed=args.seed)
     stop = asyncio.Event()
@@ -225,6 +236,7 @@ async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argpars
               f"({len(load.records)} requests so far)")
     rank_memory: RankMemorySampler = args.rank_memory
     private_before = await asyncio.to_thread(rank_memory.reset)
+    veth_before = _veth_bytes(cluster)
     r = await client.post("/admin/scale", json={"dp": run.to_dp, "strategy": run.strategy})
     if r.status_code == 202:
         event = await _wait_event(client, r.json()["event_id"], args.event_timeout_s)
@@ -233,6 +245,8 @@ async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argpars
     finished_s = load.now()
     event = {**event, "rank_private_before_bytes": private_before,
              "peak_rank_private_bytes": await asyncio.to_thread(rank_memory.peak)}
+    veth_after = _veth_bytes(cluster)
+    veth = veth_after - veth_before if veth_after is not None and veth_before is not None else None
     if event.get("strategy") not in (None, run.strategy):
         _progress(f"warning: asked for {run.strategy!r}, the server ran {event['strategy']!r}")
     _progress(f"{run.strategy}: event {event.get('event_id', '-')} {event['state']} after "
@@ -245,7 +259,7 @@ async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argpars
         finished_s = max(post_s, result.to_rel(event["finished_at"]))
     status = (await client.get("/admin/status")).json()
     rank_nodes = [r["ray_node_id"] for r in (status.get("instance") or {}).get("ranks", [])]
-    return Measured(run, result, post_s, finished_s, r.status_code, event, rank_nodes)
+    return Measured(run, result, post_s, finished_s, r.status_code, event, rank_nodes, veth)
 
 
 def summarize(m: Measured, args: argparse.Namespace) -> dict[str, Any]:
@@ -279,6 +293,7 @@ def summarize(m: Measured, args: argparse.Namespace) -> dict[str, Any]:
         "requests_handed_over": ev.get("requests_handed_over"),
         "bytes_moved": ev.get("bytes_moved"),  # by source: disk, local copy, p2p within a node, p2p over gloo
         "num_rank_nodes": len(set(m.rank_nodes)),  # Ray nodes of the instance after the event
+        "veth_bytes": m.veth_bytes,  # --netns: bytes over the worker nodes' veths, POST to event end
         "failed_requests": failed_requests(records, w.event),
         "failed_requests_total": failed_requests(records),
         "errors": sorted({f"{r.status}: {r.error}" for r in records if not r.is_ok})[:5],  # distinct, first 5
@@ -328,7 +343,7 @@ def _moved(e: dict[str, Any], *sources: str) -> str:
 
 def format_tables(doc: dict[str, Any]) -> str:
     head = ("strategy", "dp", "state", "latency_s", "x_cold", "downtime_s", "client_down_s", "baseline_s",
-            "peak_MiB", "rank_MiB", "gloo_MiB", "disk_MiB", "nodes", "failed", "tok/s before", "during", "after")
+            "peak_MiB", "rank_MiB", "gloo_MiB", "veth_MiB", "disk_MiB", "nodes", "failed", "tok/s before", "during", "after")
     rows: list[tuple[str, ...]] = [head]
     for e in doc["events"]:
         tp = e["throughput_tok_s"]
@@ -337,7 +352,7 @@ def format_tables(doc: dict[str, Any]) -> str:
                      _fmt(e["latency_ratio_vs_cold_restart"]), _fmt(e["downtime_s"], ".3f"),
                      _fmt(e["client_downtime_s"]), _fmt(e["baseline_client_downtime_s"]),
                      _mib(e["peak_memory_bytes"]), _mib(e.get("peak_rank_private_bytes")),
-                     _moved(e, "p2p_gloo"), _moved(e, "disk"),
+                     _moved(e, "p2p_gloo"), _mib(e.get("veth_bytes")), _moved(e, "disk"),
                      str(e.get("num_rank_nodes", "-")), f"{e['failed_requests_total']}/{e['num_requests']}",
                      _fmt(tp["before"], ".1f"), _fmt(tp["during"], ".1f"), _fmt(tp["after"], ".1f")))
     lines = [_table(rows)]
@@ -414,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on a Ray cluster of these nodes on this machine, each offering that many devices "
                    "(the head first; --devices is then their sum): transitions onto another node's devices "
                    "cross nodes")
+    p.add_argument("--netns", action="store_true",
+                   help="with --nodes: each node but the head in its own network namespace, joined to the host "
+                   "by a veth pair on a bridge (needs root), so cross-node bytes cross a network interface; "
+                   "each event reports the bytes the veths carried (veth_bytes)")
     p.add_argument("--device-memory-gb", type=float, default=None, metavar="G",
                    help="memory budget per device in GiB (default: per preset)")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="G",
@@ -456,14 +475,15 @@ def _range(text: str) -> tuple[int, int]:
     return bounds
 
 
-async def run_events(url: str, runs: list[Run], args: argparse.Namespace) -> list[dict[str, Any]]:
+async def run_events(url: str, runs: list[Run], args: argparse.Namespace,
+                     cluster: RayNodes | None = None) -> list[dict[str, Any]]:
     events = []
     async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         for i, run in enumerate(runs):
             _progress(f"event {i + 1}/{len(runs)}: {run.strategy} dp {run.from_dp} -> {run.to_dp}")
             await ensure_dp(client, run.from_dp, args.event_timeout_s)
-            m = await measure(client, model, run, args)
+            m = await measure(client, model, run, args, cluster)
             events.append(summarize(m, args))
             e = events[-1]
             _progress(f"{run.strategy}: latency {_fmt(e['scale_latency_s'])}s, client downtime "
@@ -485,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         (ablation,) = parse_transitions(args.ablation_transition)
         runs = plan_runs(args.strategy, transitions, ablation)
         nodes = parse_nodes(args.nodes) if args.nodes else None
+        if args.netns and nodes is None:
+            raise ValueError("--netns: needs --nodes")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -497,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = attached()
     if nodes is not None and cluster is None:  # start the nodes, then measure on them as their driver
         _progress(f"starting a Ray cluster of {len(nodes)} nodes offering {list(nodes)} devices")
-        with ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:]) as started:
+        with ray_nodes(head_devices=nodes[0], worker_devices=nodes[1:], netns=args.netns) as started:
             return run_attached(started, "coordinator.bench.scaling", sys.argv[1:] if argv is None else argv)
 
     from coordinator.config import CoordinatorConfig
@@ -517,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                            ray_init_kwargs={"log_to_driver": False} if address else {"num_cpus": 2, "log_to_driver": False})
     try:
         with RankMemorySampler() as args.rank_memory:
-            events = asyncio.run(run_events(server.url, runs, args))
+            events = asyncio.run(run_events(server.url, runs, args, cluster))
     finally:
         _progress("shutting the server down")
         server.shutdown()
@@ -525,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "coordinator.bench.scaling",
         "config": {
             "model": model_dir, "backend": args.backend, "dtype": args.dtype, "devices": devices, "nodes": nodes,
+            "netns": args.netns,
             "strategy": args.strategy,
             "transitions": transitions, "ablation_transition": ablation, "rps": args.rps, "seed": args.seed,
             "warmup_s": args.warmup_s, "window_s": args.window_s, "during_s": args.during_s,
