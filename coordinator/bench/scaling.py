@@ -243,8 +243,11 @@ async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argpars
     else:
         event = {"state": "rejected", "error": r.text[:300]}
     finished_s = load.now()
-    event = {**event, "rank_private_before_bytes": private_before,
-             "peak_rank_private_bytes": await asyncio.to_thread(rank_memory.peak)}
+    # NOTE: on --nodes the ranks descend from the nodes' raylets, not from this driver, so none is
+    # found: None ("-"), not a measured 0.
+    peak_private = await asyncio.to_thread(rank_memory.peak)
+    event = {**event, "rank_private_before_bytes": private_before or None,
+             "peak_rank_private_bytes": peak_private or None}
     veth_after = _veth_bytes(cluster)
     veth = veth_after - veth_before if veth_after is not None and veth_before is not None else None
     if event.get("strategy") not in (None, run.strategy):
