@@ -141,7 +141,7 @@ def _free_port() -> int:
 
 def resolve_model(args: argparse.Namespace) -> str:
     """The model directory; the preset's checkpoint is built (`elasticmoe make-model`) if missing."""
-    default = VLLM_MODELS.get(args.preset, PRESETS[args.preset][0]) if args.backend == "vllm" else PRESETS[args.preset][0]
+    default = VLLM_MODELS.get(args.preset, PRESETS[args.preset][0]) if getattr(args, "backend", "native") == "vllm" else PRESETS[args.preset][0]
     model_dir = args.model or default
     if not (Path(model_dir) / "config.json").is_file():
         if args.model is not None and args.model not in (*(p[0] for p in PRESETS.values()), *VLLM_MODELS.values()):
