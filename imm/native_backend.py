@@ -23,6 +23,7 @@ from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.tokenizer import Tokenizer
+from elasticmoe.utils.cpu_features import cpu_compute_info
 from hmm.memory import VirtualTensorHandle, map_slot_pages, unmap_slot_pages
 from hmm.memory.page_table import SlotPages
 from hmm.providers import Handle
@@ -78,7 +79,8 @@ class NativeBackend(LoopBackend):
         self.core, self.group = self.engine, group
         if fence_kv:
             self.kv_fence = KVFence(self.engine.block_manager)
-        return check_zero_copy(self.engine.weights, loader.weights.opened, self.engine.kv_pool, seconds)
+        report = check_zero_copy(self.engine.weights, loader.weights.opened, self.engine.kv_pool, seconds)
+        return dataclasses.replace(report, compute=cpu_compute_info(plan=self.engine.compute_plan))
 
     def _engine(self) -> LLMEngine:
         if self.engine is None:

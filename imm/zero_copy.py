@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -30,6 +31,9 @@ class AttachReport:
     num_shared_mapped: int  # weight lies in a /dev/shm or memfd mapping
     kv_shared_mapped: bool
     attach_s: float
+    # What the engine detected on this CPU and chose (ISA, bf16 GEMM path, kernel build, dtypes:
+    # `cpu_compute_info`); None where not reported.
+    compute: dict[str, Any] | None = None
 
     @property
     def is_zero_copy(self) -> bool:
