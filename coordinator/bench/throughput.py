@@ -53,21 +53,48 @@ def _clock() -> Any:
     return lambda: time.monotonic() - t0
 
 
+def requests_inside(records: list[RequestRecord], start_s: float, end_s: float) -> list[RequestRecord]:
+    """The successful requests that started and finished in the window [start_s, end_s)."""
+    return [r for r in records if r.is_ok and start_s <= r.arrival_s and (r.finished_s or 0) < end_s]
+
+
+def tokens_per_chunk(record: RequestRecord) -> float:
+    """Output tokens per streamed chunk of a successful request; 1 otherwise."""
+    if record.is_ok and record.token_times_s and record.num_tokens:
+        return record.num_tokens / len(record.token_times_s)
+    return 1.0
+
+
 def window_stats(records: list[RequestRecord], start_s: float, end_s: float) -> dict[str, Any]:
     """Figures of the window [start_s, end_s) (times on the records' axis)."""
-    tokens = sum(1 for r in records for t in r.token_times_s if start_s <= t < end_s)
-    chunks_per_token = [r.num_tokens / len(r.token_times_s) for r in records if r.is_ok and r.token_times_s]
-    per_chunk = statistics.median(chunks_per_token) if chunks_per_token else 1.0  # a chunk may carry >1 token
-    inside = [r for r in records if r.is_ok and start_s <= r.arrival_s and (r.finished_s or 0) < end_s]
+    # A chunk may carry several tokens (a server merges the deltas of a client that lags behind), so
+    # each request's chunks in the window count its own tokens per chunk (1 for a failed one).
+    tokens = sum(sum(1 for t in r.token_times_s if start_s <= t < end_s) * tokens_per_chunk(r) for r in records)
+    inside = requests_inside(records, start_s, end_s)
     ttft = [r.ttft_s for r in inside if r.ttft_s is not None]
     tpot = [r.tpot_s for r in inside if r.tpot_s is not None]
     return {
-        "output_tok_s": tokens * per_chunk / (end_s - start_s),
+        "output_tok_s": tokens / (end_s - start_s),
         "completed": sum(1 for r in records if r.is_ok and start_s <= (r.finished_s or -1) < end_s),
         "failed": sum(1 for r in records if not r.is_ok and start_s <= r.arrival_s < end_s),
         "ttft_s_p50": statistics.median(ttft) if ttft else None,
         "tpot_s_p50": statistics.median(tpot) if tpot else None,
     }
+
+
+async def closed_loop(client: httpx.AsyncClient, model: str, args: argparse.Namespace) -> list[RequestRecord]:
+    """`args.concurrency` clients stream back to back for `args.warmup_s + args.duration_s`, then finish
+    the requests they have in flight. Times on the returned records are seconds since the loop began.
+    Uses `args.seed`, `args.prompt_len`, `args.max_tokens` and `args.vocab_size`."""
+    records: list[RequestRecord] = []
+    stop = asyncio.Event()
+    now = _clock()
+    tasks = [asyncio.create_task(_client(client, model, args, args.seed + c, records, now, stop))
+             for c in range(args.concurrency)]
+    await asyncio.sleep(args.warmup_s + args.duration_s)
+    stop.set()
+    await asyncio.gather(*tasks)
+    return records
 
 
 async def measure_dps(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -78,14 +105,7 @@ async def measure_dps(url: str, args: argparse.Namespace) -> list[dict[str, Any]
         for dp in args.dps:
             await ensure_dp(client, dp, 600.0)
             await wait_standby(client, 600.0)
-            records: list[RequestRecord] = []
-            stop = asyncio.Event()
-            now = _clock()
-            tasks = [asyncio.create_task(_client(client, model, args, args.seed + c, records, now, stop))
-                     for c in range(args.concurrency)]
-            await asyncio.sleep(args.warmup_s + args.duration_s)
-            stop.set()
-            await asyncio.gather(*tasks)
+            records = await closed_loop(client, model, args)
             stats = window_stats(records, args.warmup_s, args.warmup_s + args.duration_s)
             _progress(f"dp {dp}: {stats['output_tok_s']:.1f} output tok/s, {stats['completed']} completed, "
                       f"{stats['failed']} failed")
