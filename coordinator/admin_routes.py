@@ -49,7 +49,8 @@ def add_admin_routes(
         status["requests"] = {"queued": engine.num_queued, "max_queued": engine.max_queued,
                               "held_at_gate": router.num_held, "rejected": engine.num_rejected,
                               "recovered": engine.num_recovered, "tokens_recomputed": engine.num_tokens_recomputed,
-                              "draining": drainer.is_draining}
+                              "draining": drainer.is_draining, "swap_waits": engine.num_swap_waits,
+                              "assigning_s": router.assign_s}
         status["ingress"] = {"pid": os.getpid(), "coordinator_connected": follower.is_connected,
                              "routing_version": None if state is None else state.version,
                              "accepting": router.is_accepting, "in_flight": router.loads()}

@@ -69,6 +69,7 @@ class EsftResidency:
         self.resident_at: dict[str, float] = {}
         self.num_swaps_in = 0
         self.num_evictions = 0
+        self.swap_s = 0.0  # time from a swap's start to its adapter resident (waits for running requests too)
 
     def note_used(self, names: dict[str, int]) -> None:
         """The ingress saw requests for these adapters (name -> how many) since its last report."""
@@ -94,8 +95,12 @@ class EsftResidency:
         if self._swaps is None:
             self._swaps = asyncio.Lock()
         async with self._swaps:
-            while (wait_s := await asyncio.to_thread(self._step, name)) is not None:
-                await asyncio.sleep(wait_s)
+            start = time.monotonic()
+            try:
+                while (wait_s := await asyncio.to_thread(self._step, name)) is not None:
+                    await asyncio.sleep(wait_s)
+            finally:
+                self.swap_s += time.monotonic() - start
 
     # ---- one step, under the adapter lock ---------------------------------------------------
 

@@ -29,11 +29,14 @@ from elasticmoe.entrypoints.openai.metrics import register_engine_queue
 from imm.rank import RankStats
 
 _SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_LORA_COUNTERS = {  # RankStats field -> (name, help); summed over ranks and instances
-    "num_lora_swaps_in": ("elasticmoe_lora_swaps_in", "LoRA adapters copied into a rank's slot."),
-    "num_lora_evictions": ("elasticmoe_lora_evictions", "LoRA adapters evicted from a rank's slot."),
-    "num_lora_hits": ("elasticmoe_lora_hits", "LoRA requests admitted with their adapter already in a slot."),
-    "num_lora_misses": ("elasticmoe_lora_misses", "LoRA requests that waited for their adapter's swap-in."),
+_LORA_COUNTERS = {  # RankStats field -> (name, help, unit); summed over ranks and instances
+    "num_lora_swaps_in": ("elasticmoe_lora_swaps_in", "LoRA adapters copied into a rank's slot.", 1.0),
+    "num_lora_evictions": ("elasticmoe_lora_evictions", "LoRA adapters evicted from a rank's slot.", 1.0),
+    "num_lora_hits": ("elasticmoe_lora_hits", "LoRA requests admitted with their adapter already in a slot.", 1.0),
+    "num_lora_misses": ("elasticmoe_lora_misses", "LoRA requests that waited for their adapter's swap-in.", 1.0),
+    "lora_swap_us": ("elasticmoe_lora_swap_seconds", "Time the ranks spent copying LoRA factors into slots.", 1e-6),
+    "arrange_us": ("elasticmoe_request_arranging_seconds", "Time the ranks' schedulers spent arranging their "
+                   "windows (--request-arranging).", 1e-6),
 }
 _MAX_ENGINES = 256  # engines whose last counters are remembered (a few per scale event)
 
@@ -152,7 +155,7 @@ class ClusterMetrics:
             registry=registry,
         )
         self.lora_counters = {
-            field: Counter(name, doc, registry=registry) for field, (name, doc) in _LORA_COUNTERS.items()
+            field: Counter(name, doc, registry=registry) for field, (name, doc, _) in _LORA_COUNTERS.items()
         }
         self._seen_by_engine: dict[str, dict[str, int]] = {}
 
@@ -186,7 +189,7 @@ class ClusterMetrics:
         for field, counter in self.lora_counters.items():
             now, before = getattr(stats, field), seen.get(field, 0)
             if now > before:
-                counter.inc(now - before)
+                counter.inc((now - before) * _LORA_COUNTERS[field][2])
                 seen[field] = now
         self._seen_by_engine[stats.engine_id] = seen  # re-inserted last: the oldest are dropped first
         while len(self._seen_by_engine) > _MAX_ENGINES:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -74,6 +75,7 @@ class Router(Generic[T]):
         self._routes: _Routes[T] | None = None
         self._changed = asyncio.Event()  # set (and replaced) whenever the state changes
         self.num_held = 0  # requests currently held (for metrics)
+        self.assign_s = 0.0  # time spent choosing ranks (--request-assigning; CoServe Fig. 15)
 
     def update(self, state: RoutingState) -> None:
         """Take a newly published state; in-flight counts are kept while its ranks are the same."""
@@ -142,7 +144,9 @@ class Router(Generic[T]):
         routes, state = self._routes, self.state
         if routes is None or state is None or not routes.targets:
             raise NoActiveInstance("no active instance")
+        start = time.perf_counter()
         rank = self._choose(routes, state, adapter)
+        self.assign_s += time.perf_counter() - start
         counts = routes.in_flight[rank]
         counts[adapter] += 1
         try:

@@ -48,6 +48,7 @@ class EngineCounters:
     num_free_kv_blocks: int = 0
     num_steps: int = 0
     lora: dict[str, int] = field(default_factory=dict)  # LoRA slot counters (native; empty without LoRA)
+    arrange_us: int = 0  # time the scheduler spent arranging its window (native)
 
 
 class AttachResult(Protocol):

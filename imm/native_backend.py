@@ -101,7 +101,7 @@ class NativeBackend(LoopBackend):
             return loop
         bm = engine.block_manager
         return dataclasses.replace(loop, num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
-                                   lora=engine.adapters.stats())
+                                   lora=engine.adapters.stats(), arrange_us=int(engine.scheduler.arrange_s * 1e6))
 
     def _import(self, snaps: list[RequestSnapshot], kv_is_shared: bool) -> dict[str, int]:
         """`kv_is_shared`: this rank's pool is the exporter's (same device): block tables are

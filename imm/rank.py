@@ -85,6 +85,8 @@ class RankStats:
     num_lora_evictions: int = 0
     num_lora_hits: int = 0  # requests admitted with their LoRA adapter in a slot
     num_lora_misses: int = 0  # requests that had to wait for a swap-in
+    lora_swap_us: int = 0  # time spent copying LoRA factors into slots
+    arrange_us: int = 0  # time the scheduler spent arranging its window
 
     @property
     def kv_usage(self) -> float:
@@ -367,6 +369,8 @@ class InstanceRank:
             num_lora_evictions=c.lora.get("evictions", 0),
             num_lora_hits=c.lora.get("hits", 0),
             num_lora_misses=c.lora.get("misses", 0),
+            lora_swap_us=c.lora.get("swap_us", 0),
+            arrange_us=c.arrange_us,
         )
 
     def pid(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -129,6 +130,7 @@ class LoraSlots:
         self.host: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # name -> path -> (A, sB)
         self.slot_of: dict[str, int] = {}  # resident adapters
         self.num_swaps_in = self.num_evictions = self.num_hits = self.num_misses = 0
+        self.swap_s = 0.0  # time spent copying factors into slots (CoServe Fig. 15: expert management)
         self.filling: dict[int, tuple[str, Future[None]]] = {}  # slot -> adapter copied in the background
         self._copier: ThreadPoolExecutor | None = None
 
@@ -241,12 +243,14 @@ class LoraSlots:
         return done
 
     def _write(self, name: str, slot: int) -> None:
+        start = time.perf_counter()
         self._clear(slot)
         local = len(self.placement.local_expert_ids(self.rank))
         for path, (a, b) in self.host[name].items():
             site, row0, rank0, expert = self._site(path)
             key = slot if expert is None else slot * local + self.placement.expert_to_slot[expert]
             site.write(key, a, b, row0, rank0)
+        self.swap_s += time.perf_counter() - start  # NOTE: a float add; a background copy races only with readers
 
     def evict(self, name: str) -> int:
         """Free the adapter's slot (it stays loaded in host memory); returns the slot."""

@@ -250,7 +250,7 @@ class AdapterManager:
             return {}
         return {"slots": lora.max_loras, "resident": len(lora.slot_of), "loaded": len(lora.host),
                 "swaps_in": lora.num_swaps_in, "evictions": lora.num_evictions,
-                "hits": lora.num_hits, "misses": lora.num_misses}
+                "hits": lora.num_hits, "misses": lora.num_misses, "swap_us": int(lora.swap_s * 1e6)}
 
     def describe(self) -> list[dict[str, Any]]:
         """Loaded adapters: name, slot (LoRA: None while only in host memory), kind, experts and

@@ -11,6 +11,7 @@ grouped by LoRA adapter (CoServe §4.2, see `Scheduler._admission_order`).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.window = window  # waiting requests at the head admitted in the arranging policy's order
         self.arrange = arranger(arranging)
+        self.arrange_s = 0.0  # time spent arranging the window (CoServe Fig. 15)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for metrics and tests
@@ -110,7 +112,10 @@ class Scheduler:
         the queue: one with p ready requests ahead of it is admitted within p + 1 steps that
         admit anyone (preempted requests rejoin at the front, as in plain arrival order).
         """
-        return self.arrange(window, adapter_key)
+        start = time.perf_counter()
+        order = self.arrange(window, adapter_key)
+        self.arrange_s += time.perf_counter() - start
+        return order
 
     def _admit(self, num_scheduled: dict[Request, int], budget: int) -> int:
         """Start waiting requests while the budget, `max_num_seqs` and the KV pool allow: the

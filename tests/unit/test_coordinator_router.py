@@ -41,6 +41,7 @@ def test_least_loaded_rank_and_release():
                 assert c.rank == "r0" and c.key == router.state.key  # ties go to the lowest rank
                 assert router.loads() == [2, 1]
         assert router.loads() == [0, 0]
+        assert router.assign_s > 0  # the time spent choosing ranks (CoServe Fig. 15)
 
     run(main())
 

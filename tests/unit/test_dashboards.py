@@ -134,6 +134,10 @@ def test_lora_counters_add_growth_per_engine_and_ignore_stale_snapshots():
     assert registry.get_sample_value("elasticmoe_lora_slots_used", {"rank": "0"}) == 1
     assert registry.get_sample_value("elasticmoe_lora_slots_used", {"rank": "1"}) is None  # rank 1 retired
     assert registry.get_sample_value("elasticmoe_kv_cache_usage_ratio", {"rank": "0"}) == 0.5
+    metrics.refresh([RankStats(0, 0, 0, 10, 5, 1, engine_id="c", lora_swap_us=1_500_000, arrange_us=250)])
+    value = registry.get_sample_value  # the timers count microseconds and export seconds
+    assert value("elasticmoe_lora_swap_seconds_total") == pytest.approx(1.5)
+    assert value("elasticmoe_request_arranging_seconds_total") == pytest.approx(0.00025)
 
 
 def test_device_and_adapter_snapshots():

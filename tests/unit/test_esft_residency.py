@@ -124,6 +124,7 @@ def test_an_eviction_waits_for_the_victims_requests_and_no_swap_runs_during_a_sc
 
     asyncio.run(main())
     assert host.log[-2:] == [("load", "new"), ("publish", "")] and residency.num_evictions == residency.num_swaps_in == 1
+    assert residency.swap_s >= 0.1  # the swap's time includes waiting for the victim's request and the scale
 
 
 def test_an_unknown_or_unloading_adapter_is_refused():

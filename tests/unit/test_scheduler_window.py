@@ -52,6 +52,7 @@ def test_window_groups_requests_by_adapter_in_order_of_their_oldest_request():
     assert waiting_ids(sched) == ["base0", "base1"]  # the rest keep their order
     assert scheduled_ids(make_scheduler(*(make_request(f"{a}{i}", a) for i in range(3) for a in "AB"))) == [
         "A0", "A1", "A2", "B0", "B1", "B2"]
+    assert sched.arrange_s > 0  # the time spent arranging is counted (CoServe Fig. 15)
 
 
 def test_arrival_order_outside_the_window():

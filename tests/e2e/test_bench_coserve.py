@@ -1,0 +1,55 @@
+"""The CoServe benchmark end to end: `python -m coordinator.bench.coserve` on the tiny model.
+
+Six LoRA adapters through two slots and three ESFT adapters through one, CoServe and LRU+FCFS
+at dp 1, a few seconds of Poisson load: the JSON on stdout is the only thing there and has every
+figure of both tables, no request failed, the adapters were switched (server counters), the
+plot is a PNG, and no /dev/shm file outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RUN_FIELDS = {
+    "config", "dp", "eviction", "arranging", "assigning", "register_s", "num_registered", "num_requests", "failed",
+    "throughput_tok_s", "ttft_s", "tpot_s", "hot_ttft_s", "switches", "hit_rate", "counters", "breakdown_s",
+}
+
+
+def _bench_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("emoebench")}
+
+
+def test_coserve_bench_on_tiny_model(tiny_model_dir, tmp_path):
+    before = _bench_segments()
+    plot, out = tmp_path / "coserve.png", tmp_path / "coserve.json"
+    cmd = [sys.executable, "-m", "coordinator.bench.coserve", "--preset", "tiny", "--model", tiny_model_dir,
+           "--num-lora", "6", "--num-esft", "3", "--max-loras", "2", "--max-esft-adapters", "1",
+           "--esft-experts", "2", "--lora-rank", "4", "--configs", "coserve,lru_fcfs", "--dps", "1", "--rps", "3",
+           "--duration-s", "4", "--max-tokens", "8", "--prompt-len", "8", "--base-share", "0.05",
+           "--cache-dir", str(tmp_path / "adapters"), "--json", "--out", str(out), "--plot", str(plot)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
+    assert json.loads(out.read_text()) == doc
+    assert doc["num_adapters"] == {"lora": 6, "esft": 3} and doc["num_requests"] > 0
+
+    runs = doc["runs"]
+    assert [(r["config"], r["dp"]) for r in runs] == [("coserve", 1), ("lru_fcfs", 1)]
+    for r in runs:
+        assert RUN_FIELDS <= r.keys(), sorted(RUN_FIELDS - r.keys())
+        assert r["failed"] == 0 and r["num_requests"] == doc["num_requests"], r.get("errors")
+        assert r["num_registered"] == 9 and r["throughput_tok_s"] > 0
+        assert r["switches"] > 0 and 0 <= r["hit_rate"] <= 1, r["counters"]
+        assert r["counters"]["esft_swaps_in"] > 0 and r["breakdown_s"]["management_esft"] > 0
+        assert r["breakdown_s"]["assigning"] > 0  # every request was assigned a rank
+    assert "Fig. 13" in proc.stderr and "Fig. 15" in proc.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _bench_segments() <= before, "the bench left shared-memory files behind"

@@ -1,0 +1,92 @@
+"""The CoServe benchmark's pure helpers: popularity, the seeded workload, summary statistics and
+the server's counters turned into switches, hit rate and the Fig. 15 breakdown."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.bench.coserve import parse_args
+from coordinator.bench.coserve_report import format_tables
+from coordinator.bench.coserve_workload import (
+    CONFIGS,
+    counter_delta,
+    hit_rate,
+    latency_summary,
+    make_arrivals,
+    parse_metrics,
+    percentile,
+    popularity,
+    server_counters,
+)
+
+
+def test_popularity_is_a_seeded_power_law_over_a_permutation():
+    names = [f"a{i}" for i in range(100)]
+    shares = popularity(names, 0.3, seed=1)
+    assert set(shares) == set(names) and sum(shares.values()) == pytest.approx(1.0)
+    ranked = sorted(shares.values(), reverse=True)
+    assert ranked[0] == pytest.approx(0.01 ** 0.3) and ranked[0] > 10 * ranked[-1]  # skewed
+    assert shares == popularity(names, 0.3, seed=1) and shares != popularity(names, 0.3, seed=2)
+
+
+def test_arrivals_are_poisson_seeded_and_follow_the_shares():
+    shares = {"hot": 0.9, "cold": 0.1}
+    arrivals = make_arrivals(shares, 0.2, rps=50.0, duration_s=20.0, prompt_len=4, max_tokens=3, vocab_size=64, seed=0)
+    assert 800 < len(arrivals) < 1200  # ~ rps * duration
+    assert all(0 <= a.arrival_s < 20 for a in arrivals) and arrivals == sorted(arrivals, key=lambda a: a.arrival_s)
+    models = [a.model for a in arrivals]
+    assert 0.15 < models.count(None) / len(models) < 0.25
+    assert models.count("hot") > 5 * models.count("cold") > 0
+    assert all(len(a.prompt) == 4 and all(5 <= t < 64 for t in a.prompt) and a.max_tokens == 3 for a in arrivals)
+    again = make_arrivals(shares, 0.2, 50.0, 20.0, 4, 3, 64, seed=0)
+    assert again == arrivals
+    with pytest.raises(ValueError, match="rps"):
+        make_arrivals(shares, 0.2, 0.0, 20.0, 4, 3, 64, seed=0)
+
+
+def test_percentiles_and_summary():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    s = latency_summary([0.1, None, 0.3])
+    assert s["p50"] == pytest.approx(0.2) and s["mean"] == pytest.approx(0.2)
+    assert latency_summary([None]) == {"p50": None, "p99": None, "mean": None}
+
+
+def test_server_counters_switches_and_hit_rate():
+    metrics = parse_metrics("# HELP x\nelasticmoe_lora_swaps_in_total 10.0\nelasticmoe_lora_hits_total 30.0\n"
+                            "elasticmoe_lora_misses_total 10.0\nelasticmoe_lora_swap_seconds_total 0.5\n"
+                            'elasticmoe_kv_cache_usage_ratio{rank="0"} 0.1\n'
+                            "elasticmoe_request_arranging_seconds_total 0.002\n")
+    assert "elasticmoe_kv_cache_usage_ratio" not in metrics
+    status = {"adapter_swaps": {"esft_swaps_in": 3, "esft_swap_s": 1.5},
+              "requests": {"swap_waits": 4, "assigning_s": 0.01}}
+    after = server_counters(metrics, status, dp=2)
+    assert after["lora_swaps_in"] == 5 and after["lora_swap_s"] == 0.25  # lockstep: each switch on both ranks
+    assert after["esft_swaps_in"] == 3 and after["assigning_s"] == 0.01 and after["arranging_s"] == 0.002
+    delta = counter_delta(after, {**after, "lora_hits": 10.0})
+    assert delta["lora_hits"] == 20 and delta["lora_swaps_in"] == 0
+    rate, hits, misses = hit_rate(after, num_esft_requests=10)  # 30 + (10 - 4) hits, 10 + 4 misses
+    assert (hits, misses) == (36, 14) and rate == pytest.approx(36 / 50)
+    zero = dict.fromkeys(after, 0.0)
+    assert hit_rate(zero, 0) == (None, 0, 0)
+
+
+def test_args_and_tables():
+    args = parse_args(["--preset", "tiny", "--dps", "1", "--configs", "coserve,reference"])
+    assert args.dps == [1] and args.configs == ["coserve", "reference"] and args.model.endswith("tiny-qwen3-moe")
+    with pytest.raises(SystemExit):
+        parse_args(["--configs", "nope"])
+    assert set(CONFIGS) == {"coserve", "lru_fcfs", "fifo", "parallel"}
+    lat = {"p50": 0.01, "p99": 0.02, "mean": 0.01}
+    run = {"dp": 1, "config": "coserve", "throughput_tok_s": 10.0, "ttft_s": lat, "tpot_s": lat, "hot_ttft_s": lat,
+           "switches": 3.0, "hit_rate": 0.5, "failed": 0, "register_s": 1.0,
+           "breakdown_s": {"management": 1.0, "management_lora": 0.1, "management_esft": 0.9, "arranging": 0.001,
+                           "assigning": 0.002}}
+    ref = {**run, "config": "reference", "hot_ttft_s": {**lat, "p99": 0.01}, "breakdown_s": None}
+    doc = {"config": {"max_loras": 2, "max_esft_adapters": 1, "alpha": 0.3, "rps": 2.0, "duration_s": 5.0},
+           "num_adapters": {"lora": 6, "esft": 3}, "num_requests": 10, "runs": [run, ref]}
+    text = format_tables(doc)
+    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 0.500 | 20 | 2.00x | 0 | 1.0 |" in text
+    assert "Fig. 15" in text and "| 1 | coserve | 0.100 | 0.90 | 1.0 | 2.0 |" in text
