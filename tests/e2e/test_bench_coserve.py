@@ -33,7 +33,7 @@ def test_coserve_bench_on_tiny_model(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "coordinator.bench.coserve", "--preset", "tiny", "--model", tiny_model_dir,
            "--num-lora", "6", "--num-esft", "3", "--max-loras", "2", "--max-esft-adapters", "1",
            "--esft-experts", "2", "--lora-rank", "4", "--configs", "coserve,lru_fcfs", "--dps", "1", "--rps", "3",
-           "--duration-s", "4", "--max-tokens", "8", "--prompt-len", "8", "--base-share", "0.05",
+           "--duration-s", "3", "--max-tokens", "8", "--prompt-len", "8", "--base-share", "0.05",
            "--cache-dir", str(tmp_path / "adapters"), "--json", "--out", str(out), "--plot", str(plot)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
