@@ -90,15 +90,17 @@ async def settle(client: httpx.AsyncClient, dp: int, timeout_s: float = 120) -> 
     """Bring the server to `dp` (a scale if needed) and wait until nothing runs in the background
     (no scale, no standby boot, no fault under repair), so every fault starts from the same state."""
     deadline = time.monotonic() + timeout_s
-    st = await status(client)
-    if st["active_config"]["dp"] != dp:
-        r = await client.post("/admin/scale", json={"dp": dp})
-        r.raise_for_status()
     while time.monotonic() < deadline:
         st = await status(client)
         quiet = st["scale_event"] is None and not st["standby"]["preparing"] and not st["health"]["faults"]
-        if quiet and st["active_config"]["dp"] == dp and (await client.get("/ready")).status_code == 200:
-            return
+        if quiet and (await client.get("/ready")).status_code == 200:
+            if st["active_config"]["dp"] == dp:
+                return
+            # NOTE: asked for whenever quiet at another dp: a repair of an earlier fault may have
+            # moved the server to a ready standby of another dp after a first look.
+            r = await client.post("/admin/scale", json={"dp": dp})
+            if r.status_code != 409:  # 409: a repair or scale started meanwhile; look again
+                r.raise_for_status()
         await asyncio.sleep(0.2)
     raise TimeoutError(f"the server did not settle at dp {dp} in {timeout_s} s: {st}")
 
@@ -132,10 +134,14 @@ async def _inject(client: httpx.AsyncClient, fault: str, st: dict[str, Any],
         device = ranks[0]["device_id"]
         return _kill(next(d["pid"] for d in st["devices"] if d["device_id"] == device), f"device {device}")
     if fault == "mid-scale":
-        # A dp the standby pool does not hold: the scale boots its instance, which takes seconds.
+        # A scale that boots its target instance, which takes seconds: to a dp the standby pool does
+        # not hold, else (the pool holds every other dp, as earlier repairs may leave it) with the
+        # ablation that boots the target during the scale.
         dp, pooled = st["active_config"]["dp"], set(st["standby"]["dps"])
-        target = next(d for d in range(1, len(st["devices"]) + 1) if d != dp and d not in pooled)
-        (await client.post("/admin/scale", json={"dp": target})).raise_for_status()
+        others = [d for d in range(1, len(st["devices"]) + 1) if d != dp]
+        unpooled = [d for d in others if d not in pooled]
+        scale = {"dp": unpooled[0]} if unpooled else {"dp": others[0], "strategy": "no_preinit"}
+        (await client.post("/admin/scale", json=scale)).raise_for_status()
         await asyncio.sleep(0.3)
         return _kill(ranks[0]["pid"], "the old rank")
     if fault == "coordinator":
@@ -181,20 +187,26 @@ async def run_fault(
             await asyncio.sleep(0.05)
 
     await asyncio.wait_for(asyncio.gather(*streams, poll_ready()), timeout_s)
-    after = await _wait_quiet(client, timeout_s)
+    after = await _wait_quiet(client, timeout_s, before, wall_kill)
     result = _result(fault, before, after, records, reference, ready, t_kill, wall_kill)
     if shm_prefix is not None:
         result.orphaned_shm_files = len(reap(shm_prefix, dry_run=True))
     return result
 
 
-async def _wait_quiet(client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
-    """The status once no repair or scale runs and no fault is open (a repair may end after the streams)."""
+async def _wait_quiet(client: httpx.AsyncClient, timeout_s: float, before: dict[str, Any],
+                      wall_kill: float) -> dict[str, Any]:
+    """The status once the fault was repaired (a repair event that finished after the kill, or a
+    restarted replica) and nothing runs or is open. NOTE: a repair may end after the streams, and
+    even start after them: a dead device worker stalls no stream, and its death is seen ~1 s later."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             st = await status(client)
-            if st["scale_event"] is None and not st["health"]["faults"] and st["health"]["ready"]:
+            restarted = any(st[p]["pid"] != before[p]["pid"] for p in ("coordinator", "ingress"))
+            repaired = restarted or any((e["strategy"] == "heal" or e.get("fault")) and e["finished_at"] is not None
+                                        and e["finished_at"] >= wall_kill for e in st["scale_events"])
+            if repaired and st["scale_event"] is None and not st["health"]["faults"] and st["health"]["ready"]:
                 return st
         except (httpx.HTTPError, ValueError):
             pass
