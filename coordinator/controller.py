@@ -41,6 +41,8 @@ from elasticmoe.entrypoints.openai.adapters_api import read_esft_adapter
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from hmm.lifeline import in_ray_actor, watch_parent
 
+_ADAPTER_LOCK_WAIT_S = 10.0  # a manual scale waits this long for an adapter swap step or registration
+
 
 # NOTE: a short graceful shutdown: what may be in flight at the end are the ingress's long polls
 # (cut short safely: the follower asks again) and admin reads; the cluster is shut down before.
@@ -121,7 +123,7 @@ class Coordinator:
     async def start_scale(self, dp: int, strategy: str = DEFAULT_STRATEGY) -> dict[str, Any]:
         """A manual scale (raises `OpenAIError`); it pauses the autoscaler (an operator's decision
         wins until resumed)."""
-        event_id = self.scales.start(dp, strategy)
+        event_id = await asyncio.to_thread(self.scales.start, dp, strategy, _ADAPTER_LOCK_WAIT_S)
         policy = self.autoscale.policy
         if policy.enabled:
             policy.pause(f"manual scale {event_id}; resume with POST /admin/autoscaler")

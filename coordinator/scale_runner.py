@@ -33,10 +33,11 @@ class ScaleRunner:
         self.scaler = scaler
         self.thread: threading.Thread | None = None
 
-    def start(self, dp: int, strategy: str = DEFAULT_STRATEGY) -> str:
-        """The new event's id. Raises `OpenAIError`: 400 (bad dp/strategy), 409 (a scale runs), 503."""
+    def start(self, dp: int, strategy: str = DEFAULT_STRATEGY, lock_wait_s: float = 0.0) -> str:
+        """The new event's id. Raises `OpenAIError`: 400 (bad dp/strategy), 409 (a scale runs, or an
+        adapter change still holds its lock after `lock_wait_s`), 503."""
         try:
-            event = self.scaler.start(dp, strategy)
+            event = self.scaler.start(dp, strategy, lock_wait_s)
         except ValueError as exc:
             param = "strategy" if str(exc).startswith("strategy") else "dp"
             raise OpenAIError(str(exc), param=param) from exc

@@ -114,12 +114,17 @@ class Scaler:
             raise ValueError(f"dp: the active instance already has dp={target_dp}")
         return old.dp
 
-    def start(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY) -> ScaleEvent:
+    def start(self, target_dp: int, strategy_name: str = DEFAULT_STRATEGY, lock_wait_s: float = 0.0) -> ScaleEvent:
         """Validate and register the event (409 `ScaleConflict` while one runs, or while an
-        adapter is being loaded or unloaded); `run` does the work."""
+        adapter is being loaded or unloaded); `run` does the work. An adapter registration or
+        swap step holds the adapter lock for a moment: the scale waits up to `lock_wait_s` for
+        it (blocking; 0 from the event loop, whose caller retries later)."""
+        running = self.cluster.scale_events.running
+        if running is not None:  # NOTE: first: mid-switchover no instance is "serving" (that would be a 503)
+            raise ScaleConflict(running.event_id)
         from_dp = self.validate(target_dp, strategy_name)
         adapters = self.cluster.adapters
-        if not adapters.lock.acquire(blocking=False):
+        if not adapters.lock.acquire(timeout=lock_wait_s):  # timeout 0: one try
             raise ScaleConflict(None, "cannot scale while an adapter is being loaded or unloaded")
         try:  # NOTE: under the adapter lock: an adapter load checks for a running scale under it
             busy = adapters.busy_reason()

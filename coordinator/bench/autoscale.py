@@ -149,8 +149,13 @@ async def experiments(bench: Bench, strategies: Sequence[str]) -> dict[str, Any]
     _progress("calibrating: capacity of the workload at dp 1 and dp 2")
     cap = {dp: await bench.capacity(dp, args.calibration_requests) for dp in (1, 2)}
     _progress(f"capacity: dp 1 {cap[1]:.2f} req/s, dp 2 {cap[2]:.2f} req/s ({cap[2] / cap[1]:.2f}x)")
-    high = args.high_rps or 0.8 * cap[2]
     low = args.low_rps or 0.4 * cap[1]
+    # NOTE: at least twice the low load: where dp 2 adds little (two ranks sharing few cores, or a
+    # noisy calibration), 0.8 x its capacity may fall below 0.4 x dp 1's, and "up" would be down.
+    high = args.high_rps or max(0.8 * cap[2], 2 * low)
+    if cap[2] <= cap[1]:
+        _progress("warning: dp 2 measured no more capacity than dp 1 here (the ranks share the cores); "
+                  f"the high load is {high:.2f} rps, 2 x the low one")
     pre, delay, duration = args.pre_s, args.command_delay_s, args.run_s
     up_load = Ramp(((0.0, low), (pre - 0.01, low), (pre, high), (pre + duration, high)))
     down_load = Ramp(((0.0, high), (pre - 0.01, high), (pre, low), (pre + duration, low)))
@@ -291,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--low-rps", type=float, default=None, help="the low rate (default 0.4 x dp-1 capacity)")
     p.add_argument("--high-rps", type=float, default=None,
                    help="the high rate (default 0.8 x the dp-2 capacity: Poisson arrivals queue well below "
-                   "the closed-loop capacity)")
+                   "the closed-loop capacity; at least 2 x the low rate)")
     p.add_argument("--standby-delay-s", type=float, default=15.0,
                    help="the server's --standby-delay: no standby boot competes for the cores in the first S s "
                    "after a scale (on accelerators it would not)")
