@@ -22,6 +22,7 @@ SERVE_STAMP := $(STAMP)
 endif
 VLLM_MODEL_DIR := models/tiny-vllm-qwen3-moe
 PORT ?= 8000
+TEST_WORKERS ?= 2
 
 .PHONY: serve serve-single test test-vllm venv venv-vllm model lint clean
 
@@ -62,7 +63,7 @@ serve-single: $(STAMP) $(MODEL_DIR)/config.json
 
 # The whole suite in .venv (tests/vllm_backend skip there: vLLM is not installed in it).
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 # The vLLM backend's tests, in .venv-vllm (about 2.5 minutes to create it the first time).
 

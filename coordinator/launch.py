@@ -164,7 +164,8 @@ def start_elastic(
             become_subreaper()  # Ray's workers outliving their raylet become ours to end (process_tree)
             kwargs["resources"] = {**kwargs.get("resources", {}), DEVICE_RESOURCE: config.num_devices}
         try:
-            ray.init(address=address, include_dashboard=False, **kwargs)
+            # NOTE: "local", not None: None joins a cluster `ray start` left on this machine (or RAY_ADDRESS's)
+            ray.init(address=address or "local", include_dashboard=False, **kwargs)
         except ConnectionError as exc:
             if address is None:
                 raise

@@ -98,7 +98,7 @@ def bench_p2p(repeats: int, prefix: str, nbytes: int = 64 << 20) -> dict[str, fl
     from hmm.p2p import GroupSpec, HandleCopy, Transfer
     from hmm.worker import DeviceWorkerActor
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     workers: list[Any] = [
         DeviceWorkerActor.remote(DeviceSpec(i, 0, 2 * nbytes), 4096, prefix) for i in range(2)
     ]
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    prefix = f"emoebench{secrets.token_hex(4)}"
+    prefix = f"emoehmmbench{secrets.token_hex(4)}"
     out: dict[str, object] = {"model": args.model, "dtype": args.dtype, "repeats": args.repeats}
     out.update(bench_attach(args.model, dtype, args.repeats, prefix))
     if not args.no_p2p:

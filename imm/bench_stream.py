@@ -126,7 +126,7 @@ def main() -> None:
         has_zmq = True
     except ImportError:
         has_zmq = False
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         producer = _Producer.remote()  # type: ignore[attr-defined]
         asyncio.run(_per_request(producer, 20, 2, True))  # warm-up

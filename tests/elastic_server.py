@@ -55,7 +55,8 @@ def running(config: CoordinatorConfig) -> Iterator[ElasticServer]:
 
 @contextlib.contextmanager
 def cluster_of(config: CoordinatorConfig) -> Iterator[ClusterManager]:
-    ray.init(**RAY, include_dashboard=False, resources={DEVICE_RESOURCE: config.num_devices})
+    # address "local": never another run's cluster (another test worker's, or one `ray start` left)
+    ray.init(address="local", **RAY, include_dashboard=False, resources={DEVICE_RESOURCE: config.num_devices})
     cluster = ClusterManager(config)
     try:
         cluster.start()

@@ -153,7 +153,7 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
     cfg = CoordinatorConfig.model_validate(dict(
         model_dir=args.model, num_devices=max(args.dps), dp=dp, dtype=args.dtype,
         device_memory_bytes=int(args.device_memory_gb * _GIB), kv_bytes_per_device=int(args.kv_cache_gb * _GIB),
-        served_model_name="base", shm_prefix=f"emoebench{secrets.token_hex(4)}", standby_pool=False,
+        served_model_name="base", shm_prefix=f"emoecoserve{secrets.token_hex(4)}", standby_pool=False,
         max_queued=4096, max_loras=args.max_loras, max_lora_rank=args.lora_rank,
         max_cpu_loras=max(num_lora, args.max_loras), max_esft_adapters=args.max_esft_adapters,
         max_esft_experts=args.esft_experts, adapter_eviction=eviction, request_arranging=arranging,
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                              vocab, args.seed)
     progress(f"{len(adapters)} adapters ready ({build_s:.0f} s to write), {len(arrivals)} requests per run")
     become_subreaper()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, resources={DEVICE_RESOURCE: max(args.dps)})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, resources={DEVICE_RESOURCE: max(args.dps)})
     rows = []
     try:
         for dp in args.dps:

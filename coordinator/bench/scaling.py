@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=model_dir, num_devices=devices, dp=runs[0].from_dp, dtype=args.dtype,
         device_memory_bytes=int((args.device_memory_gb or preset[1]) * _GIB),
         kv_bytes_per_device=int((args.kv_cache_gb or preset[2]) * _GIB),
-        max_queued=256, shm_prefix=f"emoebench{secrets.token_hex(4)}", backend=args.backend,
+        max_queued=256, shm_prefix=f"emoescaling{secrets.token_hex(4)}", backend=args.backend,
     )
     address = cluster.address if cluster is not None else None
     _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     config = CoordinatorConfig(
         model_dir=args.model, num_devices=max(args.dps), dp=args.dps[0], dtype=args.dtype, backend=args.backend,
         device_memory_bytes=int(args.device_memory_gb * (1 << 30)), kv_bytes_per_device=int(args.kv_cache_gb * (1 << 30)),
-        max_queued=max(256, 4 * args.concurrency), shm_prefix=f"emoebench{secrets.token_hex(4)}",
+        max_queued=max(256, 4 * args.concurrency), shm_prefix=f"emoethroughput{secrets.token_hex(4)}",
     )
     _progress(f"starting the elastic server: {args.backend}, {args.model}, dps {args.dps}, {args.dtype}")
     server = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})

@@ -24,7 +24,7 @@ RUN_FIELDS = {
 
 
 def _bench_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("emoebench")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith("emoecoserve")}
 
 
 def test_coserve_bench_on_tiny_model(tiny_model_dir, tmp_path):

@@ -28,7 +28,7 @@ EVENT_FIELDS = {
 
 
 def _bench_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("emoebench")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith("emoescaling")}
 
 
 def test_scaling_bench_elastic_on_tiny_model(tiny_model_dir, tmp_path):

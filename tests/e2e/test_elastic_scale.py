@@ -20,6 +20,7 @@ runs is a 409, an unknown event id is a 404. Teardown must leave no /dev/shm fil
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import threading
@@ -51,7 +52,7 @@ def served(tiny_model_dir, reference):
                       "--device-memory-gb", str(64 / 1024), "--kv-cache-gb", str(8 / 1024),
                       "--shm-prefix", prefix) as srv:
             yield srv, nodes, prefix
-        assert _actor_processes() == [], "a device worker or rank outlived the server"
+        assert _actor_processes(nodes.temp_dir) == [], "a device worker or rank outlived the server"
     assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
@@ -60,9 +61,18 @@ def server(served) -> Served:
     return served[0]
 
 
-def _actor_processes() -> list[str]:
+def _actor_processes(temp_dir: str) -> list[str]:
+    """Device workers and ranks of the cluster under `temp_dir` (their stdout is a log file there;
+    another cluster on this machine, e.g. another test worker's, has its own)."""
     out = subprocess.run(["pgrep", "-af", "ray::DeviceWorker|ray::InstanceRank"], capture_output=True, text=True)
-    return out.stdout.splitlines()
+    return [line for line in out.stdout.splitlines() if _stdout_of(int(line.split()[0])).startswith(temp_dir)]
+
+
+def _stdout_of(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:  # gone meanwhile
+        return ""
 
 
 def _check_placement(status: dict) -> set[str]:

@@ -18,7 +18,7 @@ from hmm.memory import list_segments
 @contextlib.contextmanager
 def ray_hmm(model_dir: str, *, dp: int, budget: int, kv_bytes: int, page: int = 4096) -> Iterator[HMMController]:
     """Ray up, HMM loaded at `dp` (float32); on exit everything shut down and no shm file left."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     prefix = f"emoetest{secrets.token_hex(4)}"
     ctl = HMMController(use_ray=True, page_size=page, prefix=prefix)
     try:

@@ -39,7 +39,7 @@ PROMPTS = {0: [[5, 6, 7, 8, 9, 10]], 1: [[11, 12, 13]]}
 
 @pytest.fixture(scope="module")
 def prefix():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     prefix = f"emoetest{secrets.token_hex(4)}"
     yield prefix
     ray.shutdown()

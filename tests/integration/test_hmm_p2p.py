@@ -26,7 +26,7 @@ EMBED, ROW5 = TensorKey.dense("embed"), TensorKey.expert_row("layers.0.moe.w2", 
 
 @pytest.fixture(scope="module")
 def prefix():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     prefix = f"emoetest{secrets.token_hex(4)}"
     yield prefix
     ray.shutdown()
