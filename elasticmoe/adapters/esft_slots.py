@@ -78,11 +78,12 @@ class EsftSlots:
     def index(self, name: str) -> int | None:
         return self.slot_of.get(name)
 
-    def check_fits(self, name: str, experts: dict[int, tuple[int, ...]]) -> None:
-        """Raise unless an adapter with these tuned experts can be loaded now (no side effect)."""
+    def check_fits(self, name: str, experts: dict[int, tuple[int, ...]], need_slot: bool = True) -> None:
+        """Raise unless an adapter with these tuned experts can be loaded now (`need_slot`: into
+        a slot now; else into one once free). No side effect."""
         if name in self.slot_of:
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
-        if len(self.slot_of) >= self.max_adapters:
+        if need_slot and len(self.slot_of) >= self.max_adapters:
             raise AdapterLimitError(f"all {self.max_adapters} adapter slots are in use (--max-esft-adapters)")
         for layer, ids in experts.items():
             if layer not in self.blocks:

@@ -1,7 +1,7 @@
 """`AdapterManager`: every adapter of one engine, behind the few calls the engine makes around a step.
 
 It owns the ESFT slots (ExpertWeave: adapter experts as rows of the virtual weight
-tensor), the LoRA slots with their host cache and swapper (MoLoRA's hot set, admitted
+tensor) with, on one rank, the ESFT adapters registered beyond them (`EsftDiskTier`), the LoRA slots with their host cache and swapper (MoLoRA's hot set, admitted
 by CoServe's scheduling window), the learned LoRA routers, and which adapters accept
 requests. The adapter packages attach to the model from outside, through the hooks the
 model defines (`models.common.ExpertsHook`, the LoRA sites, `MoEBlock.reroute`).
@@ -11,7 +11,8 @@ The engine calls, on its thread:
 - `bind(request, ref)` when a request arrives: its ESFT slot, its LoRA slot(s), or "waiting
   for a swap"; raises `UnknownAdapterError` (nothing kept) for an adapter not loaded;
 - `rebind(request)` when a handed-over request arrives (its adapters are loaded here too);
-- `before_step()`: swap in the adapters the scheduling window needs;
+- `before_step()`: swap in the adapters the scheduling window needs (and the ESFT adapter the
+  longest-waiting request needs); returns the requests whose adapter could not be read;
 - `wait_for_swap()`: nothing could be scheduled; wait for a copy in flight (one rank only);
 - `after_step()`: release the adapters whose unload was asked once no live request uses them
   (one rank only; under EP the coordinator does it for every rank at once).
@@ -39,6 +40,7 @@ from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.engine_request import AdapterRef
+from elasticmoe.engine.esft_disk_tier import EsftDiskTier, RowSource
 from elasticmoe.engine.lora_lockstep import LockstepLora
 from elasticmoe.engine.lora_swapper import LoraSwapper, router_node
 from elasticmoe.engine.request import AdapterBinding, Request
@@ -58,16 +60,19 @@ class AdapterManager:
         scheduler: Scheduler,
         live: Callable[[], Iterable[Request]],
     ) -> None:
-        self.config, self.model_config, self.live = config, model_config, live
+        self.config, self.model_config, self.live, self.scheduler = config, model_config, live, scheduler
         self.is_single_rank = config.ep_size == 1
+        self.usage_probability: dict[str, float] = {}  # declared at load, by adapter (routers: router_node)
+        profiled = load_profile(config.adapter_profile).usage_probability if config.adapter_profile else {}
         self.esft: EsftSlots | None = None
+        self.esft_disk: EsftDiskTier | None = None  # ESFT beyond the slots (one rank; the caller's choice)
         if config.max_esft_adapters:
             self.esft = EsftSlots(model, placement, config.ep_rank, config.max_esft_adapters, config.max_esft_experts)
+            if self.is_single_rank:
+                self.esft_disk = EsftDiskTier(self.esft, config.adapter_eviction, profiled, self.usage_probability)
         self.lora: LoraSlots | None = None
         self.swapper: LoraSwapper | None = None
         self.routers: dict[str, LoraRouter] = {}
-        self.usage_probability: dict[str, float] = {}  # declared at load, by adapter (routers: router_node)
-        profiled = load_profile(config.adapter_profile).usage_probability if config.adapter_profile else {}
         self.lockstep_lora: LockstepLora | None = None
         if config.max_loras:
             self.lora = LoraSlots(model, placement, config.ep_rank, config.max_loras, config.max_lora_rank,
@@ -99,7 +104,12 @@ class AdapterManager:
                        or n in self.unloading]
             if missing:
                 raise UnknownAdapterError(missing[0])
-        request.binding = AdapterBinding(ref.name, esft_slot, lora_slot, routing)
+        request.binding = AdapterBinding(ref.name, esft_slot, lora_slot, routing, is_esft=self._is_esft(ref.name))
+        if request.binding.is_esft:
+            if esft_slot < 0:
+                request.binding.wait()  # on disk, or being swapped out: `before_step` swaps it in
+            if self.esft_disk is not None:
+                self.esft_disk.note_arrival(ref.name)  # type: ignore[arg-type]
         if self.swapper is not None:
             if routing is not None:
                 self.swapper.assign(request)
@@ -108,7 +118,7 @@ class AdapterManager:
                 else:  # a per-token table: its request needs each of its adapters
                     for name in sorted(routing.names):
                         self.swapper.note_arrival(name)
-            elif ref.name is not None and esft_slot < 0:  # a LoRA adapter, resident or not
+            elif ref.name is not None and not request.binding.is_esft:  # a LoRA adapter, resident or not
                 if lora_slot < 0:
                     request.binding.wait()
                 self.swapper.note_arrival(ref.name)
@@ -117,14 +127,21 @@ class AdapterManager:
         """A handed-over request: its slots here (its adapters are loaded here too)."""
         binding = request.binding
         binding.esft_slot, binding.lora_slot = self._slots(binding.name)
+        binding.is_esft = self._is_esft(binding.name)
         if binding.name is not None and binding.esft_slot < 0 and binding.lora_slot < 0:
             binding.wait()
         if binding.routing is not None and self.swapper is not None:
             self.swapper.assign(request)
 
-    def before_step(self) -> None:
+    def before_step(self) -> list[tuple[Request, Exception]]:
+        """Swap in what waiting requests need. Returns the requests whose ESFT adapter could not be
+        read from its files (the engine fails them alone)."""
+        failed: list[tuple[Request, Exception]] = []
+        if self.esft_disk is not None:
+            failed = self.esft_disk.swap_in(self.scheduler.waiting, self.scheduler.running)
         if self.swapper is not None:
             self.swapper.swap_in()
+        return failed
 
     def wait_for_swap(self) -> bool:
         """Nothing could be scheduled: if that is because an adapter is still being copied in,
@@ -143,19 +160,32 @@ class AdapterManager:
     # ---- loading and unloading ---------------------------------------------------------------
 
     def load_esft(self, name: str, experts: dict[int, tuple[int, ...]], expert_weights: ExpertWeights | None,
-                  slot: int | None = None, usage_probability: float | None = None) -> int:
+                  slot: int | None = None, usage_probability: float | None = None,
+                  files: RowSource | None = None) -> int | None:
         """Load an ESFT adapter (its tuned experts that live on this rank) into slot `slot` (None:
         a free one). `expert_weights=None`: the provider already filled its rows (HMM memory).
-        `usage_probability`: the chance a request uses it, declared (None: unknown). Raises
-        `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError` naming the field."""
+        `usage_probability`: the chance a request uses it, declared (None: unknown). `files`:
+        where its rows are read from again, given by a caller that lets this engine swap it out
+        and back (one rank only); with every slot taken it is then registered on disk and None
+        returned. Raises `AdapterLimitError` / `AdapterConflictError` (409) or `ValueError`
+        naming the field."""
         if self.esft is None:
             raise AdapterLimitError("this engine serves no ESFT adapters (--max-esft-adapters 0)")
         self._check_new_name(name)
         self._check_probability(usage_probability)
-        slot = self.esft.load(name, experts, expert_weights, slot)
+        tier = self.esft_disk if files is not None else None
+        if tier is not None and slot is None and len(self.esft.slot_of) >= self.esft.max_adapters:
+            self.esft.check_fits(name, experts, need_slot=False)
+            tier.register(name, experts, files)  # type: ignore[arg-type]
+            new_slot = None
+        else:
+            new_slot = self.esft.load(name, experts, expert_weights, slot)
+            if tier is not None:
+                tier.register(name, experts, files)  # type: ignore[arg-type]
+                tier.note_loaded(name)
         self._declare(name, usage_probability)
         self._publish()
-        return slot
+        return new_slot
 
     def load_lora(self, name: str, modules: dict[str, tuple[int, int, int]], weights: LoraWeights, scaling: float,
                   slot: int | None = None, usage_probability: float | None = None) -> int | None:
@@ -244,11 +274,17 @@ class AdapterManager:
         self.unloading.discard(name)
 
     def stats(self) -> dict[str, int]:
-        """LoRA slot counters (empty without LoRA)."""
+        """LoRA slot counters, and ESFT swap counters where ESFT adapters swap (empty without)."""
+        out: dict[str, int] = {}
+        tier = self.esft_disk
+        if tier is not None and tier.registered:
+            out = {"esft_slots": tier.slots.max_adapters, "esft_resident": len(tier.slots.slot_of),
+                   "esft_registered": len(tier.registered), "esft_swaps_in": tier.num_swaps_in,
+                   "esft_evictions": tier.num_evictions, "esft_swap_us": int(tier.swap_s * 1e6)}
         lora = self.lora
         if lora is None:
-            return {}
-        return {"slots": lora.max_loras, "resident": len(lora.slot_of), "loaded": len(lora.host),
+            return out
+        return {**out, "slots": lora.max_loras, "resident": len(lora.slot_of), "loaded": len(lora.host),
                 "swaps_in": lora.num_swaps_in, "evictions": lora.num_evictions,
                 "hits": lora.num_hits, "misses": lora.num_misses, "swap_us": int(lora.swap_s * 1e6)}
 
@@ -258,8 +294,14 @@ class AdapterManager:
         from elasticmoe.adapters.esft_slots import describe
 
         out = [{**d, "type": "esft"} for d in describe(self.esft)]
+        if self.esft_disk is not None:  # registered beyond the slots: on disk until a request needs them
+            out += [{"name": n, "slot": None, "num_experts": sum(len(v) for v in e.experts.values()),
+                     "bytes_on_rank": 0, "type": "esft"}
+                    for n, e in self.esft_disk.registered.items() if self.esft.index(n) is None]  # type: ignore[union-attr]
         if self.lora is not None:
             out += [{"name": n, "slot": self.lora.slot_of.get(n), "type": "lora"} for n in self.lora.names]
+        for d in out:
+            d["resident"] = d["slot"] is not None
         for d in out:
             if d["name"] in self.usage_probability:
                 d["usage_probability"] = self.usage_probability[d["name"]]
@@ -274,8 +316,11 @@ class AdapterManager:
             return -1, -1
         if adapter not in self.unloading:
             slot = self.esft.index(adapter) if self.esft is not None else None
-            if slot is not None:
+            tier = self.esft_disk
+            if slot is not None and (tier is None or tier.is_admitting(adapter)):
                 return slot, -1
+            if tier is not None and adapter in tier.registered:
+                return -1, -1  # on disk, or being swapped out: it waits (`EsftDiskTier.swap_in`)
             if self.lora is not None and self.lora.is_loaded(adapter):
                 slot = self.lora.index(adapter)
                 if slot is None:
@@ -284,6 +329,12 @@ class AdapterManager:
                 self.lora.num_hits += 1
                 return -1, slot
         raise UnknownAdapterError(adapter)
+
+    def _is_esft(self, adapter: str | None) -> bool:
+        return adapter is not None and (
+            (self.esft is not None and self.esft.index(adapter) is not None)
+            or (self.esft_disk is not None and adapter in self.esft_disk.registered)
+        )
 
     def _parse_routing(self, obj: Any) -> VocabRouting | LearnedRouting:
         if not isinstance(obj, dict):  # already parsed (the offline API passes a routing object)
@@ -298,9 +349,7 @@ class AdapterManager:
     def _check_new_name(self, name: str) -> None:
         if name in self.unloading:
             raise AdapterConflictError(f"adapter {name!r} is still unloading")
-        if (self.esft is not None and self.esft.index(name) is not None) or (
-            self.lora is not None and self.lora.is_loaded(name)
-        ):
+        if self._is_esft(name) or (self.lora is not None and self.lora.is_loaded(name)):
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
 
     def _check_probability(self, usage_probability: float | None) -> None:
@@ -321,8 +370,11 @@ class AdapterManager:
             self.swapper.forget(key)
 
     def _release(self, name: str) -> None:
-        if self.esft is not None and self.esft.index(name) is not None:
-            self.esft.unload(name)
+        if self._is_esft(name):
+            if self.esft is not None and self.esft.index(name) is not None:
+                self.esft.unload(name)
+            if self.esft_disk is not None:
+                self.esft_disk.forget(name)
         elif self.lora is not None:
             self.lora.unload(name)
             # A router over a released adapter is dropped with it (its requests would wait forever).
@@ -334,7 +386,10 @@ class AdapterManager:
     def _publish(self) -> None:
         # NOTE: one tuple assignment, so other threads (HTTP handlers listing models) read a
         # consistent snapshot without locking the engine thread.
-        names = (self.esft.names if self.esft is not None else []) + (self.lora.names if self.lora is not None else [])
+        esft = self.esft.names if self.esft is not None else []
+        if self.esft_disk is not None:
+            esft = esft + [n for n in self.esft_disk.registered if n not in esft]
+        names = esft + (self.lora.names if self.lora is not None else [])
         self.served = tuple(n for n in names if n not in self.unloading)
 
     def _finish_unloads(self) -> None:

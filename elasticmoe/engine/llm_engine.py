@@ -267,22 +267,22 @@ class LLMEngine:
         A request whose forward or sampling raises is finished alone (`finish_reason="error"`),
         the others go on. Under EP a failed forward raises instead: the peers may be inside
         its all-to-all, so the instance is replaced (the coordinator resumes its requests)."""
-        self.adapters.before_step()
+        failed = [self._fail(r, exc) for r, exc in self.adapters.before_step()]  # an adapter unreadable
         sched = self.scheduler.schedule()
         if sched.is_empty and self.adapters.wait_for_swap():
             sched = self.scheduler.schedule()
         if sched.is_empty and self.config.ep_size == 1:
-            return []  # NOTE: under EP an idle rank still runs the empty forward (lockstep)
+            return failed  # NOTE: under EP an idle rank still runs the empty forward (lockstep)
         try:
             logits, sample_indices = self.runner.execute(sched)
         except Exception:
             if self.config.ep_size > 1:
                 raise
             logger.exception("forward of %d requests failed; running them one by one", len(sched.scheduled))
-            return self._execute_one_by_one(sched)
+            return failed + self._execute_one_by_one(sched)
         outputs = self._update(sched, logits, sample_indices)
         self.adapters.after_step()
-        return outputs
+        return failed + outputs
 
     def _execute_one_by_one(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """After a failed batched forward: each request's share alone, so that only the requests

@@ -25,8 +25,9 @@ class AdapterBinding:
     A request uses the base model, one adapter (`name`: an ESFT adapter, whose slot is the
     AID of its tokens, or a LoRA adapter in a LoRA slot), or LoRA adapters chosen per token
     (`routing`, with `range_slots` [M]: each vocabulary range's, or each routed adapter's,
-    slot, -1 for none). While a LoRA adapter it needs is not resident the request waits
-    (`is_waiting`); the swapper makes it resident and assigns the slots before a later step.
+    slot, -1 for none). While an adapter it needs is not resident the request waits
+    (`is_waiting`); the swapper makes it resident and assigns the slots before a later step (ESFT
+    beyond the slots of a one-rank engine: `engine.esft_disk_tier`).
     """
 
     name: str | None = None  # its adapter; None: the base model, or routed per token
@@ -35,17 +36,21 @@ class AdapterBinding:
     routing: Any = None  # a `VocabRouting` or `LearnedRouting`, or None
     range_slots: torch.Tensor | None = None  # with `routing`, once all of its adapters are resident
     is_waiting: bool = False
+    is_esft: bool = False  # `name` is an ESFT adapter (resident or not)
 
     @property
     def lora_names(self) -> set[str]:
         """The LoRA adapters the request needs."""
         if self.routing is not None:
             return set(self.routing.names)
-        return {self.name} if self.name is not None and self.esft_slot < 0 else set()
+        return {self.name} if self.name is not None and not self.is_esft else set()
 
     def wait(self) -> None:
-        """A LoRA adapter it needs is not (or no longer) resident."""
-        self.lora_slot, self.range_slots, self.is_waiting = -1, None, True
+        """An adapter it needs is not (or no longer) resident."""
+        self.esft_slot, self.lora_slot, self.range_slots, self.is_waiting = -1, -1, None, True
+
+    def esft_resident(self, slot: int) -> None:
+        self.esft_slot, self.is_waiting = slot, False
 
     def resident(self, slot: int) -> None:
         self.lora_slot, self.is_waiting = slot, False

@@ -43,7 +43,7 @@ def adapter_key(request: Request) -> Hashable:
     binding = request.binding
     if binding.routing is not None:
         return frozenset(binding.routing.names)
-    return binding.name if binding.esft_slot < 0 else None
+    return binding.name if not binding.is_esft else None
 
 
 class Scheduler:

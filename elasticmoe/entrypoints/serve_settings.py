@@ -139,7 +139,7 @@ class ServeSettings(BaseModel):
             raise ValueError(f"--kv-cache-gb: must be > 0, got {self.kv_bytes_per_device / GIB:g}")
         if self.max_esft_adapters < 0 or self.max_esft_experts < 1:
             raise ValueError("--max-esft-adapters: must be >= 0 and --max-esft-experts >= 1")
-        if len(self.esft_adapters) > self.max_esft_adapters:
+        if self.esft_adapters and self.max_esft_adapters < 1:  # beyond the slots they wait on disk
             raise ValueError(
                 f"--max-esft-adapters: {self.max_esft_adapters} slots for {len(self.esft_adapters)} --esft-adapter")
         if self.max_loras < 0 or self.max_lora_rank < 1:

@@ -1,9 +1,11 @@
 """ESFT adapters over HTTP on the single-process server (tiny Qwen3-MoE, 2 slots of 2 experts).
 
 Load at run time with `POST /admin/adapters`, select with `model`, list in `/v1/models`;
-outputs equal the merged model's; errors in OpenAI format (400 naming the field, 404, 409
-naming the limit); `DELETE` while one of its requests streams: new requests get 404, the
-stream completes unchanged, then the slot is free for another adapter.
+outputs equal the merged model's; an adapter beyond the slots is registered on disk and
+swapped in when a request needs it (its output equals its merged model's too); errors in
+OpenAI format (400 naming the field, 404, 409 naming the conflict); `DELETE` while one of its
+requests streams: new requests get 404, the stream completes unchanged, then the slot is free
+for another adapter.
 """
 
 from __future__ import annotations
@@ -113,11 +115,20 @@ def test_load_select_list_and_errors(server, adapters, tiny_model_dir):
             assert r.status_code == status, (body, r.text)
             assert r.json()["error"]["param"] == param, (body, r.json())
         assert c.post("/admin/adapters", json={"name": "beta", "path": adapters["beta"][0]}).status_code == 201
-        full = c.post("/admin/adapters", json={"name": "gamma", "path": adapters["gamma"][0]})
-        assert full.status_code == 409 and "2 adapter slots" in full.json()["error"]["message"]
+        # beyond the 2 slots: registered on disk, swapped in when a request needs it
+        beyond = c.post("/admin/adapters", json={"name": "gamma", "path": adapters["gamma"][0]})
+        assert beyond.status_code == 201 and beyond.json()["slot"] is None, beyond.text
+        listed = {a["name"]: a for a in c.get("/admin/adapters").json()["adapters"]}
+        assert [listed[n]["resident"] for n in ("alpha", "beta", "gamma")] == [True, True, False]
+        got = _complete(c, "gamma")
+        assert got.status_code == 200 and got.json()["choices"][0]["text"] == _reference_text(adapters["gamma"][1], 8)
+        assert _complete(c, "alpha").json()["choices"][0]["text"] == _reference_text(adapters["alpha"][1], 8)
+        listed = {a["name"]: a for a in c.get("/admin/adapters").json()["adapters"]}
+        assert sum(a["resident"] for a in listed.values()) == 2  # swapped, never over the slots
+        assert c.delete("/admin/adapters/gamma").status_code == 200
         assert _complete(c, "gamma").status_code == 404
         assert c.delete("/admin/adapters/gamma").status_code == 404
-        assert [a["name"] for a in c.get("/admin/adapters").json()["adapters"]] == ["alpha", "beta"]
+        assert {a["name"] for a in c.get("/admin/adapters").json()["adapters"]} == {"alpha", "beta"}
         assert c.get("/health").status_code == 200
 
 

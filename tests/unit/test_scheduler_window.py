@@ -15,7 +15,7 @@ from elasticmoe.sampling_params import SamplingParams
 def make_request(request_id: str, adapter: str | None = None, ready: bool = True, esft: bool = False,
                  num_prompt: int = 2) -> Request:
     """A LoRA request for `adapter` (slot 0, or waiting for its swap), an ESFT one, or a base one."""
-    binding = AdapterBinding(adapter, esft_slot=0 if esft else -1)
+    binding = AdapterBinding(adapter, esft_slot=0 if esft else -1, is_esft=esft)
     if adapter is not None and not esft and ready:
         binding.resident(0)
     elif adapter is not None and not esft:

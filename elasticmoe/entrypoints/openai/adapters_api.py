@@ -163,7 +163,9 @@ def _adapter_error(exc: BaseException) -> Exception:
 
 class EngineAdapterHost:
     """Adapters of one `AsyncLLM`'s engine. The weights are read from disk in a worker thread;
-    the engine thread only copies them into their slot rows, so serving does not pause."""
+    the engine thread only copies them into their slot rows, so serving does not pause. ESFT
+    adapters beyond the slots are registered on disk and swapped in when a request needs one
+    (`engine.esft_disk_tier`: that read is on the engine thread)."""
 
     def __init__(self, async_llm: Any) -> None:
         self.async_llm = async_llm
@@ -177,9 +179,10 @@ class EngineAdapterHost:
         dtype = engine.config.dtype
         rank, placement = engine.config.ep_rank, engine.placement
         weights = await asyncio.to_thread(read_expert_weights, adapter, rank, placement.expert_to_rank, dtype)
+        adapter.close()  # read again from its files only if it is swapped out and back
         slot = await self.async_llm.run_on_loop(
             lambda: engine.adapters.load_esft(adapter.name, experts, lambda layer, e, _: weights[(layer, e)],
-                                              usage_probability=usage_probability)
+                                              usage_probability=usage_probability, files=adapter)
         )
         return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
 

@@ -225,7 +225,8 @@ def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: in
     for adapter_name, path in settings.esft_adapters:
         try:
             adapter = read_esft_adapter(adapter_name, path, engine.model_config)
-            engine.adapters.load_esft(adapter_name, adapter.config.experts, adapter.expert_weights)
+            engine.adapters.load_esft(adapter_name, adapter.config.experts, adapter.expert_weights, files=adapter)
+            adapter.close()
         except (ValueError, RuntimeError) as exc:  # AdapterError, AdapterLimitError, ...
             print(f"error: --esft-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
             return 2
