@@ -312,16 +312,19 @@ def _add_reap_shm(sub: argparse._SubParsersAction) -> None:
         "device worker killed with SIGKILL before it could free them). Files of running servers are never "
         "touched: each owner holds a lock on its lease file for as long as it lives. Prints the files freed.",
     )
-    p.add_argument("--prefix", default=None, metavar="PREFIX",
-                   help="the servers' --shm-prefix (default: emoe, the servers' default)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--prefix", default=None, metavar="PREFIX",
+                       help="the servers' --shm-prefix (default: emoe, the servers' default)")
+    which.add_argument("--all", action="store_true",
+                       help="every prefix found in /dev/shm (servers with their own --shm-prefix, killed test runs)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be freed")
 
 
 def _run_reap_shm(args: argparse.Namespace) -> int:
-    from hmm.memory.lease import reap
+    from hmm.memory.lease import reap, reap_all
     from hmm.memory.shm import DEFAULT_PREFIX
 
-    names = reap(args.prefix or DEFAULT_PREFIX, dry_run=args.dry_run)
+    names = reap_all(args.dry_run) if args.all else reap(args.prefix or DEFAULT_PREFIX, dry_run=args.dry_run)
     for name in names:
         print(name)
     print(f"{'would free' if args.dry_run else 'freed'} {len(names)} files", file=sys.stderr)

@@ -12,7 +12,8 @@ end is visible to anyone:
 - `reap(prefix)` frees what no live process owns: files whose lease lock can be taken
   (the owner is gone) or whose lease file is gone, and those leases. Device workers reap
   when they start (a restarted worker or coordinator frees its predecessor's copy of the
-  model), the server reaps when it stops, and `elasticmoe reap-shm` reaps on demand.
+  model), the server reaps when it stops, and `elasticmoe reap-shm` reaps on demand (`--all`:
+  every prefix, `reap_all`).
 
 A lease is released (its file removed) when the last file of its prefix in this process is
 freed, so an orderly shutdown leaves nothing behind, not even the lease.
@@ -33,6 +34,7 @@ SHM_DIR = "/dev/shm"
 _LEASE = "lease"
 # `<prefix>-d<device>-<kind>-<owner>-<random>`, owner = `<pid>o<token>`
 _SEGMENT = re.compile(r"^(?P<prefix>.+)-d[^-]+-[a-z]+-(?P<owner>\d+o[0-9a-f]+)-[0-9a-f]+$")
+_LEASE_NAME = re.compile(r"^(?P<prefix>.+)-lease-(?P<owner>\d+o[0-9a-f]+)$")
 
 
 class Lease:
@@ -139,6 +141,23 @@ def reap(prefix: str, dry_run: bool = False) -> list[str]:
     if reaped and not dry_run:
         logger.warning("reaped %d shared-memory files of %s whose owners are gone", len(reaped), prefix)
     return reaped
+
+
+def prefixes_in_use() -> set[str]:
+    """Every prefix with an HMM file or lease in /dev/shm (servers started with their own
+    `--shm-prefix`, tests and benchmarks with random ones)."""
+    out = set()
+    for name in os.listdir(SHM_DIR):
+        match = _SEGMENT.match(name) or _LEASE_NAME.match(name)
+        if match is not None:
+            out.add(match["prefix"])
+    return out
+
+
+def reap_all(dry_run: bool = False) -> list[str]:
+    """`reap` every prefix in use: what dead owners left under any prefix (live owners' files
+    are never touched, whatever their prefix)."""
+    return [name for prefix in sorted(prefixes_in_use()) for name in reap(prefix, dry_run)]
 
 
 def _unlink(name: str) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hmm.memory import MemoryAccount, ShmBackend, list_segments
-from hmm.memory.lease import reap
+from hmm.memory.lease import prefixes_in_use, reap, reap_all
 from hmm.memory.page_pool import PagePool
 
 KiB = 1024
@@ -106,6 +106,28 @@ def test_reap_shm_command_lists_then_frees_only_dead_owners_files(prefix, capsys
         assert main(["reap-shm", "--prefix", prefix]) == 0
         assert sorted(capsys.readouterr().out.split()) == sorted(theirs)
         assert not set(theirs) & set(list_segments(prefix)) and mine.names()  # ours untouched
+        assert main(["reap-shm", "--all", "--dry-run"]) == 0
+        assert not set(capsys.readouterr().out.split()) & set(mine.names())
     finally:
         proc.kill()
         mine.free(kept)
+
+
+def test_reap_all_frees_dead_owners_under_every_prefix_and_nothing_live(prefix):
+    other = f"emoetest{secrets.token_hex(4)}"
+    dead = _owner_process(other)
+    live = _owner_process(prefix)
+    try:
+        theirs, kept = list_segments(other), list_segments(prefix)
+        assert {other, prefix} <= prefixes_in_use()
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(10)
+        assert sorted(n for n in reap_all(dry_run=True) if n.startswith(f"{other}-")) == sorted(theirs)
+        reaped = reap_all()
+        assert sorted(n for n in reaped if n.startswith(f"{other}-")) == sorted(theirs)
+        assert not [n for n in reaped if n.startswith(f"{prefix}-")]  # a live owner's: untouched
+        assert list_segments(other) == [] and list_segments(prefix) == kept
+    finally:
+        dead.kill()
+        live.kill()
+        live.wait(10)
