@@ -206,7 +206,10 @@ class OpenAIServing:
             if isinstance(out, str):  # an error event
                 yield out
                 break
-            if out.new_text or out.new_logprobs:
+            # NOTE: a chunk per step that made tokens, even while their text is held back (a partial
+            # UTF-8 sequence, a possible stop string): clients time tokens by chunks (as with vLLM).
+            # The last step's empty text rides on the finish chunk.
+            if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished):
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = _completion_logprobs(out.new_logprobs or [], text_offset)
@@ -278,7 +281,7 @@ class OpenAIServing:
             if isinstance(out, str):
                 yield out
                 break
-            if out.new_text or out.new_logprobs:
+            if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished):  # as above
                 logprobs = (
                     ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or []))
                     if request.logprobs
