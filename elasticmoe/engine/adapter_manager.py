@@ -1,9 +1,9 @@
 """`AdapterManager`: every adapter of one engine, behind the few calls the engine makes around a step.
 
 It owns the ESFT slots (ExpertWeave: adapter experts as rows of the virtual weight
-tensor) with, on one rank, the ESFT adapters registered beyond them (`EsftDiskTier`), the LoRA slots with their host cache and swapper (MoLoRA's hot set, admitted
-by CoServe's scheduling window), the learned LoRA routers, and which adapters accept
-requests. The adapter packages attach to the model from outside, through the hooks the
+tensor) with, on one rank, the ESFT adapters registered beyond them (`EsftDiskTier`), the
+LoRA slots with their host cache and swapper (MoLoRA's hot set, admitted by CoServe's
+scheduling window), the learned LoRA routers, and which adapters accept requests. The adapter packages attach to the model from outside, through the hooks the
 model defines (`models.common.ExpertsHook`, the LoRA sites, `MoEBlock.reroute`).
 
 The engine calls, on its thread:

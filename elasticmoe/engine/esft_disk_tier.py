@@ -46,7 +46,8 @@ class RowSource(Protocol):
     when asked; `close` lets go of the files until the next read (no file held open per
     registered adapter between swaps)."""
 
-    def expert_weights(self, layer: int, expert: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def expert_weights(self, layer: int, expert: int,
+                       dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def close(self) -> None: ...
 
@@ -66,7 +67,7 @@ class EsftDiskTier:
         self.policy = eviction_policy(eviction)
         self.profiled, self.declared = profiled, declared  # usage probabilities (declared: the manager's, live)
         self.registered: dict[str, OnDisk] = {}  # every adapter loaded through the tier, resident or not
-        self.evicting: str | None = None  # resident, admits no request, released once none of its runs
+        self.evicting: str | None = None  # resident, admits nothing, released once none of its requests runs
         self._fresh: set[str] = set()  # swapped in for requests that have not run yet: not evicted
         self._seq = itertools.count(1)
         self._loaded_seq: dict[str, int] = {}

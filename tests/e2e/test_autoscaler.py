@@ -76,7 +76,7 @@ def test_ramp_then_drop_scales_up_recovers_and_scales_down(server):
     spec = LoadSpec(LOAD, duration_s=DURATION, mix=AdapterMix.single(MODEL),
                     prompt_len=LengthDist("uniform", 8, 16), output_len=LengthDist("fixed", 48), seed=7)
     result = asyncio.run(run_load(spec, server.url, api_key=API_KEY, admin_key=ADMIN_KEY,
-                                  watch_scale_events=True, poll_interval_s=0.5, request_timeout_s=120))
+                                  watch_scale_events=True, poll_interval_s=0.5, request_timeout_s=300))
     records = result.records
     failed = [r for r in records if not r.is_ok]
     assert not failed, f"{len(failed)} failed, e.g. {failed[0].status} {failed[0].error}"
