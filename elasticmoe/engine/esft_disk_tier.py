@@ -109,7 +109,9 @@ class EsftDiskTier:
         not be read (a file gone or damaged since registration): they fail, it stays registered."""
         waiting = list(waiting)
         in_use = _esft_adapters(running)
-        self._fresh -= in_use  # its requests ran: it may be evicted again
+        # NOTE: fresh only while requests bound to it still wait to run (once they ran, or were
+        # aborted before, it may go again: else an abandoned swap-in would pin its slot forever)
+        self._fresh &= _esft_adapters(r for r in waiting if not r.binding.is_waiting)
         if self.evicting is not None and self.evicting not in in_use:
             self._release(self.evicting, waiting)
         pending = [r for r in waiting if r.binding.is_esft and r.binding.is_waiting]

@@ -130,3 +130,30 @@ def test_limits_that_apply_on_disk_too(setup):
     adapter = EsftAdapter.open("gamma", paths["gamma"], config)
     with pytest.raises(AdapterLimitError, match="slots"):  # a caller that gives no files: no disk tier
         engine.adapters.load_esft("gamma", adapter.config.experts, adapter.expert_weights)
+
+
+def test_a_swap_whose_requests_were_aborted_before_running_does_not_pin_the_slot(setup):
+    """beta is swapped in for a request that cannot start yet (the only sequence is taken) and is
+    then aborted: beta must not stay "just swapped in" forever, alpha's request takes the slot."""
+    base, config, paths, merged, _ = setup
+    engine = _engine(base, max_esft_adapters=1, max_esft_experts=2, max_num_seqs=1)
+    for name in ("alpha", "beta"):
+        _register(engine, name, paths[name], config)
+    long = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("base", PROMPTS[1], long)  # holds the only sequence for 6 steps
+    engine.step()
+    engine.add_request("b", PROMPTS[1], PARAMS, "beta")
+    engine.step()  # beta swapped in for "b", which cannot start
+    assert engine.adapters.esft.index("beta") == 0
+    engine.abort("b")
+    engine.add_request("a", PROMPTS[1], PARAMS, "alpha")
+    finished = {}
+    for _ in range(200):
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = (o.finish_reason, o.output_token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finished) == {"base", "a"} and finished["a"][0] == "length", finished
+    want = _run(_engine(merged["alpha"]), [("a", PROMPTS[1], None)])
+    assert finished["a"][1] == want["a"][1]
