@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                              vocab, args.seed)
     progress(f"{len(adapters)} adapters ready ({build_s:.0f} s to write), {len(arrivals)} requests per run")
     become_subreaper()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, resources={DEVICE_RESOURCE: max(args.dps)})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             resources={DEVICE_RESOURCE: max(args.dps)})
     rows = []
     try:
         for dp in args.dps:
