@@ -222,8 +222,9 @@ class LockstepAsyncLLM(AsyncLLM):
                 if any_work:
                     # NOTE: with a group, a step that raised may have left a peer inside an
                     # all-to-all: crash (the coordinator replaces the instance); alone, fail its requests.
-                    self._deliver(self._step() if self.group is None else self.engine.step())
-                    self.num_steps += 1
+                    outputs = self._step() if self.group is None else self.engine.step()
+                    self.num_steps += 1  # NOTE: before the outputs reach their consumers (stats agree with them)
+                    self._deliver(outputs)
                 else:
                     stop_code = max(stop_code, self._wait_for_command())
                 self.num_running = self.engine.num_running
