@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_LOCK_WAIT_S = 10.0  # a registration waits this long for a swap step or a scale's start to end
+LOCK_WAIT_S = 10.0  # a registration or a manual scale waits this long for the adapter lock (a step)
 
 
 @dataclass
@@ -157,7 +157,7 @@ class ClusterAdapterHost:
 
     def load_blocking(self, name: str, path: str, experts: dict[int, tuple[int, ...]],
                       usage_probability: float | None = None) -> dict[str, Any]:
-        if not self.lock.acquire(timeout=_LOCK_WAIT_S):
+        if not self.lock.acquire(timeout=LOCK_WAIT_S):
             raise AdapterConflictError("a scale or another adapter change is in progress; retry")
         try:
             return self._load(name, path, experts, usage_probability)
@@ -225,7 +225,7 @@ class ClusterAdapterHost:
     def load_lora_blocking(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
         """Every rank loads the adapter (its own experts' factors) into the same slot: the ranks'
         slot tables stay equal because they load the same adapters in the same order."""
-        if not self.lock.acquire(timeout=_LOCK_WAIT_S):
+        if not self.lock.acquire(timeout=LOCK_WAIT_S):
             raise AdapterConflictError("a scale or another adapter change is in progress; retry")
         try:
             cluster = self.cluster

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from coordinator.adapters import LOCK_WAIT_S
 from coordinator.autoscale_loop import AutoscaleLoop
 from coordinator.autoscaler import Autoscaler
 from coordinator.cluster import ClusterManager
@@ -40,8 +41,6 @@ from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.adapters_api import read_esft_adapter
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from hmm.lifeline import in_ray_actor, watch_parent
-
-_ADAPTER_LOCK_WAIT_S = 10.0  # a manual scale waits this long for an adapter swap step or registration
 
 
 # NOTE: a short graceful shutdown: what may be in flight at the end are the ingress's long polls
@@ -123,7 +122,7 @@ class Coordinator:
     async def start_scale(self, dp: int, strategy: str = DEFAULT_STRATEGY) -> dict[str, Any]:
         """A manual scale (raises `OpenAIError`); it pauses the autoscaler (an operator's decision
         wins until resumed)."""
-        event_id = await asyncio.to_thread(self.scales.start, dp, strategy, _ADAPTER_LOCK_WAIT_S)
+        event_id = await asyncio.to_thread(self.scales.start, dp, strategy, LOCK_WAIT_S)
         policy = self.autoscale.policy
         if policy.enabled:
             policy.pause(f"manual scale {event_id}; resume with POST /admin/autoscaler")

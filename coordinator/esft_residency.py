@@ -37,10 +37,8 @@ from typing import TYPE_CHECKING
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from elasticmoe.adapter_policy.eviction import Residency, TierView, eviction_order, eviction_policy
-from elasticmoe.adapter_policy.graph import DependencyGraph, Node
+from elasticmoe.adapter_policy.eviction import TierView, eviction_order, eviction_policy, slot_tier_view
 from elasticmoe.adapter_policy.profile import load_profile
-from elasticmoe.adapter_policy.usage import usage_probabilities
 from elasticmoe.errors import UnknownAdapterError
 
 if TYPE_CHECKING:
@@ -156,18 +154,10 @@ class EsftResidency:
 
     def _view(self, resident: list[AdapterState], fresh: set[str]) -> TierView:
         names = [a.name for a in resident]
-        graph = DependencyGraph.build(Node(n, "esft", 1) for n in names)
         declared = {a.name: a.usage_probability for a in resident if a.usage_probability is not None}
-        total = sum(self.num_requested.get(n, 0) for n in names)
-        observed = {n: self.num_requested.get(n, 0) / total for n in names} if total else {}
-        return TierView(
-            graph,
-            resident={n: Residency(self.loaded_seq.get(n, 0), max(self.used_seq.get(n, 0), self.loaded_seq.get(n, 0)))
-                      for n in names},
-            probabilities=usage_probabilities(names, self.profiled, declared, observed),
-            pinned=frozenset(fresh),
-            queued=frozenset(n for n in names if n not in fresh and self._in_use(n)),  # running: evicted last
-        )
+        return slot_tier_view(names, self.loaded_seq, self.used_seq, self.num_requested, self.profiled, declared,
+                              pinned=frozenset(fresh),
+                              queued=frozenset(n for n in names if n not in fresh and self._in_use(n)))  # running: last
 
     def _in_use(self, name: str) -> bool:
         """Some rank of the active instance has a live request of `name` (an instance that cannot

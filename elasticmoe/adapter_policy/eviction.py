@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from elasticmoe.adapter_policy.graph import DependencyGraph
+from elasticmoe.adapter_policy.graph import DependencyGraph, Node
+from elasticmoe.adapter_policy.usage import usage_probabilities
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,28 @@ def eviction_policy(name: str) -> EvictionPolicy:
     if name not in EVICTION_POLICIES:
         raise ValueError(f"adapter_eviction: expected one of {sorted(EVICTION_POLICIES)}, got {name!r}")
     return EVICTION_POLICIES[name]
+
+
+def slot_tier_view(
+    names: list[str],
+    loaded_seq: Mapping[str, int],
+    used_seq: Mapping[str, int],
+    num_requested: Mapping[str, int],
+    profiled: Mapping[str, float],
+    declared: Mapping[str, float],
+    pinned: frozenset[str] = frozenset(),
+    queued: frozenset[str] = frozenset(),
+) -> TierView:
+    """The ESFT slots as a tier: independent nodes of one slot each, residency from the sequence
+    numbers (0 if unknown, used no earlier than loaded), usage probabilities from the profile,
+    else the declaration, else each one's share of the requests counted. `pinned` / `queued`
+    keep only the resident names."""
+    graph = DependencyGraph.build(Node(n, "esft", 1) for n in names)
+    total = sum(num_requested.get(n, 0) for n in names)
+    observed = {n: num_requested.get(n, 0) / total for n in names} if total else {}
+    resident = {n: Residency(loaded_seq.get(n, 0), max(used_seq.get(n, 0), loaded_seq.get(n, 0))) for n in names}
+    return TierView(graph, resident, usage_probabilities(names, profiled, declared, observed),
+                    pinned=pinned & set(names), queued=queued & set(names))
 
 
 def eviction_order(policy: EvictionPolicy, view: TierView) -> list[str]:

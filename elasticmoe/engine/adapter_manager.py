@@ -275,12 +275,7 @@ class AdapterManager:
 
     def stats(self) -> dict[str, int]:
         """LoRA slot counters, and ESFT swap counters where ESFT adapters swap (empty without)."""
-        out: dict[str, int] = {}
-        tier = self.esft_disk
-        if tier is not None and tier.registered:
-            out = {"esft_slots": tier.slots.max_adapters, "esft_resident": len(tier.slots.slot_of),
-                   "esft_registered": len(tier.registered), "esft_swaps_in": tier.num_swaps_in,
-                   "esft_evictions": tier.num_evictions, "esft_swap_us": int(tier.swap_s * 1e6)}
+        out = self.esft_disk.stats() if self.esft_disk is not None and self.esft_disk.registered else {}
         lora = self.lora
         if lora is None:
             return out

@@ -32,9 +32,7 @@ from typing import Protocol
 
 import torch
 
-from elasticmoe.adapter_policy.eviction import Residency, TierView, eviction_order, eviction_policy
-from elasticmoe.adapter_policy.graph import DependencyGraph, Node
-from elasticmoe.adapter_policy.usage import usage_probabilities
+from elasticmoe.adapter_policy.eviction import eviction_order, eviction_policy, slot_tier_view
 from elasticmoe.adapters.esft_slots import EsftSlots
 from elasticmoe.engine.request import Request
 
@@ -78,6 +76,11 @@ class EsftDiskTier:
 
     def register(self, name: str, experts: dict[int, tuple[int, ...]], files: RowSource) -> None:
         self.registered[name] = OnDisk(dict(experts), files)
+
+    def stats(self) -> dict[str, int]:
+        return {"esft_slots": self.slots.max_adapters, "esft_resident": len(self.slots.slot_of),
+                "esft_registered": len(self.registered), "esft_swaps_in": self.num_swaps_in,
+                "esft_evictions": self.num_evictions, "esft_swap_us": int(self.swap_s * 1e6)}
 
     def is_admitting(self, name: str) -> bool:
         """A request for `name` may be bound to its slot now (resident and not being evicted)."""
@@ -165,13 +168,8 @@ class EsftDiskTier:
         names = [n for n in self.slots.names if n not in self._fresh]
         if not names:
             return None
-        graph = DependencyGraph.build(Node(n, "esft", 1) for n in names)
-        total = sum(self._num_requested.get(n, 0) for n in names)
-        observed = {n: self._num_requested.get(n, 0) / total for n in names} if total else {}
-        resident = {n: Residency(self._loaded_seq.get(n, 0), max(self._used_seq.get(n, 0), self._loaded_seq.get(n, 0)))
-                    for n in names}
-        probabilities = usage_probabilities(names, self.profiled, self.declared, observed)
-        view = TierView(graph, resident, probabilities, queued=frozenset((in_use | queued) & set(names)))
+        view = slot_tier_view(names, self._loaded_seq, self._used_seq, self._num_requested, self.profiled,
+                              self.declared, queued=frozenset(in_use | queued))
         return eviction_order(self.policy, view)[0]
 
     def _release(self, name: str, waiting: list[Request]) -> None:

@@ -148,9 +148,10 @@ def prefixes_in_use() -> set[str]:
     `--shm-prefix`, tests and benchmarks with random ones)."""
     out = set()
     for name in os.listdir(SHM_DIR):
-        match = _SEGMENT.match(name) or _LEASE_NAME.match(name)
-        if match is not None:
-            out.add(match["prefix"])
+        lease = _LEASE_NAME.match(name)
+        prefix = lease["prefix"] if lease else segment_prefix(name)
+        if prefix is not None:
+            out.add(prefix)
     return out
 
 
