@@ -136,6 +136,8 @@ class CoordinatorConfig(ServeSettings):
             raise ValueError("--esft-adapter: ESFT adapters need --backend native (vLLM serves the base model)")
         if self.max_loras or self.lora_adapters:
             raise ValueError("--max-loras: LoRA adapters need --backend native (vLLM serves the base model)")
+        if self.offloads_experts:
+            raise ValueError("--expert-cache-gb: expert offloading needs --backend native")
         problem = vllm_problem(self.model_dir)
         if problem is not None:
             raise ValueError(f"--backend vllm: {problem}")

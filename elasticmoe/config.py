@@ -218,8 +218,17 @@ class EngineConfig:
     adapter_eviction: str = "coserve"
     request_arranging: str = "coserve"
     adapter_profile: str | None = None
+    # Expert offloading (FineMoE): the routed experts live in an expert cache of this many bytes, or
+    # of this fraction of the rank's routed experts (set one), loaded on demand and prefetched by
+    # `offload_policy` ("finemoe", "lru", "lfu", "on_demand"; `elasticmoe.offload.registry`).
+    expert_cache_bytes: int | None = None
+    expert_cache_fraction: float | None = None
+    offload_policy: str = "finemoe"
+    offload_prefetch_distance: int = 1  # FineMoE's d (§4.2); LFU's too
+    offload_store_capacity: int = 1000  # FineMoE's Expert Map Store capacity C (§4.4)
 
     def __post_init__(self) -> None:
+        _check_offload(self)
         if self.max_esft_adapters < 0 or self.max_esft_experts < 0:
             raise ValueError("max_esft_adapters / max_esft_experts: must be >= 0")
         if self.max_loras < 0 or self.max_lora_rank < 1:
@@ -239,6 +248,30 @@ class EngineConfig:
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank: must be in [0, ep_size), got {self.ep_rank} of {self.ep_size}")
         _check_policies(self.adapter_eviction, self.request_arranging)
+
+    @property
+    def offloads_experts(self) -> bool:
+        return self.expert_cache_bytes is not None or self.expert_cache_fraction is not None
+
+
+def _check_offload(config: EngineConfig | EngineOptions) -> None:
+    """`ValueError` naming the option for an invalid expert-offloading setting."""
+    from elasticmoe.offload.registry import POLICIES
+
+    if config.expert_cache_bytes is not None and config.expert_cache_fraction is not None:
+        raise ValueError("expert_cache_bytes / expert_cache_fraction: set one, not both")
+    if config.expert_cache_bytes is not None and config.expert_cache_bytes <= 0:
+        raise ValueError(f"expert_cache_bytes: must be > 0, got {config.expert_cache_bytes}")
+    if config.expert_cache_fraction is not None and not 0.0 < config.expert_cache_fraction <= 1.0:
+        raise ValueError(f"expert_cache_fraction: must be in (0, 1], got {config.expert_cache_fraction}")
+    if config.offload_policy not in POLICIES:
+        raise ValueError(f"offload_policy: unknown {config.offload_policy!r}, choose one of {', '.join(POLICIES)}")
+    if config.offload_prefetch_distance < 1 or config.offload_store_capacity < 1:
+        raise ValueError("offload_prefetch_distance / offload_store_capacity: must be >= 1")
+    offloads = config.expert_cache_bytes is not None or config.expert_cache_fraction is not None
+    if offloads and (config.max_esft_adapters or config.max_loras):
+        raise ValueError("expert_cache_bytes: expert offloading does not combine with ESFT or LoRA adapter slots "
+                         "yet (set max_esft_adapters and max_loras to 0)")
 
 
 def _check_policies(adapter_eviction: str, request_arranging: str) -> None:
@@ -266,8 +299,14 @@ class EngineOptions:
     adapter_eviction: str = "coserve"  # "coserve" (two-stage, CoServe §4.3), "lru", "fifo"
     request_arranging: str = "coserve"  # "coserve" (grouped by adapter in the window, §4.2), "fcfs"
     adapter_profile: str | None = None  # a profile JSON (`elasticmoe profile`): usage probabilities
+    expert_cache_bytes: int | None = None  # expert offloading: see EngineConfig
+    expert_cache_fraction: float | None = None
+    offload_policy: str = "finemoe"
+    offload_prefetch_distance: int = 1
+    offload_store_capacity: int = 1000
 
     def __post_init__(self) -> None:
+        _check_offload(self)
         _check_policies(self.adapter_eviction, self.request_arranging)
 
     def engine_config(self, model: str, **placement: Any) -> EngineConfig:

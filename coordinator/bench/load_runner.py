@@ -198,7 +198,8 @@ async def _watch_scale_events(
     client: httpx.AsyncClient, stop: asyncio.Event, interval_s: float, admin_key: str | None
 ) -> list[dict[str, Any]] | None:
     """Scale events seen on `GET /admin/status` until `stop`, re-read at the end for their final
-    figures; None when the server answers 401/403/404 (no admin API, or no rights).
+    figures; None when the server answers 401/403/404 (no admin API, or no rights) or its status
+    has no scale events at all (a server that does not scale: `serve --single`).
 
     Status shows the running event and the latest events (`scale_events`), so none is missed."""
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
@@ -211,6 +212,9 @@ async def _watch_scale_events(
                 return None
             if r.status_code == 200:
                 status = r.json()
+                if "scale_events" not in status and "scale_event" not in status:
+                    logger.info("no scale events: this server's /admin/status has none")
+                    return None
                 listed = status.get("scale_events") or []
                 for e in [status.get("scale_event"), *listed]:
                     if isinstance(e, dict) and "event_id" in e:

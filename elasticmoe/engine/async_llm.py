@@ -162,6 +162,9 @@ class AsyncLLM:
             if thread.is_alive():
                 logger.warning("engine loop did not stop within %.0fs", timeout_s)
         self._fail_all(EngineDeadError("engine was shut down"))
+        close = getattr(self.engine, "close", None)  # the engine's own threads (expert prefetching)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------ client API
 

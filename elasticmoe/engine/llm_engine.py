@@ -20,9 +20,11 @@ from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.adapter_manager import AdapterManager
 from elasticmoe.engine.block_manager import BlockManager
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
+from elasticmoe.engine.expert_offload import ExpertOffload
 from elasticmoe.engine.handover import RequestSnapshot, restore, snapshot
 from elasticmoe.engine.kv_cache import KVCacheSpec, KVProvider, LocalKVProvider, num_blocks_for_budget
 from elasticmoe.engine.model_runner import ModelRunner
+from elasticmoe.engine.offload_setup import attach_expert_offload, build_expert_offload
 from elasticmoe.engine.output_processor import OutputProcessor
 from elasticmoe.engine.request import Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
@@ -83,14 +85,27 @@ class LLMEngine:
         # ESFT: each expert stack is a virtual weight tensor [E_local + N*E_max, ...] (rows unfilled).
         specs = with_adapter_slots(specs, config.max_esft_adapters * config.max_esft_experts)
         provider = weight_provider or SafetensorsWeightProvider(config.model)
-        self.weights = load_weights(specs, provider, plan.weight_dtype, self._expert_dtype(specs, provider))
+        expert_dtype = self._expert_dtype(specs, provider)
+        # Offloading without a provider: the routed experts stay on disk until the cache loads them.
+        on_disk = config.offloads_experts and weight_provider is None
+        self.weights = load_weights([s for s in specs if not (on_disk and s.is_stacked)], provider,
+                                    plan.weight_dtype, expert_dtype)
+        model_weights = self.weights
+        self.offload: ExpertOffload | None = None
+        if config.offloads_experts:
+            self.offload, pools = build_expert_offload(config, cfg, specs, self.weights,
+                                                       expert_dtype or plan.weight_dtype,
+                                                       self.placement.local_expert_ids(config.ep_rank))
+            model_weights = {**self.weights, **pools}
         dispatcher: LocalDispatcher | AllToAllDispatcher
         if config.ep_size == 1:
             dispatcher = LocalDispatcher(self.placement)
         else:
             dispatcher = AllToAllDispatcher(self.placement, config.ep_rank, ep_group)
-        self.model = family.build(cfg, self.weights, dispatcher)
+        self.model = family.build(cfg, model_weights, dispatcher)
         self.model.compute_dtype = plan.compute_dtype
+        if self.offload is not None:
+            attach_expert_offload(self.model, self.offload)
         self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), plan.compute_dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
         self.kv_pool = (kv_provider or LocalKVProvider()).allocate(self.kv_spec, num_blocks)
@@ -102,7 +117,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterManager(self.model, self.placement, config, cfg, self.scheduler,
                                        live=lambda: self.requests.values())
-        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, lora_topk=self.adapters.lora_topk)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, lora_topk=self.adapters.lora_topk,
+                                  offload=self.offload)
         self.sampler = Sampler(config.seed)
         eos_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids)
@@ -279,9 +295,12 @@ class LLMEngine:
             if self.config.ep_size > 1:
                 raise
             logger.exception("forward of %d requests failed; running them one by one", len(sched.scheduled))
-            return failed + self._execute_one_by_one(sched)
-        outputs = self._update(sched, logits, sample_indices)
-        self.adapters.after_step()
+            outputs = self._execute_one_by_one(sched)
+        else:
+            outputs = self._update(sched, logits, sample_indices)
+            self.adapters.after_step()
+        if self.offload is not None:
+            self.offload.end_step(self.requests.keys())
         return failed + outputs
 
     def _execute_one_by_one(self, sched: SchedulerOutput) -> list[RequestOutput]:
@@ -361,6 +380,12 @@ class LLMEngine:
                                              request.output_token_ids, "", finished=True,
                                              finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
         return outputs
+
+    def close(self) -> None:
+        """Stop the engine's own threads (the expert prefetcher). Idempotent; the engine must not
+        step afterwards."""
+        if self.offload is not None:
+            self.offload.close()
 
     def _forget(self, request: Request) -> None:
         self.scheduler.finish(request)

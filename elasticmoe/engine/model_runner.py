@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
+from elasticmoe.engine.expert_offload import ExpertOffload
 from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import SchedulerOutput
 from elasticmoe.kernels.build import bind_threads, load_kernel, pinned_to, set_kernel_threads
@@ -18,8 +19,10 @@ from elasticmoe.utils.cpu_pressure import ThreadGovernor
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int, lora_topk: int = 0) -> None:
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int, lora_topk: int = 0,
+                 offload: ExpertOffload | None = None) -> None:
         self.model = model
+        self.offload = offload  # expert offloading: told where each step begins
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.lora_topk = lora_topk  # > 0: LoRA slots exist; every step carries K (slot, weight) per token
@@ -154,6 +157,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         ids, pos, ctx, sample_indices = self.prepare(sched)
+        if self.offload is not None:
+            self.offload.begin_step(sched.scheduled, self.model.embed)
         hidden = self.model.forward(ids, pos, ctx, self.kv_pool)
         rows = [i for i in sample_indices if i >= 0]  # index_select below: cheaper than hidden[rows]
         if not rows:

@@ -110,6 +110,21 @@ class ServeSettings(BaseModel):
         None, description="a profile written by `elasticmoe profile`: adapters' usage probabilities for eviction "
         "and assignment, and (unless given) the memory split: KV cache, --max-num-seqs, --max-loras",
         json_schema_extra=cli(metavar="FILE"))
+    expert_cache_bytes: int | None = Field(
+        None, description="expert offloading (FineMoE): keep the routed experts in a cache of this size per engine "
+        "(elastic: per rank) and load the others on demand from the checkpoint (single) or the node's host memory "
+        "(elastic); outputs are unchanged. Needs --max-esft-adapters 0 and no LoRA slots (default: off, every "
+        "expert resident)", json_schema_extra=cli("--expert-cache-gb", metavar="GB", unit=GIB))
+    expert_cache_fraction: float | None = Field(
+        None, description="expert offloading with a cache of this fraction (0-1] of the routed experts instead of "
+        "a size", json_schema_extra=cli(metavar="F"))
+    offload_policy: Literal["finemoe", "lru", "lfu", "on_demand"] = Field(
+        "finemoe", description="what the expert cache prefetches and evicts: finemoe (expert maps, semantic and "
+        "trajectory search), lru (Mixtral-Offloading: next-layer speculation), lfu (MoE-Infinity: request-level "
+        "activation matrices) or on_demand (no prefetching)")
+    offload_prefetch_distance: int = Field(
+        1, description="how many layers ahead finemoe and lfu predict and prefetch (FineMoE's d)",
+        json_schema_extra=cli(metavar="D"))
     lora_adapters: LoraDirs = Field(
         (), description="load a LoRA adapter (adapter_config.json + adapter_model.safetensors) at start; clients "
         "select it with model=NAME. Repeatable; POST /admin/adapters with type=lora loads more at run time",
@@ -154,6 +169,8 @@ class ServeSettings(BaseModel):
         both = sorted({n for n, _ in self.esft_adapters} & {n for n, _ in self.lora_adapters})
         if both:
             raise ValueError(f"--lora-adapter: names {both} are ESFT adapters too")
+        if self.offloads_experts:
+            self._check_offload()
         if self.profile is not None and not Path(self.profile).is_file():
             raise ValueError(f"--profile: {self.profile} is not a file (write one with `elasticmoe profile`)")
         if not 0 <= self.shutdown_timeout_s <= 3600:
@@ -162,6 +179,25 @@ class ServeSettings(BaseModel):
         if not (Path(self.model_dir) / "config.json").is_file():
             raise ValueError(f"--model: {self.model_dir} has no config.json (make one with `elasticmoe make-model`)")
         return self
+
+    @property
+    def offloads_experts(self) -> bool:
+        return self.expert_cache_bytes is not None or self.expert_cache_fraction is not None
+
+    def _check_offload(self) -> None:
+        if self.expert_cache_bytes is not None and self.expert_cache_fraction is not None:
+            raise ValueError("--expert-cache-gb: give it or --expert-cache-fraction, not both")
+        if self.expert_cache_bytes is not None and self.expert_cache_bytes <= 0:
+            raise ValueError(f"--expert-cache-gb: must be > 0, got {self.expert_cache_bytes / GIB:g}")
+        if self.expert_cache_fraction is not None and not 0.0 < self.expert_cache_fraction <= 1.0:
+            raise ValueError(f"--expert-cache-fraction: must be in (0, 1], got {self.expert_cache_fraction:g}")
+        if self.offload_prefetch_distance < 1:
+            raise ValueError(f"--offload-prefetch-distance: must be >= 1, got {self.offload_prefetch_distance}")
+        if "max_esft_adapters" in self.model_fields_set and self.max_esft_adapters or self.esft_adapters:
+            raise ValueError("--expert-cache-gb: expert offloading does not combine with ESFT adapters yet "
+                             "(--max-esft-adapters 0)")
+        if self.max_loras:
+            raise ValueError("--expert-cache-gb: expert offloading does not combine with LoRA slots yet (--max-loras 0)")
 
     @property
     def access(self) -> AccessPolicy:
@@ -179,8 +215,10 @@ class ServeSettings(BaseModel):
 
     @property
     def esft_slots(self) -> tuple[int, int]:
-        """(N, E_max) of the ESFT adapter slots; (0, 0) without any."""
-        return (self.max_esft_adapters, self.max_esft_experts) if self.max_esft_adapters else (0, 0)
+        """(N, E_max) of the ESFT adapter slots; (0, 0) without any (and by default with offloading)."""
+        if not self.max_esft_adapters or self.offloads_experts:
+            return (0, 0)
+        return (self.max_esft_adapters, self.max_esft_experts)
 
     def engine_options(self) -> EngineOptions:
         """What every engine of this server is built with (the elastic server's KV pool comes from its HMM).
@@ -198,7 +236,9 @@ class ServeSettings(BaseModel):
             max_loras=self.max_loras if "max_loras" in given else split.get("max_loras", self.max_loras),
             max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
             adapter_eviction=self.adapter_eviction, request_arranging=self.request_arranging,
-            adapter_profile=self.profile,
+            adapter_profile=self.profile, expert_cache_bytes=self.expert_cache_bytes,
+            expert_cache_fraction=self.expert_cache_fraction, offload_policy=self.offload_policy,
+            offload_prefetch_distance=self.offload_prefetch_distance,
         )
 
     def profile_split(self) -> dict[str, int]:

@@ -45,6 +45,19 @@ class ExpertsHook(Protocol):
         ...
 
 
+class ExpertResidency(Protocol):
+    """What a MoE layer consults when its experts are offloaded (`elasticmoe.engine.expert_offload`
+    installs one): the routed experts are made resident in an expert cache before they run."""
+
+    def observe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """MoE layer `layer` routed `x` [T, H] to `topk_ids` [T, k] (the offloading policy learns)."""
+        ...
+
+    def run_experts(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor) -> torch.Tensor:
+        """Rows `xs` [N, H] sorted by local expert slot -> the experts' outputs [N, H] (unweighted)."""
+        ...
+
+
 @dataclass
 class ForwardContext:
     """Everything a step's forward needs besides token ids and positions."""
@@ -137,10 +150,14 @@ class MoEBlock:
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (rank, slot) of each expert id
         self.num_base_slots: int | None = None  # set with adapter slots: rows past it are sparse
         self.lora: ExpertsHook | None = None  # per-token adapters on the experts (see `ExpertsHook`)
+        self.offload: ExpertResidency | None = None  # experts in an expert cache (offloading)
+        self.moe_index = -1  # this block's index among the model's MoE blocks (set with `offload`)
 
     def experts(
         self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor, lora_slots: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.offload is not None:
+            return self.offload.run_experts(self.moe_index, x_sorted, sorted_slot_ids)
         if lora_slots is not None and self.lora is not None:
             return self.lora.experts(x_sorted, sorted_slot_ids, lora_slots, self.w13, self.w2)
         return grouped_experts_sorted(x_sorted, sorted_slot_ids, self.w13, self.w2, self.num_base_slots)
@@ -149,6 +166,8 @@ class MoEBlock:
         topk_weights, topk_ids = self.route(x)  # [T, k] each
         if self.reroute is not None and ctx.token_adapter_ids is not None:
             topk_ids = self.reroute(topk_ids, ctx)
+        if self.offload is not None:
+            self.offload.observe(self.moe_index, x, topk_ids)
         pair_lora = None
         if self.lora is not None:  # NOTE: always, under EP: every rank must exchange the same tensors
             k = self.lora.top_k

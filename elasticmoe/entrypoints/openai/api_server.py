@@ -36,16 +36,17 @@ from elasticmoe.entrypoints.openai.adapters_api import (
 )
 from elasticmoe.entrypoints.openai.drain import Drainer, DrainMiddleware, add_drain_route
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
-from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware, ServerMetrics
+from elasticmoe.entrypoints.openai.metrics import ExpertCacheCollector, RequestCountMiddleware, ServerMetrics
 from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
 from elasticmoe.entrypoints.serve_settings import ServeSettings
+from elasticmoe.utils.cpu_features import cpu_compute_info
 
 logger = logging.getLogger(__name__)
 
 _ENDPOINTS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/admin/adapters",
-     "/admin/drain"}
+     "/admin/drain", "/admin/status"}
 )
 _CLIENT_CLOSED = 499  # nginx's "client closed request"; only ever seen in metrics
 
@@ -152,6 +153,21 @@ def build_app(
     add_drain_route(app, drainer, drain_timeout_s)
     engine: Any = async_llm.engine
     add_adapter_routes(app, EngineAdapterHost(async_llm), lambda: engine.model_config, served_model_name)
+    offload = getattr(engine, "offload", None)
+    if offload is not None:
+        metrics.registry.register(ExpertCacheCollector(offload.stats))
+
+    @app.get("/admin/status")
+    async def status() -> Response:
+        """What the engine runs with and what its queue and caches hold now."""
+        body: dict[str, Any] = {"model": served_model_name, "running": async_llm.num_running,
+                                "waiting": async_llm.num_waiting}
+        compute = getattr(engine, "compute_plan", None)
+        if compute is not None:
+            body["compute"] = cpu_compute_info(plan=compute)
+        if offload is not None:
+            body["expert_cache"] = offload.stats()
+        return JSONResponse(body)
 
     @app.get("/health")
     async def health() -> Response:
@@ -221,7 +237,11 @@ def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: in
     name, access, shutdown_timeout_s = settings.model_name, settings.access, settings.shutdown_timeout_s
     config = settings.engine_options().engine_config(settings.model_dir)
     logger.info("loading %s as %r", settings.model_dir, name)
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except ValueError as exc:  # a setting the model cannot run with (e.g. an expert cache below top-k)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for adapter_name, path in settings.esft_adapters:
         try:
             adapter = read_esft_adapter(adapter_name, path, engine.model_config)

@@ -87,6 +87,47 @@ def register_engine_queue(
         num_waiting)
 
 
+class ExpertCacheCollector:
+    """The engine's expert cache (offloading) as Prometheus metrics, read at scrape time from
+    `stats()` (`elasticmoe.engine.expert_cache.ExpertCache.stats`)."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.stats()
+        yield GaugeMetricFamily("elasticmoe_expert_cache_capacity_experts", "Expert rows the cache's budget buys.",
+                                value=s["capacity_experts"])
+        yield GaugeMetricFamily("elasticmoe_expert_cache_resident_experts", "Experts resident in the cache.",
+                                value=s["resident_experts"])
+        yield GaugeMetricFamily("elasticmoe_expert_cache_hit_rate",
+                                "Share of the forward's expert lookups found resident (or being prefetched).",
+                                value=s["hit_rate"])
+        yield CounterMetricFamily("elasticmoe_expert_cache_lookups", "Expert lookups by the forward "
+                                  "(one per iteration, layer and routed expert).", value=s["lookups"])
+        yield CounterMetricFamily("elasticmoe_expert_cache_hits", "Expert lookups that found the expert resident.",
+                                  value=s["hits"])
+        loads = CounterMetricFamily("elasticmoe_expert_loads", "Experts copied into the cache, by why.",
+                                    labels=["kind"])
+        loads.add_metric(["on_demand"], s["on_demand_loads"])
+        loads.add_metric(["prefetch"], s["prefetches"])
+        yield loads
+        prefetches = CounterMetricFamily("elasticmoe_expert_prefetches", "Prefetched experts by outcome: used "
+                                         "before they left, evicted unused, or failed to load.", labels=["outcome"])
+        for outcome, key in (("useful", "prefetches_useful"), ("wasted", "prefetches_wasted"),
+                             ("failed", "prefetch_failures")):
+            prefetches.add_metric([outcome], s[key])
+        yield prefetches
+        loaded = CounterMetricFamily("elasticmoe_expert_bytes_loaded", "Bytes copied into the expert cache, by "
+                                     "the tier they came from.", labels=["tier"])
+        for key, value in s.items():
+            if key.startswith("bytes_loaded_"):
+                loaded.add_metric([key.removeprefix("bytes_loaded_")], value)
+        yield loaded
+
+
 class RequestCountMiddleware:
     """Count HTTP responses by route and status; unknown paths share the label "other"."""
 

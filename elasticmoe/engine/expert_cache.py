@@ -1,0 +1,254 @@
+"""The engine's expert cache: a byte budget of expert rows shared by every MoE layer.
+
+The cache is one pool of `capacity` rows, `w13` [C, 2I, H] and `w2` [C, H, I], that every MoE
+layer's grouped GEMM reads (each layer's expert tensor is a view of the same pool: a row freed in
+one layer holds another layer's expert next, the global budget of FineMoE's constraint (3)). A
+map `slot_of[l, e]` (pool row of expert e of layer l, -1 = not resident) is what the MoE block
+consults; `CacheState` (`elasticmoe.offload`) is the policy-facing view of the same residency.
+
+Two threads load rows: the forward thread (`ensure`: the experts a layer needs now, "on-demand")
+and the prefetch thread (`prefetch_once`: the policy's plan, ahead of the forward). One lock
+guards the map, the state and the policy; the copies run outside it. The rules that keep them
+apart:
+- at most one prefetch copy is in flight; `ensure` pauses prefetching (FineMoE §4.5: the
+  forward needs the memory bandwidth now) and waits for that copy before deciding anything;
+- a row is published in `slot_of` only once its copy is complete, and an expert the forward
+  thread is computing with (`protected`) is never a prefetch's victim;
+- a failed copy leaves the expert not resident and its row free, so a read error costs the
+  request that needed it, never the cache's consistency.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from elasticmoe.engine.expert_sources import ExpertSource
+from elasticmoe.offload.cache_ops import load_on_demand, next_prefetch
+from elasticmoe.offload.cache_state import CacheState, ExpertKey
+from elasticmoe.offload.policy import OffloadPolicy, PrefetchPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheCounters:
+    """What the cache did since it was created (exported as metrics)."""
+
+    lookups: int = 0  # (iteration, layer, expert) lookups by the forward
+    hits: int = 0  # ... whose expert was resident or being prefetched
+    on_demand_loads: int = 0
+    prefetches: int = 0  # prefetch copies completed
+    prefetches_useful: int = 0  # ... of experts the forward used before they left
+    prefetches_wasted: int = 0  # ... evicted unused
+    prefetch_failures: int = 0
+    evictions: int = 0
+    waits_for_prefetch: int = 0  # lookups that found their expert's prefetch still copying
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class ExpertCache:
+    """Pool rows, residency map and the policy that decides what enters and leaves them."""
+
+    def __init__(self, policy: OffloadPolicy, source: ExpertSource, pool_w13: torch.Tensor, pool_w2: torch.Tensor,
+                 local_expert_ids: Sequence[int], num_layers: int, num_experts: int) -> None:
+        self.policy = policy
+        self.source = source
+        self.w13, self.w2 = pool_w13, pool_w2
+        self.capacity = int(pool_w13.shape[0])
+        self.expert_bytes = pool_w13[0].nbytes + pool_w2[0].nbytes
+        self.local_of = {int(e): i for i, e in enumerate(local_expert_ids)}  # global expert -> local index
+        self.state = CacheState.empty(num_layers, num_experts, self.capacity)
+        self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int64)
+        self.counters = CacheCounters()
+        self.bytes_loaded = {source.tier: 0}
+        self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out row 0 first
+        self._cond = threading.Condition()
+        self._paused = 0
+        self._in_flight: ExpertKey | None = None
+        self._plan: PrefetchPlan | None = None
+        self._protected: frozenset[ExpertKey] = frozenset()
+        self._unused_prefetches: set[ExpertKey] = set()
+        self._closed = False
+
+    # ---- the forward thread ------------------------------------------------------------
+
+    def ensure(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """Make `experts` (global ids, at most `capacity` of them) of MoE layer `layer` resident
+        and return their pool rows, in order. Loads what is missing now, evicting the policy's
+        victims; the experts stay protected from prefetch evictions until the next `ensure`."""
+        keys = [(layer, int(e)) for e in experts]
+        with self._cond:
+            self._paused += 1
+            try:
+                while self._in_flight is not None:
+                    if self._in_flight in keys:
+                        self.counters.waits_for_prefetch += 1
+                    self._cond.wait()
+                self._count_lookups(keys)
+                update = load_on_demand(self.state, self.policy, layer, experts)
+                for key in update.evicted:
+                    self._release(key)
+                loads = [(key, self._free.pop()) for key in update.loaded]
+                self.state = update.cache
+                self._protected = frozenset(keys)
+            except BaseException:
+                self._resume()
+                raise
+        try:
+            for key, row in loads:  # prefetching is paused: this thread alone copies
+                self._copy(key, row)
+        except BaseException:
+            with self._cond:
+                self.state = self.state.evict([key for key, _ in loads])
+                self._free.extend(row for _, row in loads)
+                self._resume()
+            raise
+        with self._cond:
+            for key, row in loads:
+                self.slot_of[key] = row
+            self.counters.on_demand_loads += len(loads)
+            self.state = self.state.use(layer, experts)
+            self._plan = self._policy_plan()
+            self._resume()
+            return [int(self.slot_of[key]) for key in keys]
+
+    def replan(self) -> None:
+        """Take the policy's current plan (after it observed a layer or began an iteration)."""
+        with self._cond:
+            self._plan = self._policy_plan()
+            self._cond.notify_all()
+
+    def _policy_plan(self) -> PrefetchPlan | None:
+        """The policy's plan; None (no prefetching until the next one) if it raises: a policy's
+        fault costs hit rate, never a request."""
+        try:
+            return self.policy.prefetch_plan(self.state)
+        except Exception:  # noqa: BLE001
+            logger.exception("offload policy %s: prefetch_plan failed", self.policy.name)
+            return None
+
+    def locked(self) -> threading.Condition:
+        """The lock to hold around any other call into the policy (policies are not thread-safe)."""
+        return self._cond
+
+    def _count_lookups(self, keys: list[ExpertKey]) -> None:
+        self.counters.lookups += len(keys)
+        for key in keys:
+            if self.state.is_resident(key):
+                self.counters.hits += 1
+                if key in self._unused_prefetches:
+                    self._unused_prefetches.discard(key)
+                    self.counters.prefetches_useful += 1
+
+    def _resume(self) -> None:
+        self._paused -= 1
+        self._cond.notify_all()
+
+    # ---- the prefetch thread -----------------------------------------------------------
+
+    def prefetch_once(self) -> bool:
+        """Wait for work, then copy the plan's next expert in. False once the cache is closed."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return False
+                step = None
+                if not self._paused and self._plan is not None:
+                    plan = self._local_plan(self._plan)
+                    step = next_prefetch(self.state, self.policy, plan, self._protected)
+                    if step is None:
+                        self._plan = None  # done, or nothing may be evicted for it
+                if step is not None:
+                    break
+                self._cond.wait()
+            if step.victim is not None:
+                self._release(step.victim)
+            key, row = step.item.key, self._free.pop()
+            self.state = self.state.load([key])
+            self._in_flight = key
+        try:
+            self._copy(key, row)
+            ok = True
+        except Exception:  # noqa: BLE001 - the forward loads it on demand (and reports) if it needs it
+            logger.exception("prefetch of expert %s failed", key)
+            ok = False
+        with self._cond:
+            self._in_flight = None
+            if ok:
+                self.slot_of[key] = row
+                self.counters.prefetches += 1
+                self._unused_prefetches.add(key)
+            else:
+                self.state = self.state.evict([key])
+                self._free.append(row)
+                self.counters.prefetch_failures += 1
+                self._plan = None
+            self._cond.notify_all()
+        return True
+
+    def _local_plan(self, plan: PrefetchPlan) -> PrefetchPlan:
+        """The plan's experts this rank holds (under EP the policy also sees other ranks' experts)."""
+        if all(item.expert in self.local_of for item in plan.items):
+            return plan
+        return PrefetchPlan(plan.after_layer, tuple(i for i in plan.items if i.expert in self.local_of))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ---- both ----------------------------------------------------------------------------
+
+    def _copy(self, key: ExpertKey, row: int) -> None:
+        layer, expert = key
+        nbytes = self.source.copy_into(layer, self.local_of[expert], self.w13[row], self.w2[row])
+        self.bytes_loaded[self.source.tier] += nbytes
+
+    def _release(self, key: ExpertKey) -> None:
+        """Evict `key` (resident, published) from the state and the map; its row becomes free."""
+        row = int(self.slot_of[key])
+        self.slot_of[key] = -1
+        self.state = self.state.evict([key])
+        self._free.append(row)
+        self.counters.evictions += 1
+        if key in self._unused_prefetches:
+            self._unused_prefetches.discard(key)
+            self.counters.prefetches_wasted += 1
+
+    def stats(self) -> dict[str, float | int | str]:
+        with self._cond:
+            c = self.counters
+            return {
+                "policy": self.policy.name, "capacity_experts": self.capacity, "expert_bytes": self.expert_bytes,
+                "cache_bytes": self.capacity * self.expert_bytes, "resident_experts": self.state.num_resident,
+                "lookups": c.lookups, "hits": c.hits, "hit_rate": round(c.hit_rate, 4),
+                "on_demand_loads": c.on_demand_loads, "prefetches": c.prefetches,
+                "prefetches_useful": c.prefetches_useful, "prefetches_wasted": c.prefetches_wasted,
+                "prefetch_failures": c.prefetch_failures, "evictions": c.evictions,
+                "waits_for_prefetch": c.waits_for_prefetch,
+                **{f"bytes_loaded_{tier}": n for tier, n in self.bytes_loaded.items()},
+            }
+
+    def check_integrity(self) -> None:
+        """The map and the state agree and no row is used twice (tests and debug runs)."""
+        with self._cond:
+            self.state.check_integrity()
+            rows = self.slot_of[self.slot_of >= 0]
+            if len(set(rows.tolist())) != rows.size:
+                raise AssertionError("expert cache: a pool row holds two experts")
+            published = self.slot_of >= 0
+            pending = {self._in_flight} if self._in_flight is not None else set()
+            mismatched = np.argwhere(published != self.state.resident)
+            if any((int(layer), int(e)) not in pending for layer, e in mismatched):
+                raise AssertionError("expert cache: map and state disagree")
+            if rows.size + len(self._free) + len(pending) != self.capacity:
+                raise AssertionError("expert cache: rows lost")

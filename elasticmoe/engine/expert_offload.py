@@ -1,0 +1,148 @@
+"""Expert offloading in the engine: what the MoE blocks and the model runner call.
+
+An engine step with offloading (FineMoE §4.5, `elasticmoe.offload.policy` has the full loop):
+
+    begin_step(scheduled)        the policy begins an iteration; the prefetcher starts on its plan
+    per MoE layer l:
+        observe(l, x, topk_ids)  the router ran: the policy sees the gate's probabilities [T, E]
+        run_experts(l, xs, ...)  the experts this rank holds and the tokens need are made resident
+                                 (on demand, waves if they outnumber the cache), then one grouped
+                                 GEMM over the cache's pool rows
+    end_step(live request ids)   the policy ends the iteration (FineMoE stores its expert maps)
+
+Outputs equal a fully resident run: the experts compute from identical weights, only the row
+of the pool they sit in differs. Under expert parallelism each rank caches its own experts:
+`run_experts` runs on the rank that owns them (after the all-to-all), `observe` sees the
+rank's own tokens.
+
+A policy that raises in `begin_step`, `observe` or `end_step` is logged and ignored for the
+rest of the iteration (no prefetching then); loads on demand still run, so no request fails
+for a policy's fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Collection, Sequence
+
+import torch
+
+from elasticmoe.engine.expert_cache import ExpertCache
+from elasticmoe.engine.request import Request
+from elasticmoe.layers.experts import grouped_experts_sorted
+from elasticmoe.offload.policy import RequestContext
+
+logger = logging.getLogger(__name__)
+
+
+class ExpertOffload:
+    """The hooks of one engine's MoE blocks into its expert cache, and the prefetch thread."""
+
+    def __init__(self, cache: ExpertCache, routers: Sequence[torch.Tensor], local_expert_ids: Sequence[int],
+                 prefetch: bool = True) -> None:
+        self.cache = cache
+        self.policy = cache.policy
+        self.routers = [r.float() for r in routers]  # [E, H] per MoE layer, for the gate's probabilities
+        self.local_expert_ids = torch.tensor(list(local_expert_ids), dtype=torch.long)
+        self._embeddings: dict[str, torch.Tensor] = {}  # request -> semantic embedding (prompt mean)
+        self._observing = False  # the policy takes this iteration's layers
+        self._thread: threading.Thread | None = None
+        if prefetch:
+            self._thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
+            self._thread.start()
+
+    # ---- the iteration ----------------------------------------------------------------
+
+    def begin_step(self, scheduled: Sequence[tuple[Request, int]], embed: torch.Tensor) -> None:
+        """The step runs `scheduled` (request, tokens this step) in token order; `embed` is the
+        model's input-embedding table, whose rows give a request's semantic embedding (FineMoE
+        §4.2.1: the embedding layer's output, mean-pooled over the prompt once)."""
+        contexts = [RequestContext(request.request_id, n, self._embedding(request, embed),
+                                   is_prefill=request.num_computed_tokens < request.num_prompt_tokens)
+                    for request, n in scheduled]
+        self._observing = bool(contexts)  # an empty step (an idle EP rank) is not an iteration
+        if self._observing:
+            self._call_policy(lambda: self.policy.begin_iteration(contexts))
+            self.cache.replan()
+
+    def observe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """MoE layer `layer` routed `x` [T, H] to `topk_ids` [T, k]."""
+        if not self._observing:
+            return
+        probs = torch.softmax(x.float() @ self.routers[layer].T, dim=-1)
+        next_probs = None
+        if self.policy.needs_next_layer_gate and layer + 1 < len(self.routers):
+            next_probs = torch.softmax(x.float() @ self.routers[layer + 1].T, dim=-1)
+        self._call_policy(lambda: self.policy.observe_layer(layer, probs, topk_ids, next_probs))
+        if self._observing:
+            self.cache.replan()
+
+    def end_step(self, live_request_ids: Collection[str]) -> None:
+        """After the step: requests no longer live are forgotten (LFU keeps their matrices)."""
+        finished = [r for r in self._embeddings if r not in live_request_ids]
+        for request_id in finished:
+            del self._embeddings[request_id]
+        self._observing = True  # end every iteration that began, even one a policy error cut short
+        self._call_policy(lambda: self.policy.end_iteration(finished))
+        self._observing = False
+
+    def _embedding(self, request: Request, embed: torch.Tensor) -> torch.Tensor:
+        emb = self._embeddings.get(request.request_id)
+        if emb is None:
+            ids = torch.tensor(request.prompt_token_ids, dtype=torch.long)
+            emb = self._embeddings[request.request_id] = embed.index_select(0, ids).float().mean(dim=0)
+        return emb
+
+    def _call_policy(self, call) -> None:
+        if not self._observing:
+            return
+        try:
+            with self.cache.locked():
+                call()
+        except Exception:  # noqa: BLE001 - see the module docstring
+            logger.exception("offload policy %s failed; no prefetching until the next iteration", self.policy.name)
+            self._observing = False
+
+    # ---- the experts --------------------------------------------------------------------
+
+    def run_experts(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor) -> torch.Tensor:
+        """Rows `xs` [N, H] sorted by this rank's local expert index -> their experts' outputs
+        [N, H] (unweighted), computed from the cache's pool rows."""
+        if xs.shape[0] == 0:
+            return xs.new_empty(xs.shape)
+        locals_, counts = torch.unique_consecutive(sorted_local_slots, return_counts=True)
+        experts = self.local_expert_ids.index_select(0, locals_).tolist()
+        counts_list = counts.tolist()
+        out = torch.empty_like(xs)
+        start, capacity = 0, self.cache.capacity
+        for first in range(0, len(experts), capacity):  # waves: a cache smaller than the layer's need
+            wave = slice(first, first + capacity)
+            rows = self.cache.ensure(layer, experts[wave])
+            num_rows = sum(counts_list[wave])
+            row_slots = torch.tensor(rows, dtype=torch.long).repeat_interleave(counts[wave])
+            order = torch.argsort(row_slots, stable=True)  # the grouped GEMM wants rows grouped by pool row
+            part = xs[start : start + num_rows]
+            ys = grouped_experts_sorted(part.index_select(0, order), row_slots.index_select(0, order),
+                                        self.cache.w13, self.cache.w2)
+            out[start : start + num_rows].index_copy_(0, order, ys)
+            start += num_rows
+        return out
+
+    # ---- the prefetch thread --------------------------------------------------------------
+
+    def _prefetch_loop(self) -> None:
+        try:
+            while self.cache.prefetch_once():
+                pass
+        except Exception:  # noqa: BLE001 - prefetching stops; loads on demand go on
+            logger.exception("expert prefetch thread stopped")
+
+    def close(self) -> None:
+        """Stop the prefetch thread (it may be in the middle of one copy)."""
+        self.cache.close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def stats(self) -> dict[str, float | int | str]:
+        return self.cache.stats()

@@ -1,0 +1,77 @@
+"""Where an offloaded expert's weights are read from when the expert cache loads it.
+
+Two tiers below the cache (DESIGN.md "Memory tiers"):
+- `DiskExperts`: the checkpoint's safetensors, read through mmap (the OS page cache keeps
+  recently read experts in host memory for free). The engine's own process holds nothing
+  else of the routed experts: this is the tier that lets a model larger than the budget run.
+- `HostExperts`: full expert stacks some other owner already keeps in host memory (the HMM's
+  shared memory, one copy per node, handed to the engine through a `WeightProvider`); a load
+  is one memory copy.
+
+Both copy one expert into one row of the cache's pool tensors and report the bytes copied.
+They are called from the forward thread and the prefetch thread, never both at once (the
+cache serialises loads), so they hold no lock of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from elasticmoe.models.weights import ParamSpec, SafetensorsWeightProvider
+
+
+class ExpertSource(Protocol):
+    tier: str  # "disk" or "host": the label of the bytes it loads in the metrics
+
+    def copy_into(self, layer: int, local: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
+        """Write MoE layer `layer`'s expert of local index `local` into the rows `w13` [2I, H] and
+        `w2` [H, I]; returns the bytes written."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LayerExpertSpecs:
+    """One MoE layer's two expert stacks: row i of each is built from `sources[i]`."""
+
+    w13: ParamSpec
+    w2: ParamSpec
+
+
+class DiskExperts:
+    """Experts read from the checkpoint on demand, one row at a time."""
+
+    tier = "disk"
+
+    def __init__(self, model_dir: str, layers: Sequence[LayerExpertSpecs]) -> None:
+        self.layers = list(layers)
+        self.reader = SafetensorsWeightProvider(model_dir)
+        # Open every file now: the two threads that read must not race to open one.
+        for spec in self.layers:
+            for group in (*spec.w13.sources, *spec.w2.sources):
+                for name in group:
+                    self.reader.stored_dtype(name)
+
+    def copy_into(self, layer: int, local: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
+        spec = self.layers[layer]
+        self.reader.read_into(w13, spec.w13.sources[local])
+        self.reader.read_into(w2, spec.w2.sources[local])
+        return w13.nbytes + w2.nbytes
+
+
+class HostExperts:
+    """Experts copied from full stacks kept in host memory by their owner."""
+
+    tier = "host"
+
+    def __init__(self, stacks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.stacks = list(stacks)  # per MoE layer: (w13 [E_local, 2I, H], w2 [E_local, H, I])
+
+    def copy_into(self, layer: int, local: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
+        src13, src2 = self.stacks[layer]
+        w13.copy_(src13[local])
+        w2.copy_(src2[local])
+        return w13.nbytes + w2.nbytes

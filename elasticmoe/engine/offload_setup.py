@@ -1,0 +1,90 @@
+"""Build an engine's expert cache from its config: the budget in expert rows, the pool, the tier
+the experts come from, and the hooks in the model's MoE blocks.
+
+Budget: `expert_cache_bytes` buys `bytes // expert_bytes` rows (an expert is its w13 and w2
+rows, in the dtype the engine keeps experts in); `expert_cache_fraction` is a share of the
+rank's routed experts (all MoE layers), rounded up. A budget below one token's top-k experts
+could never run a layer in one wave and is refused; a budget above the rank's experts is
+lowered to them (nothing is ever evicted then).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from elasticmoe.config import EngineConfig, ModelConfig
+from elasticmoe.engine.expert_cache import ExpertCache
+from elasticmoe.engine.expert_offload import ExpertOffload
+from elasticmoe.engine.expert_sources import DiskExperts, ExpertSource, HostExperts, LayerExpertSpecs
+from elasticmoe.models.common import CausalLM
+from elasticmoe.models.weights import ParamSpec
+from elasticmoe.offload.policy import PolicyConfig
+from elasticmoe.offload.registry import make_policy
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def expert_layer_specs(specs: list[ParamSpec]) -> list[LayerExpertSpecs]:
+    """The (w13, w2) stacks of every MoE layer, in layer order."""
+    stacked = {s.name: s for s in specs if s.is_stacked}
+    prefixes = sorted({name.rsplit(".", 1)[0] for name in stacked}, key=lambda p: int(p.split(".")[1]))
+    return [LayerExpertSpecs(stacked[f"{p}.w13"], stacked[f"{p}.w2"]) for p in prefixes]
+
+
+def cache_capacity(config: EngineConfig, num_rank_experts: int, top_k: int, expert_bytes: int) -> int:
+    """Pool rows for the configured budget; `ValueError` naming the flag when it cannot run."""
+    if config.expert_cache_bytes is not None:
+        rows = config.expert_cache_bytes // expert_bytes
+        given = f"--expert-cache-gb {config.expert_cache_bytes / GIB:.4g}"
+    else:
+        assert config.expert_cache_fraction is not None
+        rows = math.ceil(config.expert_cache_fraction * num_rank_experts)
+        given = f"--expert-cache-fraction {config.expert_cache_fraction:g}"
+    if rows < top_k:
+        raise ValueError(
+            f"{given}: holds {rows} experts of {expert_bytes / (1 << 20):.3g} MiB; a token is routed to {top_k} "
+            f"experts per layer, so the cache needs at least {top_k} ({top_k * expert_bytes / GIB:.4g} GB)")
+    return min(rows, num_rank_experts)
+
+
+def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: list[ParamSpec],
+                         weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                         local_expert_ids: tuple[int, ...]) -> tuple[ExpertOffload, dict[str, torch.Tensor]]:
+    """The engine's `ExpertOffload` and the pool tensors to build the model's MoE blocks over
+    (every layer's `w13` / `w2` name maps to the same pool). `weights` holds the expert stacks
+    when a provider gave them (the host tier); otherwise the experts are read from the checkpoint
+    (the disk tier)."""
+    layers = expert_layer_specs(specs)
+    w13_shape, w2_shape = layers[0].w13.shape[1:], layers[0].w2.shape[1:]
+    expert_bytes = (math.prod(w13_shape) + math.prod(w2_shape)) * torch.empty((), dtype=dtype).element_size()
+    num_rank_experts = len(layers) * len(local_expert_ids)
+    capacity = cache_capacity(config, num_rank_experts, model_cfg.top_k, expert_bytes)
+    pool_w13 = torch.zeros((capacity, *w13_shape), dtype=dtype)
+    pool_w2 = torch.zeros((capacity, *w2_shape), dtype=dtype)
+    source: ExpertSource
+    if layers[0].w13.name in weights:
+        source = HostExperts([(weights[s.w13.name], weights[s.w2.name]) for s in layers])
+    else:
+        source = DiskExperts(config.model, layers)
+    policy = make_policy(config.offload_policy, PolicyConfig(
+        num_layers=len(layers), num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
+        prefetch_distance=min(config.offload_prefetch_distance, len(layers)),
+        store_capacity=config.offload_store_capacity))
+    cache = ExpertCache(policy, source, pool_w13, pool_w2, local_expert_ids, len(layers), model_cfg.num_experts)
+    routers = [weights[s.w13.name.rsplit(".", 1)[0] + ".router"] for s in layers]
+    logger.info("expert offloading: %s, cache of %d of %d experts (%.1f MiB), experts from %s",
+                policy.name, capacity, num_rank_experts, capacity * expert_bytes / (1 << 20), source.tier)
+    offload = ExpertOffload(cache, routers, local_expert_ids)
+    pools = {name: pool for s in layers for name, pool in ((s.w13.name, pool_w13), (s.w2.name, pool_w2))}
+    return offload, pools
+
+
+def attach_expert_offload(model: CausalLM, offload: ExpertOffload) -> None:
+    """Point every MoE block of `model` at the expert cache."""
+    for index, block in enumerate(model.moe_blocks()):
+        block.offload, block.moe_index = offload, index

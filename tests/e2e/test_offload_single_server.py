@@ -1,0 +1,92 @@
+"""`elasticmoe serve --single` with expert offloading, as a user runs it: a subprocess on a free
+localhost port. Completions equal the fully resident engine's, the cache shows in /metrics and
+/admin/status, SIGTERM stops the server (prefetch thread included), and a budget that could never
+run is refused at start naming the flag."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from elasticmoe.llm import LLM
+from elasticmoe.sampling_params import SamplingParams
+
+PROMPTS = ["The experts of layer one", "Hello", "A mixture of experts routes every token"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(model_dir: str, port: int, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "elasticmoe.cli", "serve", "--single", "--model", model_dir, "--port", str(port),
+           "--num-threads", "1", *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "ELASTICMOE_LOG_LEVEL": "WARNING"})
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server not ready")
+
+
+@pytest.mark.slow
+def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir):
+    want = [o.text for o in LLM(tiny_model_dir, dtype="float32").generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))]
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(tiny_model_dir, port, "--expert-cache-fraction", "0.25", "--offload-policy", "lru")
+    try:
+        _wait_ready(proc, url)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for prompt, text in zip(PROMPTS, want, strict=True):
+                r = client.post("/v1/completions", json={"model": os.path.basename(tiny_model_dir), "prompt": prompt,
+                                                         "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == text
+            status = client.get("/admin/status").json()
+            cache = status["expert_cache"]
+            assert cache["policy"] == "lru" and cache["on_demand_loads"] > 0
+            assert cache["resident_experts"] <= cache["capacity_experts"] == 4  # 25% of 2 layers x 8 experts
+            metrics = client.get("/metrics").text
+            assert 'elasticmoe_expert_loads_total{kind="on_demand"}' in metrics
+            assert "elasticmoe_expert_cache_hit_rate" in metrics
+            assert 'elasticmoe_expert_bytes_loaded_total{tier="disk"}' in metrics
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_cache_too_small_for_one_token_is_refused_at_start(tiny_model_dir):
+    proc = _serve(tiny_model_dir, _free_port(), "--expert-cache-gb", "0.00001")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "--expert-cache-gb" in out and "at least 2" in out
+
+
+def test_offloading_with_esft_slots_is_refused_naming_the_flag(tiny_model_dir):
+    proc = _serve(tiny_model_dir, _free_port(), "--expert-cache-fraction", "0.5", "--max-esft-adapters", "2")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "--max-esft-adapters 0" in out

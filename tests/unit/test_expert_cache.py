@@ -1,0 +1,169 @@
+"""The engine's expert cache (`elasticmoe.engine.expert_cache`): rows, residency and the two
+threads that load them, with a fake tier whose every expert has recognisable weights."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from elasticmoe.engine.expert_cache import ExpertCache
+from elasticmoe.offload.cache_ops import CacheTooSmallError
+from elasticmoe.offload.policy import PolicyConfig, PrefetchItem, PrefetchPlan
+from elasticmoe.offload.registry import make_policy
+
+LAYERS, EXPERTS, TOP_K = 3, 6, 2
+
+
+class FakeTier:
+    """Expert (layer, local) has every weight equal to layer * 100 + local; optionally slow or failing."""
+
+    tier = "disk"
+
+    def __init__(self, delay_s: float = 0.0, failing: set[tuple[int, int]] | None = None) -> None:
+        self.delay_s, self.failing = delay_s, failing or set()
+        self.copies = 0
+
+    def copy_into(self, layer, local, w13, w2) -> int:
+        if (layer, local) in self.failing:
+            raise OSError(f"expert {layer}/{local}: unreadable")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        w13.fill_(layer * 100 + local)
+        w2.fill_(layer * 100 + local)
+        self.copies += 1
+        return w13.nbytes + w2.nbytes
+
+
+def make_cache(capacity: int, policy: str = "lru", tier: FakeTier | None = None,
+               local_ids: tuple[int, ...] = tuple(range(EXPERTS))) -> ExpertCache:
+    config = PolicyConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K)
+    return ExpertCache(make_policy(policy, config), tier or FakeTier(), torch.zeros(capacity, 4, 2),
+                       torch.zeros(capacity, 2, 2), local_ids, LAYERS, EXPERTS)
+
+
+def assert_rows_hold(cache: ExpertCache, layer: int, experts: list[int], rows: list[int]) -> None:
+    for expert, row in zip(experts, rows, strict=True):
+        want = layer * 100 + cache.local_of[expert]
+        assert cache.w13[row].eq(want).all() and cache.w2[row].eq(want).all(), (layer, expert, row)
+
+
+def test_ensure_loads_missing_experts_and_evicts_within_the_budget():
+    cache = make_cache(capacity=3)
+    rows = cache.ensure(0, [1, 4])
+    assert_rows_hold(cache, 0, [1, 4], rows)
+    rows = cache.ensure(1, [2, 3])  # one of layer 0's experts leaves
+    assert_rows_hold(cache, 1, [2, 3], rows)
+    assert cache.state.num_resident == 3
+    stats = cache.stats()
+    assert stats["on_demand_loads"] == 4 and stats["evictions"] == 1 and stats["hits"] == 0
+    assert stats["bytes_loaded_disk"] == 4 * cache.expert_bytes
+    assert cache.ensure(1, [3]) == [rows[1]]  # resident: a hit, no copy
+    assert cache.stats()["hits"] == 1
+    cache.check_integrity()
+
+
+def test_a_layer_needing_more_experts_than_the_cache_raises_and_keeps_the_cache_consistent():
+    cache = make_cache(capacity=2)
+    cache.ensure(0, [0])
+    with pytest.raises(CacheTooSmallError):
+        cache.ensure(0, [1, 2, 3])
+    cache.check_integrity()
+    assert_rows_hold(cache, 1, [5], cache.ensure(1, [5]))  # the cache still works
+
+
+def test_a_failed_load_leaves_the_expert_absent_and_its_row_free():
+    tier = FakeTier(failing={(0, 2)})
+    cache = make_cache(capacity=2, tier=tier)
+    with pytest.raises(OSError):
+        cache.ensure(0, [1, 2])
+    cache.check_integrity()
+    assert cache.state.num_resident == 0 and not cache.state.is_resident((0, 2))
+    tier.failing.clear()
+    assert_rows_hold(cache, 0, [1, 2], cache.ensure(0, [1, 2]))
+    cache.check_integrity()
+
+
+def test_prefetch_copies_the_plan_and_counts_useful_and_wasted():
+    cache = make_cache(capacity=2)
+    with cache.locked():
+        cache._plan = PrefetchPlan(-1, (PrefetchItem(0, 3, 0.9), PrefetchItem(1, 5, 0.5)))
+    assert cache.prefetch_once() and cache.prefetch_once()
+    assert cache.stats()["prefetches"] == 2
+    assert_rows_hold(cache, 0, [3], cache.ensure(0, [3]))  # a hit, prefetched: useful
+    cache.ensure(2, [0])  # evicts (1, 5), never used: wasted
+    stats = cache.stats()
+    assert (stats["hits"], stats["prefetches_useful"], stats["prefetches_wasted"]) == (1, 1, 1)
+    cache.check_integrity()
+
+
+def test_a_failed_prefetch_is_counted_and_the_forward_loads_on_demand():
+    tier = FakeTier(failing={(1, 4)})
+    cache = make_cache(capacity=2, tier=tier)
+    with cache.locked():
+        cache._plan = PrefetchPlan(0, (PrefetchItem(1, 4, 1.0),))
+    assert cache.prefetch_once()
+    assert cache.stats()["prefetch_failures"] == 1 and not cache.state.is_resident((1, 4))
+    cache.check_integrity()
+    tier.failing.clear()
+    assert_rows_hold(cache, 1, [4], cache.ensure(1, [4]))
+
+
+def test_prefetch_skips_experts_another_rank_holds():
+    cache = make_cache(capacity=2, local_ids=(3, 4, 5))  # EP: this rank holds experts 3-5
+    with cache.locked():
+        cache._plan = PrefetchPlan(-1, (PrefetchItem(0, 1, 0.9), PrefetchItem(0, 4, 0.5)))
+    assert cache.prefetch_once()
+    assert cache.state.resident_keys() == [(0, 4)]
+    assert_rows_hold(cache, 0, [4], cache.ensure(0, [4]))
+
+
+def test_close_wakes_an_idle_prefetch_thread():
+    cache = make_cache(capacity=2)
+    results = []
+    thread = threading.Thread(target=lambda: results.append(cache.prefetch_once()))
+    thread.start()
+    cache.close()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and results == [False]
+
+
+@pytest.mark.parametrize("policy", ["lru", "finemoe"])
+def test_forward_and_prefetch_threads_never_hand_out_a_wrong_row(policy):
+    """A slow prefetcher copies random plans while the forward thread asks for random experts:
+    every row the forward gets holds the expert it asked for, and the cache stays consistent."""
+    tier = FakeTier(delay_s=0.0005)
+    cache = make_cache(capacity=4, policy=policy, tier=tier)
+    stop = threading.Event()
+
+    def prefetcher() -> None:
+        while not stop.is_set() and cache.prefetch_once():
+            pass
+
+    thread = threading.Thread(target=prefetcher)
+    thread.start()
+    rng = random.Random(0)
+    try:
+        for _ in range(300):
+            layer = rng.randrange(LAYERS)
+            experts = rng.sample(range(EXPERTS), rng.randint(1, TOP_K))
+            rows = cache.ensure(layer, experts)
+            assert_rows_hold(cache, layer, experts, rows)
+            plan_layer = rng.randrange(LAYERS)
+            items = tuple(PrefetchItem(plan_layer, e, 1.0 - i / 10) for i, e in enumerate(rng.sample(range(EXPERTS), 3)))
+            with cache.locked():
+                cache._plan = PrefetchPlan(plan_layer - 1, items)
+                cache.locked().notify_all()
+            if rng.random() < 0.3:
+                time.sleep(0.002)  # let the prefetcher start a copy before the forward asks again
+            cache.check_integrity()
+    finally:
+        stop.set()
+        cache.close()
+        thread.join(timeout=5)
+    stats = cache.stats()
+    assert stats["prefetches"] > 0 and stats["resident_experts"] <= 4
+    assert stats["lookups"] == stats["hits"] + stats["on_demand_loads"]
