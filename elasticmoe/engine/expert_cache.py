@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ class CacheCounters:
     prefetch_failures: int = 0
     evictions: int = 0
     waits_for_prefetch: int = 0  # lookups that found their expert's prefetch still copying
+    on_demand_s: float = 0.0  # the forward's time in `ensure` beyond its hits: waiting and copying
+    prefetch_s: float = 0.0  # the prefetch thread's copying time (beside the forward)
 
     @property
     def hit_rate(self) -> float:
@@ -86,6 +89,7 @@ class ExpertCache:
         and return their pool rows, in order. Loads what is missing now, evicting the policy's
         victims; the experts stay protected from prefetch evictions until the next `ensure`."""
         keys = [(layer, int(e)) for e in experts]
+        started = time.perf_counter()
         with self._cond:
             self._paused += 1
             try:
@@ -116,6 +120,7 @@ class ExpertCache:
             for key, row in loads:
                 self.slot_of[key] = row
             self.counters.on_demand_loads += len(loads)
+            self.counters.on_demand_s += time.perf_counter() - started
             self.state = self.state.use(layer, experts)
             self._plan = self._policy_plan()
             self._resume()
@@ -125,6 +130,12 @@ class ExpertCache:
         """Take the policy's current plan (after it observed a layer or began an iteration)."""
         with self._cond:
             self._plan = self._policy_plan()
+            self._wake_prefetcher()
+
+    def _wake_prefetcher(self) -> None:
+        # Only when there is something to copy: a wake-up per layer for nothing costs a context
+        # switch on every MoE layer of every step.
+        if self._plan is not None and self._plan.items and not self._paused:
             self._cond.notify_all()
 
     def _policy_plan(self) -> PrefetchPlan | None:
@@ -151,7 +162,7 @@ class ExpertCache:
 
     def _resume(self) -> None:
         self._paused -= 1
-        self._cond.notify_all()
+        self._wake_prefetcher()
 
     # ---- the prefetch thread -----------------------------------------------------------
 
@@ -175,6 +186,7 @@ class ExpertCache:
             key, row = step.item.key, self._free.pop()
             self.state = self.state.load([key])
             self._in_flight = key
+        started = time.perf_counter()
         try:
             self._copy(key, row)
             ok = True
@@ -183,6 +195,7 @@ class ExpertCache:
             ok = False
         with self._cond:
             self._in_flight = None
+            self.counters.prefetch_s += time.perf_counter() - started
             if ok:
                 self.slot_of[key] = row
                 self.counters.prefetches += 1
@@ -234,7 +247,8 @@ class ExpertCache:
                 "on_demand_loads": c.on_demand_loads, "prefetches": c.prefetches,
                 "prefetches_useful": c.prefetches_useful, "prefetches_wasted": c.prefetches_wasted,
                 "prefetch_failures": c.prefetch_failures, "evictions": c.evictions,
-                "waits_for_prefetch": c.waits_for_prefetch,
+                "waits_for_prefetch": c.waits_for_prefetch, "on_demand_s": round(c.on_demand_s, 6),
+                "prefetch_s": round(c.prefetch_s, 6),
                 **{f"bytes_loaded_{tier}": n for tier, n in self.bytes_loaded.items()},
             }
 

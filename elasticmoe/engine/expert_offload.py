@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Collection, Sequence
 
 import torch
@@ -47,6 +48,9 @@ class ExpertOffload:
         self.local_expert_ids = torch.tensor(list(local_expert_ids), dtype=torch.long)
         self._embeddings: dict[str, torch.Tensor] = {}  # request -> semantic embedding (prompt mean)
         self._observing = False  # the policy takes this iteration's layers
+        # A policy that declares `observes_layers = False` (on_demand) is not shown the gate's output.
+        self._observes_layers = getattr(self.policy, "observes_layers", True)
+        self.policy_s = 0.0  # time in the policy on the forward thread (searches, plans): FineMoE Fig. 17
         self._thread: threading.Thread | None = None
         if prefetch:
             self._thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
@@ -68,7 +72,7 @@ class ExpertOffload:
 
     def observe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """MoE layer `layer` routed `x` [T, H] to `topk_ids` [T, k]."""
-        if not self._observing:
+        if not self._observing or not self._observes_layers:
             return
         probs = torch.softmax(x.float() @ self.routers[layer].T, dim=-1)
         next_probs = None
@@ -97,12 +101,15 @@ class ExpertOffload:
     def _call_policy(self, call) -> None:
         if not self._observing:
             return
+        started = time.perf_counter()
         try:
             with self.cache.locked():
                 call()
         except Exception:  # noqa: BLE001 - see the module docstring
             logger.exception("offload policy %s failed; no prefetching until the next iteration", self.policy.name)
             self._observing = False
+        finally:
+            self.policy_s += time.perf_counter() - started
 
     # ---- the experts --------------------------------------------------------------------
 
@@ -145,4 +152,4 @@ class ExpertOffload:
             self._thread.join(timeout=10)
 
     def stats(self) -> dict[str, float | int | str]:
-        return self.cache.stats()
+        return {**self.cache.stats(), "policy_s": round(self.policy_s, 6)}

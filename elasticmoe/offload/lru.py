@@ -106,6 +106,7 @@ class OnDemandPolicy:
 
     name = "on_demand"
     needs_next_layer_gate = False
+    observes_layers = False  # routing never changes its decisions: the engine may skip `observe_layer`
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config

@@ -1,0 +1,295 @@
+"""Expert offloading in the engine (FineMoE §6): hit rate, TTFT and TPOT per policy and budget.
+
+    python -m elasticmoe.bench.offload --model DIR [--json] [--plot offload.png]
+
+Every configuration runs in a fresh engine (`LLMEngine`, this process) over the same prompts:
+the held-out prompts of a trained checkpoint (`DIR/heldout_prompts.jsonl`, written by
+`python -m elasticmoe.tools.train_model`), else generated ones. A warm-up set of requests runs
+first and is not measured: FineMoE's Expert Map Store and LFU's activation matrices learn from
+past requests (FineMoE §6.1 does the same with its training split). Then the measured requests run
+`--batch` at a time (a closed loop: one finishes, the next starts), greedy, `--max-tokens` each.
+
+Per run: expert hit rate (lookups found resident or being prefetched), on-demand loads,
+prefetches useful / wasted, TTFT and TPOT p50 (engine time, no HTTP), the forward thread's time
+in the policy (searches, plans) and in on-demand loads, the prefetch thread's copy time.
+
+Sweeps: every policy at `--budgets` (fractions of the routed experts; Figs. 10 and 12), with the
+fully resident engine as the reference; FineMoE's prefetch distance d (Fig. 15) and its map store
+capacity C (Fig. 16) at `--sweep-budget`; overheads (Fig. 17) in every run's row.
+
+Transfers (`transfers` in the JSON): one expert's copy into the cache, timed here from each tier
+- host memory (a copy), the checkpoint through a warm page cache, the checkpoint after its pages
+were dropped (`posix_fadvise(DONTNEED)`, a real disk read) - and, labelled as a model, at a
+PCIe-like link rate (`--link-gbps`, default 16 GB/s: PCIe 4.0 x16 in practice), with the stall per
+output token that the measured on-demand bytes would cost over such a link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elasticmoe.config import EngineConfig
+from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.sampling_params import SamplingParams
+
+_log = logging.getLogger("bench.offload")
+POLICIES = ("finemoe", "lru", "lfu", "on_demand")
+
+
+@dataclass
+class RunResult:
+    policy: str  # "resident": every expert resident (the reference)
+    budget: float  # fraction of the routed experts
+    prefetch_distance: int
+    store_capacity: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    ttft_p50_ms: float
+    tpot_p50_ms: float
+    cache: dict = field(default_factory=dict)  # the expert cache's counters over the measured part
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.cache.get("lookups", 0)
+        return self.cache["hits"] / lookups if lookups else 1.0
+
+
+def load_prompts(model_dir: str, count: int) -> list[str]:
+    """Held-out prompts of a trained checkpoint, or topical generated ones for any other."""
+    path = Path(model_dir) / "heldout_prompts.jsonl"
+    if path.is_file():
+        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    else:
+        _log.warning("%s has no heldout_prompts.jsonl: generated prompts (hit rates of a random model mean little)",
+                     model_dir)
+        from transformers import AutoTokenizer
+
+        from elasticmoe.bench.offload_trace import PromptSpec, topical_prompts, vocabulary_words
+
+        words = vocabulary_words(AutoTokenizer.from_pretrained(model_dir))
+        prompts = [text for _, text in topical_prompts(words, PromptSpec(num_requests=count, prompt_tokens=48))]
+    if len(prompts) < count:
+        raise ValueError(f"{path}: {len(prompts)} prompts, the bench needs {count} (--warmup + --requests)")
+    return prompts[:count]
+
+
+def _diff(after: dict, before: dict) -> dict:
+    return {k: round(v - before.get(k, 0), 6) if isinstance(v, (int, float)) else v for k, v in after.items()}
+
+
+def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: float, distance: int,
+             capacity: int) -> RunResult:
+    offload: dict[str, Any] = {} if policy == "resident" else dict(
+        expert_cache_fraction=budget, offload_policy=policy, offload_prefetch_distance=distance,
+        offload_store_capacity=capacity)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=torch.float32 if args.dtype == "float32" else None,
+                                    num_threads=args.threads, **offload))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    try:
+        warm, measured = prompts[: args.warmup], prompts[args.warmup:]
+        _drive(engine, warm, params, args.batch)
+        before = engine.offload.stats() if engine.offload is not None else {}
+        started = time.perf_counter()
+        ttft, tpot, tokens = _drive(engine, measured, params, args.batch)
+        wall = time.perf_counter() - started
+        cache = _diff(engine.offload.stats(), before) if engine.offload is not None else {}
+    finally:
+        engine.close()
+    return RunResult(policy, budget, distance, capacity, len(measured), tokens, round(wall, 3),
+                     round(1000 * statistics.median(ttft), 2), round(1000 * statistics.median(tpot), 2), cache)
+
+
+def _drive(engine: LLMEngine, prompts: list[str], params: SamplingParams, batch: int) -> tuple[list, list, int]:
+    """Run `prompts` with `batch` in flight at once; per request TTFT and TPOT (seconds), and tokens."""
+    queue = list(enumerate(prompts))
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    ttft, tpot, tokens = [], [], 0
+    while queue or engine.has_unfinished_requests():
+        while queue and engine.num_running + engine.num_waiting < batch:
+            i, prompt = queue.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+            added[f"r{i}"] = time.perf_counter()
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.request_id not in first and out.new_token_ids:
+                first[out.request_id] = now
+                ttft.append(now - added[out.request_id])
+            if out.finished:
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                n = len(out.output_token_ids)
+                tokens += n
+                if n > 1:
+                    tpot.append((now - first[out.request_id]) / (n - 1))
+    return ttft, tpot, tokens
+
+
+def measure_transfers(model_dir: str, link_gbps: float, samples: int = 8) -> dict:
+    """Seconds to copy one expert into a cache row from each tier (medians of `samples`)."""
+    from elasticmoe.config import ModelConfig
+    from elasticmoe.engine.expert_sources import DiskExperts, HostExperts
+    from elasticmoe.engine.offload_setup import expert_layer_specs
+    from elasticmoe.models.registry import model_family
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    specs = model_family(cfg.arch).param_specs(cfg, tuple(range(cfg.num_experts)))
+    layers = expert_layer_specs(specs)
+    disk = DiskExperts(model_dir, layers)
+    w13 = torch.empty(layers[0].w13.shape[1:])
+    w2 = torch.empty(layers[0].w2.shape[1:])
+    host_stack = (torch.randn(samples, *w13.shape), torch.randn(samples, *w2.shape))
+    host = HostExperts([host_stack])
+    files = sorted(set(disk.reader._file_of.values()))
+
+    def timed(fn) -> float:
+        times = []
+        for i in range(samples):
+            started = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    def drop_page_cache() -> None:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def cold(i: int) -> None:
+        disk.copy_into(i % len(layers), i % cfg.num_experts, w13, w2)
+
+    expert_bytes = w13.nbytes + w2.nbytes
+    host_s = timed(lambda i: host.copy_into(0, i, w13, w2))
+    timed(lambda i: disk.copy_into(i % len(layers), i % cfg.num_experts, w13, w2))  # warm the page cache
+    warm_s = timed(lambda i: disk.copy_into(i % len(layers), i % cfg.num_experts, w13, w2))
+    cold_times = []
+    for i in range(samples):
+        drop_page_cache()
+        started = time.perf_counter()
+        cold(i)
+        cold_times.append(time.perf_counter() - started)
+    return {"expert_bytes": expert_bytes, "host_copy_s": host_s, "disk_warm_s": warm_s,
+            "disk_cold_s": statistics.median(cold_times),
+            "model_link_gbps": link_gbps, "model_link_s": expert_bytes / (link_gbps * 1e9)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m elasticmoe.bench.offload",
+                                description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint (a trained one: see the module doc)")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all four)")
+    p.add_argument("--budgets", default="0.1,0.25,0.5,0.75,1.0", help="cache sizes, fractions of the experts")
+    p.add_argument("--distances", default="1,2,4", help="FineMoE prefetch distances d to sweep (Fig. 15)")
+    p.add_argument("--capacities", default="4,16,64,256", help="FineMoE map store capacities C to sweep (Fig. 16)")
+    p.add_argument("--sweep-budget", type=float, default=0.25, help="cache budget of the d and C sweeps")
+    p.add_argument("--warmup", type=int, default=16, help="requests run first, not measured (default 16)")
+    p.add_argument("--requests", type=int, default=16, help="measured requests per run (default 16)")
+    p.add_argument("--batch", type=int, default=1, help="requests in flight at once (default 1, as FineMoE)")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (default 16)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the engine (default 1: the prefetch thread gets the other core)")
+    p.add_argument("--dtype", choices=("float32", "auto"), default="float32")
+    p.add_argument("--link-gbps", type=float, default=16.0, help="modelled host-device link rate, GB/s")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", metavar="FILE", help="write hit rate / TPOT / TTFT / sweep charts (PNG)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    policies = [x for x in args.policies.split(",") if x]
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        p.error(f"--policies: unknown {unknown}, choose from {', '.join(POLICIES)}")
+    budgets = [float(x) for x in args.budgets.split(",")]
+    if any(not 0 < b <= 1 for b in budgets):
+        p.error("--budgets: fractions in (0, 1]")
+    prompts = load_prompts(args.model, args.warmup + args.requests)
+
+    def progress(msg: str) -> None:
+        print(f"[offload bench] {msg}", file=sys.stderr, flush=True)
+
+    runs: list[RunResult] = []
+    configs = [("resident", 1.0, 1, 1000)] + [(pol, b, 1, 1000) for pol in policies for b in budgets]
+    if "finemoe" in policies:
+        configs += [("finemoe", args.sweep_budget, int(d), 1000) for d in args.distances.split(",") if int(d) != 1]
+        configs += [("finemoe", args.sweep_budget, 1, int(c)) for c in args.capacities.split(",") if int(c) != 1000]
+    for n, (policy, budget, distance, capacity) in enumerate(configs, 1):
+        result = run_once(args, prompts, policy, budget, distance, capacity)
+        runs.append(result)
+        progress(f"{n}/{len(configs)} {policy} budget {budget:g} d {distance} C {capacity}: hit rate "
+                 f"{result.hit_rate:.3f}, TTFT p50 {result.ttft_p50_ms:.1f} ms, TPOT p50 {result.tpot_p50_ms:.1f} ms")
+    transfers = measure_transfers(args.model, args.link_gbps)
+    resident_tpot = runs[0].tpot_p50_ms
+    for run in runs[1:]:
+        ondemand_bytes = run.cache.get("on_demand_loads", 0) * transfers["expert_bytes"]
+        run.cache["model_link_stall_per_token_ms"] = round(
+            1000 * ondemand_bytes / (args.link_gbps * 1e9) / max(run.output_tokens, 1), 3)
+    report = {
+        "bench": "offload", "model": args.model, "batch": args.batch, "max_tokens": args.max_tokens,
+        "warmup": args.warmup, "requests": args.requests, "threads": args.threads,
+        "resident_tpot_p50_ms": resident_tpot, "transfers": transfers,
+        "runs": [{**asdict(r), "hit_rate": round(r.hit_rate, 4),
+                  "tpot_vs_resident": round(r.tpot_p50_ms / resident_tpot, 3)} for r in runs],
+    }
+    if args.plot:
+        _plot(report, args.plot, policies, args.sweep_budget)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for row in report["runs"]:
+            print(f"{row['policy']:>9} budget {row['budget']:<5g} d {row['prefetch_distance']} "
+                  f"C {row['store_capacity']:<4} hit {row['hit_rate']:.3f} TTFT {row['ttft_p50_ms']:.1f} ms "
+                  f"TPOT {row['tpot_p50_ms']:.1f} ms ({row['tpot_vs_resident']:.2f}x resident)")
+    return 0
+
+
+def _plot(report: dict, path: str, policies: list[str], sweep_budget: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    main_runs = [r for r in runs if r["prefetch_distance"] == 1 and r["store_capacity"] == 1000]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for key, ax, label in (("hit_rate", axes[0][0], "expert hit rate"), ("tpot_p50_ms", axes[0][1], "TPOT p50 (ms)"),
+                           ("ttft_p50_ms", axes[1][0], "TTFT p50 (ms)")):
+        for policy in policies:
+            rows = sorted((r for r in main_runs if r["policy"] == policy), key=lambda r: r["budget"])
+            ax.plot([r["budget"] for r in rows], [r[key] for r in rows], marker="o", label=policy)
+        if key != "hit_rate":
+            ax.axhline(main_runs[0][key], color="grey", linestyle="--", label="resident")
+        ax.set_xlabel("cache budget (fraction of experts)")
+        ax.set_ylabel(label)
+        ax.legend()
+    ax = axes[1][1]
+    for field_name, label in (("prefetch_distance", "d"), ("store_capacity", "C")):
+        other = "store_capacity" if field_name == "prefetch_distance" else "prefetch_distance"
+        default = 1000 if other == "store_capacity" else 1
+        rows = sorted((r for r in runs if r["policy"] == "finemoe" and r["budget"] == sweep_budget
+                       and r[other] == default), key=lambda r: r[field_name])
+        ax.plot(range(len(rows)), [r["hit_rate"] for r in rows], marker="o",
+                label=f"{label}: " + ", ".join(str(r[field_name]) for r in rows))
+    ax.set_title(f"FineMoE sweeps at budget {sweep_budget:g}")
+    ax.set_ylabel("expert hit rate")
+    ax.set_xlabel("sweep point")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""`python -m elasticmoe.bench.offload` end to end on the tiny model: every run's row, the
+resident reference, the sweeps, the transfer timings and the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticmoe.bench.offload import main
+
+
+def test_offload_bench_reports_every_policy_budget_and_sweep(tiny_model_dir, tmp_path, capsys):
+    plot = tmp_path / "offload.png"
+    assert main(["--model", tiny_model_dir, "--policies", "finemoe,on_demand", "--budgets", "0.25,1.0",
+                 "--distances", "1,2", "--capacities", "8", "--warmup", "2", "--requests", "2", "--max-tokens", "4",
+                 "--json", "--plot", str(plot)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = report["runs"]
+    assert [(r["policy"], r["budget"], r["prefetch_distance"], r["store_capacity"]) for r in runs] == [
+        ("resident", 1.0, 1, 1000), ("finemoe", 0.25, 1, 1000), ("finemoe", 1.0, 1, 1000),
+        ("on_demand", 0.25, 1, 1000), ("on_demand", 1.0, 1, 1000), ("finemoe", 0.25, 2, 1000),
+        ("finemoe", 0.25, 1, 8)]
+    for run in runs:
+        assert run["output_tokens"] == 2 * 4 and run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0
+        assert 0.0 <= run["hit_rate"] <= 1.0
+    quarter = runs[3]["cache"]  # on_demand at 25%: misses load on demand, nothing is prefetched
+    assert quarter["on_demand_loads"] > 0 and quarter["prefetches"] == 0 and runs[3]["hit_rate"] < 1.0
+    transfers = report["transfers"]
+    assert transfers["expert_bytes"] > 0 and min(transfers["host_copy_s"], transfers["disk_warm_s"]) > 0
+    assert plot.stat().st_size > 0
+
+
+def test_offload_bench_refuses_an_unknown_policy(tiny_model_dir):
+    with pytest.raises(SystemExit):
+        main(["--model", tiny_model_dir, "--policies", "belady"])
