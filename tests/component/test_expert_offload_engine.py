@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.models.weights import SafetensorsWeightProvider
 from elasticmoe.parallel.lockstep import run_until_all_done
 from elasticmoe.sampling_params import SamplingParams
 
@@ -84,6 +85,23 @@ def test_every_policy_gives_the_resident_outputs(policy, tiny_model_dirs, reside
         _assert_same(_run(engine), resident["qwen3_moe"])  # a second round: the policy has history now
         assert engine.offload.stats()["policy"] == policy
         engine.offload.cache.check_integrity()
+    finally:
+        engine.offload.close()
+
+
+def test_an_engine_given_a_provider_copies_from_its_stacks(tiny_model_dir, resident):
+    """The elastic server's ranks get their weights from the HMM through a provider: the cache then
+    copies experts from the provider's stacks (host tier), the stacks themselves are not the pool."""
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_threads=1,
+                                    expert_cache_fraction=0.25),
+                       weight_provider=SafetensorsWeightProvider(tiny_model_dir))
+    try:
+        _assert_same(_run(engine), resident["qwen3_moe"])
+        stats = engine.offload.stats()
+        assert stats["bytes_loaded_host"] > 0 and "bytes_loaded_disk" not in stats
+        block = engine.model.moe_blocks()[0]
+        assert block.w13.data_ptr() == engine.offload.cache.w13.data_ptr()
+        assert block.w13.data_ptr() != engine.weights["layers.0.moe.w13"].data_ptr()
     finally:
         engine.offload.close()
 
