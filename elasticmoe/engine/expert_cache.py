@@ -122,7 +122,8 @@ class ExpertCache:
             self.counters.on_demand_loads += len(loads)
             self.counters.on_demand_s += time.perf_counter() - started
             self.state = self.state.use(layer, experts)
-            self._plan = self._policy_plan()
+            # NOTE: the plan stays the one `observe` made for this layer: what became resident since
+            # is skipped by `next_prefetch`, and asking the policy again per layer costs the forward.
             self._resume()
             return [int(self.slot_of[key]) for key in keys]
 
