@@ -27,6 +27,7 @@ output token that the measured on-demand bytes would cost over such a link.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -94,8 +95,9 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
     offload: dict[str, Any] = {} if policy == "resident" else dict(
         expert_cache_fraction=budget, offload_policy=policy, offload_prefetch_distance=distance,
         offload_store_capacity=capacity)
+    # 256 MiB of KV cache hold the bench's few requests (the engine's default is 1 GiB).
     engine = LLMEngine(EngineConfig(model=args.model, dtype=torch.float32 if args.dtype == "float32" else None,
-                                    num_threads=args.threads, **offload))
+                                    num_threads=args.threads, kv_cache_bytes=256 << 20, **offload))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     try:
         warm, measured = prompts[: args.warmup], prompts[args.warmup:]
@@ -107,6 +109,8 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
         cache = _diff(engine.offload.stats(), before) if engine.offload is not None else {}
     finally:
         engine.close()
+        del engine
+        gc.collect()  # the engine holds reference cycles: free its weights and KV before the next run
     return RunResult(policy, budget, distance, capacity, len(measured), tokens, round(wall, 3),
                      round(1000 * statistics.median(ttft), 2), round(1000 * statistics.median(tpot), 2), cache)
 
