@@ -9,6 +9,7 @@ A `KVProvider` owns the memory; the engine only indexes into it.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,10 +39,17 @@ class KVProvider(Protocol):
 
 
 class LocalKVProvider:
-    """Default provider: a private, zero-initialised pool in this process."""
+    """Default provider: a private, zero-initialised pool in this process.
+
+    The pool is an anonymous private mapping, which the kernel zero-fills page by page on first
+    touch: allocating costs no time and no memory until blocks are used (`torch.zeros` wrote the
+    whole pool at start, 0.3 s and 1 GiB of resident memory for the default budget)."""
 
     def allocate(self, spec: KVCacheSpec, num_blocks: int) -> torch.Tensor:
-        return torch.zeros(spec.pool_shape(num_blocks), dtype=spec.dtype)
+        shape = spec.pool_shape(num_blocks)
+        nbytes = math.prod(shape) * torch.empty((), dtype=spec.dtype).element_size()
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(buf, dtype=spec.dtype).view(shape)  # the tensor keeps `buf` alive
 
 
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
