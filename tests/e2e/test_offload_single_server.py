@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from elasticmoe.cli import main as cli_main
 from elasticmoe.llm import LLM
 from elasticmoe.sampling_params import SamplingParams
 
@@ -79,14 +80,14 @@ def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir):
             proc.wait()
 
 
-def test_a_cache_too_small_for_one_token_is_refused_at_start(tiny_model_dir):
-    proc = _serve(tiny_model_dir, _free_port(), "--expert-cache-gb", "0.00001")
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    assert "--expert-cache-gb" in out and "at least 2" in out
+def test_a_cache_too_small_for_one_token_is_refused_at_start(tiny_model_dir, capsys):
+    args = ["serve", "--single", "--model", tiny_model_dir, "--port", str(_free_port()), "--num-threads", "1"]
+    assert cli_main([*args, "--expert-cache-gb", "0.00001"]) == 2
+    err = capsys.readouterr().err
+    assert "--expert-cache-gb" in err and "at least 2" in err
 
 
-def test_offloading_with_esft_slots_is_refused_naming_the_flag(tiny_model_dir):
-    proc = _serve(tiny_model_dir, _free_port(), "--expert-cache-fraction", "0.5", "--max-esft-adapters", "2")
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and "--max-esft-adapters 0" in out
+def test_offloading_with_esft_slots_is_refused_naming_the_flag(tiny_model_dir, capsys):
+    args = ["serve", "--single", "--model", tiny_model_dir, "--port", str(_free_port())]
+    assert cli_main([*args, "--expert-cache-fraction", "0.5", "--max-esft-adapters", "2"]) == 2
+    assert "--max-esft-adapters 0" in capsys.readouterr().err
