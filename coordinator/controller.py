@@ -113,7 +113,22 @@ class Coordinator:
         status["scale_events"] = [e.to_dict() for e in self.cluster.scale_events.all()[-20:]]  # the latest 20
         status["slo"] = self.autoscale.tracker.snapshot().to_dict()
         status["autoscaler"] = self.autoscale.policy.status()
+        if self.config.offloads_experts:
+            status["expert_cache"] = await self._expert_cache_status()
         return status
+
+    async def _expert_cache_status(self) -> list[dict[str, Any]] | None:
+        """Each active rank's expert cache (offloading); None when the ranks did not answer in time."""
+        try:
+            ranks = await self.cluster.rank_stats(timeout_s=2.0)
+        except Exception:  # noqa: BLE001 - a status page answers without this part rather than fail
+            return None
+        return [{"rank": s.rank, "capacity_experts": s.expert_cache_capacity,
+                 "resident_experts": s.expert_cache_resident, "lookups": s.num_expert_lookups,
+                 "hits": s.num_expert_hits,
+                 "hit_rate": round(s.num_expert_hits / s.num_expert_lookups, 4) if s.num_expert_lookups else None,
+                 "on_demand_loads": s.num_expert_loads_on_demand, "prefetches": s.num_expert_loads_prefetch,
+                 "bytes_loaded_host": s.expert_bytes_loaded_host} for s in ranks]
 
     async def devices(self) -> dict[str, Any]:
         """The registered devices (node, state, memory) and the Ray nodes offering devices now."""

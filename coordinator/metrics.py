@@ -29,14 +29,27 @@ from elasticmoe.entrypoints.openai.metrics import register_engine_queue
 from imm.rank import RankStats
 
 _SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_LORA_COUNTERS = {  # RankStats field -> (name, help, unit); summed over ranks and instances
-    "num_lora_swaps_in": ("elasticmoe_lora_swaps_in", "LoRA adapters copied into a rank's slot.", 1.0),
-    "num_lora_evictions": ("elasticmoe_lora_evictions", "LoRA adapters evicted from a rank's slot.", 1.0),
-    "num_lora_hits": ("elasticmoe_lora_hits", "LoRA requests admitted with their adapter already in a slot.", 1.0),
-    "num_lora_misses": ("elasticmoe_lora_misses", "LoRA requests that waited for their adapter's swap-in.", 1.0),
-    "lora_swap_us": ("elasticmoe_lora_swap_seconds", "Time the ranks spent copying LoRA factors into slots.", 1e-6),
+# RankStats field -> (name, help, unit, labels): counters that only grow per engine, summed over
+# ranks and instances. The expert-cache families carry the single server's names and labels.
+_LOADS_HELP = "Experts copied into the ranks' expert caches, by why."
+_BYTES_HELP = "Bytes copied into the ranks' expert caches, by the tier they came from."
+_ENGINE_COUNTERS: dict[str, tuple[str, str, float, dict[str, str]]] = {
+    "num_lora_swaps_in": ("elasticmoe_lora_swaps_in", "LoRA adapters copied into a rank's slot.", 1.0, {}),
+    "num_lora_evictions": ("elasticmoe_lora_evictions", "LoRA adapters evicted from a rank's slot.", 1.0, {}),
+    "num_lora_hits": ("elasticmoe_lora_hits", "LoRA requests admitted with their adapter already in a slot.", 1.0,
+                      {}),
+    "num_lora_misses": ("elasticmoe_lora_misses", "LoRA requests that waited for their adapter's swap-in.", 1.0, {}),
+    "lora_swap_us": ("elasticmoe_lora_swap_seconds", "Time the ranks spent copying LoRA factors into slots.", 1e-6,
+                     {}),
     "arrange_us": ("elasticmoe_request_arranging_seconds", "Time the ranks' schedulers spent arranging their "
-                   "windows (--request-arranging).", 1e-6),
+                   "windows (--request-arranging).", 1e-6, {}),
+    "num_expert_lookups": ("elasticmoe_expert_cache_lookups", "Expert lookups by the ranks' forwards (one per "
+                           "iteration, layer and routed expert).", 1.0, {}),
+    "num_expert_hits": ("elasticmoe_expert_cache_hits", "Expert lookups that found the expert resident.", 1.0, {}),
+    "num_expert_loads_on_demand": ("elasticmoe_expert_loads", _LOADS_HELP, 1.0, {"kind": "on_demand"}),
+    "num_expert_loads_prefetch": ("elasticmoe_expert_loads", _LOADS_HELP, 1.0, {"kind": "prefetch"}),
+    "expert_bytes_loaded_host": ("elasticmoe_expert_bytes_loaded", _BYTES_HELP, 1.0, {"tier": "host"}),
+    "expert_bytes_loaded_disk": ("elasticmoe_expert_bytes_loaded", _BYTES_HELP, 1.0, {"tier": "disk"}),
 }
 _MAX_ENGINES = 256  # engines whose last counters are remembered (a few per scale event)
 
@@ -154,8 +167,25 @@ class ClusterMetrics:
             ["rank"],
             registry=registry,
         )
-        self.lora_counters = {
-            field: Counter(name, doc, registry=registry) for field, (name, doc, _) in _LORA_COUNTERS.items()
+        self.expert_cache_resident = Gauge(
+            "elasticmoe_expert_cache_resident_experts",
+            "Experts resident in the expert cache, per DP rank of the active instance (offloading).",
+            ["rank"],
+            registry=registry,
+        )
+        self.expert_cache_capacity = Gauge(
+            "elasticmoe_expert_cache_capacity_experts",
+            "Expert rows the expert cache's budget buys, per DP rank of the active instance (offloading).",
+            ["rank"],
+            registry=registry,
+        )
+        families: dict[str, Counter] = {}
+        for name, doc, _, labels in _ENGINE_COUNTERS.values():
+            if name not in families:
+                families[name] = Counter(name, doc, sorted(labels), registry=registry)
+        self.engine_counters = {
+            field: families[name].labels(**labels) if labels else families[name]
+            for field, (name, _, _, labels) in _ENGINE_COUNTERS.items()
         }
         self._seen_by_engine: dict[str, dict[str, int]] = {}
 
@@ -174,22 +204,25 @@ class ClusterMetrics:
     def refresh(self, stats: Sequence[RankStats]) -> None:
         """Take a fresh snapshot of the active instance's rank counters."""
         self._stats = list(stats)
-        self.kv_usage.clear()
-        self.lora_slots_used.clear()
+        for gauge in (self.kv_usage, self.lora_slots_used, self.expert_cache_resident, self.expert_cache_capacity):
+            gauge.clear()
         for s in self._stats:
             self.kv_usage.labels(str(s.rank)).set(s.kv_usage)
             self.lora_slots_used.labels(str(s.rank)).set(s.num_lora_resident)
+            if s.expert_cache_capacity:
+                self.expert_cache_resident.labels(str(s.rank)).set(s.expert_cache_resident)
+                self.expert_cache_capacity.labels(str(s.rank)).set(s.expert_cache_capacity)
             self._count(s)
 
     def _count(self, stats: RankStats) -> None:
-        """Add the growth of one engine's LoRA counters since the highest values seen."""
+        """Add the growth of one engine's counters since the highest values seen."""
         # NOTE: a counter lower than seen is a stale snapshot (two scrapes raced), never a
         # restart: an engine's counters only grow.
         seen = self._seen_by_engine.pop(stats.engine_id, {})
-        for field, counter in self.lora_counters.items():
+        for field, counter in self.engine_counters.items():
             now, before = getattr(stats, field), seen.get(field, 0)
             if now > before:
-                counter.inc((now - before) * _LORA_COUNTERS[field][2])
+                counter.inc((now - before) * _ENGINE_COUNTERS[field][2])
                 seen[field] = now
         self._seen_by_engine[stats.engine_id] = seen  # re-inserted last: the oldest are dropped first
         while len(self._seen_by_engine) > _MAX_ENGINES:

@@ -49,6 +49,7 @@ class EngineCounters:
     num_steps: int = 0
     lora: dict[str, int] = field(default_factory=dict)  # LoRA slot counters (native; empty without LoRA)
     arrange_us: int = 0  # time the scheduler spent arranging its window (native)
+    expert_cache: dict[str, int] = field(default_factory=dict)  # expert offloading counters (native; empty: off)
 
 
 class AttachResult(Protocol):

@@ -100,8 +100,10 @@ class NativeBackend(LoopBackend):
         if engine is None:
             return loop
         bm = engine.block_manager
+        offload = engine.offload.stats() if engine.offload is not None else {}
         return dataclasses.replace(loop, num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
-                                   lora=engine.adapters.stats(), arrange_us=int(engine.scheduler.arrange_s * 1e6))
+                                   lora=engine.adapters.stats(), arrange_us=int(engine.scheduler.arrange_s * 1e6),
+                                   expert_cache={k: v for k, v in offload.items() if isinstance(v, int)})
 
     def _import(self, snaps: list[RequestSnapshot], kv_is_shared: bool) -> dict[str, int]:
         """`kv_is_shared`: this rank's pool is the exporter's (same device): block tables are

@@ -87,6 +87,15 @@ class RankStats:
     num_lora_misses: int = 0  # requests that had to wait for a swap-in
     lora_swap_us: int = 0  # time spent copying LoRA factors into slots
     arrange_us: int = 0  # time the scheduler spent arranging its window
+    # Expert offloading (0 everywhere: off): the cache's rows, and counters that only grow per engine.
+    expert_cache_capacity: int = 0
+    expert_cache_resident: int = 0
+    num_expert_lookups: int = 0
+    num_expert_hits: int = 0
+    num_expert_loads_on_demand: int = 0
+    num_expert_loads_prefetch: int = 0
+    expert_bytes_loaded_host: int = 0
+    expert_bytes_loaded_disk: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -371,6 +380,14 @@ class InstanceRank:
             num_lora_misses=c.lora.get("misses", 0),
             lora_swap_us=c.lora.get("swap_us", 0),
             arrange_us=c.arrange_us,
+            expert_cache_capacity=c.expert_cache.get("capacity_experts", 0),
+            expert_cache_resident=c.expert_cache.get("resident_experts", 0),
+            num_expert_lookups=c.expert_cache.get("lookups", 0),
+            num_expert_hits=c.expert_cache.get("hits", 0),
+            num_expert_loads_on_demand=c.expert_cache.get("on_demand_loads", 0),
+            num_expert_loads_prefetch=c.expert_cache.get("prefetches", 0),
+            expert_bytes_loaded_host=c.expert_cache.get("bytes_loaded_host", 0),
+            expert_bytes_loaded_disk=c.expert_cache.get("bytes_loaded_disk", 0),
         )
 
     def pid(self) -> int:

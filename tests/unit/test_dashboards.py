@@ -167,3 +167,26 @@ def test_the_two_registries_share_no_metric():
     ingress = {f.name for f in IngressMetrics(lambda: 0.0, lambda: True, dict, lambda: (0, 0)).registry.collect()}
     cluster = {f.name for f in ClusterMetrics(lambda: 1.0).registry.collect()}
     assert ingress and cluster and not ingress & cluster  # one /metrics body, each family once
+
+
+def test_expert_cache_counters_add_growth_per_engine_with_the_single_servers_labels():
+    from imm.rank import RankStats
+
+    def stats(engine: str, lookups: int, hits: int, on_demand: int, rank: int = 0) -> RankStats:
+        return RankStats(rank, 0, 0, 10, 10, 1, engine_id=engine, expert_cache_capacity=8, expert_cache_resident=6,
+                         num_expert_lookups=lookups, num_expert_hits=hits, num_expert_loads_on_demand=on_demand,
+                         num_expert_loads_prefetch=2, expert_bytes_loaded_host=1000 * (on_demand + 2))
+
+    metrics = ClusterMetrics(lambda: 1.0)
+    value = metrics.registry.get_sample_value
+    assert value("elasticmoe_expert_loads_total", {"kind": "on_demand"}) == 0  # exported before any load
+    metrics.refresh([stats("a", 10, 7, 3), stats("b", 4, 4, 0, rank=1)])
+    metrics.refresh([stats("a", 12, 8, 4), stats("b", 4, 4, 0, rank=1)])
+    assert value("elasticmoe_expert_cache_lookups_total") == 16 and value("elasticmoe_expert_cache_hits_total") == 12
+    assert value("elasticmoe_expert_loads_total", {"kind": "on_demand"}) == 4
+    assert value("elasticmoe_expert_loads_total", {"kind": "prefetch"}) == 4
+    assert value("elasticmoe_expert_bytes_loaded_total", {"tier": "host"}) == 1000 * (6 + 2)
+    assert value("elasticmoe_expert_cache_resident_experts", {"rank": "1"}) == 6
+    assert value("elasticmoe_expert_cache_capacity_experts", {"rank": "0"}) == 8
+    metrics.refresh([RankStats(0, 0, 0, 10, 10, 1, engine_id="c")])  # a rank without offloading: no gauge
+    assert value("elasticmoe_expert_cache_capacity_experts", {"rank": "0"}) is None
