@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from elasticmoe.tools.tokenizer_builder import EOS_TOKEN, PAD_TOKEN, build_tokenizer, save_tokenizer
 
@@ -72,6 +74,21 @@ def _classes(arch: str):
     }[arch]
 
 
+def build_model(arch: str, preset: str, tok: Tokenizer, seed: int) -> Any:
+    """The randomly initialised `transformers` model of (arch, preset) for tokenizer `tok`, in
+    float32, with its generation config (greedy, the tokenizer's end token)."""
+    from transformers import GenerationConfig
+
+    eos_id, pad_id = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
+    config_cls, model_cls = _classes(arch)
+    config = config_cls(**PRESETS[arch][preset], initializer_range=_INIT_STD[preset], eos_token_id=eos_id,
+                        pad_token_id=pad_id, bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id, do_sample=False)
+    return model
+
+
 def make_model(arch: str, preset: str, seed: int, out: str) -> Path:
     if arch not in PRESETS:
         raise ValueError(f"arch: expected one of {sorted(PRESETS)}, got {arch!r}")
@@ -79,25 +96,9 @@ def make_model(arch: str, preset: str, seed: int, out: str) -> Path:
         raise ValueError(f"preset: expected one of {sorted(PRESETS[arch])}, got {preset!r}")
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    from transformers import GenerationConfig
-
-    kwargs = dict(PRESETS[arch][preset])
-    tok = build_tokenizer(vocab_size=kwargs["vocab_size"], seed=seed)
-    eos_id = tok.token_to_id(EOS_TOKEN)
-    pad_id = tok.token_to_id(PAD_TOKEN)
-    config_cls, model_cls = _classes(arch)
-    config = config_cls(
-        **kwargs,
-        initializer_range=_INIT_STD[preset],
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
+    tok = build_tokenizer(vocab_size=PRESETS[arch][preset]["vocab_size"], seed=seed)
     logger.info("building %s/%s with transformers (seed %d)", arch, preset, seed)
-    model = model_cls(config).to(_SAVE_DTYPE[preset]).eval()
-    model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id, do_sample=False)
+    model = build_model(arch, preset, tok, seed).to(_SAVE_DTYPE[preset]).eval()
     model.save_pretrained(out_dir)
     save_tokenizer(tok, str(out_dir))
     num_params = sum(p.numel() for p in model.parameters())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -47,7 +48,13 @@ def _corpus(seed: int, num_sentences: int) -> list[str]:
 
 
 def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE tokenizer with at most `vocab_size` entries (special tokens included)."""
+    """A byte-level BPE tokenizer with at most `vocab_size` entries (special tokens included),
+    trained on the seeded generated corpus."""
+    return train_bpe(_corpus(seed, 4000), vocab_size)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `texts`, with this module's special tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -57,7 +64,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed, 4000), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 

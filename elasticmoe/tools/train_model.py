@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
-from elasticmoe.tools.make_model import _INIT_STD, _SAVE_DTYPE, PRESETS, _classes
-from elasticmoe.tools.tokenizer_builder import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, save_tokenizer
+from elasticmoe.tools.make_model import _SAVE_DTYPE, PRESETS
+from elasticmoe.tools.make_model import build_model as make_model_build
+from elasticmoe.tools.tokenizer_builder import PAD_TOKEN, save_tokenizer, train_bpe
 
 logger = logging.getLogger(__name__)
 
@@ -113,22 +114,9 @@ def split_corpus(docs: list[Document]) -> tuple[list[Document], list[Document]]:
 
 
 def train_tokenizer(docs: list[Document], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE trained on `docs`, with the special tokens `tokenizer_builder` uses.
-
-    `tokenizer_builder.build_tokenizer` only trains on its own generated corpus, so the BPE
-    set-up is repeated here with real text; `save_tokenizer` then writes it identically.
-    """
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((d.text for d in docs), trainer=trainer)
-    return tok
+    """Byte-level BPE trained on `docs`, set up as `make-model`'s tokenizer (`save_tokenizer` then
+    writes it identically)."""
+    return train_bpe((d.text for d in docs), vocab_size)
 
 
 def token_stream(tok: Tokenizer, docs: list[Document]) -> torch.Tensor:
@@ -177,22 +165,7 @@ def heldout_prompts(tok: Tokenizer, docs: list[Document], count: int = 200, min_
 
 def build_model(arch: str, preset: str, tok: Tokenizer, seed: int) -> Any:
     """The model `make_model` would build for (arch, preset), in fp32 for training."""
-    from transformers import GenerationConfig
-
-    eos_id, pad_id = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
-    config_cls, model_cls = _classes(arch)
-    config = config_cls(
-        **PRESETS[arch][preset],
-        initializer_range=_INIT_STD[preset],
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = model_cls(config).float()
-    model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id, do_sample=False)
-    return model
+    return make_model_build(arch, preset, tok, seed).float()
 
 
 def random_batches(stream: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> Iterator[torch.Tensor]:
