@@ -5,21 +5,21 @@ only the requests that needed the expert."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from elastic_server import free_port
+from engine_runs import greedy_run
 
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.models.weights import SafetensorsWeightProvider
-from elasticmoe.parallel.lockstep import run_until_all_done
 from elasticmoe.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, list(range(40, 61)), [3, 4], [100, 200, 300]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _engine(model_dir: str, **offload) -> LLMEngine:
@@ -27,25 +27,7 @@ def _engine(model_dir: str, **offload) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, prompts=PROMPTS, group=None) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
-    """Greedy outputs per request and the logits of every step."""
-    logits: list[torch.Tensor] = []
-    original = engine.model.compute_logits
-
-    def record(hidden):
-        out = original(hidden)
-        logits.append(out.clone())
-        return out
-
-    engine.model.compute_logits = record  # type: ignore[method-assign]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, GREEDY)
-    if group is None:
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += engine.step()
-    else:
-        outs = run_until_all_done(engine, group)
-    return {o.request_id: o.output_token_ids for o in outs if o.finished}, [t for t in logits if t.numel()]
+    return greedy_run(engine, prompts, MAX_TOKENS, group)
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +147,6 @@ def test_an_unreadable_expert_fails_only_its_requests(tiny_model_dir, resident):
         engine.offload.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RANK_PROMPTS = {0: [[5, 6, 7, 8, 9] * 6, list(range(40, 61))], 1: [[11, 12, 13], [3, 4]]}
 
 
@@ -193,7 +169,7 @@ def _ep_worker(rank: int, world: int, port: int, model_dir: str, offload: dict, 
 def test_ep2_with_a_quarter_of_the_experts_matches_resident_ep1(tiny_model_dir):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     offload = {"expert_cache_fraction": 0.25, "offload_policy": "finemoe"}
     procs = [ctx.Process(target=_ep_worker, args=(r, 2, port, tiny_model_dir, offload, queue)) for r in range(2)]
     for p in procs:

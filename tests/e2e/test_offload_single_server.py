@@ -7,25 +7,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from elastic_server import free_port
 
 from elasticmoe.cli import main as cli_main
 from elasticmoe.llm import LLM
 from elasticmoe.sampling_params import SamplingParams
 
 PROMPTS = ["The experts of layer one", "Hello", "A mixture of experts routes every token"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(model_dir: str, port: int, *flags: str) -> subprocess.Popen:
@@ -53,7 +47,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 120.0) -> N
 def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir):
     want = [o.text for o in LLM(tiny_model_dir, dtype="float32").generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))]
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _serve(tiny_model_dir, port, "--expert-cache-fraction", "0.25", "--offload-policy", "lru")
     try:
@@ -81,13 +75,13 @@ def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir):
 
 
 def test_a_cache_too_small_for_one_token_is_refused_at_start(tiny_model_dir, capsys):
-    args = ["serve", "--single", "--model", tiny_model_dir, "--port", str(_free_port()), "--num-threads", "1"]
+    args = ["serve", "--single", "--model", tiny_model_dir, "--port", str(free_port()), "--num-threads", "1"]
     assert cli_main([*args, "--expert-cache-gb", "0.00001"]) == 2
     err = capsys.readouterr().err
     assert "--expert-cache-gb" in err and "at least 2" in err
 
 
 def test_offloading_with_esft_slots_is_refused_naming_the_flag(tiny_model_dir, capsys):
-    args = ["serve", "--single", "--model", tiny_model_dir, "--port", str(_free_port())]
+    args = ["serve", "--single", "--model", tiny_model_dir, "--port", str(free_port())]
     assert cli_main([*args, "--expert-cache-fraction", "0.5", "--max-esft-adapters", "2"]) == 2
     assert "--max-esft-adapters 0" in capsys.readouterr().err
