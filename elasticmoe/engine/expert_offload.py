@@ -48,8 +48,6 @@ class ExpertOffload:
         self.local_expert_ids = torch.tensor(list(local_expert_ids), dtype=torch.long)
         self._embeddings: dict[str, torch.Tensor] = {}  # request -> semantic embedding (prompt mean)
         self._observing = False  # the policy takes this iteration's layers
-        # A policy that declares `observes_layers = False` (on_demand) is not shown the gate's output.
-        self._observes_layers = getattr(self.policy, "observes_layers", True)
         self.policy_s = 0.0  # time in the policy on the forward thread (searches, plans): FineMoE Fig. 17
         self._thread: threading.Thread | None = None
         if prefetch:
@@ -72,7 +70,7 @@ class ExpertOffload:
 
     def observe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """MoE layer `layer` routed `x` [T, H] to `topk_ids` [T, k]."""
-        if not self._observing or not self._observes_layers:
+        if not self._observing or not self.policy.observes_layers:
             return
         probs = torch.softmax(x.float() @ self.routers[layer].T, dim=-1)
         next_probs = None

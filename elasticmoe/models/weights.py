@@ -82,6 +82,11 @@ class SafetensorsWeightProvider:
         self._handles: dict[Path, object] = {}
         self.bytes_read = 0
 
+    @property
+    def files(self) -> list[Path]:
+        """The checkpoint's safetensors files."""
+        return sorted(set(self._file_of.values()))
+
     def has(self, name: str) -> bool:
         return name in self._file_of
 

@@ -60,6 +60,7 @@ class FineMoEPolicy:
 
     name = "finemoe"
     needs_next_layer_gate = False
+    observes_layers = True
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config

@@ -80,6 +80,7 @@ class LFUPolicy:
 
     name = "lfu"
     needs_next_layer_gate = False
+    observes_layers = True
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config

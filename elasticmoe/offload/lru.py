@@ -53,6 +53,7 @@ class LRUPolicy:
 
     name = "lru"
     needs_next_layer_gate = True
+    observes_layers = True
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
@@ -106,7 +107,7 @@ class OnDemandPolicy:
 
     name = "on_demand"
     needs_next_layer_gate = False
-    observes_layers = False  # routing never changes its decisions: the engine may skip `observe_layer`
+    observes_layers = False  # routing never changes its decisions
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config

@@ -133,8 +133,9 @@ class OffloadPolicy(Protocol):
     """Decides what to prefetch and what to evict; the engine does the copies."""
 
     name: str
-    # Optional `observes_layers = False`: `observe_layer` changes nothing (on_demand), so the engine
-    # skips computing the gate's probabilities for it.
+    # False when `observe_layer` changes nothing (on_demand): the engine then skips computing the
+    # gate's probabilities and calling it.
+    observes_layers: bool
     # True when `observe_layer` wants `next_gate_probs` (layer l+1's gate applied to layer l's
     # router input: one [T, H] x [H, E] matmul the engine skips otherwise).
     needs_next_layer_gate: bool
