@@ -262,7 +262,7 @@ def _time_round_robin(fns: dict[str, Callable[[], object]], iters: int) -> dict[
 def _reroute_row(block: MoEBlock, m: ExpertMap, table: dict[int, dict[int, int]], x: torch.Tensor,
                  aid: torch.Tensor, iters: int) -> dict[str, Any]:
     """Microseconds of each rerouting variant and of the block on tokens `x` [T, H] of adapters `aid` [T]."""
-    _, topk_ids = block.route(x)  # [T, k], the real router's choice
+    _, topk_ids, _ = block.route(x)  # [T, k], the real router's choice
     # NOTE: the MoE block never reads ctx.attn.
     base_ctx = ForwardContext(attn=None, token_adapter_ids=None)  # type: ignore[arg-type]
     adapter_ctx = ForwardContext(attn=None, token_adapter_ids=aid)  # type: ignore[arg-type]

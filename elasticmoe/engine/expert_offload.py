@@ -44,7 +44,7 @@ class ExpertOffload:
                  prefetch: bool = True) -> None:
         self.cache = cache
         self.policy = cache.policy
-        self.routers = [r.float() for r in routers]  # [E, H] per MoE layer, for the gate's probabilities
+        self.routers = [r.float() for r in routers]  # [E, H] per MoE layer: the next layer's gate on this input (lru)
         self.local_expert_ids = torch.tensor(list(local_expert_ids), dtype=torch.long)
         self._embeddings: dict[str, torch.Tensor] = {}  # request -> semantic embedding (prompt mean)
         self._observing = False  # the policy takes this iteration's layers
@@ -68,11 +68,11 @@ class ExpertOffload:
             self._call_policy(lambda: self.policy.begin_iteration(contexts))
             self.cache.replan()
 
-    def observe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        """MoE layer `layer` routed `x` [T, H] to `topk_ids` [T, k]."""
+    def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """MoE layer `layer` routed `x` [T, H] with the gate's probabilities `probs` [T, E] (the
+        route's own) to `topk_ids` [T, k]."""
         if not self._observing or not self.policy.observes_layers:
             return
-        probs = torch.softmax(x.float() @ self.routers[layer].T, dim=-1)
         next_probs = None
         if self.policy.needs_next_layer_gate and layer + 1 < len(self.routers):
             next_probs = torch.softmax(x.float() @ self.routers[layer + 1].T, dim=-1)

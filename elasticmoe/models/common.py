@@ -25,8 +25,8 @@ from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.models.weights import ParamSpec
 
 Weights = dict[str, torch.Tensor]
-# route(x [T, H]) -> (weights [T, k], expert ids [T, k])
-RouteFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# route(x [T, H]) -> (weights [T, k], expert ids [T, k], the gate's probabilities [T, E] in float32)
+RouteFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # reroute(expert ids [T, k], ctx) -> ids [T, k]; where ESFT adapters swap base experts for their own
 RerouteFn = Callable[[torch.Tensor, "ForwardContext"], torch.Tensor]
 
@@ -49,8 +49,9 @@ class ExpertResidency(Protocol):
     """What a MoE layer consults when its experts are offloaded (`elasticmoe.engine.expert_offload`
     installs one): the routed experts are made resident in an expert cache before they run."""
 
-    def observe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        """MoE layer `layer` routed `x` [T, H] to `topk_ids` [T, k] (the offloading policy learns)."""
+    def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """MoE layer `layer` routed `x` [T, H] with the gate's probabilities `probs` [T, E] to
+        `topk_ids` [T, k] (the offloading policy learns)."""
         ...
 
     def run_experts(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor) -> torch.Tensor:
@@ -163,11 +164,11 @@ class MoEBlock:
         return grouped_experts_sorted(x_sorted, sorted_slot_ids, self.w13, self.w2, self.num_base_slots)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        topk_weights, topk_ids = self.route(x)  # [T, k] each
+        topk_weights, topk_ids, probs = self.route(x)  # [T, k], [T, k], [T, E]
         if self.reroute is not None and ctx.token_adapter_ids is not None:
             topk_ids = self.reroute(topk_ids, ctx)
         if self.offload is not None:
-            self.offload.observe(self.moe_index, x, topk_ids)
+            self.offload.observe(self.moe_index, x, probs, topk_ids)
         pair_lora = None
         if self.lora is not None:  # NOTE: always, under EP: every rank must exchange the same tensors
             k = self.lora.top_k

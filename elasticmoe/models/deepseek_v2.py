@@ -22,7 +22,7 @@ from elasticmoe.layers.linear import linear
 from elasticmoe.layers.lora import LoraGroups, LoraSite
 from elasticmoe.layers.norm import rms_norm
 from elasticmoe.layers.rotary import RotaryEmbedding
-from elasticmoe.layers.router import group_limited_topk, softmax_topk
+from elasticmoe.layers.router import gate_probs, group_limited_topk_of_probs, topk_of_probs
 from elasticmoe.models.common import (
     CausalLM,
     DecoderLayer,
@@ -173,14 +173,14 @@ def make_route(cfg: ModelConfig, router_weight: torch.Tensor):
     router_weight_f32 = router_weight.float()  # DeepSeek routes in float32
 
     def route(x):
-        logits = linear(x.float(), router_weight_f32)
+        probs = gate_probs(linear(x.float(), router_weight_f32))
         if cfg.topk_method == "group_limited_greedy":
-            weights, ids = group_limited_topk(logits, cfg.top_k, cfg.num_groups, cfg.topk_group)
+            weights, ids = group_limited_topk_of_probs(probs, cfg.top_k, cfg.num_groups, cfg.topk_group)
         else:
-            weights, ids = softmax_topk(logits, cfg.top_k, renormalize=False)
+            weights, ids = topk_of_probs(probs, cfg.top_k, renormalize=False)
         if cfg.norm_topk_prob and cfg.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        return weights * cfg.routed_scaling_factor, ids, probs
 
     return route
 

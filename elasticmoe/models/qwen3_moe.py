@@ -5,7 +5,7 @@ from __future__ import annotations
 from elasticmoe.config import ModelConfig
 from elasticmoe.layers.linear import linear
 from elasticmoe.layers.rotary import RotaryEmbedding
-from elasticmoe.layers.router import softmax_topk
+from elasticmoe.layers.router import gate_probs, topk_of_probs
 from elasticmoe.models.common import (
     CausalLM,
     DecoderLayer,
@@ -44,8 +44,9 @@ def kv_token_shape(cfg: ModelConfig) -> tuple[int, ...]:
 
 def make_route(cfg: ModelConfig, router_weight):
     def route(x):
-        weights, ids = softmax_topk(linear(x, router_weight), cfg.top_k, cfg.norm_topk_prob)
-        return weights.to(x.dtype), ids
+        probs = gate_probs(linear(x, router_weight))
+        weights, ids = topk_of_probs(probs, cfg.top_k, cfg.norm_topk_prob)
+        return weights.to(x.dtype), ids, probs
 
     return route
 
