@@ -42,8 +42,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.nodes import alive_node_ids, device_specs, discover
 from coordinator.routing_state import Health, RoutingFeed, RoutingState
 from coordinator.scale_events import ScaleEvents
+from elasticmoe.config import ModelConfig
 from hmm.controller import EsftEntry, HMMController
-from hmm.layout import DeviceSpec, Layout
+from hmm.layout import DeviceSpec, Layout, ModelSizes
 from hmm.memory.lease import reap
 from hmm.memory.shm import round_up
 from hmm.placement import DEVICE_RESOURCE
@@ -57,7 +58,9 @@ logger = logging.getLogger(__name__)
 
 NODE_WATCH_INTERVAL_S = 2.0  # how often the Ray cluster is checked for nodes that joined
 
-MEMORY_KINDS = ("weights", "kv", "adapters")
+# host_experts: the host tier of an offloading layout (held by the device's worker, not charged
+# to its budget); the others are charged to the device.
+MEMORY_KINDS = ("weights", "kv", "adapters", "expert_cache", "host_experts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +88,17 @@ class AdapterSlotStats:
 
 def layout_memory(layout: Layout, adapters: Iterable[EsftEntry], page_size: int) -> dict[int, dict[str, int]]:
     """device -> kind -> bytes `layout` and the ESFT `adapters` hold there, rounded as the HMM
-    charges them (dense tensors and KV pools to OS pages, expert rows to `page_size` pages)."""
+    charges them (dense tensors and pools to OS pages, expert rows to `page_size` pages). With
+    offloading the expert rows are `host_experts` and the device holds an `expert_cache`."""
     sizes = layout.sizes
     dense = sum(round_up(b) for _, b in sizes.dense)
     expert = sum(round_up(b, page_size) for _, _, b in sizes.expert_stacks)
-    out = {
-        d: {"weights": dense + len(layout.local_experts(d)) * expert, "kv": round_up(kv), "adapters": 0}
-        for d, kv in zip(layout.device_ids, layout.kv_bytes, strict=True)
-    }
+    out: dict[int, dict[str, int]] = {}
+    for d, kv in zip(layout.device_ids, layout.kv_bytes, strict=True):
+        experts = len(layout.local_experts(d)) * expert
+        out[d] = {"weights": dense + (0 if layout.offloads else experts), "kv": round_up(kv), "adapters": 0}
+        if layout.offloads:
+            out[d].update(expert_cache=round_up(layout.cache_bytes_of(d)), host_experts=experts)
     for entry in adapters:  # an adapter expert lives on the device of the base expert it replaces
         for layer, expert_ids in entry.experts.items():
             row = sum(round_up(b, page_size) for _, at, b in sizes.expert_stacks if at == layer)
@@ -173,8 +179,10 @@ class ClusterManager:
         Returns the bytes moved by source (`HMMController.execute`)."""
         cfg, hmm = self.config, self.hmm
         assert hmm is not None
+        model = ModelConfig.from_pretrained(cfg.model_dir)
+        cache = cfg.hmm_cache_bytes(ModelSizes.from_model(model, cfg.torch_dtype.itemsize), model.top_k)
         return hmm.load(cfg.model_dir, dp=dp, dtype=cfg.torch_dtype, kv_bytes=cfg.hmm_kv_bytes, esft_slots=cfg.esft_slots,
-                 replicated=not cfg.is_expert_parallel)
+                        replicated=not cfg.is_expert_parallel, cache_bytes=cache)
 
     def create_instance(self, dp: int, devices: Sequence[DeviceSpec], paced: bool = False) -> Instance:
         """A standby instance of `dp` (the configured backend) whose rank r runs on the node of

@@ -21,6 +21,7 @@ from coordinator.autoscaler import AutoscaleConfig
 from elasticmoe.config import EngineOptions
 from elasticmoe.entrypoints.serve_settings import ServeSettings
 from elasticmoe.utils.settings import GIB, cli
+from hmm.layout import ModelSizes
 from hmm.memory.shm import DEFAULT_PREFIX
 from imm.vllm_support import vllm_problem
 
@@ -153,6 +154,22 @@ class CoordinatorConfig(ServeSettings):
         allocates its own (`kv_bytes_per_device` of it, in the rank's process)."""
         assert self.kv_bytes_per_device is not None  # the default is filled in before
         return self.kv_bytes_per_device if self.backend == "native" else 0
+
+    def hmm_cache_bytes(self, sizes: ModelSizes, top_k: int) -> int | None:
+        """Each device's expert cache pool when the experts are offloaded (None: they are resident):
+        `--expert-cache-gb`, or `--expert-cache-fraction` of a device's experts at the first
+        instance's dp. Every device keeps this size through scales, so a scale-down offloads
+        more experts instead of needing more memory; `ValueError` naming the flag below top-k."""
+        if not self.offloads_experts:
+            return None
+        per_device = -(-sizes.num_experts // self.dp)
+        pool = sizes.cache_pool_bytes(per_device, self.expert_cache_bytes, self.expert_cache_fraction)
+        rows = pool // sizes.cache_row_bytes
+        if rows < top_k:
+            flag = ("--expert-cache-gb" if self.expert_cache_bytes is not None else "--expert-cache-fraction")
+            raise ValueError(f"{flag}: a device's expert cache holds {rows} experts; a token is routed to {top_k} "
+                             f"experts per layer, so it needs at least {top_k} ({top_k * sizes.cache_row_bytes} B)")
+        return pool
 
     @property
     def esft_slots(self) -> tuple[int, int]:

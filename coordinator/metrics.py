@@ -133,7 +133,8 @@ class ClusterMetrics:
         )
         self.device_layout = Gauge(
             "elasticmoe_device_memory_layout_bytes",
-            "HMM memory of the committed layout on each device by kind (weights, kv, adapters).",
+            "HMM memory of the committed layout on each device by kind (weights, kv, adapters; with offloading "
+            "expert_cache, and host_experts: the host tier, not charged to the device).",
             ["device", "kind"],
             registry=registry,
         )

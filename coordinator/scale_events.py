@@ -47,6 +47,9 @@ class ScaleEvent:
     # The HMM transition's bytes by source: bytes_disk, bytes_local_copy, bytes_p2p_fast (same
     # node, shared memory), bytes_p2p_gloo (torch.distributed between nodes or processes)
     bytes_moved: dict[str, int] | None = None
+    # With expert offloading: cache rows the new instance filled before serving, with the experts
+    # the old one used most (`Scaler._warm_expert_caches`).
+    expert_rows_warmed: int | None = None
     error: str | None = None
     fault: str | None = None  # a heal (strategy "heal"): what failed and was replaced
     detected_at: float | None = None  # a heal: when the fault was seen (epoch seconds)

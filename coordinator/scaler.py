@@ -307,6 +307,7 @@ class Scaler:
             assert new is not None
             new.attach(hmm, pending=True, fenced_device_ids=fenced)
             self.cluster.adapters.prepare_instance(new)  # the pending layout carries their rows
+            self._warm_expert_caches(event, old, new)
             new.warm_up()
             return new, min(ray.get([r.max_model_len.remote() for r in new.ranks]))
         except BaseException as exc:
@@ -318,6 +319,20 @@ class Scaler:
             if new is not None and new.state is not InstanceState.RETIRED:
                 new.retire()
             return None, describe_error(exc)
+
+    def _warm_expert_caches(self, event: ScaleEvent, old: Instance, new: Instance) -> None:
+        """With offloading: the new ranks' caches start with the experts the old instance used
+        most, so a scale-down leaves the least needed in the host tier (FineMoE's maps say what
+        is needed; a scale-up brings the rest back, copied by the HMM's plan). Best effort: a
+        failure only means the caches fill on demand."""
+        if not self.cluster.config.offloads_experts:
+            return
+        try:
+            popularity = old.expert_popularity()
+            if popularity is not None:
+                event.expert_rows_warmed = new.warm_expert_caches(popularity)
+        except Exception:  # noqa: BLE001 - an optimisation; the rank loads on demand
+            logger.exception("scale %s: warming the new expert caches failed; they fill on demand", event.event_id)
 
     def _finish(self, event: ScaleEvent, new: Instance, t0: float) -> None:
         """The new instance, published in the critical section, is active."""

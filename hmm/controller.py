@@ -202,8 +202,8 @@ class HMMController:
         p = restore_plan(layout, device_id)
         specs = self._specs(layout, device_id)
         rows = [r for entry in self.adapters.values() for r in self._adapter_rows(layout, entry).get(device_id, [])]
-        kv = layout.kv_bytes[layout.rank_of(device_id)]
-        staged = self._gather([self._call(device_id, "begin", specs, self.dtype, kv, DEFAULT_OPTIONS, rows)])[0]
+        kv, cache = layout.kv_bytes[layout.rank_of(device_id)], layout.cache_bytes_of(device_id)
+        staged = self._gather([self._call(device_id, "begin", specs, self.dtype, kv, DEFAULT_OPTIONS, rows, cache)])[0]
         disk = [s.key for s in p.steps if isinstance(s, DiskLoad)]
         expected = {s.key for s in p.steps if isinstance(s, DiskLoad | P2PCopy)}
         try:
@@ -249,10 +249,13 @@ class HMMController:
         kv_bytes: int | None = None,
         esft_slots: tuple[int, int] = (0, 0),
         replicated: bool = False,
+        cache_bytes: int | None = None,
     ) -> dict[str, int]:
         """Initial layout of (dp, ep=dp) on the first `dp` devices (`replicated`: ep=1, every device
         holds every expert): each tensor read from disk once, the replicas filled by p2p; committed
-        on success; bytes by source, as `execute` returns them. `esft_slots` = (N, E_max):
+        on success; bytes by source, as `execute` returns them. `cache_bytes` offloads the experts
+        (an expert cache of that size per device, the expert rows as host tier; `hmm.layout`).
+        `esft_slots` = (N, E_max):
         every expert stack is a virtual weight tensor with N adapter slots of E_max rows
         (address space only). Adapters registered before (an `unload` + `load`) are mapped again."""
         if self.layout is not None:
@@ -260,7 +263,8 @@ class HMMController:
         self.model_dir, self.dtype, self.esft_slots = model_dir, dtype, esft_slots
         self.model_config = cfg = ModelConfig.from_pretrained(model_dir)
         sizes = ModelSizes.from_model(cfg, dtype.itemsize)
-        layout = layout_for(None, sizes, list(self.devices.values()), dp, 1 if replicated else dp, kv_bytes=kv_bytes)
+        layout = layout_for(None, sizes, list(self.devices.values()), dp, 1 if replicated else dp, kv_bytes=kv_bytes,
+                            cache_bytes=cache_bytes)
         moved = self.execute(load_plan(layout))
         self.commit()
         for entry in list(self.adapters.values()):
@@ -402,7 +406,8 @@ class HMMController:
             for d, rs in self._adapter_rows(tgt, entry, p.current).items():
                 rows[d] += rs
         filled = self._gather(
-            [self._call(d, "begin", specs[d], self.dtype, kv[d], p.options, rows.get(d, [])) for d in ids]
+            [self._call(d, "begin", specs[d], self.dtype, kv[d], p.options, rows.get(d, []), tgt.cache_bytes_of(d))
+             for d in ids]
         )
         expected: dict[int, set[TensorKey]] = defaultdict(set)
         disk: dict[int, list[TensorKey]] = defaultdict(list)
@@ -521,6 +526,11 @@ class HMMController:
     def usage(self) -> dict[int, MemoryUsage]:
         ids = list(self.devices)
         return dict(zip(ids, self._all(ids, "usage"), strict=True))
+
+    def host_usage(self) -> dict[int, MemoryUsage]:
+        """Per device, the host tier's bytes (offloaded expert stacks)."""
+        ids = list(self.devices)
+        return dict(zip(ids, self._all(ids, "host_usage"), strict=True))
 
     def reset_peak(self) -> None:
         self._all(list(self.devices), "reset_peak")

@@ -4,7 +4,10 @@ Non-expert tensors are shm tensors keyed by engine param name; each stacked
 expert param (`layers.{i}.moe.w13` / `.w2`) is a `VirtualTensor` over the
 device's `PagePool`, one page-aligned slot per local expert in placement order;
 the KV pool is one `uint8` shm tensor that instances view with their KV shape.
-Everything is charged to one `MemoryAccount` (current + peak bytes).
+Everything is charged to one `MemoryAccount` (current + peak bytes), except under expert
+offloading: then the expert stacks are the host tier, pages of a second pool charged to a host
+account, and the device holds an expert cache pool (a `uint8` shm tensor, new for every staged
+state: one instance's private rows) beside its dense tensors and KV pool.
 
 Transitions are two-phase. `begin(specs, ...)` builds a *staged* state next to
 the current one: tensors the target keeps are the same objects (same shm
@@ -23,6 +26,7 @@ account's `used` exactly as before.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +34,7 @@ from pathlib import Path
 import torch
 
 from elasticmoe.models.weights import ParamSpec, SafetensorsWeightProvider
-from hmm.layout import KV_POOL, TensorKey
+from hmm.layout import EXPERT_CACHE, KV_POOL, TensorKey
 from hmm.memory import (
     MemoryAccount,
     MemoryUsage,
@@ -81,16 +85,24 @@ class DeviceState:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     experts: dict[str, ExpertStack] = field(default_factory=dict)
     kv: torch.Tensor | None = None
+    cache: torch.Tensor | None = None  # the expert cache pool (offloading)
 
     def tensor(self, key: TensorKey) -> torch.Tensor | None:
         if key.kind == "dense":
             return self.dense.get(key.name)
         if key.kind == "kv":
             return self.kv
+        if key.kind == "cache":
+            return self.cache
         stack = self.experts.get(key.name)
         if stack is None or key.expert_id not in stack.expert_ids:
             return None
         return stack.vt.tensor[stack.slot(key.expert_id)]
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory: the bound of a device's host tier."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class DeviceMemory:
@@ -107,6 +119,9 @@ class DeviceMemory:
         self.account = MemoryAccount(device_id, budget_bytes)
         self.shm = ShmBackend(self.account, prefix)
         self.pool = PagePool(self.account, page_size, prefix=prefix)
+        self.prefix = prefix
+        self.host_account = MemoryAccount(f"{device_id}-host", host_memory_bytes())
+        self.host_pool: PagePool | None = None  # the host tier's pages, made on first use
         self.current = DeviceState()
         self.staged: DeviceState | None = None
         self._readers: dict[str, SafetensorsWeightProvider] = {}
@@ -120,10 +135,12 @@ class DeviceMemory:
         kv_bytes: int,
         options: TransitionOptions = DEFAULT_OPTIONS,
         adapter_rows: Sequence[AdapterRow] = (),
+        cache_bytes: int = 0,
     ) -> list[TensorKey]:
         """Stage the target tensors `specs` (+ a KV pool of `kv_bytes`) under `options`;
         return the keys that got fresh memory and must be filled (a fresh KV pool is
-        never listed: it starts empty). ESFT `adapter_rows` of the target are staged and
+        never listed: it starts empty). `cache_bytes > 0` offloads the experts: their stacks are
+        host tier, and a new, empty expert cache pool of that size is staged. ESFT `adapter_rows` of the target are staged and
         filled here: an expert this device already holds keeps its pages (zero-copy, when
         `options` allow), the others are read from their adapter's files. On error nothing
         is left staged."""
@@ -134,7 +151,7 @@ class DeviceMemory:
         try:
             for spec in specs:
                 if spec.is_stacked:
-                    to_fill += self._stage_experts(staged, spec, dtype, options)
+                    to_fill += self._stage_experts(staged, spec, dtype, options, self._expert_pool(cache_bytes > 0))
                     continue
                 cur = self.current.dense.get(spec.name) if options.zero_copy else None
                 if cur is not None and tuple(cur.shape) == spec.shape and cur.dtype == dtype:
@@ -147,20 +164,31 @@ class DeviceMemory:
                 staged.kv = cur_kv
             elif kv_bytes > 0:
                 staged.kv = self.shm.allocate((kv_bytes,), torch.uint8)
+            if cache_bytes > 0:
+                staged.cache = self.shm.allocate((cache_bytes,), torch.uint8)
             self._stage_adapter_rows(staged, adapter_rows, options)
         except BaseException:
             self.abort()
             raise
         return to_fill
 
+    def _expert_pool(self, host: bool) -> PagePool:
+        """Where expert stacks take their pages: the device, or (offloading) the host tier."""
+        if not host:
+            return self.pool
+        if self.host_pool is None:
+            self.host_pool = PagePool(self.host_account, self.pool.page_size, prefix=self.prefix)
+        return self.host_pool
+
     def _stage_experts(
-        self, staged: DeviceState, spec: ParamSpec, dtype: torch.dtype, options: TransitionOptions
+        self, staged: DeviceState, spec: ParamSpec, dtype: torch.dtype, options: TransitionOptions, pool: PagePool
     ) -> list[TensorKey]:
         assert spec.expert_ids is not None
         ids, row_shape = spec.expert_ids, spec.shape[1:]
         cur = self.current.experts.get(spec.name) if options.zero_copy else None
         num_slots = spec.shape[0]  # > len(ids): ESFT adapter rows after the base experts
-        same_geometry = cur is not None and cur.vt.slot_shape == row_shape and cur.vt.dtype == dtype
+        same_geometry = (cur is not None and cur.vt.slot_shape == row_shape and cur.vt.dtype == dtype
+                         and cur.vt.pool is pool)
         if cur is not None and same_geometry and cur.expert_ids == ids and cur.vt.num_slots == num_slots:
             staged.experts[spec.name] = cur  # nothing moves: the same virtual tensor
             return []
@@ -169,7 +197,7 @@ class DeviceMemory:
         layer = TensorKey.dense(spec.name).layer
         if layer is None:
             raise ValueError(f"{spec.name}: stacked expert params are named layers.<i>.*")
-        vt = VirtualTensor(self.pool, num_slots, row_shape, dtype, align_slots=True)
+        vt = VirtualTensor(pool, num_slots, row_shape, dtype, align_slots=True)
         staged.experts[spec.name] = ExpertStack(vt, ids, layer)  # registered first: abort unmaps it
         to_fill: list[TensorKey] = []
         for slot, e in enumerate(ids):
@@ -263,6 +291,8 @@ class DeviceMemory:
                 self.shm.free(t)
         if state.kv is not None and state.kv is not keep.kv:
             self.shm.free(state.kv)
+        if state.cache is not None and state.cache is not keep.cache:
+            self.shm.free(state.cache)
 
     # ---- filling and reading ---------------------------------------------------------
 
@@ -319,7 +349,8 @@ class DeviceMemory:
     # ---- handles and accounting ------------------------------------------------------
 
     def export_handles(self, staged: bool = False) -> dict[str, Handle]:
-        """{engine param name: handle} plus `"kv_pool"`, for the current (or staged) state."""
+        """{engine param name: handle} plus `"kv_pool"` (and `"expert_cache"` when offloading), for
+        the current (or staged) state."""
         state = self.staged if staged else self.current
         if state is None:
             raise RuntimeError(f"device {self.device_id}: nothing staged")
@@ -327,6 +358,8 @@ class DeviceMemory:
         out.update({n: s.vt.export() for n, s in state.experts.items()})
         if state.kv is not None:
             out[KV_POOL] = self.shm.export(state.kv)
+        if state.cache is not None:
+            out[EXPERT_CACHE] = self.shm.export(state.cache)
         return out
 
     def source_handle(self, key: TensorKey) -> tuple[Handle, int | None]:
@@ -342,6 +375,10 @@ class DeviceMemory:
 
     def usage(self) -> MemoryUsage:
         return self.account.usage()
+
+    def host_usage(self) -> MemoryUsage:
+        """The host tier's bytes (expert stacks of an offloading layout)."""
+        return self.host_account.usage()
 
     def free(self, names: Iterable[str] = ()) -> None:
         """Free current dense tensors by name (outside a transition)."""
@@ -362,3 +399,5 @@ class DeviceMemory:
         """Free everything (staged and current) and the page pool."""
         self.clear()
         self.pool.close()
+        if self.host_pool is not None:
+            self.host_pool.close()

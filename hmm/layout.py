@@ -11,7 +11,12 @@ device. Invariants, checked in `__post_init__`:
 - replicated experts (ep = 1, a placement over one rank; data-parallel replicas that run no EP
   group, e.g. the vLLM backend): every device holds every expert, at the slots of that one rank,
   so an expert is copied like a dense tensor (every device is a holder);
-- one KV pool per device, and weights + KV pool fit in the device's budget.
+- one KV pool per device, and weights + KV pool fit in the device's budget;
+- expert offloading (`cache_bytes` set, FineMoE's tiers): every device also has an expert cache
+  pool (rows the engine copies experts into), and its expert rows are the *host tier*: still held
+  by the device's worker (one copy per node under expert parallelism) but charged to host memory,
+  not to the device's budget. Then dense + KV pool + expert cache fit the budget, however many
+  experts the device holds: a scale-down to fewer devices offloads instead of being refused.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from elasticmoe.parallel.expert_placement import ExpertPlacement
 if TYPE_CHECKING:
     from elasticmoe.config import ModelConfig
 
-TensorKind = Literal["dense", "expert", "kv"]
+TensorKind = Literal["dense", "expert", "kv", "cache"]
 KV_POOL = "kv_pool"
+EXPERT_CACHE = "expert_cache"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -59,7 +65,9 @@ class TensorKey:
 
     dense: an engine tensor (`name`), same bytes on every replica. expert: row
     `expert` of the stacked engine tensor `name` of MoE `layer`. kv: the device's
-    KV pool (`name == "kv_pool"`).
+    KV pool (`name == "kv_pool"`), reused in place by the next layout. cache: the device's expert
+    cache pool (`name == "expert_cache"`), private to one instance: every layout gets a new one.
+    Pools (kv, cache) start empty and are never copied.
     """
 
     kind: TensorKind
@@ -68,12 +76,19 @@ class TensorKey:
     expert: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("dense", "expert", "kv"):
+        if self.kind not in ("dense", "expert", "kv", "cache"):
             raise ValueError(f"tensor key: unknown kind {self.kind!r}")
         if (self.kind == "expert") != (self.expert is not None and self.layer is not None):
             raise ValueError(f"tensor key {self.name!r}: layer and expert are set exactly for expert keys")
         if self.kind == "kv" and self.name != KV_POOL:
             raise ValueError(f"tensor key: a kv key is named {KV_POOL!r}, got {self.name!r}")
+        if self.kind == "cache" and self.name != EXPERT_CACHE:
+            raise ValueError(f"tensor key: a cache key is named {EXPERT_CACHE!r}, got {self.name!r}")
+
+    @property
+    def is_pool(self) -> bool:
+        """A pool (KV or expert cache): allocated empty, never filled or copied by a plan."""
+        return self.kind in ("kv", "cache")
 
     @property
     def expert_id(self) -> int:
@@ -94,6 +109,10 @@ class TensorKey:
     @classmethod
     def kv(cls) -> TensorKey:
         return cls("kv", KV_POOL)
+
+    @classmethod
+    def cache(cls) -> TensorKey:
+        return cls("cache", EXPERT_CACHE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +163,31 @@ class ModelSizes:
         """Bytes of one expert across all MoE layers and stacked tensors."""
         return sum(b for _, _, b in self.expert_stacks)
 
+    @property
+    def cache_row_bytes(self) -> int:
+        """Bytes of one row of an expert cache: one expert of one MoE layer (all its stacks)."""
+        per_layer: dict[int, int] = {}
+        for _, layer, b in self.expert_stacks:
+            per_layer[layer] = per_layer.get(layer, 0) + b
+        return max(per_layer.values(), default=0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len({layer for _, layer, _ in self.expert_stacks})
+
+    def cache_pool_bytes(self, experts_per_device: int, budget_bytes: int | None = None,
+                         fraction: float | None = None) -> int:
+        """An expert cache pool of whole rows: `budget_bytes` of it, or `fraction` of a device
+        holding `experts_per_device` experts (all MoE layers), rounded up."""
+        if (budget_bytes is None) == (fraction is None):
+            raise ValueError("expert cache: give a byte budget or a fraction, exactly one")
+        if budget_bytes is not None:
+            rows = budget_bytes // self.cache_row_bytes
+        else:
+            assert fraction is not None
+            rows = math.ceil(fraction * self.num_moe_layers * experts_per_device)
+        return rows * self.cache_row_bytes
+
     def weight_bytes(self, num_local_experts: int) -> int:
         return self.dense_bytes + num_local_experts * self.expert_bytes
 
@@ -159,6 +203,7 @@ class Layout:
     devices: tuple[DeviceSpec, ...]
     placement: ExpertPlacement
     kv_bytes: tuple[int, ...]  # KV pool bytes of devices[r]
+    cache_bytes: tuple[int, ...] = ()  # expert cache pool bytes of devices[r]; () = no offloading
 
     def __post_init__(self) -> None:
         ids = [d.device_id for d in self.devices]
@@ -174,11 +219,15 @@ class Layout:
             )
         if len(self.kv_bytes) != len(self.devices) or any(b < 0 for b in self.kv_bytes):
             raise ValueError("layout: one KV pool size >= 0 per device")
+        if self.cache_bytes and (len(self.cache_bytes) != len(self.devices) or min(self.cache_bytes) <= 0):
+            raise ValueError("layout: with offloading, one expert cache size > 0 per device")
         for rank, dev in enumerate(self.devices):
             if self.total_bytes(dev.device_id) > dev.budget_bytes:
+                held = (f"dense weights {self.sizes.dense_bytes} B + expert cache {self.cache_bytes[rank]} B"
+                        if self.offloads else f"weights {self.weight_bytes(dev.device_id)} B")
                 raise ValueError(
-                    f"device {dev.device_id}: weights {self.weight_bytes(dev.device_id)} B + KV pool "
-                    f"{self.kv_bytes[rank]} B exceed its budget {dev.budget_bytes} B"
+                    f"device {dev.device_id}: {held} + KV pool {self.kv_bytes[rank]} B exceed its budget "
+                    f"{dev.budget_bytes} B"
                 )
 
     @property
@@ -188,6 +237,11 @@ class Layout:
     @property
     def ep(self) -> int:
         return self.placement.num_ranks
+
+    @property
+    def offloads(self) -> bool:
+        """Experts are offloaded: the devices hold an expert cache, the expert rows are host tier."""
+        return bool(self.cache_bytes)
 
     @property
     def is_replicated(self) -> bool:
@@ -226,15 +280,34 @@ class Layout:
         for e in self.local_experts(device_id):
             out.update(self.sizes.expert_keys(e))
         out[TensorKey.kv()] = self.kv_bytes[self.rank_of(device_id)]
+        if self.offloads:
+            out[TensorKey.cache()] = self.cache_bytes[self.rank_of(device_id)]
         return out
+
+    def cache_bytes_of(self, device_id: int) -> int:
+        """The device's expert cache pool (0 without offloading or outside the layout)."""
+        if not self.offloads or device_id not in self.device_ids:
+            return 0
+        return self.cache_bytes[self.rank_of(device_id)]
+
+    def charged(self, key: TensorKey) -> bool:
+        """Whether `key` counts against its device's budget (host-tier expert rows do not)."""
+        return not (self.offloads and key.kind == "expert")
 
     def weight_bytes(self, device_id: int) -> int:
         return self.sizes.weight_bytes(len(self.local_experts(device_id)))
 
     def total_bytes(self, device_id: int) -> int:
+        """Bytes charged to the device's budget: everything it holds but host-tier experts."""
         if device_id not in self.device_ids:
             return 0
-        return self.weight_bytes(device_id) + self.kv_bytes[self.rank_of(device_id)]
+        return sum(b for k, b in self.tensors(device_id).items() if self.charged(k))
+
+    def host_bytes(self, device_id: int) -> int:
+        """Bytes of the device's expert rows held as the host tier (0 without offloading)."""
+        if not self.offloads or device_id not in self.device_ids:
+            return 0
+        return len(self.local_experts(device_id)) * self.sizes.expert_bytes
 
 
 def layout_for(
@@ -246,6 +319,7 @@ def layout_for(
     placement: ExpertPlacement | None = None,
     *,
     kv_bytes: int | None = None,
+    cache_bytes: int | None = None,
     dtype_bytes: int = 2,
 ) -> Layout:
     """The layout of (dp, ep) on `devices[:dp]`; ep = dp (expert parallel) or 1 (replicated experts).
@@ -253,7 +327,9 @@ def layout_for(
     `weights` are the engine's ParamSpecs (then `model_cfg` gives num_experts and
     `dtype_bytes` the element size) or precomputed `ModelSizes`. `placement`
     defaults to `ExpertPlacement.balanced` over the ep ranks. `kv_bytes=None` gives each device a
-    KV pool of its budget minus its weights; an int is the pool size everywhere.
+    KV pool of its budget minus its weights; an int is the pool size everywhere. `cache_bytes`
+    offloads the experts: each device gets an expert cache of that size and its expert rows are
+    the host tier (see the module docstring).
     Raises ValueError when the weights (plus a fixed KV pool) do not fit.
     """
     if ep not in (1, dp):
@@ -271,10 +347,14 @@ def layout_for(
     used = tuple(devices[:dp])
     kv = []
     for rank, dev in enumerate(used):
-        weight = sizes.weight_bytes(len(placement.local_expert_ids(rank if ep == dp else 0)))
+        if cache_bytes is not None:
+            weight = sizes.dense_bytes + cache_bytes
+            what = "dense weights + expert cache"
+        else:
+            weight = sizes.weight_bytes(len(placement.local_expert_ids(rank if ep == dp else 0)))
+            what = "weights"
         if weight > dev.budget_bytes:
-            raise ValueError(
-                f"device {dev.device_id}: weights {weight} B exceed its budget {dev.budget_bytes} B"
-            )
+            raise ValueError(f"device {dev.device_id}: {what} {weight} B exceed its budget {dev.budget_bytes} B")
         kv.append(dev.budget_bytes - weight if kv_bytes is None else kv_bytes)
-    return Layout(sizes, used, placement, tuple(kv))
+    cache = () if cache_bytes is None else (cache_bytes,) * dp
+    return Layout(sizes, used, placement, tuple(kv), cache)

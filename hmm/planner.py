@@ -15,6 +15,11 @@ minimises bytes moved:
   holds every expert, so a new replica gets them like dense tensors). A layout
   holds every tensor, so `plan` never reads disk;
   `load_plan` (the initial load) reads each tensor from disk exactly once;
+- an offloading layout's expert cache (`Layout.cache_bytes`) belongs to one instance: every
+  target device allocates a new, empty one and a kept device's old one is freed at commit, so
+  the old and the new instance never share cache rows. Its host-tier expert rows move like any
+  expert's but are not charged to the device's budget: a scale-down onto devices that cannot
+  hold every expert is planned, not refused;
 - everything the target does not need is freed at commit, after all other steps.
 
 `TransitionOptions` switch mechanisms off for the paper's baselines and ablations
@@ -128,9 +133,12 @@ def target_layout(current: Layout, target: TargetConfig) -> Layout:
             current.sizes.num_experts,
             {d.device_id: d.node_id for d in (*current.devices, *target.devices)},
         )
-    kv = []
+    kv, cache = [], []
     for rank, dev in enumerate(target.devices):
         weight = current.sizes.weight_bytes(len(placement.local_expert_ids(rank if target.ep > 1 else 0)))
+        if current.offloads:  # one expert cache size everywhere; the experts are host tier
+            cache.append(max(current.cache_bytes))
+            weight = current.sizes.dense_bytes + cache[-1]
         if dev.device_id in current.device_ids:
             kv.append(current.kv_bytes[current.rank_of(dev.device_id)])
         elif target.kv_bytes is not None:
@@ -142,7 +150,7 @@ def target_layout(current: Layout, target: TargetConfig) -> Layout:
         else:
             kv.append(dev.budget_bytes - weight)
     try:
-        return Layout(current.sizes, target.devices, placement, tuple(kv))
+        return Layout(current.sizes, target.devices, placement, tuple(kv), tuple(cache))
     except ValueError as e:
         raise PlanError(str(e)) from e
 
@@ -172,6 +180,11 @@ def plan(
         have = current.tensors(d) if d in current.device_ids else {}
         stack_changed = d not in current.device_ids or current.local_experts(d) != new.local_experts(d)
         for key, nbytes in new.tensors(d).items():
+            if key.kind == "cache":  # one instance's private pool: a new one per layout
+                fill.append(Alloc(d, key, nbytes))
+                if key in have:
+                    renewed.add((d, key))
+                continue
             if key in have:
                 in_place = options.zero_copy and (
                     key.kind != "expert" or options.paged_remap or not stack_changed
@@ -187,7 +200,7 @@ def plan(
                     continue
                 renewed.add((d, key))
                 local.append(Alloc(d, key, nbytes))
-                if key.kind == "kv":
+                if key.is_pool:
                     continue
                 # Without zero-copy and p2p the new copy is loaded like a fresh instance's.
                 from_disk = not options.zero_copy and not options.p2p
@@ -235,7 +248,7 @@ def load_plan(target: Layout) -> ScalePlan:
     load: list[Step] = [Alloc(d, k, n) for d in target.device_ids for k, n in target.tensors(d).items()]
     copy: list[Step] = []
     for key in sorted(holders, key=lambda k: (-sizes[k], k.name, k.expert or 0)):
-        if key.kind == "kv":
+        if key.is_pool:
             continue
         loader = min(holders[key], key=lambda d: (read[d], d))
         read[loader] += sizes[key]
@@ -259,7 +272,7 @@ def restore_plan(layout: Layout, device_id: int) -> ScalePlan:
     steps: list[Step] = []
     for key, nbytes in sorted(layout.tensors(device_id).items(), key=lambda kv: (-kv[1], kv[0].name)):
         steps.append(Alloc(device_id, key, nbytes))
-        if key.kind == "kv":
+        if key.is_pool:
             continue
         if (key.kind == "expert" and not layout.is_replicated) or not others:
             steps.append(DiskLoad(device_id, key, nbytes))
@@ -280,7 +293,7 @@ def naive_full_copy_plan(current: Layout, target: TargetConfig) -> ScalePlan:
     for d in new.device_ids:
         for key, nbytes in new.tensors(d).items():
             steps.append(Alloc(d, key, nbytes))
-            if key.kind != "kv":
+            if not key.is_pool:
                 steps.append(DiskLoad(d, key, nbytes))
     for d in current.device_ids:
         steps += [Free(d, key, nbytes) for key, nbytes in current.tensors(d).items()]

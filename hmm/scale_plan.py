@@ -93,8 +93,8 @@ class LocalCopy:
     nbytes: int
 
     def __post_init__(self) -> None:
-        if self.key.kind == "kv":
-            raise ValueError("local copy: a new KV pool starts empty; it is never copied")
+        if self.key.is_pool:
+            raise ValueError("local copy: a new pool (KV, expert cache) starts empty; it is never copied")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +187,13 @@ class ScalePlan:
         return tuple(sorted(ids - self.lost))
 
     def peak_bytes(self) -> dict[int, int]:
-        """Per device, the most bytes held at any point (old mappings live until commit)."""
+        """Per device, the most bytes charged to its budget at any point (old mappings live until
+        commit; host-tier expert rows of an offloading layout are not charged)."""
         current = self.current
         used = {d: current.total_bytes(d) if current and d in current.device_ids else 0 for d in self.device_ids()}
         peak = dict(used)
         for s in self.steps:
-            if isinstance(s, Alloc | Free):
+            if isinstance(s, Alloc | Free) and self.target.charged(s.key):
                 used[s.device] += s.nbytes if isinstance(s, Alloc) else -s.nbytes
                 peak[s.device] = max(peak[s.device], used[s.device])
         return peak
@@ -258,15 +259,16 @@ class ScalePlan:
             if s.key not in tgt.get(dst, {}):
                 raise InvalidPlan(f"step {i}: {s.key} is not a target tensor of device {dst}")
             if isinstance(s, Alloc):
-                if minimal and (dst, s.key) in bufs:
+                # An expert cache is private to one instance: every layout allocates a new one.
+                if minimal and (dst, s.key) in bufs and s.key.kind != "cache":
                     raise InvalidPlan(f"step {i}: second buffer of {s.key} on device {dst}")
                 if s.nbytes != tgt[dst][s.key]:
                     raise InvalidPlan(
                         f"step {i}: allocates {s.nbytes} B for {s.key}, target has {tgt[dst][s.key]}"
                     )
-                is_kv = s.key.kind == "kv"  # a KV pool needs no filling
-                bufs.setdefault((dst, s.key), []).append(is_kv)
-                if is_kv:
+                is_pool = s.key.is_pool  # a pool needs no filling
+                bufs.setdefault((dst, s.key), []).append(is_pool)
+                if is_pool:
                     placed.add((dst, s.key))
                 continue
             if isinstance(s, Reuse | Remap):

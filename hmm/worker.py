@@ -112,9 +112,10 @@ class DeviceWorker:
         kv_bytes: int,
         options: TransitionOptions = DEFAULT_OPTIONS,
         adapter_rows: Sequence[AdapterRow] = (),
+        cache_bytes: int = 0,
     ) -> list[TensorKey]:
         self._check("begin")
-        return self.memory.begin(specs, dtype, kv_bytes, options, adapter_rows)
+        return self.memory.begin(specs, dtype, kv_bytes, options, adapter_rows, cache_bytes)
 
     def map_adapter_rows(self, rows: Sequence[AdapterRow]) -> dict[str, list[SlotPages]]:
         self._check("map_adapter_rows")
@@ -161,6 +162,9 @@ class DeviceWorker:
 
     def usage(self) -> MemoryUsage:
         return self.memory.usage()
+
+    def host_usage(self) -> MemoryUsage:
+        return self.memory.host_usage()
 
     def reset_peak(self) -> None:
         self.memory.account.reset_peak()

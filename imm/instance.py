@@ -25,6 +25,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import ray
 
 from elasticmoe.config import EngineOptions
@@ -355,6 +356,17 @@ class Instance:
             return set()
         missing = self._get([rank.wait_resumed.remote(ids, timeout_s) for rank in self.ranks])
         return set().union(*map(set, missing))
+
+    def expert_popularity(self) -> np.ndarray | None:
+        """Lookups per (layer, expert) of all ranks' expert caches, summed (each rank counts its
+        own experts); None without offloading."""
+        counts = [c for c in self._get([rank.expert_popularity.remote() for rank in self.ranks]) if c is not None]
+        return np.sum(counts, axis=0) if counts else None
+
+    def warm_expert_caches(self, popularity: np.ndarray) -> int:
+        """Fill every rank's expert cache with its most used experts (attached, not yet serving);
+        returns the rows filled."""
+        return sum(self._get([rank.warm_expert_cache.remote(popularity) for rank in self.ranks]))
 
     def release_engines(self) -> None:
         """Drop every rank's engine (its device memory mappings and EP group) but keep the rank

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, EngineOptions, ModelConfig
 from elasticmoe.engine.engine_request import EngineRequest
@@ -74,7 +76,10 @@ class NativeBackend(LoopBackend):
         if config.num_kv_blocks is None:
             config = dataclasses.replace(config, kv_cache_bytes=loader.kv_pool_bytes)
         t0 = time.perf_counter()
-        self.engine = await asyncio.to_thread(LLMEngine, config, loader.weights, loader.kv, placement, group)
+        if (loader.expert_cache is not None) != config.offloads_experts:
+            raise RuntimeError("attach: the device has an expert cache exactly when the engine offloads experts")
+        self.engine = await asyncio.to_thread(LLMEngine, config, loader.weights, loader.kv, placement, group,
+                                              loader.expert_cache)
         seconds = time.perf_counter() - t0
         self.core, self.group = self.engine, group
         if fence_kv:
@@ -124,6 +129,23 @@ class NativeBackend(LoopBackend):
         """Stop the loop and drop the engine (unmaps the handles)."""
         await super().shutdown()
         self.engine = None
+
+    # ---- expert offloading (FineMoE) -------------------------------------------------------
+
+    def expert_popularity(self) -> np.ndarray | None:
+        """Lookups per (layer, expert) this rank's cache counted; None without offloading."""
+        offload = self.engine.offload if self.engine is not None else None
+        if offload is None:
+            return None
+        with offload.cache.locked():
+            return offload.cache.popularity.copy()
+
+    async def warm_expert_cache(self, popularity: np.ndarray) -> int:
+        """Fill this rank's expert cache with its most used experts (before it serves)."""
+        offload = self._engine().offload
+        if offload is None:
+            return 0
+        return await self._on_loop(lambda: offload.cache.warm(popularity))
 
     # ---- adapters (ExpertWeave ESFT, MoLoRA LoRA) -----------------------------------------
 

@@ -43,6 +43,7 @@ import uuid
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
+import numpy as np
 import ray
 import torch.distributed as dist
 
@@ -289,6 +290,18 @@ class InstanceRank:
     def served_adapters(self) -> tuple[str, ...]:
         backend = self.backend
         return backend.served_adapters() if isinstance(backend, NativeBackend) else ()
+
+    # ---- expert offloading (native backend only) -------------------------------------------
+
+    def expert_popularity(self) -> np.ndarray | None:
+        """Lookups per (layer, expert) of this rank's expert cache (None: no offloading)."""
+        backend = self.backend
+        return backend.expert_popularity() if isinstance(backend, NativeBackend) else None
+
+    async def warm_expert_cache(self, popularity: np.ndarray) -> int:
+        """Fill this rank's expert cache with its most used experts by `popularity` (before it
+        serves); returns the rows filled."""
+        return await self._native().warm_expert_cache(popularity)
 
     # ---- switchover ----------------------------------------------------------------------
 

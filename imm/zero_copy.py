@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from hmm.layout import KV_POOL
+from hmm.layout import EXPERT_CACHE, KV_POOL
 from hmm.memory import TensorHandle
-from hmm.providers import Handle, HandleKVProvider, HandleWeightProvider
+from hmm.providers import Handle, HandleKVProvider, HandleWeightProvider, open_handle
 
 _SHARED_PREFIXES = ("/dev/shm/", "/memfd:")
 
@@ -42,11 +42,14 @@ class AttachReport:
 
 
 class ZeroCopyLoader:
-    """Providers over one DP rank's handle set `{param name: handle, "kv_pool": handle}`."""
+    """Providers over one DP rank's handle set `{param name: handle, "kv_pool": handle}` (+
+    `"expert_cache"`: the device's expert cache buffer, when the experts are offloaded)."""
 
     def __init__(self, handle_set: Mapping[str, Handle], kv_handle: TensorHandle | None = None) -> None:
-        self.weights = HandleWeightProvider({k: v for k, v in handle_set.items() if k != KV_POOL})
+        self.weights = HandleWeightProvider({k: v for k, v in handle_set.items() if k not in (KV_POOL, EXPERT_CACHE)})
         self.kv = HandleKVProvider(kv_handle) if kv_handle is not None else HandleKVProvider.from_handle_set(handle_set)
+        cache = handle_set.get(EXPERT_CACHE)
+        self.expert_cache: torch.Tensor | None = open_handle(cache) if cache is not None else None
 
     @property
     def kv_pool_bytes(self) -> int:

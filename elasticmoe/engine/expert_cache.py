@@ -50,6 +50,7 @@ class CacheCounters:
     prefetch_failures: int = 0
     evictions: int = 0
     waits_for_prefetch: int = 0  # lookups that found their expert's prefetch still copying
+    warm_loads: int = 0  # rows filled before serving, most used first (`ExpertCache.warm`)
     on_demand_s: float = 0.0  # the forward's time in `ensure` beyond its hits: waiting and copying
     prefetch_s: float = 0.0  # the prefetch thread's copying time (beside the forward)
 
@@ -72,6 +73,9 @@ class ExpertCache:
         self.state = CacheState.empty(num_layers, num_experts, self.capacity)
         self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int64)
         self.counters = CacheCounters()
+        # Lookups per (layer, expert) of this rank: the activation frequency of FineMoE's eviction
+        # priority, handed to the next instance at a scale (`warm`).
+        self.popularity = np.zeros((num_layers, num_experts), dtype=np.int64)
         self.bytes_loaded = {source.tier: 0}
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out row 0 first
         self._cond = threading.Condition()
@@ -127,6 +131,45 @@ class ExpertCache:
             self._resume()
             return [int(self.slot_of[key]) for key in keys]
 
+    def warm(self, popularity: np.ndarray) -> int:
+        """Fill free rows with this rank's most used experts by `popularity` [L, E] (lookups an
+        instance counted before a scale, all its ranks summed), before serving: a scale then
+        leaves the least needed experts in the host tier, not whichever the first requests hit.
+        A failed copy leaves its expert out (loaded on demand later). Returns the rows filled."""
+        if popularity.shape != self.slot_of.shape:
+            raise ValueError(f"warm: popularity is {popularity.shape}, the cache maps {self.slot_of.shape}")
+        order = np.argsort(-popularity, axis=None, kind="stable")
+        with self._cond:
+            self._paused += 1
+            keys: list[ExpertKey] = []
+            for flat in order[: int((popularity > 0).sum())]:
+                layer, expert = divmod(int(flat), popularity.shape[1])
+                if len(keys) == self.state.num_free:
+                    break
+                if expert in self.local_of and not self.state.is_resident((layer, expert)):
+                    keys.append((layer, expert))
+            loads = [(key, self._free.pop()) for key in keys]
+            self.state = self.state.load(keys)
+        filled = 0
+        try:
+            for key, row in loads:
+                try:
+                    self._copy(key, row)
+                except Exception:  # noqa: BLE001 - a warm start is an optimisation; on demand covers it
+                    logger.exception("warming expert %s failed", key)
+                    with self._cond:
+                        self.state = self.state.evict([key])
+                        self._free.append(row)
+                    continue
+                with self._cond:
+                    self.slot_of[key] = row
+                filled += 1
+        finally:
+            with self._cond:
+                self.counters.warm_loads += filled
+                self._resume()
+        return filled
+
     def replan(self) -> None:
         """Take the policy's current plan (after it observed a layer or began an iteration)."""
         with self._cond:
@@ -155,6 +198,7 @@ class ExpertCache:
     def _count_lookups(self, keys: list[ExpertKey]) -> None:
         self.counters.lookups += len(keys)
         for key in keys:
+            self.popularity[key] += 1
             if self.state.is_resident(key):
                 self.counters.hits += 1
                 if key in self._unused_prefetches:
@@ -248,7 +292,7 @@ class ExpertCache:
                 "on_demand_loads": c.on_demand_loads, "prefetches": c.prefetches,
                 "prefetches_useful": c.prefetches_useful, "prefetches_wasted": c.prefetches_wasted,
                 "prefetch_failures": c.prefetch_failures, "evictions": c.evictions,
-                "waits_for_prefetch": c.waits_for_prefetch, "on_demand_s": round(c.on_demand_s, 6),
+                "waits_for_prefetch": c.waits_for_prefetch, "warm_loads": c.warm_loads, "on_demand_s": round(c.on_demand_s, 6),
                 "prefetch_s": round(c.prefetch_s, 6),
                 **{f"bytes_loaded_{tier}": n for tier, n in self.bytes_loaded.items()},
             }

@@ -64,7 +64,10 @@ class LLMEngine:
         kv_provider: KVProvider | None = None,
         placement: ExpertPlacement | None = None,
         ep_group: dist.ProcessGroup | None = None,
+        expert_cache_pool: torch.Tensor | None = None,
     ) -> None:
+        """`expert_cache_pool`: with offloading, the device's expert cache buffer (the HMM's, on
+        the elastic server); None: the engine allocates one of the configured budget."""
         tune_malloc()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -95,7 +98,8 @@ class LLMEngine:
         if config.offloads_experts:
             self.offload, pools = build_expert_offload(config, cfg, specs, self.weights,
                                                        expert_dtype or plan.weight_dtype,
-                                                       self.placement.local_expert_ids(config.ep_rank))
+                                                       self.placement.local_expert_ids(config.ep_rank),
+                                                       expert_cache_pool)
             model_weights = {**self.weights, **pools}
         dispatcher: LocalDispatcher | AllToAllDispatcher
         if config.ep_size == 1:

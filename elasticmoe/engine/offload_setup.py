@@ -3,9 +3,10 @@ the experts come from, and the hooks in the model's MoE blocks.
 
 Budget: `expert_cache_bytes` buys `bytes // expert_bytes` rows (an expert is its w13 and w2
 rows, in the dtype the engine keeps experts in); `expert_cache_fraction` is a share of the
-rank's routed experts (all MoE layers), rounded up. A budget below one token's top-k experts
-could never run a layer in one wave and is refused; a budget above the rank's experts is
-lowered to them (nothing is ever evicted then).
+rank's routed experts (all MoE layers), rounded up. On the elastic server the HMM allocates the
+pool on the rank's device (`pool`, a flat byte buffer: as many rows as it holds; `hmm.layout`). A
+budget below one token's top-k experts could never run a layer in one wave and is refused; a
+budget above the rank's experts is lowered to them (nothing is ever evicted then).
 """
 
 from __future__ import annotations
@@ -52,20 +53,46 @@ def cache_capacity(config: EngineConfig, num_rank_experts: int, top_k: int, expe
     return min(rows, num_rank_experts)
 
 
+def pool_rows(pool: torch.Tensor, num_rank_experts: int, top_k: int, expert_bytes: int) -> int:
+    """Rows of a provided pool buffer the cache uses; `ValueError` when it cannot run."""
+    rows = pool.numel() * pool.element_size() // expert_bytes
+    if rows < top_k:
+        raise ValueError(f"expert cache pool: {pool.numel() * pool.element_size()} B hold {rows} experts; a token is "
+                         f"routed to {top_k} experts per layer, so the cache needs at least {top_k}")
+    return min(rows, num_rank_experts)
+
+
+def carve_pool(pool: torch.Tensor, rows: int, w13_shape: tuple[int, ...], w2_shape: tuple[int, ...],
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` w13 rows then `rows` w2 rows, as views of a flat byte buffer (no copy)."""
+    raw = pool.view(torch.uint8).reshape(-1)
+    item = torch.empty((), dtype=dtype).element_size()
+    n13, n2 = rows * math.prod(w13_shape) * item, rows * math.prod(w2_shape) * item
+    w13 = raw[:n13].view(dtype).view(rows, *w13_shape)
+    w2 = raw[n13:n13 + n2].view(dtype).view(rows, *w2_shape)
+    return w13, w2
+
+
 def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: list[ParamSpec],
                          weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                         local_expert_ids: tuple[int, ...]) -> tuple[ExpertOffload, dict[str, torch.Tensor]]:
+                         local_expert_ids: tuple[int, ...],
+                         pool: torch.Tensor | None = None) -> tuple[ExpertOffload, dict[str, torch.Tensor]]:
     """The engine's `ExpertOffload` and the pool tensors to build the model's MoE blocks over
     (every layer's `w13` / `w2` name maps to the same pool). `weights` holds the expert stacks
     when a provider gave them (the host tier); otherwise the experts are read from the checkpoint
-    (the disk tier)."""
+    (the disk tier). `pool`: the device's expert cache buffer (the HMM's), else private memory
+    of the configured budget."""
     layers = expert_layer_specs(specs)
     w13_shape, w2_shape = layers[0].w13.shape[1:], layers[0].w2.shape[1:]
     expert_bytes = (math.prod(w13_shape) + math.prod(w2_shape)) * torch.empty((), dtype=dtype).element_size()
     num_rank_experts = len(layers) * len(local_expert_ids)
-    capacity = cache_capacity(config, num_rank_experts, model_cfg.top_k, expert_bytes)
-    pool_w13 = torch.zeros((capacity, *w13_shape), dtype=dtype)
-    pool_w2 = torch.zeros((capacity, *w2_shape), dtype=dtype)
+    if pool is not None:
+        capacity = pool_rows(pool, num_rank_experts, model_cfg.top_k, expert_bytes)
+        pool_w13, pool_w2 = carve_pool(pool, capacity, w13_shape, w2_shape, dtype)
+    else:
+        capacity = cache_capacity(config, num_rank_experts, model_cfg.top_k, expert_bytes)
+        pool_w13 = torch.zeros((capacity, *w13_shape), dtype=dtype)
+        pool_w2 = torch.zeros((capacity, *w2_shape), dtype=dtype)
     source: ExpertSource
     if layers[0].w13.name in weights:
         source = HostExperts([(weights[s.w13.name], weights[s.w2.name]) for s in layers])

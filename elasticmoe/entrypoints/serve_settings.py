@@ -112,12 +112,14 @@ class ServeSettings(BaseModel):
         json_schema_extra=cli(metavar="FILE"))
     expert_cache_bytes: int | None = Field(
         None, description="expert offloading (FineMoE): keep the routed experts in a cache of this size per engine "
-        "(elastic: per rank) and load the others on demand from the checkpoint (single) or the node's host memory "
-        "(elastic); outputs are unchanged. Needs --max-esft-adapters 0 and no LoRA slots (default: off, every "
+        "(elastic: per device, allocated by the HMM) and load the others on demand from the checkpoint (single) or "
+        "the node's host memory (elastic, where a scale-down onto devices that cannot hold every expert then "
+        "offloads instead of being refused); outputs are unchanged. Needs --max-esft-adapters 0 and no LoRA slots (default: off, every "
         "expert resident)", json_schema_extra=cli("--expert-cache-gb", metavar="GB", unit=GIB))
     expert_cache_fraction: float | None = Field(
         None, description="expert offloading with a cache of this fraction (0-1] of the routed experts instead of "
-        "a size", json_schema_extra=cli(metavar="F"))
+        "a size (elastic: of a device's experts at the first --dp; the size then stays through scales)",
+        json_schema_extra=cli(metavar="F"))
     offload_policy: Literal["finemoe", "lru", "lfu", "on_demand"] = Field(
         "finemoe", description="what the expert cache prefetches and evicts: finemoe (expert maps, semantic and "
         "trajectory search), lru (Mixtral-Offloading: next-layer speculation), lfu (MoE-Infinity: request-level "

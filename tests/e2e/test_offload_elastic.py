@@ -1,8 +1,14 @@
-"""Expert offloading on the elastic server (tiny Qwen3-MoE, 2 devices, dp 2 = EP 2, a quarter of
-each rank's experts cached): streaming clients run back to back while the server scales 2 -> 1;
-every completion equals a single-process engine's (the ranks load experts from the node's host
-copy on demand), the caches show in /metrics and /admin/status, and no /dev/shm file outlives the
-server."""
+"""Expert offloading on the elastic server: a scale-down that needs it (tiny Qwen3-MoE, fp32, 2
+devices of 1,750,000 B with a 1 MiB KV pool each).
+
+At dp 2 = EP 2 a device holds its 4 experts resident; at dp 1 the 8 experts would need 1,807,872 B
+(dense 366,080 + 8 x 49,152 + the KV pool), more than a device has, so without offloading the
+scale is refused (`tests/unit/test_hmm_offload_layout.py`). With `--expert-cache-fraction 0.5`
+each device has an expert cache of half its dp-2 experts (4 rows, 98,304 B) and its expert rows are
+the host tier, and each scale starts the new caches with the experts the old instance used most:
+streaming clients run back to back while the server scales 2 -> 1 -> 2; every
+completion equals a single-process engine's, the devices stay within their budgets, the caches
+and tiers show in /metrics and /admin/status, and no /dev/shm file outlives the server."""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow
 
+BUDGET = 1_750_000
+
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> list[tuple[str, int]]:
@@ -25,21 +33,32 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    config = tiny_config(tiny_model_dir, dp=2, expert_cache_fraction=0.25, offload_policy="lru")
+    config = tiny_config(tiny_model_dir, dp=2, device_memory_bytes=BUDGET, kv_bytes_per_device=1 << 20,
+                         expert_cache_fraction=0.5, offload_policy="lru")
     with running(config) as srv:
         yield srv
     assert list_segments(config.shm_prefix) == [], "shared-memory files leaked"
 
 
-def test_offloading_ranks_serve_exact_tokens_across_a_scale_down(server, reference):
+def _metric(metrics: str, prefix: str) -> list[float]:
+    return [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix)]
+
+
+def test_a_scale_down_that_needs_offloading_serves_exact_tokens_under_load(server, reference):
     stop = threading.Event()
     with ThreadPoolExecutor(2) as pool:
         loops = [pool.submit(client_loop, server, i, stop) for i in range(2)]
         with client(server) as c:
             status = c.get("/admin/status").json()
-            assert [r["capacity_experts"] for r in status["expert_cache"]] == [2, 2]  # 25% of 2 layers x 4
-            event = wait_event(c, scale(c, 1))
-            assert event["state"] == "succeeded", event
+            assert [r["capacity_experts"] for r in status["expert_cache"]] == [4, 4]  # half of 2 layers x 4 experts
+            down = wait_event(c, scale(c, 1))
+            assert down["state"] == "succeeded", down
+            assert 1 <= down["expert_rows_warmed"] <= 4  # the old instance's most used experts first
+            status = c.get("/admin/status").json()
+            assert [r["capacity_experts"] for r in status["expert_cache"]] == [4]  # now of 2 layers x 8
+            up = wait_event(c, scale(c, 2))
+            assert up["state"] == "succeeded", up
+            assert 1 <= up["expert_rows_warmed"] <= 8
             stop.set()
         results = [r for f in loops for r in f.result(timeout=300)]
     assert len(results) >= 2
@@ -48,9 +67,9 @@ def test_offloading_ranks_serve_exact_tokens_across_a_scale_down(server, referen
     with client(server) as c:
         status = c.get("/admin/status").json()
         metrics = c.get("/metrics").text
-    assert status["active_config"]["dp"] == 1 and len(status["expert_cache"]) == 1
-    assert status["expert_cache"][0]["capacity_experts"] == 4  # 25% of 2 layers x 8
-    on_demand = [line for line in metrics.splitlines() if line.startswith('elasticmoe_expert_loads_total{kind="on_demand"}')]
-    assert on_demand and float(on_demand[0].split()[-1]) > 0
-    host = [line for line in metrics.splitlines() if line.startswith('elasticmoe_expert_bytes_loaded_total{tier="host"}')]
-    assert host and float(host[0].split()[-1]) > 0
+    assert status["active_config"]["dp"] == 2
+    assert all(d["peak_bytes"] <= d["budget_bytes"] for d in status["devices"] if d["peak_bytes"] is not None)
+    assert sum(_metric(metrics, 'elasticmoe_expert_loads_total{kind="on_demand"}')) > 0
+    assert sum(_metric(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) > 0
+    assert len(_metric(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="host_experts"}')) == 1
+    assert _metric(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="expert_cache"}') == [98304.0]

@@ -167,3 +167,32 @@ def test_forward_and_prefetch_threads_never_hand_out_a_wrong_row(policy):
     stats = cache.stats()
     assert stats["prefetches"] > 0 and stats["resident_experts"] <= 4
     assert stats["lookups"] == stats["hits"] + stats["on_demand_loads"]
+
+
+def test_lookups_count_popularity_and_warm_fills_the_most_used_local_experts_first():
+    cache = make_cache(capacity=3)
+    for _ in range(3):
+        cache.ensure(2, [5])
+    cache.ensure(0, [1, 4])
+    assert cache.popularity[2, 5] == 3 and cache.popularity[0, 1] == 1 and cache.popularity.sum() == 5
+
+    popularity = torch.zeros(LAYERS, EXPERTS, dtype=torch.long).numpy()
+    popularity[1, 3], popularity[0, 0], popularity[2, 5], popularity[0, 4], popularity[1, 2] = 9, 7, 5, 3, 1
+    fresh = make_cache(capacity=3, local_ids=(0, 1, 3, 4))  # expert 5 lives on another rank
+    assert fresh.warm(popularity) == 3
+    assert sorted(fresh.state.resident_keys()) == [(0, 0), (0, 4), (1, 3)]  # (2, 5) is not local
+    for layer, expert in fresh.state.resident_keys():
+        assert_rows_hold(fresh, layer, [expert], [int(fresh.slot_of[layer, expert])])
+    assert fresh.stats()["warm_loads"] == 3 and fresh.warm(popularity) == 0  # full: nothing more
+    fresh.check_integrity()
+    with pytest.raises(ValueError, match="popularity"):
+        fresh.warm(popularity[:1])
+
+
+def test_a_failed_warm_copy_leaves_that_expert_out_and_the_cache_consistent():
+    popularity = torch.zeros(LAYERS, EXPERTS, dtype=torch.long).numpy()
+    popularity[0, 1], popularity[0, 2] = 5, 4
+    cache = make_cache(capacity=3, tier=FakeTier(failing={(0, 1)}))
+    assert cache.warm(popularity) == 1
+    assert cache.state.resident_keys() == [(0, 2)] and cache.state.num_free == 2
+    cache.check_integrity()
