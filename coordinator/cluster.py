@@ -249,11 +249,13 @@ class ClusterManager:
         excluded = self.nodes.excluded()
         return {d: spec for d, spec in sorted(dict(hmm.devices).items()) if spec.ray_node_id not in excluded}
 
-    def target(self, to_dp: int, fresh_devices: bool = False) -> TargetConfig:
+    def target(self, to_dp: int, fresh_devices: bool = False,
+               expert_load: Sequence[float] | None = None) -> TargetConfig:
         """The devices a scale to `to_dp` uses: scale-up appends free devices to the current ones,
         scale-down keeps the lowest ids (`hmm.planner.scale_target`); `fresh_devices`: only free
         ones (a strategy that never shares a device between the old and the new instance). Current
-        devices that are leaving (a node being drained, or lost) are replaced like missing ones."""
+        devices that are leaving (a node being drained, or lost) are replaced like missing ones.
+        `expert_load` (tokens routed per expert): the placement balances it across the ranks."""
         hmm = self.hmm
         assert hmm is not None and hmm.layout is not None
         layout = hmm.layout
@@ -261,9 +263,11 @@ class ClusterManager:
         free = [spec for d, spec in usable.items() if d not in layout.device_ids]
         leaving = [d for d in layout.device_ids if d not in usable]
         kv, replicated = self.config.hmm_kv_bytes, not self.config.is_expert_parallel
+        load = tuple(float(x) for x in expert_load) if expert_load is not None else None
         if fresh_devices:
-            return TargetConfig(tuple(free[:to_dp]), to_dp, 1 if replicated else to_dp, kv_bytes=kv)
-        return scale_target(layout, to_dp, free, kv_bytes=kv, leaving=leaving, replicated=replicated)
+            return TargetConfig(tuple(free[:to_dp]), to_dp, 1 if replicated else to_dp, kv_bytes=kv, expert_load=load)
+        return scale_target(layout, to_dp, free, kv_bytes=kv, leaving=leaving, replicated=replicated,
+                            expert_load=load)
 
     # ---- capacity: devices that come and go (see `coordinator.capacity`) --------------------------
 

@@ -50,6 +50,9 @@ class ScaleEvent:
     # With expert offloading: cache rows the new instance filled before serving, with the experts
     # the old one used most (`Scaler._warm_expert_caches`).
     expert_rows_warmed: int | None = None
+    # The target placement's busiest rank's expected load over the mean (1.0 = balanced), by the
+    # tokens the old instance routed to each expert; None when it had routed none.
+    expert_load_imbalance: float | None = None
     error: str | None = None
     fault: str | None = None  # a heal (strategy "heal"): what failed and was replaced
     detected_at: float | None = None  # a heal: when the fault was seen (epoch seconds)

@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -46,6 +47,7 @@ from coordinator.strategies import DEFAULT_STRATEGY, ScaleStrategy, strategy
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.errors import describe_error, unwrap_remote
+from hmm.expert_moves import load_imbalance
 from hmm.planner import TargetConfig
 from imm.instance import Instance
 from imm.lifecycle import InstanceState
@@ -292,7 +294,9 @@ class Scaler:
         assert hmm is not None and old is not None
         new: Instance | None = None
         try:
-            target = self.cluster.target(event.to_dp, fresh_devices=strat.placement == "fresh_devices")
+            load = self._expert_load(event, old)
+            target = self.cluster.target(event.to_dp, fresh_devices=strat.placement == "fresh_devices",
+                                         expert_load=load.sum(axis=0) if load is not None else None)
             with ThreadPoolExecutor(2, thread_name_prefix="scale-prep") as pool:
                 staged = pool.submit(lambda: hmm.execute(hmm.plan(target, strat.transition)))
                 booted = pool.submit(self._standby, target, strat)
@@ -304,10 +308,14 @@ class Scaler:
                 if any(errors):
                     raise next(e for e in errors if e is not None)
                 event.bytes_moved = staged.result()
+            if load is not None:
+                placement = hmm.layout_of(pending=True).placement
+                event.expert_load_imbalance = round(load_imbalance(placement, load.sum(axis=0)), 3)
             assert new is not None
             new.attach(hmm, pending=True, fenced_device_ids=fenced)
             self.cluster.adapters.prepare_instance(new)  # the pending layout carries their rows
-            self._warm_expert_caches(event, old, new)
+            if load is not None:
+                self._warm_expert_caches(event, new, load)
             new.warm_up()
             return new, min(ray.get([r.max_model_len.remote() for r in new.ranks]))
         except BaseException as exc:
@@ -320,17 +328,26 @@ class Scaler:
                 new.retire()
             return None, describe_error(exc)
 
-    def _warm_expert_caches(self, event: ScaleEvent, old: Instance, new: Instance) -> None:
+    def _expert_load(self, event: ScaleEvent, old: Instance) -> np.ndarray | None:
+        """Tokens the old instance routed per (MoE layer, expert): the expected load the target
+        placement balances (ElasticMoE's load-imbalance point) and the order the new expert caches
+        fill in. Best effort: None (count-balanced placement, caches filled on demand) when the
+        old instance cannot say, or has routed nothing yet."""
+        try:
+            load = old.expert_load()
+        except Exception:  # noqa: BLE001 - an optimisation; a dead rank is the healer's business
+            logger.exception("scale %s: reading the old instance's expert load failed", event.event_id)
+            return None
+        return load if load is not None and load.sum() > 0 else None
+
+    def _warm_expert_caches(self, event: ScaleEvent, new: Instance, load: np.ndarray) -> None:
         """With offloading: the new ranks' caches start with the experts the old instance used
-        most, so a scale-down leaves the least needed in the host tier (FineMoE's maps say what
-        is needed; a scale-up brings the rest back, copied by the HMM's plan). Best effort: a
-        failure only means the caches fill on demand."""
+        most, so a scale-down leaves the least needed in the host tier (a scale-up brings the rest
+        back, copied by the HMM's plan). Best effort: a failure means the caches fill on demand."""
         if not self.cluster.config.offloads_experts:
             return
         try:
-            popularity = old.expert_popularity()
-            if popularity is not None:
-                event.expert_rows_warmed = new.warm_expert_caches(popularity)
+            event.expert_rows_warmed = new.warm_expert_caches(load)
         except Exception:  # noqa: BLE001 - an optimisation; the rank loads on demand
             logger.exception("scale %s: warming the new expert caches failed; they fill on demand", event.event_id)
 

@@ -49,7 +49,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from elasticmoe.parallel.expert_placement import ExpertPlacement
-from hmm.expert_moves import max_overlap_placement
+from hmm.expert_moves import balance_expert_load, max_overlap_placement
 from hmm.layout import DeviceSpec, Layout, TensorKey
 from hmm.scale_plan import Alloc, DiskLoad, Free, LocalCopy, P2PCopy, Remap, Reuse, ScalePlan, Step
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
@@ -65,7 +65,9 @@ class TargetConfig:
     parallel) or 1 (replicated experts: data-parallel replicas, each holding every expert).
 
     `placement=None` asks the planner for the balanced placement that moves the
-    fewest experts (replicated: every expert at its own index). `kv_bytes` sizes the KV pool of devices new to the layout
+    fewest experts (replicated: every expert at its own index); with `expert_load` (each
+    expert's expected load, e.g. tokens routed to it) that placement is then balanced by load
+    (`hmm.expert_moves.balance_expert_load`). `kv_bytes` sizes the KV pool of devices new to the layout
     (None: budget minus weights); kept devices keep their pool.
     """
 
@@ -74,6 +76,7 @@ class TargetConfig:
     ep: int
     placement: ExpertPlacement | None = None
     kv_bytes: int | None = None
+    expert_load: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         ids = [d.device_id for d in self.devices]
@@ -98,11 +101,13 @@ def scale_target(
     kv_bytes: int | None = None,
     leaving: Collection[int] = (),
     replicated: bool = False,
+    expert_load: Sequence[float] | None = None,
 ) -> TargetConfig:
     """Target for DP/EP `dp` (`replicated`: dp replicas, ep = 1): scale-up appends `new_devices`;
     scale-down keeps `keep_device_ids` (default: the lowest device ids), in their current rank order.
     `leaving`: current devices the target must not use (a node being drained, or lost); the
-    others count as the current ones, so a target of the same dp replaces them with new ones."""
+    others count as the current ones, so a target of the same dp replaces them with new ones.
+    `expert_load`: see `TargetConfig`."""
     gone = set(leaving)
     staying = tuple(d for d in current.devices if d.device_id not in gone)
     if dp >= len(staying):
@@ -116,7 +121,8 @@ def scale_target(
             raise ValueError(
                 f"target: keep {dp} of the current devices {current.device_ids}, got {sorted(keep)}"
             )
-    return TargetConfig(devices, dp, 1 if replicated else dp, placement, kv_bytes)
+    load = tuple(float(x) for x in expert_load) if expert_load is not None else None
+    return TargetConfig(devices, dp, 1 if replicated else dp, placement, kv_bytes, load)
 
 
 def target_layout(current: Layout, target: TargetConfig) -> Layout:
@@ -133,6 +139,8 @@ def target_layout(current: Layout, target: TargetConfig) -> Layout:
             current.sizes.num_experts,
             {d.device_id: d.node_id for d in (*current.devices, *target.devices)},
         )
+        if target.expert_load is not None:
+            placement = balance_expert_load(placement, target.expert_load)
     kv, cache = [], []
     for rank, dev in enumerate(target.devices):
         weight = current.sizes.weight_bytes(len(placement.local_expert_ids(rank if target.ep > 1 else 0)))

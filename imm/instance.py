@@ -357,10 +357,10 @@ class Instance:
         missing = self._get([rank.wait_resumed.remote(ids, timeout_s) for rank in self.ranks])
         return set().union(*map(set, missing))
 
-    def expert_popularity(self) -> np.ndarray | None:
-        """Lookups per (layer, expert) of all ranks' expert caches, summed (each rank counts its
-        own experts); None without offloading."""
-        counts = [c for c in self._get([rank.expert_popularity.remote() for rank in self.ranks]) if c is not None]
+    def expert_load(self) -> np.ndarray | None:
+        """Tokens routed per (MoE layer, expert) by all ranks, summed (each rank counts its own
+        tokens); None when no rank has a native engine."""
+        counts = [c for c in self._get([rank.expert_load.remote() for rank in self.ranks]) if c is not None]
         return np.sum(counts, axis=0) if counts else None
 
     def warm_expert_caches(self, popularity: np.ndarray) -> int:

@@ -132,13 +132,9 @@ class NativeBackend(LoopBackend):
 
     # ---- expert offloading (FineMoE) -------------------------------------------------------
 
-    def expert_popularity(self) -> np.ndarray | None:
-        """Lookups per (layer, expert) this rank's cache counted; None without offloading."""
-        offload = self.engine.offload if self.engine is not None else None
-        if offload is None:
-            return None
-        with offload.cache.locked():
-            return offload.cache.popularity.copy()
+    def expert_load(self) -> np.ndarray | None:
+        """Tokens this rank routed per (MoE layer, expert); None before it has an engine."""
+        return self.engine.expert_load() if self.engine is not None else None
 
     async def warm_expert_cache(self, popularity: np.ndarray) -> int:
         """Fill this rank's expert cache with its most used experts (before it serves)."""

@@ -291,12 +291,12 @@ class InstanceRank:
         backend = self.backend
         return backend.served_adapters() if isinstance(backend, NativeBackend) else ()
 
-    # ---- expert offloading (native backend only) -------------------------------------------
+    # ---- expert load and offloading (native backend only) ----------------------------------
 
-    def expert_popularity(self) -> np.ndarray | None:
-        """Lookups per (layer, expert) of this rank's expert cache (None: no offloading)."""
+    def expert_load(self) -> np.ndarray | None:
+        """Tokens this rank routed per (MoE layer, expert) (None: no native engine)."""
         backend = self.backend
-        return backend.expert_popularity() if isinstance(backend, NativeBackend) else None
+        return backend.expert_load() if isinstance(backend, NativeBackend) else None
 
     async def warm_expert_cache(self, popularity: np.ndarray) -> int:
         """Fill this rank's expert cache with its most used experts by `popularity` (before it

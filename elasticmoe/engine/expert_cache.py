@@ -73,9 +73,6 @@ class ExpertCache:
         self.state = CacheState.empty(num_layers, num_experts, self.capacity)
         self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int64)
         self.counters = CacheCounters()
-        # Lookups per (layer, expert) of this rank: the activation frequency of FineMoE's eviction
-        # priority, handed to the next instance at a scale (`warm`).
-        self.popularity = np.zeros((num_layers, num_experts), dtype=np.int64)
         self.bytes_loaded = {source.tier: 0}
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out row 0 first
         self._cond = threading.Condition()
@@ -132,9 +129,10 @@ class ExpertCache:
             return [int(self.slot_of[key]) for key in keys]
 
     def warm(self, popularity: np.ndarray) -> int:
-        """Fill free rows with this rank's most used experts by `popularity` [L, E] (lookups an
-        instance counted before a scale, all its ranks summed), before serving: a scale then
-        leaves the least needed experts in the host tier, not whichever the first requests hit.
+        """Fill free rows with this rank's most used experts by `popularity` [L, E] (the tokens an
+        instance routed before a scale, all its ranks summed: `LLMEngine.expert_load`), before
+        serving: a scale then leaves the least needed experts in the host tier, not whichever the
+        first requests hit.
         A failed copy leaves its expert out (loaded on demand later). Returns the rows filled."""
         if popularity.shape != self.slot_of.shape:
             raise ValueError(f"warm: popularity is {popularity.shape}, the cache maps {self.slot_of.shape}")
@@ -198,7 +196,6 @@ class ExpertCache:
     def _count_lookups(self, keys: list[ExpertKey]) -> None:
         self.counters.lookups += len(keys)
         for key in keys:
-            self.popularity[key] += 1
             if self.state.is_resident(key):
                 self.counters.hits += 1
                 if key in self._unused_prefetches:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -270,6 +271,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def expert_load(self) -> np.ndarray:
+        """Tokens this engine routed to each expert, `[MoE layers, experts]` (global expert ids; under
+        EP each rank counts its own tokens, so the ranks' counts add up)."""
+        blocks = self.model.moe_blocks()
+        rows = [b.routed_tokens.numpy().copy() if b.routed_tokens is not None
+                else np.zeros(self.model_config.num_experts, dtype=np.int64) for b in blocks]
+        return np.stack(rows) if rows else np.zeros((0, self.model_config.num_experts), dtype=np.int64)
 
     @property
     def num_running(self) -> int:

@@ -153,6 +153,9 @@ class MoEBlock:
         self.lora: ExpertsHook | None = None  # per-token adapters on the experts (see `ExpertsHook`)
         self.offload: ExpertResidency | None = None  # experts in an expert cache (offloading)
         self.moe_index = -1  # this block's index among the model's MoE blocks (set with `offload`)
+        # Tokens routed to each base expert since the model was built (this rank's tokens): the
+        # expected load that placement balances and offloading warms caches by at a scale.
+        self.routed_tokens: torch.Tensor | None = None
 
     def experts(
         self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor, lora_slots: torch.Tensor | None = None
@@ -165,6 +168,11 @@ class MoEBlock:
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         topk_weights, topk_ids, probs = self.route(x)  # [T, k], [T, k], [T, E]
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=probs.shape[-1])
+        if self.routed_tokens is None:
+            self.routed_tokens = counts
+        else:
+            self.routed_tokens += counts
         if self.reroute is not None and ctx.token_adapter_ids is not None:
             topk_ids = self.reroute(topk_ids, ctx)
         if self.offload is not None:

@@ -59,6 +59,7 @@ def test_a_scale_down_that_needs_offloading_serves_exact_tokens_under_load(serve
             up = wait_event(c, scale(c, 2))
             assert up["state"] == "succeeded", up
             assert 1 <= up["expert_rows_warmed"] <= 8
+            assert up["expert_load_imbalance"] >= 1.0  # the placement was balanced by the tokens routed
             stop.set()
         results = [r for f in loops for r in f.result(timeout=300)]
     assert len(results) >= 2
