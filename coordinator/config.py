@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from coordinator.autoscaler import AutoscaleConfig
-from elasticmoe.config import EngineOptions
+from elasticmoe.config import EngineOptions, ModelConfig
 from elasticmoe.entrypoints.serve_settings import ServeSettings
 from elasticmoe.utils.settings import GIB, cli
 from hmm.layout import ModelSizes
@@ -128,6 +128,9 @@ class CoordinatorConfig(ServeSettings):
             if self.expert_parallel is False:
                 raise ValueError("--no-expert-parallel: the native backend always spreads its experts over the dp "
                                  "ranks (replicas holding every expert are --backend vllm's layout)")
+            if self.offloads_experts:  # a cache below top-k must stop here, not in a replica at start
+                model = ModelConfig.from_pretrained(self.model_dir)
+                self.hmm_cache_bytes(ModelSizes.from_model(model, self.torch_dtype.itemsize), model.top_k)
             return
         if self.expert_parallel:
             raise ValueError("--expert-parallel: vLLM's CPU build cannot run expert parallelism across ranks (its "

@@ -1,7 +1,7 @@
 """`elasticmoe serve --single` with expert offloading, as a user runs it: a subprocess on a free
 localhost port. Completions equal the fully resident engine's, the cache shows in /metrics and
 /admin/status, SIGTERM stops the server (prefetch thread included), and a budget that could never
-run is refused at start naming the flag."""
+run is refused at start naming the flag (on the elastic server too, before Ray starts)."""
 
 from __future__ import annotations
 
@@ -85,3 +85,10 @@ def test_offloading_with_esft_slots_is_refused_naming_the_flag(tiny_model_dir, c
     args = ["serve", "--single", "--model", tiny_model_dir, "--port", str(free_port())]
     assert cli_main([*args, "--expert-cache-fraction", "0.5", "--max-esft-adapters", "2"]) == 2
     assert "--max-esft-adapters 0" in capsys.readouterr().err
+
+
+def test_the_elastic_server_refuses_a_device_cache_below_top_k_before_starting(tiny_model_dir, capsys):
+    args = ["serve", "--model", tiny_model_dir, "--devices", "2", "--dp", "2", "--port", str(free_port())]
+    assert cli_main([*args, "--expert-cache-gb", "0.00001"]) == 2  # checked before Ray starts
+    err = capsys.readouterr().err
+    assert "--expert-cache-gb: a device's expert cache holds 0 experts" in err and "at least 2" in err
