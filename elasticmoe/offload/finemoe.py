@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
-from elasticmoe.offload.map_store import ExpertMapStore
+from elasticmoe.offload.map_store import ExpertMapStore, TrajectorySearch
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
 from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
 from elasticmoe.offload.routing_map import RoutingMapRecord, request_layer_probs
@@ -71,6 +71,7 @@ class FineMoEPolicy:
         self._requests: list[RequestContext] = []
         self._observed = torch.zeros(0, *shape)  # [B, L, E] this iteration's P_l per request
         self._current_layer = -1  # the last layer observed
+        self._trajectory: TrajectorySearch | None = None  # this iteration's, layer by layer
         self._planned = np.zeros(shape, dtype=np.bool_)
         self._planned_probs = np.zeros(shape, dtype=np.float64)
         self._guide = np.zeros(shape, dtype=np.float64)  # p_{l,j} of the searched maps, for eviction
@@ -84,8 +85,10 @@ class FineMoEPolicy:
         self._current_layer = -1
         self._planned[:] = False
         self._planned_probs[:] = 0.0
+        self._trajectory = None
         if len(self.store) == 0:
             return
+        self._trajectory = self.store.trajectory_search(len(requests))
         index, scores = self.store.search_semantic(torch.stack([r.embedding.float() for r in requests]))
         self.search_log.semantic += scores.tolist()
         maps = self.store.layers_from(index, 0)  # [L, B, E]
@@ -99,11 +102,14 @@ class FineMoEPolicy:
             raise ValueError(f"observe_layer: expected layer {self._current_layer + 1}, got {layer}")
         self._observed[:, layer] = request_layer_probs(gate_probs, [r.num_tokens for r in self._requests])
         self._current_layer = layer
-        target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
-        if target is None or len(self.store) == 0:
+        if self._trajectory is None:
             return
-        n = trajectory_length(target, self.config.prefetch_distance)  # = layer + 1
-        index, scores = self.store.search_trajectory(self._observed[:, :n])
+        self._trajectory.add(self._observed[:, layer])
+        target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
+        if target is None:
+            return
+        assert trajectory_length(target, self.config.prefetch_distance) == layer + 1
+        index, scores = self._trajectory.best()
         self.search_log.trajectory += scores.tolist()
         maps = self.store.layers_from(index, target)  # [L - target, B, E]
         self._plan_layer(target, maps[0], scores)
@@ -122,6 +128,7 @@ class FineMoEPolicy:
             for request, probs in zip(self._requests, self._observed, strict=True):
                 self.store.add(RoutingMapRecord(request.embedding.float(), probs.clone()))
         self._requests = []
+        self._trajectory = None
         self._current_layer = -1
         self._planned[:] = False  # nothing to prefetch until the next iteration's search
 

@@ -112,6 +112,12 @@ class ExpertMapStore:
                              f"got {tuple(trajectories.shape)}")
         return self._best(self._trajectory(trajectories.float(), n))
 
+    def trajectory_search(self, batch: int) -> TrajectorySearch:
+        """Eq. 5 layer by layer for `batch` iterations under way (see `TrajectorySearch`), valid
+        while the store does not change (FineMoE adds records between iterations)."""
+        self._check_searchable()
+        return TrajectorySearch(self, batch)
+
     def _best(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`best_matches`, ties to the most recently stored record."""
         best = scores.amax(dim=1, keepdim=True)
@@ -140,3 +146,38 @@ class ExpertMapStore:
     def _check_searchable(self) -> None:
         if self._size == 0:
             raise ValueError("expert map store: nothing to search yet (the store is empty)")
+
+
+class TrajectorySearch:
+    """`ExpertMapStore.search_trajectory` for an iteration whose layers arrive one at a time.
+
+    The trajectory score of the first n layers is a cosine of n*E-vectors: its dot product and
+    squared norms are sums over layers. Keeping those sums, the search after layer n costs one
+    [B, E] x [E, C] product instead of n of them (it runs after every layer of every iteration).
+    Scores equal `search_trajectory`'s on the same n layers (tested)."""
+
+    def __init__(self, store: ExpertMapStore, batch: int) -> None:
+        self.store = store
+        self.size = len(store)
+        self.dots = torch.zeros(batch, self.size)
+        self.new_sq = torch.zeros(batch)
+        self.num_layers = 0
+
+    def add(self, probs: torch.Tensor) -> None:
+        """The next layer's gate distributions `probs` [B, E] of the B iterations."""
+        if self.num_layers >= self.store.num_layers:
+            raise ValueError(f"trajectory search: the model has {self.store.num_layers} layers")
+        probs = probs.float()
+        self.dots += probs @ self.store._maps[self.num_layers, : self.size].T
+        self.new_sq += probs.square().sum(dim=1)
+        self.num_layers += 1
+
+    def best(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index [B], score [B]) of the best match on the layers added so far."""
+        if self.num_layers == 0:
+            raise ValueError("trajectory search: no layer observed yet")
+        old = self.store._prefix_sq[: self.size, self.num_layers - 1].sqrt().clamp_min(_EPS)
+        new = self.new_sq.sqrt().clamp_min(_EPS)[:, None]
+        if len(self.store) != self.size:
+            raise RuntimeError("trajectory search: the store changed during the search")
+        return self.store._best(self.dots / (new * old))

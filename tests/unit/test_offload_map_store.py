@@ -109,3 +109,24 @@ def test_hybrid_switch_at_the_prefetch_distance():
     with pytest.raises(ValueError, match="semantic"):
         trajectory_length(1, 2)
     assert trajectory_target(0, 1, 1) is None  # a one-layer model: the semantic search guides it all
+
+
+def test_the_layer_by_layer_search_scores_like_the_full_trajectory_search():
+    torch.manual_seed(3)
+    store = ExpertMapStore(capacity=8, num_layers=4, num_experts=5, prefetch_distance=1)
+    for _ in range(6):
+        store.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(4, 5), dim=-1)))
+    observed = torch.softmax(torch.randn(2, 4, 5), dim=-1)  # two iterations under way
+    search = store.trajectory_search(batch=2)
+    with pytest.raises(ValueError, match="no layer"):
+        search.best()
+    for n in range(1, 5):
+        search.add(observed[:, n - 1])
+        index, score = search.best()
+        want_index, want_score = store.search_trajectory(observed[:, :n])
+        assert torch.equal(index, want_index) and torch.allclose(score, want_score, atol=1e-6)
+    with pytest.raises(ValueError, match="4 layers"):
+        search.add(observed[:, 0])
+    store.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(4, 5), dim=-1)))
+    with pytest.raises(RuntimeError, match="changed"):  # a record added under the search
+        search.best()
