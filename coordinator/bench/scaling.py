@@ -294,7 +294,9 @@ def summarize(m: Measured, args: argparse.Namespace) -> dict[str, Any]:
         "peak_rank_private_bytes": ev.get("peak_rank_private_bytes"),  # ... at its peak until the event ended
         "requests_in_flight": ev.get("requests_in_flight"),
         "requests_handed_over": ev.get("requests_handed_over"),
-        "bytes_moved": ev.get("bytes_moved"),  # by source: disk, local copy, p2p within a node, p2p over gloo
+        "bytes_moved": ev.get("bytes_moved"),
+        "expert_rows_warmed": ev.get("expert_rows_warmed"),  # offloading: cache rows filled before serving
+        "expert_load_imbalance": ev.get("expert_load_imbalance"),  # target placement: busiest rank / mean  # by source: disk, local copy, p2p within a node, p2p over gloo
         "num_rank_nodes": len(set(m.rank_nodes)),  # Ray nodes of the instance after the event
         "veth_bytes": m.veth_bytes,  # --netns: bytes over the worker nodes' veths, POST to event end
         "failed_requests": failed_requests(records, w.event),
@@ -440,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget per device in GiB (default: per preset)")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="G",
                    help="KV cache per device in GiB (default: per preset)")
+    p.add_argument("--expert-cache-fraction", type=float, default=None, metavar="F",
+                   help="offload the experts: each device caches this fraction of its experts at the first dp "
+                   "(the server's --expert-cache-fraction; default: every expert resident)")
+    p.add_argument("--offload-policy", default="finemoe", choices=("finemoe", "lru", "lfu", "on_demand"),
+                   help="the expert cache's policy with --expert-cache-fraction")
     p.add_argument("--transitions", default="2-3,3-2", metavar="A-B[,C-D]",
                    help="dp transitions measured per strategy, comma-separated; a chain like 1-2-4 means 1->2 "
                    "then 2->4. The server is moved to each start dp with an unmeasured elastic scale")
@@ -535,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         device_memory_bytes=int((args.device_memory_gb or preset[1]) * _GIB),
         kv_bytes_per_device=int((args.kv_cache_gb or preset[2]) * _GIB),
         max_queued=256, shm_prefix=f"emoescaling{secrets.token_hex(4)}", backend=args.backend,
+        expert_cache_fraction=args.expert_cache_fraction, offload_policy=args.offload_policy,
     )
     address = cluster.address if cluster is not None else None
     _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
@@ -551,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "model": model_dir, "backend": args.backend, "dtype": args.dtype, "devices": devices, "nodes": nodes,
             "netns": args.netns,
+            "expert_cache_fraction": args.expert_cache_fraction,
+            "offload_policy": args.offload_policy if args.expert_cache_fraction is not None else None,
+            "device_memory_bytes": config.device_memory_bytes, "kv_bytes_per_device": config.kv_bytes_per_device,
             "strategy": args.strategy,
             "transitions": transitions, "ablation_transition": ablation, "rps": args.rps, "seed": args.seed,
             "warmup_s": args.warmup_s, "window_s": args.window_s, "during_s": args.during_s,

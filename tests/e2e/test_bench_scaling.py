@@ -23,7 +23,7 @@ EVENT_FIELDS = {
     "scale_latency_s", "downtime_s", "client_downtime_s", "baseline_client_downtime_s", "event_window_s",
     "baseline_window_s", "peak_memory_bytes", "requests_in_flight", "requests_handed_over", "failed_requests",
     "failed_requests_total", "num_requests", "throughput_tok_s", "latency_ratio_vs_cold_restart", "post_s",
-    "finished_s", "slo_bins",
+    "finished_s", "slo_bins", "expert_rows_warmed", "expert_load_imbalance",
 }
 
 
