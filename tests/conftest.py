@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import secrets
 
 import pytest
 
@@ -23,3 +25,14 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model_dirs) -> str:
     return tiny_model_dirs["qwen3_moe"]
+
+
+@pytest.fixture
+def shm_prefix():
+    """A /dev/shm prefix of the test's own, and a check that no file with it is left after."""
+    from hmm.memory import list_segments
+
+    prefix = f"emoetest{secrets.token_hex(4)}"
+    yield prefix
+    gc.collect()
+    assert list_segments(prefix) == [], "shared-memory files leaked"

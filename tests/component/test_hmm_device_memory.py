@@ -5,8 +5,6 @@ and the in-process controller rolls back a failed execute."""
 
 from __future__ import annotations
 
-import gc
-import secrets
 from pathlib import Path
 
 import pytest
@@ -21,20 +19,11 @@ from elasticmoe.sampling_params import SamplingParams
 from hmm.controller import HMMController
 from hmm.device_memory import DeviceMemory
 from hmm.layout import DeviceSpec, TensorKey
-from hmm.memory import list_segments
 from hmm.planner import scale_target
 from hmm.providers import HandleKVProvider, HandleWeightProvider, open_handle
 from hmm.worker import InjectedFailure
 
 PAGE, BUDGET, KV = 4096, 32 << 20, 256 << 10
-
-
-@pytest.fixture
-def prefix():
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    yield prefix
-    gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _specs(model_dir: str, experts: tuple[int, ...]):
@@ -60,8 +49,8 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
     return [o.output_token_ids for o in outs if o.finished]
 
 
-def test_subset_load_reads_exactly_the_subset(tiny_model_dir, prefix):
-    dm = DeviceMemory(0, BUDGET, PAGE, prefix)
+def test_subset_load_reads_exactly_the_subset(tiny_model_dir, shm_prefix):
+    dm = DeviceMemory(0, BUDGET, PAGE, shm_prefix)
     try:
         specs = _specs(tiny_model_dir, (2, 5))
         assert dm.begin(specs, torch.float32, KV)
@@ -77,8 +66,8 @@ def test_subset_load_reads_exactly_the_subset(tiny_model_dir, prefix):
         dm.close()
 
 
-def test_engine_on_handles_matches_default_engine(tiny_model_dir, prefix):
-    dm = DeviceMemory(0, BUDGET, PAGE, prefix)
+def test_engine_on_handles_matches_default_engine(tiny_model_dir, shm_prefix):
+    dm = DeviceMemory(0, BUDGET, PAGE, shm_prefix)
     try:
         specs = _specs(tiny_model_dir, tuple(range(8)))
         dm.begin(specs, torch.float32, KV)
@@ -100,8 +89,8 @@ def test_engine_on_handles_matches_default_engine(tiny_model_dir, prefix):
         dm.close()
 
 
-def test_staged_experts_share_pages_then_abort_or_commit(tiny_model_dir, prefix):
-    dm = DeviceMemory(0, BUDGET, PAGE, prefix)
+def test_staged_experts_share_pages_then_abort_or_commit(tiny_model_dir, shm_prefix):
+    dm = DeviceMemory(0, BUDGET, PAGE, shm_prefix)
     try:
         dm.begin(_specs(tiny_model_dir, (0, 1, 2, 3)), torch.float32, KV)
         dm.load_from_disk(tiny_model_dir, _specs(tiny_model_dir, (0, 1, 2, 3)), torch.float32)
@@ -127,8 +116,8 @@ def test_staged_experts_share_pages_then_abort_or_commit(tiny_model_dir, prefix)
         dm.close()
 
 
-def test_local_controller_rolls_back_a_failed_execute(tiny_model_dir, prefix):
-    ctl = HMMController(use_ray=False, page_size=PAGE, prefix=prefix)
+def test_local_controller_rolls_back_a_failed_execute(tiny_model_dir, shm_prefix):
+    ctl = HMMController(use_ray=False, page_size=PAGE, prefix=shm_prefix)
     try:
         ctl.add_device(DeviceSpec(0, 0, BUDGET))
         ctl.load(tiny_model_dir, dp=1, dtype=torch.float32, kv_bytes=KV)

@@ -6,27 +6,15 @@ intact, and unloading returns every page."""
 
 from __future__ import annotations
 
-import gc
-import secrets
-
-import pytest
 import torch
 
-from hmm.memory import MemoryAccount, PagePool, SlotLayout, VirtualTensor, list_segments, pages_needed
+from hmm.memory import MemoryAccount, PagePool, SlotLayout, VirtualTensor, pages_needed
 from hmm.memory.fragmentation import adapter_slot_ids, load_esft_configs, moe_layers, smallest_e_max
 
 ESFT_DIR = "/work/shared/data/esft_expert_configs"
 PAGE = 4096
 EXPERT_SHAPE = (3, 32, 88)  # float32: 33792 bytes = 8.25 pages, like 3*2048*1408*2 on 2 MiB pages
 M = 64
-
-
-@pytest.fixture
-def shm_prefix():
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    yield prefix
-    gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _value(adapter: int, expert: int) -> float:

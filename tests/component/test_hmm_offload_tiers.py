@@ -10,7 +10,6 @@ device's cache and gives the resident engine's tokens, and a failed scale change
 from __future__ import annotations
 
 import gc
-import secrets
 
 import pytest
 import torch
@@ -20,21 +19,12 @@ from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
 from hmm.controller import HMMController
 from hmm.layout import DeviceSpec, ModelSizes, layout_for
-from hmm.memory import list_segments
 from hmm.planner import scale_target
 from hmm.worker import InjectedFailure
 from imm.zero_copy import ZeroCopyLoader
 
 PAGE, BUDGET, KV = 4096, 900_000, 256 << 10
 PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 3, 200, 17], [42] * 9)
-
-
-@pytest.fixture
-def prefix():
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    yield prefix
-    gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _generate(engine: LLMEngine) -> list[list[int]]:
@@ -55,7 +45,7 @@ def _engine_on(ctl: HMMController, model_dir: str, rank: int, pending: bool) -> 
     return LLMEngine(config, loader.weights, loader.kv, ctl.layout_of(pending).placement, None, loader.expert_cache)
 
 
-def test_a_scale_down_past_the_resident_limit_offloads_and_serves_exact_tokens(tiny_model_dir, prefix):
+def test_a_scale_down_past_the_resident_limit_offloads_and_serves_exact_tokens(tiny_model_dir, shm_prefix):
     model = ModelConfig.from_pretrained(tiny_model_dir)
     sizes = ModelSizes.from_model(model, 4)
     cache = sizes.cache_pool_bytes(4, fraction=0.5)
@@ -65,7 +55,7 @@ def test_a_scale_down_past_the_resident_limit_offloads_and_serves_exact_tokens(t
         layout_for(None, sizes, devices, 1, 1, kv_bytes=KV)
     reference = _generate(LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_kv_blocks=16)))
 
-    ctl = HMMController(use_ray=False, page_size=PAGE, prefix=prefix)
+    ctl = HMMController(use_ray=False, page_size=PAGE, prefix=shm_prefix)
     try:
         for d in devices:
             ctl.add_device(d)

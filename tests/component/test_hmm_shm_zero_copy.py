@@ -4,25 +4,14 @@ the pages adds shared (not private) resident memory."""
 
 from __future__ import annotations
 
-import gc
 import multiprocessing as mp
-import secrets
 
-import pytest
 import torch
 
 from hmm.memory import MemoryAccount, ShmBackend, TensorHandle, list_segments, open_tensor
 
 MiB = 1024 * 1024
 SIZE = 32 * MiB
-
-
-@pytest.fixture
-def shm_prefix():
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    yield prefix
-    gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def _rss_kib() -> dict[str, int]:

@@ -7,9 +7,6 @@ abort restores the accounting exactly; `unload` then `load` works and leaks no
 
 from __future__ import annotations
 
-import gc
-import secrets
-
 import pytest
 import torch
 
@@ -37,19 +34,11 @@ OPTIONS = {
 
 
 @pytest.fixture
-def prefix():
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    yield prefix
-    gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
-
-
-@pytest.fixture
-def make_ctl(prefix, tiny_model_dir):
+def make_ctl(shm_prefix, tiny_model_dir):
     made: list[HMMController] = []
 
     def make(num_devices: int, dp: int) -> HMMController:
-        ctl = HMMController(use_ray=False, page_size=PAGE, prefix=prefix)
+        ctl = HMMController(use_ray=False, page_size=PAGE, prefix=shm_prefix)
         made.append(ctl)
         for d in range(num_devices):
             ctl.add_device(DeviceSpec(d, 0, BUDGET))
@@ -158,13 +147,13 @@ def test_fresh_devices_without_p2p_load_from_disk(make_ctl, tiny_model_dir):
     assert ctl.usage()[0].used == ctl.usage()[1].used == 0
 
 
-def test_unload_then_load_again(make_ctl, prefix, tiny_model_dir):
+def test_unload_then_load_again(make_ctl, shm_prefix, tiny_model_dir):
     ctl = make_ctl(2, dp=2)
     read = ctl.bytes_read_from_disk
     ctl.unload()
     assert ctl.layout is None and all(u.used == 0 for u in ctl.usage().values())
     # Only the page pools stay (one per device), empty and ready for the next load (and the lease).
-    files = [n for n in list_segments(prefix) if "-lease-" not in n]
+    files = [n for n in list_segments(shm_prefix) if "-lease-" not in n]
     assert len(files) == 2 and all("-pool-" in n for n in files)
     ctl.load(tiny_model_dir, dp=2, dtype=torch.float32, kv_bytes=KV)
     assert ctl.bytes_read_from_disk == 2 * read

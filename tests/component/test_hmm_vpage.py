@@ -4,9 +4,7 @@ process opening the same contiguous tensor."""
 
 from __future__ import annotations
 
-import gc
 import multiprocessing as mp
-import secrets
 
 import numpy as np
 import pytest
@@ -18,20 +16,11 @@ from hmm.memory import (
     PagePool,
     VirtualTensor,
     VirtualTensorHandle,
-    list_segments,
     open_virtual_tensor,
 )
 
 PAGE = 8192
 SLOT_SHAPE = (3, 1024)  # float32: 12 KiB = 1.5 pages
-
-
-@pytest.fixture
-def shm_prefix():
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    yield prefix
-    gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 @pytest.fixture

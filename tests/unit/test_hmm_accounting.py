@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import secrets
 
 import pytest
 import torch
@@ -14,15 +13,6 @@ import torch
 from hmm.memory import MemoryAccount, OutOfDeviceMemory, ShmBackend, TensorHandle, list_segments, open_tensor
 
 KiB = 1024
-
-
-@pytest.fixture
-def shm_prefix():
-    """A prefix of our own, and a check that no file with it is left in /dev/shm."""
-    prefix = f"emoetest{secrets.token_hex(4)}"
-    yield prefix
-    gc.collect()
-    assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
 def test_account_tracks_current_and_peak():
