@@ -335,8 +335,9 @@ class Scaler:
         old instance cannot say, or has routed nothing yet."""
         try:
             load = old.expert_load()
-        except Exception:  # noqa: BLE001 - an optimisation; a dead rank is the healer's business
-            logger.exception("scale %s: reading the old instance's expert load failed", event.event_id)
+        except Exception as exc:  # noqa: BLE001 - an optimisation; a dead rank is the healer's business
+            logger.warning("scale %s: no expert load from the old instance (%s); placing by count", event.event_id,
+                           exc)
             return None
         return load if load is not None and load.sum() > 0 else None
 

@@ -176,8 +176,8 @@ class TrajectorySearch:
         """(index [B], score [B]) of the best match on the layers added so far."""
         if self.num_layers == 0:
             raise ValueError("trajectory search: no layer observed yet")
-        old = self.store._prefix_sq[: self.size, self.num_layers - 1].sqrt().clamp_min(_EPS)
-        new = self.new_sq.sqrt().clamp_min(_EPS)[:, None]
         if len(self.store) != self.size:
             raise RuntimeError("trajectory search: the store changed during the search")
+        old = self.store._prefix_sq[: self.size, self.num_layers - 1].sqrt().clamp_min(_EPS)
+        new = self.new_sq.sqrt().clamp_min(_EPS)[:, None]
         return self.store._best(self.dots / (new * old))
