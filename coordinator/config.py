@@ -51,7 +51,8 @@ class CoordinatorConfig(ServeSettings):
                     "parallelism spans the same D ranks (--backend vllm: D replicas)", json_schema_extra=cli(metavar="D"))
     device_memory_bytes: int = Field(
         _DEFAULT_DEVICE_MEMORY, description="memory budget of each logical device in GiB: weights, KV cache and "
-        "scaling headroom", json_schema_extra=cli("--device-memory-gb", metavar="G", unit=GIB))
+        "scaling headroom (with expert offloading: dense weights, KV cache and the expert cache; the experts "
+        "themselves are the node's host tier)", json_schema_extra=cli("--device-memory-gb", metavar="G", unit=GIB))
     max_queued: int = Field(256, description="requests waiting plus in flight; beyond N the server answers 503 "
                             "with Retry-After", json_schema_extra=cli(metavar="N"))
     max_hold_s: float = Field(30.0, description="longest a new request is held at the ingress while no instance "
