@@ -1,0 +1,60 @@
+"""Chaos with expert offloading: kill -9 a device worker, and the old instance's rank in the
+middle of a scale, of an elastic server whose devices hold an expert cache and whose experts are
+the host tier (tiny Qwen3-MoE, 3 logical devices, float32, half of each device's experts
+cached). The restored device gets a new cache pool and reads its host tier from disk; the
+scale's new caches are warmed as usual. Zero failed requests, every stream identical to the
+undisturbed run, /ready 200 again and no /dev/shm file without a live owner. The harness is
+`coordinator.bench.chaos_faults` (as in `test_chaos.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from elastic_server import running, tiny_config
+
+from coordinator.bench.chaos import prompts
+from coordinator.bench.chaos_faults import run_fault, settle, undisturbed
+
+pytestmark = pytest.mark.slow
+
+MODEL, MAX_TOKENS = "tiny-qwen3-moe", 160
+PROMPTS = prompts(4, 12, 512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    config = tiny_config(tiny_model_dir, num_devices=3, dp=2, served_model_name=MODEL, expert_cache_fraction=0.5,
+                         offload_policy="lru")
+    with running(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            await settle(c, 2)
+            return await undisturbed(c, MODEL, PROMPTS, MAX_TOKENS)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("fault,dp", [("device", 2), ("mid-scale", 1)], ids=["device-worker", "old-rank-mid-scale"])
+def test_a_killed_process_of_an_offloading_server_costs_no_request(server, reference, fault, dp):
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            await settle(c, dp)
+            return await run_fault(c, fault, MODEL, PROMPTS, reference, MAX_TOKENS,
+                                   shm_prefix=server.config.shm_prefix)
+
+    r = asyncio.run(main())
+    print(f"\n{r.to_dict()}")
+    assert (r.failed, r.identical) == (0, r.requests), r.errors
+    assert r.recover_s is not None and r.events, "the repair left no event"
+    assert r.orphaned_shm_files == 0
+    with httpx.Client(base_url=server.url) as c:
+        assert c.get("/ready").status_code == 200
+        status = c.get("/admin/status").json()
+    assert status["expert_cache"] and all(r["capacity_experts"] > 0 for r in status["expert_cache"])
