@@ -150,11 +150,10 @@ class LoraSlots:
         """Raise unless an adapter with these modules (path -> (r, in, out)) can be loaded now."""
         if name in self.host:
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
-        if len(self.host) >= self.max_cached:
-            raise AdapterLimitError(
-                f"all {self.max_cached} LoRA adapters the cache holds are loaded (--max-cpu-loras; "
-                f"{self.max_loras} LoRA slots, --max-loras)"
-            )
+        if len(self.host) >= self.max_cached:  # the host budget: a 400 naming the field (CoServe issue, item 7)
+            raise AdapterError("name", f"registering it would exceed the host budget: all {self.max_cached} LoRA "
+                               f"adapters the host cache holds are registered (--max-cpu-loras; {self.max_loras} "
+                               f"LoRA slots, --max-loras); unload one first")
         for path, (r, _, _) in modules.items():
             if r > self.max_rank:
                 raise AdapterLimitError(f"{path} has rank {r}; slots hold at most {self.max_rank} (--max-lora-rank)")

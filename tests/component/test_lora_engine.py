@@ -119,8 +119,9 @@ def test_limits_unsupported_targets_unload_and_reuse(setup):
     assert _load(engine, few) == 0
     with pytest.raises(AdapterConflictError):
         _load(engine, few)
-    with pytest.raises(AdapterLimitError, match="1 LoRA slots"):
+    with pytest.raises(AdapterError, match="1 LoRA slots") as full:  # the host budget: a 400 naming the field
         _load(engine, experts)
+    assert full.value.param == "name" and "--max-cpu-loras" in full.value.message
     assert engine.adapters.unload("few") is True  # no request uses it: gone at once
     if "both" in adapters:
         with pytest.raises(AdapterLimitError, match="rank 8"):

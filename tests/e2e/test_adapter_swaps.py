@@ -118,7 +118,14 @@ def test_adapters_beyond_the_slots_serve_their_merged_models_across_scaling(serv
         assert swaps["esft_swaps_in"] >= 2 and swaps["esft_evictions"] >= 2, swaps
         listed = {a["name"]: a for a in c.get("/admin/adapters").json()["adapters"]}
         assert sum(listed[n]["resident"] for n in ESFT) == 1  # one slot
-        for name in (*ESFT, *LORA):  # on disk or resident alike
+        # The host cache holds --max-cpu-loras 4 LoRA adapters: a fifth is refused naming the field.
+        extra = [f"lora-extra-{i}" for i in range(2)]
+        for name in extra:
+            assert c.post("/admin/adapters", json={"name": name, "path": adapters[LORA[0]][0]}).status_code == 201
+        over = c.post("/admin/adapters", json={"name": "lora-over", "path": adapters[LORA[0]][0]})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "name", over.text
+        assert "--max-cpu-loras" in over.json()["error"]["message"]
+        for name in (*ESFT, *LORA, *extra):  # on disk or resident alike
             assert c.delete(f"/admin/adapters/{name}").status_code in (200, 202)
         deadline = time.monotonic() + 30
         while c.get("/admin/adapters").json()["adapters"]:

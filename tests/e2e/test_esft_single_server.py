@@ -194,7 +194,8 @@ def test_lora_adapter_over_http(tiny_model_dir, tmp_path):
         got = _complete(c, "style", 10)
         assert got.status_code == 200 and got.json()["choices"][0]["text"] == _reference_text(str(merged), 10)
         full = c.post("/admin/adapters", json={"name": "other", "path": str(path), "type": "lora"})
-        assert full.status_code == 409 and "1 LoRA slots" in full.json()["error"]["message"]
+        assert full.status_code == 400 and full.json()["error"]["param"] == "name", full.text  # the host budget
+        assert "--max-cpu-loras" in full.json()["error"]["message"]
         bad = c.post("/admin/adapters", json={"name": "x", "path": str(path), "type": "dora"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "type"
         assert c.delete("/admin/adapters/style").status_code == 200  # idle: unloaded at once
