@@ -161,6 +161,18 @@ def _wait(c: httpx.Client, what: str, done, timeout_s: float = 120) -> dict:  # 
     return status
 
 
+def _wait_for_kv(c, rank: int, timeout_s: float = 30.0) -> None:
+    """Until DP rank `rank` of the active instance holds KV blocks (a request runs there)."""
+    line = f'elasticmoe_kv_cache_usage_ratio{{rank="{rank}"}} '
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = [float(m.split()[-1]) for m in c.get("/metrics").text.splitlines() if m.startswith(line)]
+        if values and values[0] > 0:
+            return
+        assert time.monotonic() < deadline, f"no request ran on rank {rank} within {timeout_s} s"
+        time.sleep(0.05)
+
+
 def test_a_drained_node_is_given_back_and_a_killed_node_loses_no_request(served, reference):
     server, nodes, prefix = served
     stop = threading.Event()
@@ -191,8 +203,11 @@ def test_a_drained_node_is_given_back_and_a_killed_node_loses_no_request(served,
                 assert status["active_config"]["dp"] == 2 and drained not in _check_placement(status)
                 assert drained not in {d["ray_node_id"] for d in status["devices"]}
                 # Kill the other worker node, which now holds a rank: its device is lost.
-                victim = next(r["ray_node_id"] for r in status["instance"]["ranks"] if r["ray_node_id"] != home)
-                time.sleep(0.5)
+                victim_rank = next(r for r in status["instance"]["ranks"] if r["ray_node_id"] != home)
+                victim = victim_rank["ray_node_id"]
+                # Kill it while one of the streams runs there (its KV blocks in use), so the repair has
+                # a request to recover; the router may have placed them all on the other rank a moment ago.
+                _wait_for_kv(c, victim_rank["rank"])
                 assert nodes.kill_node(victim) >= 2
                 healed = _wait(c, "repair after the node loss", lambda st: (
                     any(e["strategy"] == "heal" and e["state"] == "succeeded" for e in st["scale_events"])
