@@ -19,16 +19,12 @@ import asyncio
 
 import httpx
 import pytest
+from chaos_runs import MAX_TOKENS, MODEL, PROMPTS, inject, reference_streams
 from elastic_server import running, tiny_config
 
-from coordinator.bench.chaos import prompts
-from coordinator.bench.chaos_faults import FaultResult, run_fault, settle, undisturbed
-from coordinator.launch import ElasticServer
+from coordinator.bench.chaos_faults import undisturbed
 
 pytestmark = pytest.mark.slow
-
-MODEL, MAX_TOKENS = "tiny-qwen3-moe", 160
-PROMPTS = prompts(4, 12, 512, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -39,30 +35,13 @@ def server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(server):
-    async def main() -> list[str]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
-            await settle(c, 1)
-            return await undisturbed(c, MODEL, PROMPTS, MAX_TOKENS)
-
-    return asyncio.run(main())
-
-
-def _inject(server: ElasticServer, reference: list[str], fault: str, dp: int) -> FaultResult:
-    async def main() -> FaultResult:
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
-            await settle(c, dp)
-            return await run_fault(c, fault, MODEL, PROMPTS, reference, MAX_TOKENS,
-                                   shm_prefix=server.config.shm_prefix)
-
-    result = asyncio.run(main())
-    print(f"\n{result.to_dict()}")
-    return result
+    return reference_streams(server, 1)
 
 
 @pytest.mark.parametrize("fault,dp", [("rank", 1), ("rank", 2), ("device", 1), ("mid-scale", 1)],
                          ids=["rank-dp1", "rank-dp2", "device-worker", "old-rank-mid-scale"])
 def test_a_killed_process_costs_a_pause_not_a_request(server, reference, fault, dp):
-    r = _inject(server, reference, fault, dp)
+    r = inject(server, reference, fault, dp)
     assert (r.failed, r.identical) == (0, r.requests), r.errors
     assert r.recover_s is not None and r.events, "the repair left no event"
     assert r.orphaned_shm_files == 0
@@ -76,7 +55,7 @@ def test_a_killed_process_costs_a_pause_not_a_request(server, reference, fault, 
 
 
 def test_a_killed_coordinator_costs_a_pause_not_a_request(server, reference):
-    r = _inject(server, reference, "coordinator", 1)
+    r = inject(server, reference, "coordinator", 1)
     assert (r.failed, r.identical) == (0, r.requests), r.errors
     assert r.recovered == r.requests and r.tokens_recomputed > 0  # its ranks died with it
     assert r.detect_s is not None and r.recover_s is not None  # /ready said 503 until it served again
@@ -86,7 +65,7 @@ def test_a_killed_coordinator_costs_a_pause_not_a_request(server, reference):
 
 
 def test_a_restarted_ingress_serves_on(server, reference):
-    r = _inject(server, reference, "ingress", 1)
+    r = inject(server, reference, "ingress", 1)
     assert r.failed == r.requests  # their connections ended in the killed process
     assert r.recover_s is not None and r.orphaned_shm_files == 0
 

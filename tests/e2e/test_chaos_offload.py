@@ -8,19 +8,12 @@ undisturbed run, /ready 200 again and no /dev/shm file without a live owner. The
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
+from chaos_runs import MODEL, inject, reference_streams
 from elastic_server import running, tiny_config
 
-from coordinator.bench.chaos import prompts
-from coordinator.bench.chaos_faults import run_fault, settle, undisturbed
-
 pytestmark = pytest.mark.slow
-
-MODEL, MAX_TOKENS = "tiny-qwen3-moe", 160
-PROMPTS = prompts(4, 12, 512, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +26,12 @@ def server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(server):
-    async def main() -> list[str]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
-            await settle(c, 2)
-            return await undisturbed(c, MODEL, PROMPTS, MAX_TOKENS)
-
-    return asyncio.run(main())
+    return reference_streams(server, 2)
 
 
 @pytest.mark.parametrize("fault,dp", [("device", 2), ("mid-scale", 1)], ids=["device-worker", "old-rank-mid-scale"])
 def test_a_killed_process_of_an_offloading_server_costs_no_request(server, reference, fault, dp):
-    async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
-            await settle(c, dp)
-            return await run_fault(c, fault, MODEL, PROMPTS, reference, MAX_TOKENS,
-                                   shm_prefix=server.config.shm_prefix)
-
-    r = asyncio.run(main())
-    print(f"\n{r.to_dict()}")
+    r = inject(server, reference, fault, dp)
     assert (r.failed, r.identical) == (0, r.requests), r.errors
     assert r.recover_s is not None and r.events, "the repair left no event"
     assert r.orphaned_shm_files == 0
