@@ -62,7 +62,7 @@ def _reference(model_dir: str) -> str:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     config = tiny_config(tiny_model_dir, num_devices=2, dp=2, max_esft_adapters=1, max_esft_experts=2, max_loras=1,
-                         max_cpu_loras=4, max_lora_rank=4, standby_pool=False)
+                         max_cpu_loras=4, max_lora_rank=4)
     with running(config) as srv:
         yield srv
 

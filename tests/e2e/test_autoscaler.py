@@ -50,7 +50,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     config = tiny_config(tiny_model_dir, served_model_name=MODEL, max_num_seqs=1, autoscale=AUTOSCALE,
-                         api_key=API_KEY, admin_key=ADMIN_KEY)
+                         api_key=API_KEY, admin_key=ADMIN_KEY, standby_pool=True)  # the production path
     with running(config) as srv:
         yield srv
 

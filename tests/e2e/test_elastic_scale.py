@@ -47,10 +47,12 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, reference):
     prefix = f"emoetest{secrets.token_hex(4)}"
+    # NOTE: no standby pool: its boots after each scale were a fifth of this module's CPU time
+    # (scales boot on demand through the same code; test_autoscaler and test_scaler use the pool)
     with ray_nodes(head_devices=1, worker_devices=(1,)) as nodes:
         with serve_on(nodes, "--model", tiny_model_dir, "--served-model-name", MODEL, "--dtype", "float32",
                       "--device-memory-gb", str(64 / 1024), "--kv-cache-gb", str(8 / 1024),
-                      "--shm-prefix", prefix) as srv:
+                      "--shm-prefix", prefix, "--no-standby-pool") as srv:
             yield srv, nodes, prefix
         assert _actor_processes(nodes.temp_dir) == [], "a device worker or rank outlived the server"
     assert list_segments(prefix) == [], "shared-memory files leaked"

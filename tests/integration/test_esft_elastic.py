@@ -62,7 +62,7 @@ def _reference(model_dir: str, params: SamplingParams = PARAMS) -> list[int]:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
     config = tiny_config(tiny_model_dir, num_devices=3, max_esft_adapters=3, max_esft_experts=2,
-                         standby_pool=False, max_loras=2, max_lora_rank=4)
+                         max_loras=2, max_lora_rank=4)
     with cluster_of(config) as cl:
         yield cl
 

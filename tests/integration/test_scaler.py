@@ -32,13 +32,45 @@ from imm.lifecycle import InstanceState
 pytestmark = pytest.mark.slow
 
 PROMPT = [5, 6, 7, 8, 9, 10]
-PARAMS = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir) -> Iterator[ClusterManager]:
-    with cluster_of(tiny_config(tiny_model_dir, num_devices=4)) as cl:
+    with cluster_of(tiny_config(tiny_model_dir, num_devices=4, standby_pool=True)) as cl:
         yield cl
+
+
+class StandbyBoots:
+    """The pool's refill after each scale (dp-1 and dp+1 booted in the background), let through
+    only where a test says so: the strategies other than `elastic` never use the pool, and on 2
+    cores the boots were a third of this module's CPU time."""
+
+    def __init__(self, cluster: ClusterManager) -> None:
+        self.allowed = False
+        self.calls = 0
+        self._cluster = cluster
+
+    def __call__(self, delay_s: float = 0.0) -> None:
+        self.calls += 1
+        if self.allowed:
+            ClusterManager.prepare_standby(self._cluster, delay_s)
+
+
+def _pool_standby(cluster: ClusterManager, dp: int) -> int:
+    """Boot the pool's standby instances now (what a scale's refill does) and wait for them;
+    the pool's hit count, to tell that the next scale took the one for `dp`."""
+    ClusterManager.prepare_standby(cluster)
+    cluster.wait_standby(120)
+    assert dp in cluster.standby.pool
+    return cluster.standby.num_hits
+
+
+@pytest.fixture(autouse=True)
+def standby_boots(cluster, monkeypatch) -> StandbyBoots:
+    boots = StandbyBoots(cluster)
+    monkeypatch.setattr(cluster, "prepare_standby", boots)
+    return boots
 
 
 def _run_stream(
@@ -96,7 +128,8 @@ def baseline(cluster) -> list[int]:
     return _tokens(_run_stream(cluster, "baseline", started))
 
 
-def test_failure_before_switchover_rolls_back(cluster, baseline, monkeypatch):
+def test_failure_before_switchover_rolls_back(cluster, baseline, monkeypatch, standby_boots):
+    standby_boots.allowed = True
     hmm, old = cluster.hmm, cluster.active
     cluster.wait_standby()  # the pool's background boots allocate no HMM memory, but settle first
     used_before = {d: u.used for d, u in hmm.usage().items()}
@@ -157,6 +190,7 @@ def test_failure_in_the_switchover_hands_the_requests_back(cluster, baseline, mo
 
 
 def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
+    hits = _pool_standby(cluster, 2)
     old = cluster.active
     started, result = threading.Event(), {}
     stream = threading.Thread(
@@ -166,7 +200,7 @@ def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
 
     def warm_up_then_start_stream(self: Instance) -> list[float]:
         # Start the request only once the new instance is warm: the switchover follows within
-        # milliseconds, so the 400-token request is surely in flight at the pause however
+        # milliseconds, so the 200-token request is surely in flight at the pause however
         # fast this machine decodes (starting it before the ~2 s standby boot was a race).
         out = original_warm_up(self)
         stream.start()
@@ -179,6 +213,7 @@ def test_scale_up_hands_the_running_stream_over(cluster, baseline, monkeypatch):
     items = result["items"]
 
     assert event.state is ScaleState.SUCCEEDED, event.error
+    assert cluster.standby.num_hits == hits + 1  # the pre-initialised instance took over
     assert event.requests_in_flight == event.requests_handed_over == 1
     assert sum(isinstance(i, HandedOverOutput) for i in items) == 1
     assert _tokens(items) == baseline
@@ -218,6 +253,7 @@ TOUR = [
 
 @pytest.mark.parametrize(("strategy", "to_dp"), TOUR, ids=[name for name, _ in TOUR])
 def test_every_strategy_hands_a_running_stream_over(cluster, baseline, monkeypatch, strategy, to_dp):
+    hits = _pool_standby(cluster, to_dp) if strategy == "elastic" else None  # the one strategy using the pool
     old, hmm = cluster.active, cluster.hmm
     stream, result = _stream_in_flight_at_pause(monkeypatch, cluster, f"during-{strategy}")
     event = Scaler(cluster).scale(to_dp, strategy)
@@ -225,6 +261,8 @@ def test_every_strategy_hands_a_running_stream_over(cluster, baseline, monkeypat
 
     assert event.state is ScaleState.SUCCEEDED, event.error
     assert event.strategy == strategy and event.requests_in_flight == event.requests_handed_over == 1
+    if hits is not None:
+        assert cluster.standby.num_hits == hits + 1
     assert _tokens(result["items"]) == baseline
     new = cluster.active
     assert old.state is InstanceState.RETIRED and new.dp == to_dp and new.is_serving

@@ -72,7 +72,8 @@ def direct(vllm_model) -> list[list[int]]:
 def cluster(vllm_model) -> Iterator[ClusterManager]:
     # NOTE: no standby refill after a scale (standby_delay_s): the start pools dp 2, the scale back
     # to dp 1 boots its instance; that keeps the module at four vLLM engines.
-    config = tiny_config(vllm_model, backend="vllm", kv_bytes_per_device=8 << 20, standby_delay_s=3600)
+    config = tiny_config(vllm_model, backend="vllm", kv_bytes_per_device=8 << 20, standby_pool=True,
+                         standby_delay_s=3600)
     with cluster_of(config) as cl:
         yield cl
 
