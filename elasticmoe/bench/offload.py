@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,14 +193,28 @@ def measure_transfers(model_dir: str, link_gbps: float, samples: int = 8) -> dic
             "model_link_gbps": link_gbps, "model_link_s": expert_bytes / (link_gbps * 1e9)}
 
 
+def _listed(kind: type[int] | type[float]) -> Callable[[str], list[Any]]:
+    """An argparse type: comma-separated numbers of `kind`; empty means none (no sweep)."""
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated {kind.__name__}s expected, got {text!r}") from None
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m elasticmoe.bench.offload",
                                 description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint (a trained one: see the module doc)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all four)")
-    p.add_argument("--budgets", default="0.1,0.25,0.5,0.75,1.0", help="cache sizes, fractions of the experts")
-    p.add_argument("--distances", default="1,2,4", help="FineMoE prefetch distances d to sweep (Fig. 15)")
-    p.add_argument("--capacities", default="4,16,64,256", help="FineMoE map store capacities C to sweep (Fig. 16)")
+    p.add_argument("--budgets", type=_listed(float), default="0.1,0.25,0.5,0.75,1.0",
+                   help="cache sizes, fractions of the experts")
+    p.add_argument("--distances", type=_listed(int), default="1,2,4",
+                   help="FineMoE prefetch distances d to sweep (Fig. 15; empty: no sweep)")
+    p.add_argument("--capacities", type=_listed(int), default="4,16,64,256",
+                   help="FineMoE map store capacities C to sweep (Fig. 16; empty: no sweep)")
     p.add_argument("--sweep-budget", type=float, default=0.25, help="cache budget of the d and C sweeps")
     p.add_argument("--warmup", type=int, default=16, help="requests run first, not measured (default 16)")
     p.add_argument("--requests", type=int, default=16, help="measured requests per run (default 16)")
@@ -217,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         p.error(f"--policies: unknown {unknown}, choose from {', '.join(POLICIES)}")
-    budgets = [float(x) for x in args.budgets.split(",")]
-    if any(not 0 < b <= 1 for b in budgets):
+    budgets = args.budgets
+    if not budgets or any(not 0 < b <= 1 for b in budgets):
         p.error("--budgets: fractions in (0, 1]")
+    if any(d < 0 for d in args.distances) or any(c < 1 for c in args.capacities):
+        p.error("--distances: each >= 0; --capacities: each >= 1")
     prompts = load_prompts(args.model, args.warmup + args.requests)
 
     def progress(msg: str) -> None:
@@ -228,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[RunResult] = []
     configs = [("resident", 1.0, 1, 1000)] + [(pol, b, 1, 1000) for pol in policies for b in budgets]
     if "finemoe" in policies:
-        configs += [("finemoe", args.sweep_budget, int(d), 1000) for d in args.distances.split(",") if int(d) != 1]
-        configs += [("finemoe", args.sweep_budget, 1, int(c)) for c in args.capacities.split(",") if int(c) != 1000]
+        configs += [("finemoe", args.sweep_budget, d, 1000) for d in args.distances if d != 1]
+        configs += [("finemoe", args.sweep_budget, 1, c) for c in args.capacities if c != 1000]
     for n, (policy, budget, distance, capacity) in enumerate(configs, 1):
         result = run_once(args, prompts, policy, budget, distance, capacity)
         runs.append(result)

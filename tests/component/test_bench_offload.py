@@ -34,3 +34,19 @@ def test_offload_bench_reports_every_policy_budget_and_sweep(tiny_model_dir, tmp
 def test_offload_bench_refuses_an_unknown_policy(tiny_model_dir):
     with pytest.raises(SystemExit):
         main(["--model", tiny_model_dir, "--policies", "belady"])
+
+
+@pytest.mark.parametrize("flag, value", [("--capacities", "x"), ("--capacities", "0"), ("--distances", "-1"),
+                                         ("--budgets", ""), ("--budgets", "1.5")])
+def test_offload_bench_refuses_bad_sweeps_naming_the_flag(tiny_model_dir, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", tiny_model_dir, flag, value])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_offload_bench_with_empty_sweeps_runs_the_budgets_only(tiny_model_dir, capsys):
+    assert main(["--model", tiny_model_dir, "--policies", "finemoe", "--budgets", "1.0", "--distances", "",
+                 "--capacities", "", "--warmup", "1", "--requests", "1", "--max-tokens", "2", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [(r["policy"], r["prefetch_distance"], r["store_capacity"]) for r in runs] == [
+        ("resident", 1, 1000), ("finemoe", 1, 1000)]
