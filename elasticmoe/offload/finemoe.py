@@ -69,7 +69,7 @@ class FineMoEPolicy:
                                     config.prefetch_distance)
         self.search_log = SearchLog()
         self._requests: list[RequestContext] = []
-        self._observed = torch.zeros(0, *shape)  # [B, L, E] this iteration's P_l per request
+        self._observed = np.zeros((0, *shape), dtype=np.float32)  # [B, L, E] this iteration's P_l per request
         self._current_layer = -1  # the last layer observed
         self._trajectory: TrajectorySearch | None = None  # this iteration's, layer by layer
         self._planned = np.zeros(shape, dtype=np.bool_)
@@ -81,7 +81,7 @@ class FineMoEPolicy:
             raise ValueError("begin_iteration: an iteration needs at least one request")
         cfg = self.config
         self._requests = list(requests)
-        self._observed = torch.zeros(len(requests), cfg.num_layers, cfg.num_experts)
+        self._observed = np.zeros((len(requests), cfg.num_layers, cfg.num_experts), dtype=np.float32)
         self._current_layer = -1
         self._planned[:] = False
         self._planned_probs[:] = 0.0
@@ -91,16 +91,16 @@ class FineMoEPolicy:
         self._trajectory = self.store.trajectory_search(len(requests))
         index, scores = self.store.search_semantic(torch.stack([r.embedding.float() for r in requests]))
         self.search_log.semantic += scores.tolist()
-        maps = self.store.layers_from(index, 0)  # [L, B, E]
-        self._guide = maps.amax(dim=1).double().numpy()
+        maps = self.store.layers_from(index, 0).numpy()  # [L, B, E]
+        self._guide = maps.max(axis=1).astype(np.float64)
         for layer in range(min(cfg.prefetch_distance, cfg.num_layers)):
-            self._plan_layer(layer, maps[layer], scores)
+            self._plan_layer(layer, maps[layer], scores.tolist())
 
     def observe_layer(self, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor,
                       next_gate_probs: torch.Tensor | None = None) -> None:
         if layer != self._current_layer + 1:
             raise ValueError(f"observe_layer: expected layer {self._current_layer + 1}, got {layer}")
-        self._observed[:, layer] = request_layer_probs(gate_probs, [r.num_tokens for r in self._requests])
+        self._observed[:, layer] = request_layer_probs(gate_probs, [r.num_tokens for r in self._requests]).numpy()
         self._current_layer = layer
         if self._trajectory is None:
             return
@@ -109,11 +109,12 @@ class FineMoEPolicy:
         if target is None:
             return
         assert trajectory_length(target, self.config.prefetch_distance) == layer + 1
-        index, scores = self._trajectory.best()
-        self.search_log.trajectory += scores.tolist()
-        maps = self.store.layers_from(index, target)  # [L - target, B, E]
+        index, best = self._trajectory.best()
+        scores = best.tolist()
+        self.search_log.trajectory += scores
+        maps = self._trajectory.layers_from(index, target)  # [L - target, B, E]
         self._plan_layer(target, maps[0], scores)
-        self._guide[target:] = maps.amax(dim=1).double().numpy()
+        self._guide[target:] = maps.max(axis=1)
 
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
         return plan_from_predictions(self._planned, self._planned_probs, self._current_layer, cache)
@@ -126,16 +127,16 @@ class FineMoEPolicy:
         # Only complete maps are stored: an iteration cut short has no trajectory to offer.
         if self._current_layer == self.config.num_layers - 1:
             for request, probs in zip(self._requests, self._observed, strict=True):
-                self.store.add(RoutingMapRecord(request.embedding.float(), probs.clone()))
+                self.store.add(RoutingMapRecord(request.embedding.float(), torch.from_numpy(probs.copy())))
         self._requests = []
         self._trajectory = None
         self._current_layer = -1
         self._planned[:] = False  # nothing to prefetch until the next iteration's search
 
-    def _plan_layer(self, layer: int, probs: torch.Tensor, scores: torch.Tensor) -> None:
+    def _plan_layer(self, layer: int, probs: np.ndarray, scores: list[float]) -> None:
         """Plan `layer` from each request's searched distribution `probs` [B, E] and its
         similarity `scores` [B] (eqs. 6-8)."""
-        for request_probs, score in zip(probs, scores.tolist(), strict=True):
+        for request_probs, score in zip(probs, scores, strict=True):
             for expert in minimum_expert_set(request_probs, selection_threshold(score), self.config.top_k):
                 self._planned[layer, expert] = True
                 self._planned_probs[layer, expert] = max(self._planned_probs[layer, expert],

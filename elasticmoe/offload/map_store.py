@@ -21,6 +21,8 @@ request is the best guess of the next one. The paper does not say; this is our c
 
 from __future__ import annotations
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from elasticmoe.offload.routing_map import RoutingMapRecord
@@ -153,31 +155,45 @@ class TrajectorySearch:
 
     The trajectory score of the first n layers is a cosine of n*E-vectors: its dot product and
     squared norms are sums over layers. Keeping those sums, the search after layer n costs one
-    [B, E] x [E, C] product instead of n of them (it runs after every layer of every iteration).
-    Scores equal `search_trajectory`'s on the same n layers (tested)."""
+    [B, E] x [E, C] product instead of n of them. It runs after every MoE layer of every
+    iteration on the forward thread, so it works in NumPy on views of the store's tensors: on
+    a few thousand values torch's per-op dispatch cost more than the arithmetic (FineMoE's
+    per-layer policy work was 1.6x LRU's TPOT at a full cache). Scores equal
+    `search_trajectory`'s on the same n layers (tested)."""
 
     def __init__(self, store: ExpertMapStore, batch: int) -> None:
         self.store = store
         self.size = len(store)
-        self.dots = torch.zeros(batch, self.size)
-        self.new_sq = torch.zeros(batch)
+        self._maps = store._maps.numpy()[:, : self.size]  # [L, C, E] views, no copies
+        self._prefix_sq = store._prefix_sq.numpy()[: self.size]
+        self._stamps = store._stamps.numpy()[: self.size]
+        self.dots = np.zeros((batch, self.size), dtype=np.float32)
+        self.new_sq = np.zeros(batch, dtype=np.float32)
         self.num_layers = 0
 
-    def add(self, probs: torch.Tensor) -> None:
+    def add(self, probs: npt.ArrayLike) -> None:
         """The next layer's gate distributions `probs` [B, E] of the B iterations."""
         if self.num_layers >= self.store.num_layers:
             raise ValueError(f"trajectory search: the model has {self.store.num_layers} layers")
-        probs = probs.float()
-        self.dots += probs @ self.store._maps[self.num_layers, : self.size].T
-        self.new_sq += probs.square().sum(dim=1)
+        p = np.asarray(probs, dtype=np.float32)
+        self.dots += p @ self._maps[self.num_layers].T
+        self.new_sq += np.einsum("be,be->b", p, p)
         self.num_layers += 1
 
-    def best(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index [B], score [B]) of the best match on the layers added so far."""
+    def best(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """(index [B], score [B]) of the best match on the layers added so far; ties go to the
+        most recently stored record (as `ExpertMapStore` breaks them)."""
         if self.num_layers == 0:
             raise ValueError("trajectory search: no layer observed yet")
         if len(self.store) != self.size:
             raise RuntimeError("trajectory search: the store changed during the search")
-        old = self.store._prefix_sq[: self.size, self.num_layers - 1].sqrt().clamp_min(_EPS)
-        new = self.new_sq.sqrt().clamp_min(_EPS)[:, None]
-        return self.store._best(self.dots / (new * old))
+        old = np.maximum(np.sqrt(self._prefix_sq[:, self.num_layers - 1]), _EPS)
+        new = np.maximum(np.sqrt(self.new_sq), _EPS)[:, None]
+        scores = self.dots / (new * old)
+        best = scores.max(axis=1)
+        index = np.where(scores == best[:, None], self._stamps, -1).argmax(axis=1)
+        return index, best
+
+    def layers_from(self, index: npt.NDArray[np.int64], layer: int) -> npt.NDArray[np.float32]:
+        """Layers `layer`..L-1 of the stored maps `index` [B] -> [L - layer, B, E] (a copy)."""
+        return self._maps[layer:, index]

@@ -21,20 +21,20 @@ def selection_threshold(score: float) -> float:
     return max(0.0, min(1.0 - score, 1.0))
 
 
-def minimum_expert_set(probs: torch.Tensor, threshold: float, top_k: int) -> list[int]:
+def minimum_expert_set(probs: torch.Tensor | npt.ArrayLike, threshold: float, top_k: int) -> list[int]:
     """Eqs. 6-8: the fewest experts whose summed probability reaches `threshold` (eq. 7),
     and at least `top_k` of them (eq. 8), picked greedily by descending probability
     (which minimises the count, eq. 6). `probs` [E]; returns expert ids, most probable
     first; ties go to the lower id."""
-    if probs.dim() != 1:
-        raise ValueError(f"minimum expert set: need probs [E], got {tuple(probs.shape)}")
-    num_experts = probs.numel()
+    p = probs.detach().double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, dtype=np.float64)
+    if p.ndim != 1:
+        raise ValueError(f"minimum expert set: need probs [E], got {tuple(p.shape)}")
+    num_experts = p.size
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"minimum expert set: top_k must be in [1, {num_experts}], got {top_k}")
     # NumPy, not torch: this runs per request and layer on a few dozen values, where torch's
     # per-op dispatch costs more than the work. A stable sort on -p keeps equal probabilities in
     # id order.
-    p = probs.detach().double().numpy()
     order = np.argsort(-p, kind="stable")
     covered = np.cumsum(p[order])
     # The first prefix reaching the threshold; rounding can leave the total a hair under a

@@ -124,9 +124,22 @@ def test_the_layer_by_layer_search_scores_like_the_full_trajectory_search():
         search.add(observed[:, n - 1])
         index, score = search.best()
         want_index, want_score = store.search_trajectory(observed[:, :n])
-        assert torch.equal(index, want_index) and torch.allclose(score, want_score, atol=1e-6)
+        assert index.tolist() == want_index.tolist()
+        assert torch.allclose(torch.from_numpy(score), want_score, atol=1e-6)
+        assert torch.equal(torch.from_numpy(search.layers_from(index, n - 1)), store.layers_from(want_index, n - 1))
     with pytest.raises(ValueError, match="4 layers"):
         search.add(observed[:, 0])
     store.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(4, 5), dim=-1)))
     with pytest.raises(RuntimeError, match="changed"):  # a record added under the search
         search.best()
+
+
+def test_the_layer_by_layer_search_breaks_ties_to_the_latest_record():
+    store = ExpertMapStore(capacity=4, num_layers=2, num_experts=3, prefetch_distance=1)
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
+    for _ in range(3):  # the same map three times: equal scores
+        store.add(RoutingMapRecord(torch.ones(2), probs))
+    search = store.trajectory_search(batch=1)
+    search.add(probs[None, 0])
+    index, score = search.best()
+    assert index.tolist() == [2] and score[0] == pytest.approx(1.0)
