@@ -157,9 +157,9 @@ class TrajectorySearch:
     squared norms are sums over layers. Keeping those sums, the search after layer n costs one
     [B, E] x [E, C] product instead of n of them. It runs after every MoE layer of every
     iteration on the forward thread, so it works in NumPy on views of the store's tensors: on
-    a few thousand values torch's per-op dispatch cost more than the arithmetic (FineMoE's
-    per-layer policy work was 1.6x LRU's TPOT at a full cache). Scores equal
-    `search_trajectory`'s on the same n layers (tested)."""
+    a few thousand values torch's per-op dispatch costs more than the arithmetic (one iteration
+    of the policy on the trained small model: 760 us with torch, 490 us so). Scores and ties
+    equal `search_trajectory`'s on the same n layers (tested)."""
 
     def __init__(self, store: ExpertMapStore, batch: int) -> None:
         self.store = store
