@@ -269,9 +269,9 @@ def _check_offload(config: EngineConfig | EngineOptions) -> None:
     if config.offload_prefetch_distance < 1 or config.offload_store_capacity < 1:
         raise ValueError("offload_prefetch_distance / offload_store_capacity: must be >= 1")
     offloads = config.expert_cache_bytes is not None or config.expert_cache_fraction is not None
-    if offloads and (config.max_esft_adapters or config.max_loras):
-        raise ValueError("expert_cache_bytes: expert offloading does not combine with ESFT or LoRA adapter slots "
-                         "yet (set max_esft_adapters and max_loras to 0)")
+    if offloads and config.max_esft_adapters:
+        raise ValueError("expert_cache_bytes: expert offloading does not combine with ESFT adapter slots yet "
+                         "(set max_esft_adapters to 0); LoRA on the attention does")
 
 
 def _check_policies(adapter_eviction: str, request_arranging: str) -> None:

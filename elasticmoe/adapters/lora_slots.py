@@ -108,18 +108,22 @@ class ExpertLora:
 
 class LoraSlots:
     def __init__(self, model: CausalLM, placement: ExpertPlacement, rank: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, max_cached: int | None = None, top_k: int = 1) -> None:
+                 dtype: torch.dtype, max_cached: int | None = None, top_k: int = 1,
+                 expert_sites: bool = True) -> None:
+        """`expert_sites`: give the MoE blocks' experts LoRA sites (False: attention only, e.g.
+        with offloaded experts, whose weights sit in whichever cache row holds them)."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"lora: need max_loras >= 1 and max_lora_rank >= 1, got {max_loras}, {max_rank}")
         self.placement, self.rank, self.max_loras, self.max_rank = placement, rank, max_loras, max_rank
         self.attention: dict[int, AttentionSites] = {}  # layer -> its attention's modules
         self.experts: dict[int, ExpertLora] = {}
+        self.expert_sites = expert_sites
         num_local = len(placement.local_expert_ids(rank))
         for i, layer in enumerate(model.layers):
             sites = attention_sites(layer.attn, max_loras, max_rank, dtype)
             if sites:
                 self.attention[i] = sites
-            if isinstance(layer.mlp, MoEBlock) and num_local:
+            if expert_sites and isinstance(layer.mlp, MoEBlock) and num_local:
                 block = layer.mlp
                 inter, hidden = block.w2.shape[2], block.w2.shape[1]
                 block.lora = self.experts[i] = ExpertLora(max_loras, num_local, max_rank, hidden, inter, dtype,
@@ -150,14 +154,15 @@ class LoraSlots:
         """Raise unless an adapter with these modules (path -> (r, in, out)) can be loaded now."""
         if name in self.host:
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
-        if len(self.host) >= self.max_cached:  # the host budget: a 400 naming the field (CoServe issue, item 7)
-            raise AdapterError("name", f"registering it would exceed the host budget: all {self.max_cached} LoRA "
-                               f"adapters the host cache holds are registered (--max-cpu-loras; {self.max_loras} "
-                               f"LoRA slots, --max-loras); unload one first")
+        # NOTE: what this server can never serve first; the host budget only says "not now"
         for path, (r, _, _) in modules.items():
             if r > self.max_rank:
                 raise AdapterLimitError(f"{path} has rank {r}; slots hold at most {self.max_rank} (--max-lora-rank)")
             self._site(path)  # raises for modules this model cannot serve
+        if len(self.host) >= self.max_cached:  # the host budget: a 400 naming the field (CoServe issue, item 7)
+            raise AdapterError("name", f"registering it would exceed the host budget: all {self.max_cached} LoRA "
+                               f"adapters the host cache holds are registered (--max-cpu-loras; {self.max_loras} "
+                               f"LoRA slots, --max-loras); unload one first")
 
     def _site(self, path: str) -> tuple[LoraSite, int, int, int | None]:
         """(site, output row offset, rank offset, global expert or None) of a module path."""
@@ -171,6 +176,9 @@ class LoraSlots:
                 raise AdapterError("target_modules", f"{path}: {KV_B_PROJ_UNSUPPORTED}")
             raise ValueError(f"target_modules: {path}: not a LoRA target of this model's attention")
         m = _EXPERT.match(path)
+        if m is not None and not self.expert_sites:
+            raise AdapterError("target_modules", f"{path}: the routed experts are offloaded (--expert-cache-gb / "
+                               "--expert-cache-fraction), and LoRA is served on the attention only then")
         if m is not None and m.group(3) in _EXPERT_PART and int(m.group(1)) in self.experts:
             lora, part = self.experts[int(m.group(1))], _EXPERT_PART[m.group(3)]
             expert = int(m.group(2))

@@ -114,8 +114,8 @@ class ServeSettings(BaseModel):
         None, description="expert offloading (FineMoE): keep the routed experts in a cache of this size per engine "
         "(elastic: per device, allocated by the HMM) and load the others on demand from the checkpoint (single) or "
         "the node's host memory (elastic, where a scale-down onto devices that cannot hold every expert then "
-        "offloads instead of being refused); outputs are unchanged. Needs --max-esft-adapters 0 and no LoRA slots (default: off, every "
-        "expert resident)", json_schema_extra=cli("--expert-cache-gb", metavar="GB", unit=GIB))
+        "offloads instead of being refused); outputs are unchanged. Needs --max-esft-adapters 0; LoRA adapters then "
+        "serve the attention only (default: off, every expert resident)", json_schema_extra=cli("--expert-cache-gb", metavar="GB", unit=GIB))
     expert_cache_fraction: float | None = Field(
         None, description="expert offloading with a cache of this fraction (0-1] of the routed experts instead of "
         "a size (elastic: of a device's experts at the first --dp; the size then stays through scales)",
@@ -198,8 +198,6 @@ class ServeSettings(BaseModel):
         if "max_esft_adapters" in self.model_fields_set and self.max_esft_adapters or self.esft_adapters:
             raise ValueError("--expert-cache-gb: expert offloading does not combine with ESFT adapters yet "
                              "(--max-esft-adapters 0)")
-        if self.max_loras:
-            raise ValueError("--expert-cache-gb: expert offloading does not combine with LoRA slots yet (--max-loras 0)")
 
     @property
     def access(self) -> AccessPolicy:

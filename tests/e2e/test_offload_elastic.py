@@ -8,7 +8,9 @@ each device has an expert cache of half its dp-2 experts (4 rows, 98,304 B) and 
 the host tier, and each scale starts the new caches with the experts the old instance used most:
 streaming clients run back to back while the server scales 2 -> 1 -> 2; every
 completion equals a single-process engine's, the devices stay within their budgets, the caches
-and tiers show in /metrics and /admin/status, and no /dev/shm file outlives the server."""
+and tiers show in /metrics and /admin/status, and no /dev/shm file outlives the server. Then, at
+dp 2 (EP 2), a LoRA adapter on the attention registers on every rank and answers like its merged
+model, while one on the experts is a 400 naming `target_modules`."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from elastic_server import running, tiny_config
-from streaming_clients import PROMPTS, client, client_loop, reference_outputs, scale, wait_event
+from streaming_clients import MAX_TOKENS, PROMPTS, client, client_loop, reference_outputs, scale, wait_event
 
+from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
 from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow
@@ -34,7 +37,7 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     config = tiny_config(tiny_model_dir, dp=2, device_memory_bytes=BUDGET, kv_bytes_per_device=1 << 20,
-                         expert_cache_fraction=0.5, offload_policy="lru")
+                         expert_cache_fraction=0.5, offload_policy="lru", max_loras=1, max_lora_rank=4)
     with running(config) as srv:
         yield srv
     assert list_segments(config.shm_prefix) == [], "shared-memory files leaked"
@@ -74,3 +77,22 @@ def test_a_scale_down_that_needs_offloading_serves_exact_tokens_under_load(serve
     assert sum(_metric(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) > 0
     assert len(_metric(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="host_experts"}')) == 1
     assert _metric(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="expert_cache"}') == [98304.0]
+
+
+def test_attention_lora_on_an_offloading_server_equals_its_merged_model(server, reference, tiny_model_dir, tmp_path):
+    attn = make_lora_adapter(tiny_model_dir, str(tmp_path / "attn"), rank=4, target_modules=("q_proj", "v_proj"),
+                             seed=1)
+    on_experts = make_lora_adapter(tiny_model_dir, str(tmp_path / "experts"), rank=4,
+                                   target_modules=("gate_proj", "down_proj"), seed=2)
+    want = reference_outputs(str(write_lora_merged_model(tiny_model_dir, attn, str(tmp_path / "merged"))))
+    assert want[:2] != reference[:2]  # the adapter changes the text (else the comparison could not fail)
+    with client(server) as c:
+        assert c.get("/admin/status").json()["active_config"]["dp"] == 2  # EP 2: every rank loads its share
+        assert c.post("/admin/adapters", json={"name": "attn", "path": str(attn)}).status_code == 201
+        refused = c.post("/admin/adapters", json={"name": "experts", "path": str(on_experts)})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "target_modules", refused.text
+        for i in range(2):
+            r = c.post("/v1/completions", json={"model": "attn", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS,
+                                                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want[i]

@@ -1,7 +1,9 @@
 """`elasticmoe serve --single` with expert offloading, as a user runs it: a subprocess on a free
 localhost port. Completions equal the fully resident engine's, the cache shows in /metrics and
-/admin/status, SIGTERM stops the server (prefetch thread included), and a budget that could never
-run is refused at start naming the flag (on the elastic server too, before Ray starts)."""
+/admin/status, a LoRA adapter on the attention registers and answers like its merged model while
+one on the experts is a 400 naming `target_modules`, SIGTERM stops the server (prefetch thread
+included), and a budget that could never run is refused at start naming the flag (on the elastic
+server too, before Ray starts)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from elastic_server import free_port
 from elasticmoe.cli import main as cli_main
 from elasticmoe.llm import LLM
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
 
 PROMPTS = ["The experts of layer one", "Hello", "A mixture of experts routes every token"]
 
@@ -44,18 +47,33 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 120.0) -> N
 
 
 @pytest.mark.slow
-def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir):
-    want = [o.text for o in LLM(tiny_model_dir, dtype="float32").generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))]
+def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir, tmp_path):
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.text for o in LLM(tiny_model_dir, dtype="float32").generate(PROMPTS, greedy)]
+    attn = make_lora_adapter(tiny_model_dir, str(tmp_path / "attn"), rank=4, target_modules=("q_proj", "v_proj"),
+                             seed=1)
+    on_experts = make_lora_adapter(tiny_model_dir, str(tmp_path / "experts"), rank=4,
+                                   target_modules=("gate_proj", "down_proj"), seed=2)
+    merged = str(write_lora_merged_model(tiny_model_dir, attn, str(tmp_path / "attn-merged")))
+    want_attn = [o.text for o in LLM(merged, dtype="float32").generate(PROMPTS, greedy)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _serve(tiny_model_dir, port, "--expert-cache-fraction", "0.25", "--offload-policy", "lru")
+    proc = _serve(tiny_model_dir, port, "--expert-cache-fraction", "0.25", "--offload-policy", "lru",
+                  "--max-loras", "1", "--max-lora-rank", "4")
     try:
         _wait_ready(proc, url)
         with httpx.Client(base_url=url, timeout=60) as client:
             for prompt, text in zip(PROMPTS, want, strict=True):
                 r = client.post("/v1/completions", json={"model": os.path.basename(tiny_model_dir), "prompt": prompt,
                                                          "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == text
+            assert client.post("/admin/adapters", json={"name": "attn", "path": str(attn)}).status_code == 201
+            refused = client.post("/admin/adapters", json={"name": "experts", "path": str(on_experts)})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "target_modules", refused.text
+            for prompt, text in zip(PROMPTS, want_attn, strict=True):
+                r = client.post("/v1/completions", json={"model": "attn", "prompt": prompt, "max_tokens": 8,
+                                                         "temperature": 0, "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == text
             status = client.get("/admin/status").json()
