@@ -91,7 +91,7 @@ class FineMoEPolicy:
         self._trajectory = self.store.trajectory_search(len(requests))
         index, scores = self.store.search_semantic(torch.stack([r.embedding.float() for r in requests]))
         self.search_log.semantic += scores.tolist()
-        maps = self.store.layers_from(index, 0).numpy()  # [L, B, E]
+        maps = self._trajectory.layers_from(index.numpy(), 0)  # [L, B, E]
         self._guide = maps.max(axis=1).astype(np.float64)
         for layer in range(min(cfg.prefetch_distance, cfg.num_layers)):
             self._plan_layer(layer, maps[layer], scores.tolist())

@@ -30,6 +30,14 @@ from elasticmoe.offload.routing_map import RoutingMapRecord
 _EPS = 1e-12  # as in `similarity`: a zero vector has cosine 0 with everything
 
 
+def latest_best(scores: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64]
+                ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """Per row of `scores` [B, C] the best stored record: (index [B], score [B]); equal scores go
+    to the record with the highest insertion stamp `stamps` [C] (see the module docstring)."""
+    best = scores.max(axis=1)
+    return np.where(scores == best[:, None], stamps, -1).argmax(axis=1), best
+
+
 class ExpertMapStore:
     """Iteration records of a model with `num_layers` MoE layers of `num_experts` experts."""
 
@@ -121,11 +129,9 @@ class ExpertMapStore:
         return TrajectorySearch(self, batch)
 
     def _best(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`best_matches`, ties to the most recently stored record."""
-        best = scores.amax(dim=1, keepdim=True)
-        stamps = self._stamps[: self._size].expand_as(scores)
-        index = torch.where(scores == best, stamps, -1).argmax(dim=1)
-        return index, best.squeeze(1)
+        """`best_matches`, ties to the most recently stored record (`latest_best`)."""
+        index, best = latest_best(scores.numpy(), self._stamps.numpy()[: self._size])
+        return torch.from_numpy(index), torch.from_numpy(best)
 
     def _semantic(self, embeddings: torch.Tensor) -> torch.Tensor:
         assert self._embeddings is not None
@@ -189,10 +195,7 @@ class TrajectorySearch:
             raise RuntimeError("trajectory search: the store changed during the search")
         old = np.maximum(np.sqrt(self._prefix_sq[:, self.num_layers - 1]), _EPS)
         new = np.maximum(np.sqrt(self.new_sq), _EPS)[:, None]
-        scores = self.dots / (new * old)
-        best = scores.max(axis=1)
-        index = np.where(scores == best[:, None], self._stamps, -1).argmax(axis=1)
-        return index, best
+        return latest_best(self.dots / (new * old), self._stamps)
 
     def layers_from(self, index: npt.NDArray[np.int64], layer: int) -> npt.NDArray[np.float32]:
         """Layers `layer`..L-1 of the stored maps `index` [B] -> [L - layer, B, E] (a copy)."""
