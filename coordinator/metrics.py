@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from coordinator.cluster import AdapterSlotStats, DeviceMemoryStats
+from coordinator.memory_stats import AdapterSlotStats, DeviceMemoryStats
 from coordinator.scale_events import ScaleEvent, ScaleState
 from coordinator.strategies import DEFAULT_STRATEGY
 from elasticmoe.entrypoints.openai.metrics import register_engine_queue

@@ -141,7 +141,7 @@ def test_lora_counters_add_growth_per_engine_and_ignore_stale_snapshots():
 
 
 def test_device_and_adapter_snapshots():
-    from coordinator.cluster import AdapterSlotStats, DeviceMemoryStats
+    from coordinator.memory_stats import AdapterSlotStats, DeviceMemoryStats
 
     metrics = ClusterMetrics(lambda: 1.0)
     registry = metrics.registry
