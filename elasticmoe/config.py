@@ -268,10 +268,6 @@ def _check_offload(config: EngineConfig | EngineOptions) -> None:
         raise ValueError(f"offload_policy: unknown {config.offload_policy!r}, choose one of {', '.join(POLICIES)}")
     if config.offload_prefetch_distance < 1 or config.offload_store_capacity < 1:
         raise ValueError("offload_prefetch_distance / offload_store_capacity: must be >= 1")
-    offloads = config.expert_cache_bytes is not None or config.expert_cache_fraction is not None
-    if offloads and config.max_esft_adapters:
-        raise ValueError("expert_cache_bytes: expert offloading does not combine with ESFT adapter slots yet "
-                         "(set max_esft_adapters to 0); LoRA on the attention does")
 
 
 def _check_policies(adapter_eviction: str, request_arranging: str) -> None:

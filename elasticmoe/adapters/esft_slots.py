@@ -116,12 +116,14 @@ class EsftSlots:
             for index, expert in enumerate(ids):
                 if self.placement.expert_to_rank[expert] != self.rank:
                     continue  # its owner rank writes it
-                row = m.local_slot(slot, expert, index)
-                nbytes += block.w13[row].nbytes + block.w2[row].nbytes
+                assert block.num_base_slots is not None
+                row = m.local_slot(slot, expert, index) - block.num_base_slots
+                rows_w13, rows_w2 = block.adapter_rows()
+                nbytes += rows_w13[row].nbytes + rows_w2[row].nbytes
                 if expert_weights is not None:
-                    w13, w2 = expert_weights(layer, expert, block.w13.dtype)
-                    block.w13[row].copy_(w13)
-                    block.w2[row].copy_(w2)
+                    w13, w2 = expert_weights(layer, expert, rows_w13.dtype)
+                    rows_w13[row].copy_(w13)
+                    rows_w2[row].copy_(w2)
         for layer, ids in experts.items():  # NOTE: route only once every row is written
             self.maps[layer].set_adapter(slot, ids)
         self.slot_of[name], self.experts_of[name] = slot, dict(experts)

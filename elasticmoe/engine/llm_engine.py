@@ -110,7 +110,10 @@ class LLMEngine:
         self.model = family.build(cfg, model_weights, dispatcher)
         self.model.compute_dtype = plan.compute_dtype
         if self.offload is not None:
-            attach_expert_offload(self.model, self.offload)
+            attach_expert_offload(self.model, self.offload, self.weights,
+                                  len(self.placement.local_expert_ids(config.ep_rank)),
+                                  esft_rows=config.max_esft_adapters * config.max_esft_experts,
+                                  esft_dtype=plan.weight_dtype)
         self.kv_spec = KVCacheSpec(cfg.num_layers, config.block_size, family.kv_token_shape(cfg), plan.compute_dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(self.kv_spec, config.kv_cache_bytes)
         self.kv_pool = (kv_provider or LocalKVProvider()).allocate(self.kv_spec, num_blocks)
@@ -136,8 +139,10 @@ class LLMEngine:
         """bf16 for the expert stacks of a bf16 checkpoint computed in fp32 (lossless: every value
         is a bf16 value; half the bytes each decode step reads), where the grouped kernel computes
         fp32 x bf16 and the weights are this engine's own (a provider's memory keeps its dtype).
-        ESFT adapters keep the compute dtype: their rows may be fp32. None: the weight dtype."""
-        if (self.compute_plan.compute_dtype != torch.float32 or self.config.max_esft_adapters
+        ESFT adapters keep the compute dtype: their rows may be fp32 (with offloading they are
+        tensors of their own, so the cache still stores bf16). None: the weight dtype."""
+        esft_in_stack = self.config.max_esft_adapters and not self.config.offloads_experts
+        if (self.compute_plan.compute_dtype != torch.float32 or esft_in_stack
                 or not isinstance(provider, SafetensorsWeightProvider)
                 or not has_grouped_gemm(torch.float32, torch.bfloat16)
                 or not stores_stacked_as_bf16(specs, provider)):

@@ -7,6 +7,10 @@ rank's routed experts (all MoE layers), rounded up. On the elastic server the HM
 pool on the rank's device (`pool`, a flat byte buffer: as many rows as it holds; `hmm.layout`). A
 budget below one token's top-k experts could never run a layer in one wave and is refused; a
 budget above the rank's experts is lowered to them (nothing is ever evicted then).
+
+ESFT adapter slots stay resident beside the cache (they are the hot set of adapters; those
+beyond the slots wait on disk, `elasticmoe.engine.esft_disk_tier`): their rows are not part
+of the cache's budget, like the KV cache.
 """
 
 from __future__ import annotations
@@ -111,7 +115,20 @@ def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: li
     return offload, pools
 
 
-def attach_expert_offload(model: CausalLM, offload: ExpertOffload) -> None:
-    """Point every MoE block of `model` at the expert cache."""
+def attach_expert_offload(model: CausalLM, offload: ExpertOffload, weights: dict[str, torch.Tensor],
+                          num_local_experts: int, esft_rows: int = 0,
+                          esft_dtype: torch.dtype = torch.float32) -> None:
+    """Point every MoE block of `model` at the expert cache, and give its ESFT adapter slots
+    (`esft_rows` = N*E_max rows) resident rows beside it: the rows past the base experts of a
+    provider's virtual weight tensor (the HMM fills them), else fresh memory, which is only
+    touched when an adapter is written into it."""
     for index, block in enumerate(model.moe_blocks()):
         block.offload, block.moe_index = offload, index
+        if not esft_rows:
+            continue
+        rows = []
+        for name, pool in ((f"{block.prefix}.w13", offload.cache.w13), (f"{block.prefix}.w2", offload.cache.w2)):
+            stack = weights.get(name)
+            rows.append(stack[num_local_experts:] if stack is not None
+                        else torch.empty((esft_rows, *pool.shape[1:]), dtype=esft_dtype))
+        block.esft_rows = (rows[0], rows[1])

@@ -114,8 +114,9 @@ class ServeSettings(BaseModel):
         None, description="expert offloading (FineMoE): keep the routed experts in a cache of this size per engine "
         "(elastic: per device, allocated by the HMM) and load the others on demand from the checkpoint (single) or "
         "the node's host memory (elastic, where a scale-down onto devices that cannot hold every expert then "
-        "offloads instead of being refused); outputs are unchanged. Needs --max-esft-adapters 0; LoRA adapters then "
-        "serve the attention only (default: off, every expert resident)", json_schema_extra=cli("--expert-cache-gb", metavar="GB", unit=GIB))
+        "offloads instead of being refused); outputs are unchanged. ESFT adapter slots stay resident beside the "
+        "cache (not part of its size); LoRA adapters then serve the attention only (default: off, every expert "
+        "resident)", json_schema_extra=cli("--expert-cache-gb", metavar="GB", unit=GIB))
     expert_cache_fraction: float | None = Field(
         None, description="expert offloading with a cache of this fraction (0-1] of the routed experts instead of "
         "a size (elastic: of a device's experts at the first --dp; the size then stays through scales)",
@@ -195,9 +196,6 @@ class ServeSettings(BaseModel):
             raise ValueError(f"--expert-cache-fraction: must be in (0, 1], got {self.expert_cache_fraction:g}")
         if self.offload_prefetch_distance < 1:
             raise ValueError(f"--offload-prefetch-distance: must be >= 1, got {self.offload_prefetch_distance}")
-        if "max_esft_adapters" in self.model_fields_set and self.max_esft_adapters or self.esft_adapters:
-            raise ValueError("--expert-cache-gb: expert offloading does not combine with ESFT adapters yet "
-                             "(--max-esft-adapters 0)")
 
     @property
     def access(self) -> AccessPolicy:
@@ -215,8 +213,8 @@ class ServeSettings(BaseModel):
 
     @property
     def esft_slots(self) -> tuple[int, int]:
-        """(N, E_max) of the ESFT adapter slots; (0, 0) without any (and by default with offloading)."""
-        if not self.max_esft_adapters or self.offloads_experts:
+        """(N, E_max) of the ESFT adapter slots; (0, 0) without any."""
+        if not self.max_esft_adapters:
             return (0, 0)
         return (self.max_esft_adapters, self.max_esft_experts)
 

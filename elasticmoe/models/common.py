@@ -150,6 +150,9 @@ class MoEBlock:
         self.reroute: RerouteFn | None = None
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (rank, slot) of each expert id
         self.num_base_slots: int | None = None  # set with adapter slots: rows past it are sparse
+        # With offloading the base experts sit in cache rows, so the ESFT slots' rows [N*E_max, ...]
+        # are tensors of their own (see `adapter_rows`).
+        self.esft_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lora: ExpertsHook | None = None  # per-token adapters on the experts (see `ExpertsHook`)
         self.offload: ExpertResidency | None = None  # experts in an expert cache (offloading)
         self.moe_index = -1  # this block's index among the model's MoE blocks (set with `offload`)
@@ -157,14 +160,39 @@ class MoEBlock:
         # expected load that placement balances and offloading warms caches by at a scale.
         self.routed_tokens: torch.Tensor | None = None
 
+    def adapter_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ESFT adapter slots' rows (`w13`, `w2`: [N*E_max, ...]): local slot
+        `num_base_slots + j` computes with row `j`."""
+        if self.esft_rows is not None:
+            return self.esft_rows
+        assert self.num_base_slots is not None, "no ESFT adapter slots"
+        return self.w13[self.num_base_slots:], self.w2[self.num_base_slots:]
+
     def experts(
         self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor, lora_slots: torch.Tensor | None = None
     ) -> torch.Tensor:
         if self.offload is not None:
-            return self.offload.run_experts(self.moe_index, x_sorted, sorted_slot_ids)
+            return self._offloaded_experts(x_sorted, sorted_slot_ids)
         if lora_slots is not None and self.lora is not None:
             return self.lora.experts(x_sorted, sorted_slot_ids, lora_slots, self.w13, self.w2)
         return grouped_experts_sorted(x_sorted, sorted_slot_ids, self.w13, self.w2, self.num_base_slots)
+
+    def _offloaded_experts(self, xs: torch.Tensor, sorted_slot_ids: torch.Tensor) -> torch.Tensor:
+        """Base experts from the expert cache; rows of ESFT adapter slots (sorted last) from
+        the slots' own resident rows."""
+        assert self.offload is not None
+        if self.esft_rows is None or self.num_base_slots is None:
+            return self.offload.run_experts(self.moe_index, xs, sorted_slot_ids)
+        num_base_rows = int(torch.searchsorted(sorted_slot_ids, self.num_base_slots))
+        if num_base_rows == xs.shape[0]:
+            return self.offload.run_experts(self.moe_index, xs, sorted_slot_ids)
+        out = torch.empty_like(xs)
+        out[:num_base_rows] = self.offload.run_experts(self.moe_index, xs[:num_base_rows],
+                                                       sorted_slot_ids[:num_base_rows])
+        w13, w2 = self.esft_rows
+        out[num_base_rows:] = grouped_experts_sorted(xs[num_base_rows:],
+                                                     sorted_slot_ids[num_base_rows:] - self.num_base_slots, w13, w2)
+        return out
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         topk_weights, topk_ids, probs = self.route(x)  # [T, k], [T, k], [T, E]
@@ -173,10 +201,12 @@ class MoEBlock:
             self.routed_tokens = counts
         else:
             self.routed_tokens += counts
+        if self.offload is not None:
+            # NOTE: the gate's own routing (base expert ids), before ESFT adapters reroute: the
+            # policies learn the router, whose expert maps are [L, E].
+            self.offload.observe(self.moe_index, x, probs, topk_ids)
         if self.reroute is not None and ctx.token_adapter_ids is not None:
             topk_ids = self.reroute(topk_ids, ctx)
-        if self.offload is not None:
-            self.offload.observe(self.moe_index, x, probs, topk_ids)
         pair_lora = None
         if self.lora is not None:  # NOTE: always, under EP: every rank must exchange the same tensors
             k = self.lora.top_k

@@ -87,6 +87,31 @@ def test_mixed_batch_equals_each_merged_model_alone(setup):
     assert all(reference[n][f"{n}-0"][0] != reference[None]["base-0"][0] for n in NAMES)
 
 
+def test_adapters_beside_offloaded_experts_equal_each_merged_model(setup):
+    """A quarter of the base experts cached (offloading): the adapters' rows stay resident in
+    their slots, the base experts come through the cache, and every request of a mixed batch
+    equals its merged model alone. One slot for three adapters: the others wait on disk and
+    swap in (the disk tier), still exact."""
+    base, adapters, merged = setup
+    engine = _engine(base, max_esft_adapters=1, max_esft_experts=2, expert_cache_fraction=0.25)
+    try:
+        for name, a in adapters.items():
+            engine.adapters.load_esft(name, a.config.experts, a.expert_weights, files=a)
+        requests = [(f"{a or 'base'}-{i}", p, a) for i, p in enumerate(PROMPTS) for a in (None, *NAMES)]
+        got = _run(engine, requests)
+        stats = engine.offload.stats()
+        assert stats["on_demand_loads"] > 0 and stats["resident_experts"] <= engine.offload.cache.capacity
+        engine.offload.cache.check_integrity()
+        assert engine.adapters.stats()["esft_swaps_in"] >= 2  # three adapters through one slot
+    finally:
+        engine.offload.close()
+    reference = {None: _run(_engine(base), [(f"base-{i}", p, None) for i, p in enumerate(PROMPTS)])}
+    for name in NAMES:
+        reference[name] = _run(_engine(merged[name]), [(f"{name}-{i}", p, None) for i, p in enumerate(PROMPTS)])
+    for rid, _prompt, adapter in requests:
+        _same(got[rid], reference[adapter][rid])
+
+
 def test_errors_limits_unload_and_reload(setup):
     base, adapters, _ = setup
     engine = _engine(base, max_esft_adapters=2, max_esft_experts=2)

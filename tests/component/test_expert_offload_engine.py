@@ -112,8 +112,6 @@ def test_a_budget_below_one_tokens_experts_is_refused_naming_the_flag(tiny_model
         _engine(tiny_model_dir, expert_cache_fraction=1.5)
     with pytest.raises(ValueError, match="offload_policy"):
         _engine(tiny_model_dir, expert_cache_fraction=0.5, offload_policy="clairvoyant")
-    with pytest.raises(ValueError, match="does not combine with ESFT"):
-        _engine(tiny_model_dir, expert_cache_fraction=0.5, max_esft_adapters=1)
 
 
 def test_an_unreadable_expert_fails_only_its_requests(tiny_model_dir, resident):

@@ -10,7 +10,9 @@ streaming clients run back to back while the server scales 2 -> 1 -> 2; every
 completion equals a single-process engine's, the devices stay within their budgets, the caches
 and tiers show in /metrics and /admin/status, and no /dev/shm file outlives the server. Then, at
 dp 2 (EP 2), a LoRA adapter on the attention registers on every rank and answers like its merged
-model, while one on the experts is a 400 naming `target_modules`."""
+model, while one on the experts is a 400 naming `target_modules`; two ESFT adapters through one
+slot (their rows resident beside the caches, in the HMM's memory) each answer like their merged
+model, swapped in turn."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pytest
 from elastic_server import running, tiny_config
 from streaming_clients import MAX_TOKENS, PROMPTS, client, client_loop, reference_outputs, scale, wait_event
 
+from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
 from hmm.memory import list_segments
 
@@ -37,7 +40,8 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     config = tiny_config(tiny_model_dir, dp=2, device_memory_bytes=BUDGET, kv_bytes_per_device=1 << 20,
-                         expert_cache_fraction=0.5, offload_policy="lru", max_loras=1, max_lora_rank=4)
+                         expert_cache_fraction=0.5, offload_policy="lru", max_loras=1, max_lora_rank=4,
+                         max_esft_adapters=1, max_esft_experts=2)
     with running(config) as srv:
         yield srv
     assert list_segments(config.shm_prefix) == [], "shared-memory files leaked"
@@ -96,3 +100,21 @@ def test_attention_lora_on_an_offloading_server_equals_its_merged_model(server, 
                                                 "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want[i]
+
+
+def test_esft_adapters_on_an_offloading_server_equal_their_merged_models(server, reference, tiny_model_dir, tmp_path):
+    adapters = {name: make_esft_adapter(tiny_model_dir, str(tmp_path / name), experts_per_layer=2, seed=seed,
+                                        noise=0.5) for seed, name in enumerate(("alpha", "beta"), start=1)}
+    want = {name: reference_outputs(str(write_merged_model(tiny_model_dir, path, str(tmp_path / f"{name}-m"))))
+            for name, path in adapters.items()}
+    assert all(w[:2] != reference[:2] for w in want.values())  # the adapters change the text
+    with client(server) as c:
+        assert c.get("/admin/status").json()["active_config"]["dp"] == 2  # EP 2: each rank holds its experts' rows
+        for name, path in adapters.items():
+            assert c.post("/admin/adapters", json={"name": name, "path": str(path)}).status_code == 201
+        for name in ("alpha", "beta", "alpha"):  # one slot: each request swaps its adapter in
+            for i in range(2):
+                r = c.post("/v1/completions", json={"model": name, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS,
+                                                    "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want[name][i]

@@ -1,7 +1,8 @@
 """`elasticmoe serve --single` with expert offloading, as a user runs it: a subprocess on a free
 localhost port. Completions equal the fully resident engine's, the cache shows in /metrics and
 /admin/status, a LoRA adapter on the attention registers and answers like its merged model while
-one on the experts is a 400 naming `target_modules`, SIGTERM stops the server (prefetch thread
+one on the experts is a 400 naming `target_modules`, two ESFT adapters through one slot (the second
+registered on disk) each answer like their merged model, SIGTERM stops the server (prefetch thread
 included), and a budget that could never run is refused at start naming the flag (on the elastic
 server too, before Ray starts)."""
 
@@ -20,6 +21,7 @@ from elastic_server import free_port
 from elasticmoe.cli import main as cli_main
 from elasticmoe.llm import LLM
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
 
 PROMPTS = ["The experts of layer one", "Hello", "A mixture of experts routes every token"]
@@ -56,10 +58,16 @@ def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir, tmp_
                                    target_modules=("gate_proj", "down_proj"), seed=2)
     merged = str(write_lora_merged_model(tiny_model_dir, attn, str(tmp_path / "attn-merged")))
     want_attn = [o.text for o in LLM(merged, dtype="float32").generate(PROMPTS, greedy)]
+    esft = {name: make_esft_adapter(tiny_model_dir, str(tmp_path / name), experts_per_layer=2, seed=seed, noise=0.5)
+            for seed, name in enumerate(("alpha", "beta"), start=1)}
+    want_esft = {name: [o.text for o in LLM(str(write_merged_model(tiny_model_dir, path, str(tmp_path / f"{name}-m"))),
+                                             dtype="float32").generate(PROMPTS, greedy)]
+                 for name, path in esft.items()}
+    assert all(want_esft[name] != want for name in esft)  # the adapters change the text
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _serve(tiny_model_dir, port, "--expert-cache-fraction", "0.25", "--offload-policy", "lru",
-                  "--max-loras", "1", "--max-lora-rank", "4")
+                  "--max-loras", "1", "--max-lora-rank", "4", "--max-esft-adapters", "1", "--max-esft-experts", "2")
     try:
         _wait_ready(proc, url)
         with httpx.Client(base_url=url, timeout=60) as client:
@@ -76,6 +84,14 @@ def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir, tmp_
                                                          "temperature": 0, "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == text
+            slots = [client.post("/admin/adapters", json={"name": n, "path": str(p)}) for n, p in esft.items()]
+            assert [r.json()["slot"] for r in slots] == [0, None], [r.text for r in slots]  # beyond the slot: on disk
+            for name in ("beta", "alpha"):
+                for prompt, text in zip(PROMPTS, want_esft[name], strict=True):
+                    r = client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 8,
+                                                             "temperature": 0, "ignore_eos": True})
+                    assert r.status_code == 200, r.text
+                    assert r.json()["choices"][0]["text"] == text, name
             status = client.get("/admin/status").json()
             cache = status["expert_cache"]
             assert cache["policy"] == "lru" and cache["on_demand_loads"] > 0
@@ -97,12 +113,6 @@ def test_a_cache_too_small_for_one_token_is_refused_at_start(tiny_model_dir, cap
     assert cli_main([*args, "--expert-cache-gb", "0.00001"]) == 2
     err = capsys.readouterr().err
     assert "--expert-cache-gb" in err and "at least 2" in err
-
-
-def test_offloading_with_esft_slots_is_refused_naming_the_flag(tiny_model_dir, capsys):
-    args = ["serve", "--single", "--model", tiny_model_dir, "--port", str(free_port())]
-    assert cli_main([*args, "--expert-cache-fraction", "0.5", "--max-esft-adapters", "2"]) == 2
-    assert "--max-esft-adapters 0" in capsys.readouterr().err
 
 
 def test_the_elastic_server_refuses_a_device_cache_below_top_k_before_starting(tiny_model_dir, capsys):
