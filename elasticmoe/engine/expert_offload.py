@@ -31,7 +31,7 @@ import torch
 
 from elasticmoe.engine.expert_cache import ExpertCache
 from elasticmoe.engine.request import Request
-from elasticmoe.layers.experts import grouped_experts_sorted
+from elasticmoe.layers.experts import grouped_experts_at_rows, grouped_experts_sorted
 from elasticmoe.offload.policy import RequestContext
 
 logger = logging.getLogger(__name__)
@@ -123,14 +123,18 @@ class ExpertOffload:
         start, capacity = 0, self.cache.capacity
         for first in range(0, len(experts), capacity):  # waves: a cache smaller than the layer's need
             wave = slice(first, first + capacity)
-            rows = self.cache.ensure(layer, experts[wave])
+            rows = torch.tensor(self.cache.ensure(layer, experts[wave]), dtype=torch.long)
             num_rows = sum(counts_list[wave])
-            row_slots = torch.tensor(rows, dtype=torch.long).repeat_interleave(counts[wave])
-            order = torch.argsort(row_slots, stable=True)  # the grouped GEMM wants rows grouped by pool row
             part = xs[start : start + num_rows]
-            ys = grouped_experts_sorted(part.index_select(0, order), row_slots.index_select(0, order),
-                                        self.cache.w13, self.cache.w2)
-            out[start : start + num_rows].index_copy_(0, order, ys)
+            ys = grouped_experts_at_rows(part, counts[wave], rows, self.cache.w13, self.cache.w2)
+            if ys is not None:
+                out[start : start + num_rows] = ys
+            else:  # PyTorch paths: rows grouped by ascending pool row, then back
+                row_slots = rows.repeat_interleave(counts[wave])
+                order = torch.argsort(row_slots, stable=True)
+                ys = grouped_experts_sorted(part.index_select(0, order), row_slots.index_select(0, order),
+                                            self.cache.w13, self.cache.w2)
+                out[start : start + num_rows].index_copy_(0, order, ys)
             start += num_rows
         return out
 

@@ -29,7 +29,7 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return None
     fn = lib.emoe_grouped_gemm
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, ctypes.c_int, ptr, i64, i64, i64]
+    fn.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, i64, ctypes.c_int, ptr, i64, i64, i64]
     fn.restype = ctypes.c_int
     return fn
 
@@ -54,26 +54,33 @@ def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return grouped_gemm(x, torch.tensor([0, x.shape[0]]), w.unsqueeze(0))
 
 
-def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor,
+                 slot_rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, in] with rows grouped by slot (`offsets` [S + 1], see `slot_offsets`), w [>= S, out, in]
-    -> [N, out] in x's dtype."""
+    -> [N, out] in x's dtype. `slot_rows` [S] int64: slot s computes with `w[slot_rows[s]]`
+    (an expert cache's pool rows) instead of `w[s]`."""
     num_slots = offsets.numel() - 1
     out = x.new_empty((x.shape[0], w.shape[1]))
     if x.shape[0] == 0:
         return out
+    if slot_rows is not None and (slot_rows.dtype != torch.int64 or slot_rows.numel() != num_slots):
+        raise ValueError(f"slot_rows: need {num_slots} int64 rows, got {slot_rows.numel()} {slot_rows.dtype}")
     fn = _kernel() if (x.dtype, w.dtype) in _SUPPORTED else None
     if fn is not None and w.stride(-1) == 1 and offsets.dtype == torch.int64:
         x = x if x.stride(-1) == 1 else x.contiguous()
         offsets = offsets.contiguous()
+        rows = slot_rows.contiguous() if slot_rows is not None else None
         with torch.profiler.record_function("emoe::grouped_gemm"):  # named in profiles (a ctypes call)
-            rc = fn(x.data_ptr(), x.stride(0), _DTYPE_CODE[x.dtype], offsets.data_ptr(), num_slots,
+            rc = fn(x.data_ptr(), x.stride(0), _DTYPE_CODE[x.dtype], offsets.data_ptr(),
+                    rows.data_ptr() if rows is not None else None, num_slots,
                     w.data_ptr(), w.stride(0), w.stride(1), _DTYPE_CODE[w.dtype], out.data_ptr(), out.stride(0),
                     w.shape[1], w.shape[2])
         if rc == 0:
             return out
     bounds = offsets.tolist()
+    rows_list = slot_rows.tolist() if slot_rows is not None else range(num_slots)
     for slot in range(num_slots):
         start, end = bounds[slot], bounds[slot + 1]
         if end > start:
-            out[start:end] = F.linear(x[start:end], w[slot].to(x.dtype))
+            out[start:end] = F.linear(x[start:end], w[rows_list[slot]].to(x.dtype))
     return out

@@ -51,9 +51,23 @@ def use_grouped_kernel(num_rows: int, num_slots: int, x_dtype: torch.dtype, w_dt
     return x_dtype != w_dtype or num_rows <= _KERNEL_MAX_ROWS_PER_SLOT * num_slots  # mixed: kernel only
 
 
-def _grouped_swiglu(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = grouped_gemm(xs, offsets, w13).chunk(2, dim=-1)  # [N, I] each
-    return grouped_gemm(F.silu(gate) * up, offsets, w2)
+def _grouped_swiglu(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = grouped_gemm(xs, offsets, w13, slot_rows).chunk(2, dim=-1)  # [N, I] each
+    return grouped_gemm(F.silu(gate) * up, offsets, w2, slot_rows)
+
+
+def grouped_experts_at_rows(xs: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor, w13: torch.Tensor,
+                            w2: torch.Tensor) -> torch.Tensor | None:
+    """Rows of xs [N, H] in groups of `counts` [G], group g computing with weight row `rows[g]`
+    (any order: an expert cache's pool rows) -> expert outputs [N, H] (unweighted), in one grouped
+    kernel call per projection. None where the kernel does not serve it (the caller sorts the
+    rows by weight row and calls `grouped_experts_sorted`)."""
+    if not use_grouped_kernel(xs.shape[0], rows.numel(), xs.dtype, w13.dtype):
+        return None
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return _grouped_swiglu(xs, offsets, w13, w2, rows)
 
 
 def _padded_bmm(xs: torch.Tensor, sorted_slots: torch.Tensor, counts: torch.Tensor, max_count: int,

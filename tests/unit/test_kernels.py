@@ -47,6 +47,34 @@ def test_grouped_gemm_equals_per_slot_matmul(isa, x_dtype, w_dtype, num_rows):
     assert got.dtype == x_dtype
 
 
+def _slot_rows_case(x_dtype: torch.dtype, w_dtype: torch.dtype):
+    torch.manual_seed(0)
+    pool = torch.full((7, 21, 70), float("nan")).to(w_dtype)
+    rows = torch.tensor([5, 0, 3])
+    pool[rows] = torch.randn(3, 21, 70).to(w_dtype)
+    counts = [2, 0, 4]
+    x = torch.randn(sum(counts), 70).to(x_dtype)
+    offsets = torch.tensor([0, 2, 2, 6])
+    want = torch.cat([x[0:2].float() @ pool[5].float().T, x[2:6].float() @ pool[3].float().T])
+    return x, offsets, pool, rows, want, 1e-5 if x_dtype == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+def test_grouped_gemm_with_slot_rows_reads_each_groups_own_weight_row(isa, x_dtype, w_dtype):
+    """An expert cache's groups (experts in local order) read the pool rows that hold them; the
+    rows in between are never read."""
+    x, offsets, pool, rows, want, tol = _slot_rows_case(x_dtype, w_dtype)
+    torch.testing.assert_close(gg.grouped_gemm(x, offsets, pool, rows).float(), want, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="slot_rows"):
+        gg.grouped_gemm(x, offsets, pool, rows[:2])
+
+
+def test_grouped_gemm_with_slot_rows_without_the_kernel(monkeypatch):
+    monkeypatch.setattr(gg, "_kernel", lambda: None)
+    x, offsets, pool, rows, want, tol = _slot_rows_case(torch.float32, torch.float32)
+    torch.testing.assert_close(gg.grouped_gemm(x, offsets, pool, rows), want, atol=tol, rtol=tol)
+
+
 def test_grouped_gemm_never_reads_slots_without_rows(isa):
     w = torch.randn(4, 8, 32)
     w[1:3] = float("nan")  # stands for unmapped adapter rows

@@ -2,6 +2,10 @@
 //
 //   out[r, :] = x[r, :] @ w[slot(r)]^T      rows of x grouped by slot: offsets[s]..offsets[s+1]
 //
+// With `slot_rows` (nullable), slot s computes with weight row slot_rows[s] instead of w[s]: an
+// expert cache's groups (experts in local order) read whichever pool rows hold them, without
+// permuting the input rows into pool-row order and back.
+//
 // x [N, K] (fp32 or bf16), w [E, Nout, K] (fp32 or bf16, any expert/row stride, unit column
 // stride), out [N, Nout] in x's dtype. Slots without rows are never read, so a virtual weight
 // tensor whose adapter rows are mapped on demand is safe. Accumulation is in fp32; bf16 outputs
@@ -84,8 +88,8 @@ inline void dot_block(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t 
 }
 
 template <typename X, typename W>
-void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, int num_slots, const W* w, int64_t w_stride_e,
-                  int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out, int64_t K) {
+void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows, int num_slots,
+                  const W* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out, int64_t K) {
   // Tasks: (slot, block of NB weight rows), only for slots with rows.
   const int64_t blocks_per_slot = (n_out + NB - 1) / NB;
   int64_t num_busy = 0;
@@ -99,7 +103,8 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, int num_slots
     const int slot = busy[task / blocks_per_slot];
     const int64_t n0 = (task % blocks_per_slot) * NB;
     const int nb = static_cast<int>(n_out - n0 < NB ? n_out - n0 : NB);
-    const W* wb = w + slot * w_stride_e + n0 * w_stride_n;
+    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
+    const W* wb = w + row * w_stride_e + n0 * w_stride_n;
     float acc[MB][NB];
     for (int64_t r = offsets[slot]; r < offsets[slot + 1]; r += MB) {
       const int mb = static_cast<int>(offsets[slot + 1] - r < MB ? offsets[slot + 1] - r : MB);
@@ -145,17 +150,18 @@ extern "C" {
 void emoe_set_num_threads(int n) { emoe::g_num_threads = n; }
 
 // Returns 0, or -1 for an unsupported dtype pair. dtypes: 0 = float32, 1 = bfloat16; out has x's dtype.
-int emoe_grouped_gemm(const void* x, int64_t ldx, int x_dtype, const int64_t* offsets, int num_slots,
-                      const void* w, int64_t w_stride_e, int64_t w_stride_n, int w_dtype, void* out, int64_t ldo,
-                      int64_t n_out, int64_t K) {
+// slot_rows: nullptr (slot s reads w[s]) or [num_slots] weight rows.
+int emoe_grouped_gemm(const void* x, int64_t ldx, int x_dtype, const int64_t* offsets, const int64_t* slot_rows,
+                      int num_slots, const void* w, int64_t w_stride_e, int64_t w_stride_n, int w_dtype, void* out,
+                      int64_t ldo, int64_t n_out, int64_t K) {
   if (x_dtype == kF32 && w_dtype == kF32) {
-    grouped_gemm(static_cast<const float*>(x), ldx, offsets, num_slots, static_cast<const float*>(w), w_stride_e,
+    grouped_gemm(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const float*>(w), w_stride_e,
                  w_stride_n, static_cast<float*>(out), ldo, n_out, K);
   } else if (x_dtype == kF32 && w_dtype == kBF16) {
-    grouped_gemm(static_cast<const float*>(x), ldx, offsets, num_slots, static_cast<const uint16_t*>(w), w_stride_e,
+    grouped_gemm(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const uint16_t*>(w), w_stride_e,
                  w_stride_n, static_cast<float*>(out), ldo, n_out, K);
   } else if (x_dtype == kBF16 && w_dtype == kBF16) {
-    grouped_gemm(static_cast<const uint16_t*>(x), ldx, offsets, num_slots, static_cast<const uint16_t*>(w),
+    grouped_gemm(static_cast<const uint16_t*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const uint16_t*>(w),
                  w_stride_e, w_stride_n, static_cast<uint16_t*>(out), ldo, n_out, K);
   } else {
     return -1;
