@@ -75,6 +75,27 @@ def test_grouped_gemm_with_slot_rows_without_the_kernel(monkeypatch):
     torch.testing.assert_close(gg.grouped_gemm(x, offsets, pool, rows), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("num_threads", [1, 3, 64])
+def test_grouped_gemm_splits_work_among_any_number_of_threads(isa, num_threads):
+    """Each thread takes a contiguous run of (slot, weight block) tasks of about equal cost and
+    then helps with the others': every task runs exactly once whether threads outnumber the
+    tasks, some runs are empty, or the rows are skewed to one slot."""
+    from elasticmoe.kernels.build import kernel_threads, set_kernel_threads
+
+    torch.manual_seed(0)
+    w = torch.randn(5, 40, 64)
+    slots = torch.tensor([0] * 50 + [2] + [4] * 3)
+    x = torch.randn(len(slots), 64)
+    want = torch.stack([x[i] @ w[s].T for i, s in enumerate(slots.tolist())])
+    before = kernel_threads()
+    set_kernel_threads(num_threads)
+    try:
+        got = gg.grouped_gemm(x, gg.slot_offsets(slots, 5), w)
+    finally:
+        set_kernel_threads(before)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_grouped_gemm_never_reads_slots_without_rows(isa):
     w = torch.randn(4, 8, 32)
     w[1:3] = float("nan")  # stands for unmapped adapter rows

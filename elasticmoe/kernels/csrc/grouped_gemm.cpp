@@ -22,6 +22,8 @@
 
 #include <omp.h>
 
+#include <atomic>
+
 #include "vec.h"
 
 namespace {
@@ -30,6 +32,12 @@ using namespace emoe;
 
 constexpr int NB = 8;  // weight rows per block
 constexpr int MB = 3;  // input rows per block: MB * NB accumulators + MB inputs + 1 weight <= 32 registers
+// The next unclaimed task of one thread's run, alone on its cache line (the threads claim often).
+struct alignas(64) Cursor {
+  std::atomic<int64_t> next{0};
+};
+
+constexpr int TASK_COST_ROWS = 4;  // a task's cost beyond its rows, for balancing: streaming its weight block
 
 // out[m][n] = x[m, 0:K] . w[n, 0:K] for a block of M (<= MB) input rows and N (<= NB) weight rows;
 // full blocks (N == NB) are stored straight into `dst` (row stride ldo), partial ones into `out`.
@@ -98,8 +106,7 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t
   for (int s = 0, i = 0; s < num_slots; ++s)
     if (offsets[s + 1] > offsets[s]) busy[i++] = s;
   const int64_t num_tasks = num_busy * blocks_per_slot;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads())
-  for (int64_t task = 0; task < num_tasks; ++task) {
+  const auto run_task = [&](int64_t task) {
     const int slot = busy[task / blocks_per_slot];
     const int64_t n0 = (task % blocks_per_slot) * NB;
     const int nb = static_cast<int>(n_out - n0 < NB ? n_out - n0 : NB);
@@ -139,7 +146,47 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t
       for (int m = 0; m < mb; ++m)
         for (int n = 0; n < nb; ++n) store(out, (r + m) * ldo + n0 + n, acc[m][n]);
     }
+  };
+  // Each thread owns one contiguous run of tasks of about equal cost (rows + streaming the
+  // weight block), so it streams one contiguous stretch of the weights and the hardware
+  // prefetchers keep up: tasks handed out 4 at a time made the threads interleave and read at
+  // ~35 of the machine's ~87 GB/s in decode (the experts of 8 layers, 2 threads: 5.5 -> 3.4 ms per
+  // step of 8 layers at 2 rows per expert). A thread done with its run (the other was preempted,
+  // or the costs misjudged) takes tasks from the other runs, claimed one by one.
+  const int nth = num_threads() > 0 ? num_threads() : 1;
+  int64_t* bounds = new int64_t[nth + 1];
+  Cursor* cursor = new Cursor[nth];
+  {
+    const auto cost = [&](int64_t task) {
+      const int s = busy[task / blocks_per_slot];
+      return offsets[s + 1] - offsets[s] + TASK_COST_ROWS;
+    };
+    int64_t total = 0;
+    for (int64_t task = 0; task < num_tasks; ++task) total += cost(task);
+    int64_t acc = 0;
+    int t = 1;
+    bounds[0] = 0;
+    for (int64_t task = 0; task < num_tasks && t < nth; ++task) {
+      acc += cost(task);
+      while (t < nth && acc * nth >= total * t) bounds[t++] = task + 1;
+    }
+    for (; t <= nth; ++t) bounds[t] = num_tasks;
+    for (int i = 0; i < nth; ++i) cursor[i].next.store(bounds[i], std::memory_order_relaxed);
   }
+#pragma omp parallel num_threads(nth)
+  {
+    const int me = omp_get_thread_num();
+    for (int k = 0; k < nth; ++k) {  // its own run first, then the others' (also those of absent threads)
+      const int run = (me + k) % nth;
+      for (;;) {
+        const int64_t task = cursor[run].next.fetch_add(1, std::memory_order_relaxed);
+        if (task >= bounds[run + 1]) break;
+        run_task(task);
+      }
+    }
+  }
+  delete[] cursor;
+  delete[] bounds;
   delete[] busy;
 }
 
