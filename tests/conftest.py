@@ -7,6 +7,7 @@ import os
 import secrets
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -20,6 +21,20 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("models")
     return {arch: str(make_model(arch, "tiny", seed=0, out=str(root / arch))) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    """arch -> the tiny checkpoint stored in bf16 (as real checkpoints are)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("models-bf16")
+    dirs = {}
+    for arch, src in tiny_model_dirs.items():
+        dirs[arch] = str(root / arch)
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(dirs[arch])
+        AutoTokenizer.from_pretrained(src).save_pretrained(dirs[arch])
+    return dirs
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,11 @@ from elasticmoe.utils.cpu_features import detect_cpu_features
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+_AVX512_BF16 = ["-DEMOE_AVX512", "-DEMOE_BF16DOT", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                "-mavx512bf16", "-mfma"]
 _ISA_FLAGS = {
-    "avx512_bf16": ["-DEMOE_AVX512", "-DEMOE_BF16DOT", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                    "-mavx512bf16", "-mfma"],
+    "amx": [*_AVX512_BF16, "-DEMOE_AMX", "-mamx-tile", "-mamx-bf16"],
+    "avx512_bf16": _AVX512_BF16,
     "avx512": ["-DEMOE_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "avx2": ["-DEMOE_AVX2", "-mavx2", "-mfma"],
 }

@@ -10,6 +10,7 @@ the largest one. The weights are read where they are, in their `[S, out, in]` la
 from __future__ import annotations
 
 import ctypes
+import logging
 from functools import cache
 
 import torch
@@ -17,21 +18,34 @@ import torch.nn.functional as F
 
 from elasticmoe.kernels.build import load_kernel
 
+logger = logging.getLogger(__name__)
+
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 # (activation, weight) pairs the kernel computes; the output has the activation's dtype.
 _SUPPORTED = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)}
 
 
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+             ctypes.c_int64, ctypes.c_int64]
+
+
 @cache
-def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _library() -> ctypes.CDLL | None:
     lib = load_kernel("grouped_gemm")
     if lib is None:
         return None
-    fn = lib.emoe_grouped_gemm
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, i64, ctypes.c_int, ptr, i64, i64, i64]
-    fn.restype = ctypes.c_int
-    return fn
+    for fn in (lib.emoe_grouped_gemm, lib.emoe_grouped_swiglu):
+        fn.argtypes = _ARGTYPES
+        fn.restype = ctypes.c_int
+    if lib.emoe_amx_init() == 0:
+        logger.warning("kernels: the OS refused AMX tile state; the grouped GEMM runs on AVX-512")
+    return lib
+
+
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = _library()
+    return lib.emoe_grouped_gemm if lib is not None else None
 
 
 def has_grouped_gemm(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
@@ -52,6 +66,30 @@ def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if x.dim() != 2 or (x.dtype, w.dtype) not in _SUPPORTED or w.stride(-1) != 1 or _kernel() is None:
         return None
     return grouped_gemm(x, torch.tensor([0, x.shape[0]]), w.unsqueeze(0))
+
+
+def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
+                   slot_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(x @ gate.T) * (x @ up.T) per group, with w13 [>= S, 2 * I, in] holding each slot's gate
+    rows then its up rows: the expert MLP's first projection and activation in one pass ([N, I]
+    in x's dtype). None where the kernel does not fuse it (no AMX, dtypes, I % 16): the caller
+    runs `grouped_gemm` and the activation."""
+    lib = _library() if (x.dtype, w13.dtype) in _SUPPORTED else None
+    if lib is None or w13.stride(-1) != 1 or offsets.dtype != torch.int64 or w13.shape[1] % 2:
+        return None
+    inter = w13.shape[1] // 2
+    out = x.new_empty((x.shape[0], inter))
+    if x.shape[0] == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    offsets = offsets.contiguous()
+    rows = slot_rows.contiguous() if slot_rows is not None else None
+    with torch.profiler.record_function("emoe::grouped_swiglu"):  # named in profiles (a ctypes call)
+        rc = lib.emoe_grouped_swiglu(x.data_ptr(), x.stride(0), _DTYPE_CODE[x.dtype], offsets.data_ptr(),
+                                     rows.data_ptr() if rows is not None else None, offsets.numel() - 1,
+                                     w13.data_ptr(), w13.stride(0), w13.stride(1), _DTYPE_CODE[w13.dtype],
+                                     out.data_ptr(), out.stride(0), inter, w13.shape[2])
+    return out if rc == 0 else None
 
 
 def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor,

@@ -25,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from elasticmoe.kernels.grouped_gemm import grouped_gemm, has_grouped_gemm, slot_offsets
+from elasticmoe.kernels.grouped_gemm import grouped_gemm, grouped_swiglu, has_grouped_gemm, slot_offsets
 from elasticmoe.layers.linear import linear
 
 # The grouped kernel up to this many rows per slot (default: always). Past ~48 rows per slot
@@ -53,8 +53,11 @@ def use_grouped_kernel(num_rows: int, num_slots: int, x_dtype: torch.dtype, w_dt
 
 def _grouped_swiglu(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     slot_rows: torch.Tensor | None = None) -> torch.Tensor:
-    gate, up = grouped_gemm(xs, offsets, w13, slot_rows).chunk(2, dim=-1)  # [N, I] each
-    return grouped_gemm(F.silu(gate) * up, offsets, w2, slot_rows)
+    h = grouped_swiglu(xs, offsets, w13, slot_rows)  # [N, I]; None where the kernel does not fuse it
+    if h is None:
+        gate, up = grouped_gemm(xs, offsets, w13, slot_rows).chunk(2, dim=-1)  # [N, I] each
+        h = F.silu(gate) * up
+    return grouped_gemm(h, offsets, w2, slot_rows)
 
 
 def grouped_experts_at_rows(xs: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor, w13: torch.Tensor,

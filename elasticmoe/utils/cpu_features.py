@@ -16,8 +16,10 @@ ONEDNN_MAX_CPU_ISA=AVX2` on an AVX-512 host emulates an AVX2-only host faithfull
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Any
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) below which it has no bf16 matmul kernel.
 _ONEDNN_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "DEFAULT"}
 _ONEDNN_CAPS_WITHOUT_NATIVE_BF16 = _ONEDNN_CAPS_WITHOUT_BF16 | {"AVX512_CORE", "AVX512_CORE_VNNI"}
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86_64 Linux
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +42,7 @@ class CpuFeatures:
     has_avx2: bool  # with FMA
     has_avx512: bool  # avx512 f/bw/vl/dq: what oneDNN calls avx512_core
     has_avx512_bf16: bool
-    has_amx_bf16: bool
+    has_amx_bf16: bool  # in the CPU and granted by the OS (Linux hands AMX's tile state out on request)
     aten_capability: str  # the vector ISA of PyTorch's own kernels: "AVX512", "AVX2", "DEFAULT", ...
     onednn_max_isa: str | None = None  # ONEDNN_MAX_CPU_ISA when set
 
@@ -62,10 +65,13 @@ class CpuFeatures:
 
     @property
     def kernel_isa(self) -> str:
-        """Which build of our own kernels (`elasticmoe.kernels`) runs here: "avx512_bf16",
-        "avx512", "avx2" or "none" (plain PyTorch). Capped like PyTorch's own kernels."""
+        """Which build of our own kernels (`elasticmoe.kernels`) runs here: "amx" (the avx512_bf16
+        build plus AMX tiles for bf16 weights), "avx512_bf16", "avx512", "avx2" or "none" (plain
+        PyTorch). Capped like PyTorch's own kernels, and AMX also by oneDNN's cap."""
         aten = self.aten_capability.upper()
         if self.has_avx512 and aten.startswith("AVX512"):
+            if self.has_amx_bf16 and self.has_avx512_bf16 and self.bf16_gemm == "amx":
+                return "amx"
             return "avx512_bf16" if self.has_avx512_bf16 else "avx512"
         if self.has_avx2 and (aten == "AVX2" or aten.startswith("AVX512")):
             return "avx2"
@@ -83,6 +89,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _amx_permitted() -> bool:
+    """Ask Linux for AMX's tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): once
+    per process, harmless when already granted; refused by kernels before 5.16."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 @cache
 def detect_cpu_features() -> CpuFeatures:
     """This host's features (read once per process)."""
@@ -91,7 +107,7 @@ def detect_cpu_features() -> CpuFeatures:
         has_avx2={"avx2", "fma"} <= flags,
         has_avx512={"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags,
         has_avx512_bf16="avx512_bf16" in flags,
-        has_amx_bf16="amx_bf16" in flags,
+        has_amx_bf16="amx_bf16" in flags and platform.machine() == "x86_64" and _amx_permitted(),
         aten_capability=torch.backends.cpu.get_cpu_capability(),
         onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or None,
     )

@@ -42,10 +42,14 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[s
     return outputs
 
 
+@pytest.mark.parametrize("stored", ["fp32", "bf16"], ids=["fp32-checkpoint", "bf16-checkpoint"])
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prefill", "chunked-prefill"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_and_paged_decode_logits_match(arch, chunk, tiny_model_dirs):
-    model_dir = tiny_model_dirs[arch]
+def test_prefill_and_paged_decode_logits_match(arch, chunk, stored, tiny_model_dirs, tiny_bf16_model_dirs):
+    """Computed in fp32. A bf16 checkpoint keeps its experts in bf16 (exact) and, on AMX hosts,
+    computes them on AMX tiles with fp32 activations split into three bf16 parts: still fp32's
+    accuracy, against transformers' fp32 forward over the same bf16 values."""
+    model_dir = (tiny_model_dirs if stored == "fp32" else tiny_bf16_model_dirs)[arch]
     hf = _hf_model(model_dir)
     # Small blocks so the 16+ decode steps cross several block boundaries; a small
     # token budget splits the 19-token prompt into chunks of 8, 8 and 3.

@@ -33,7 +33,10 @@ BARE = CpuFeatures(has_avx2=False, has_avx512=False, has_avx512_bf16=False, has_
     (AVX2_ONLY, "reference", "avx2"),
     (AVX512, "avx512", "avx512"),
     (AVX512_BF16, "avx512_bf16", "avx512_bf16"),
-    (AMX, "amx", "avx512_bf16"),
+    (AMX, "amx", "amx"),
+    # oneDNN capped below AMX (how we compare with and without AMX on one host): no AMX for ours either
+    (CpuFeatures(has_avx2=True, has_avx512=True, has_avx512_bf16=True, has_amx_bf16=True, aten_capability="AVX512",
+                 onednn_max_isa="AVX512_CORE_BF16"), "avx512_bf16", "avx512_bf16"),
     (EMULATED_AVX2, "reference", "avx2"),
     (BARE, "reference", "none"),
 ])

@@ -11,7 +11,7 @@ from elasticmoe.kernels.build import load_kernel
 from elasticmoe.layers.attention import decode_attention
 from elasticmoe.utils.cpu_features import detect_cpu_features
 
-_ORDER = ["avx2", "avx512", "avx512_bf16"]
+_ORDER = ["avx2", "avx512", "avx512_bf16", "amx"]
 ISAS = _ORDER[: _ORDER.index(detect_cpu_features().kernel_isa) + 1] if detect_cpu_features().kernel_isa in _ORDER else []
 DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
 
@@ -23,9 +23,10 @@ def isa(request, monkeypatch):
         pytest.skip("no C++ compiler")
     for module in (gg, pa):
         monkeypatch.setattr(module, "load_kernel", lambda n, _isa=request.param: load_kernel(n, _isa))
-        module._kernel.cache_clear()
+    gg._library.cache_clear()
+    pa._kernel.cache_clear()
     yield request.param
-    gg._kernel.cache_clear()
+    gg._library.cache_clear()
     pa._kernel.cache_clear()
 
 
@@ -45,6 +46,33 @@ def test_grouped_gemm_equals_per_slot_matmul(isa, x_dtype, w_dtype, num_rows):
     tol = 1e-5 if x_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert got.dtype == x_dtype
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 7, 40, 300])
+def test_grouped_swiglu_equals_silu_gate_times_up(isa, x_dtype, w_dtype, num_rows):
+    """The fused first projection + activation of the experts (AMX builds) equals the two steps
+    it replaces; elsewhere it declines and the caller runs them."""
+    torch.manual_seed(0)
+    num_slots, inter, k = 5, 32, 70  # a K tail
+    w13 = torch.randn(num_slots + 1, 2 * inter, k + 2).to(w_dtype)[:, :, 1 : k + 1]  # strided view
+    slots = torch.randint(0, num_slots, (num_rows,)).sort().values
+    slots[slots == 2] = 3
+    x = torch.randn(num_rows, k).to(x_dtype)
+    offsets = gg.slot_offsets(slots, num_slots)
+    got = gg.grouped_swiglu(x, offsets, w13)
+    if isa != "amx" or w_dtype != torch.bfloat16:
+        assert got is None
+        return
+    assert got is not None and got.dtype == x_dtype and got.shape == (num_rows, inter)
+    gate, up = gg.grouped_gemm(x, offsets, w13).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    tol = 1e-5 if x_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    rows = torch.tensor([4, 0, 1, 3, 2, 5])  # slot s computes with weight row rows[s]
+    pool = torch.full_like(w13, float("nan"))
+    pool[rows[:num_slots]] = w13[:num_slots]
+    torch.testing.assert_close(gg.grouped_swiglu(x, offsets, pool, rows[:num_slots]).float(), got.float())
 
 
 def _slot_rows_case(x_dtype: torch.dtype, w_dtype: torch.dtype):
@@ -75,18 +103,20 @@ def test_grouped_gemm_with_slot_rows_without_the_kernel(monkeypatch):
     torch.testing.assert_close(gg.grouped_gemm(x, offsets, pool, rows), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_threads", [1, 3, 64])
-def test_grouped_gemm_splits_work_among_any_number_of_threads(isa, num_threads):
+def test_grouped_gemm_splits_work_among_any_number_of_threads(isa, num_threads, w_dtype):
     """Each thread takes a contiguous run of (slot, weight block) tasks of about equal cost and
     then helps with the others': every task runs exactly once whether threads outnumber the
-    tasks, some runs are empty, or the rows are skewed to one slot."""
+    tasks, some runs are empty, or the rows are skewed to one slot (bf16 weights: the AMX path's
+    packing and tiles on AMX builds)."""
     from elasticmoe.kernels.build import kernel_threads, set_kernel_threads
 
     torch.manual_seed(0)
-    w = torch.randn(5, 40, 64)
+    w = torch.randn(5, 40, 64).to(w_dtype)
     slots = torch.tensor([0] * 50 + [2] + [4] * 3)
     x = torch.randn(len(slots), 64)
-    want = torch.stack([x[i] @ w[s].T for i, s in enumerate(slots.tolist())])
+    want = torch.stack([x[i] @ w[s].float().T for i, s in enumerate(slots.tolist())])
     before = kernel_threads()
     set_kernel_threads(num_threads)
     try:

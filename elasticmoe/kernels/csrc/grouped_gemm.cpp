@@ -22,9 +22,15 @@
 
 #include <omp.h>
 
-#include <atomic>
+#include <cstdlib>
+#include <utility>
+#include <vector>
 
+#include "task_runs.h"
 #include "vec.h"
+#if defined(EMOE_AMX)
+#include "amx_gemm.h"
+#endif
 
 namespace {
 
@@ -32,11 +38,6 @@ using namespace emoe;
 
 constexpr int NB = 8;  // weight rows per block
 constexpr int MB = 3;  // input rows per block: MB * NB accumulators + MB inputs + 1 weight <= 32 registers
-// The next unclaimed task of one thread's run, alone on its cache line (the threads claim often).
-struct alignas(64) Cursor {
-  std::atomic<int64_t> next{0};
-};
-
 constexpr int TASK_COST_ROWS = 4;  // a task's cost beyond its rows, for balancing: streaming its weight block
 
 // out[m][n] = x[m, 0:K] . w[n, 0:K] for a block of M (<= MB) input rows and N (<= NB) weight rows;
@@ -95,100 +96,193 @@ inline void dot_block(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t 
   }
 }
 
+// Rows [r0, r1) of x times weight rows [0, nb) of wb (nb <= NB) -> out[r0:r1, 0:nb] (out points at
+// the block's first output column). `pf`: the next weight block of the same slot, pulled into
+// cache while the first rows compute (or null).
+template <typename X, typename W>
+void dot_rows(const X* x, int64_t ldx, int64_t r0, int64_t r1, const W* wb, int64_t ldw, int nb, int64_t K, X* out,
+              int64_t ldo, const W* pf) {
+  float acc[MB][NB];
+  for (int64_t r = r0; r < r1; r += MB) {
+    const int mb = static_cast<int>(r1 - r < MB ? r1 - r : MB);
+    const X* xb = x + r * ldx;
+    X* dst = out + r * ldo;
+    const W* p = r == r0 ? pf : nullptr;
+    if (nb == NB) {
+      if (mb == 3)
+        dot_block<X, W, 3, NB>(xb, ldx, wb, ldw, K, acc, dst, ldo, p);
+      else if (mb == 2)
+        dot_block<X, W, 2, NB>(xb, ldx, wb, ldw, K, acc, dst, ldo, p);
+      else
+        dot_block<X, W, 1, NB>(xb, ldx, wb, ldw, K, acc, dst, ldo, p);
+      continue;
+    }
+    for (int n = 0; n < nb; ++n) {  // a partial block of weight rows: one row at a time
+      float one[MB][NB];
+      const W* wn = wb + n * ldw;
+      if (mb == 3)
+        dot_block<X, W, 3, 1>(xb, ldx, wn, ldw, K, one, dst, ldo);
+      else if (mb == 2)
+        dot_block<X, W, 2, 1>(xb, ldx, wn, ldw, K, one, dst, ldo);
+      else
+        dot_block<X, W, 1, 1>(xb, ldx, wn, ldw, K, one, dst, ldo);
+      for (int m = 0; m < mb; ++m) acc[m][n] = one[m][0];
+    }
+    for (int m = 0; m < mb; ++m)
+      for (int n = 0; n < nb; ++n) store(dst, m * ldo + n, acc[m][n]);
+  }
+}
+
+// The slots with rows, in order.
+inline std::vector<int> busy_slots(const int64_t* offsets, int num_slots) {
+  std::vector<int> busy;
+  for (int s = 0; s < num_slots; ++s)
+    if (offsets[s + 1] > offsets[s]) busy.push_back(s);
+  return busy;
+}
+
 template <typename X, typename W>
 void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows, int num_slots,
                   const W* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out, int64_t K) {
   // Tasks: (slot, block of NB weight rows), only for slots with rows.
   const int64_t blocks_per_slot = (n_out + NB - 1) / NB;
-  int64_t num_busy = 0;
-  for (int s = 0; s < num_slots; ++s) num_busy += offsets[s + 1] > offsets[s];
-  int* busy = new int[num_busy > 0 ? num_busy : 1];
-  for (int s = 0, i = 0; s < num_slots; ++s)
-    if (offsets[s + 1] > offsets[s]) busy[i++] = s;
-  const int64_t num_tasks = num_busy * blocks_per_slot;
+  const std::vector<int> busy = busy_slots(offsets, num_slots);
+  const int64_t num_tasks = static_cast<int64_t>(busy.size()) * blocks_per_slot;
+  const int nth = num_threads() > 0 ? num_threads() : 1;
+  TaskRuns runs(num_tasks, nth, [&](int64_t task) {
+    const int s = busy[task / blocks_per_slot];
+    return offsets[s + 1] - offsets[s] + TASK_COST_ROWS;
+  });
   const auto run_task = [&](int64_t task) {
     const int slot = busy[task / blocks_per_slot];
     const int64_t n0 = (task % blocks_per_slot) * NB;
     const int nb = static_cast<int>(n_out - n0 < NB ? n_out - n0 : NB);
     const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
     const W* wb = w + row * w_stride_e + n0 * w_stride_n;
-    float acc[MB][NB];
-    for (int64_t r = offsets[slot]; r < offsets[slot + 1]; r += MB) {
-      const int mb = static_cast<int>(offsets[slot + 1] - r < MB ? offsets[slot + 1] - r : MB);
-      const X* xb = x + r * ldx;
-      X* dst = out + r * ldo + n0;
-      // While the first rows compute, pull in the next weight block of this slot (its next NB
-      // rows, contiguous): each task's NB rows are short streams the hardware prefetchers barely
-      // start on (decode, weights from DRAM, one thread: 1.25 -> 0.87 ms per layer at 8 rows per
-      // slot). Only within the slot: another slot's rows may be unmapped adapter memory.
-      const W* pf = (r == offsets[slot] && n0 + 2 * NB <= n_out) ? wb + NB * w_stride_n : nullptr;
-      if (nb == NB) {
-        if (mb == 3)
-          dot_block<X, W, 3, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo, pf);
-        else if (mb == 2)
-          dot_block<X, W, 2, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo, pf);
-        else
-          dot_block<X, W, 1, NB>(xb, ldx, wb, w_stride_n, K, acc, dst, ldo, pf);
-        continue;
-      } else {  // the last, partial block of weight rows: one row at a time
-        for (int n = 0; n < nb; ++n) {
-          float one[MB][NB];
-          const W* wn = wb + n * w_stride_n;
-          if (mb == 3)
-            dot_block<X, W, 3, 1>(xb, ldx, wn, w_stride_n, K, one, dst, ldo);
-          else if (mb == 2)
-            dot_block<X, W, 2, 1>(xb, ldx, wn, w_stride_n, K, one, dst, ldo);
-          else
-            dot_block<X, W, 1, 1>(xb, ldx, wn, w_stride_n, K, one, dst, ldo);
-          for (int m = 0; m < mb; ++m) acc[m][n] = one[m][0];
-        }
-      }
-      for (int m = 0; m < mb; ++m)
-        for (int n = 0; n < nb; ++n) store(out, (r + m) * ldo + n0 + n, acc[m][n]);
-    }
+    // While the first rows compute, pull in the next weight block of this slot (its next NB
+    // rows, contiguous): each task's NB rows are short streams the hardware prefetchers barely
+    // start on (decode, weights from DRAM, one thread: 1.25 -> 0.87 ms per layer at 8 rows per
+    // slot). Only within the slot: another slot's rows may be unmapped adapter memory.
+    const W* pf = n0 + 2 * NB <= n_out ? wb + NB * w_stride_n : nullptr;
+    dot_rows(x, ldx, offsets[slot], offsets[slot + 1], wb, w_stride_n, nb, K, out + n0, ldo, pf);
   };
-  // Each thread owns one contiguous run of tasks of about equal cost (rows + streaming the
-  // weight block), so it streams one contiguous stretch of the weights and the hardware
-  // prefetchers keep up: tasks handed out 4 at a time made the threads interleave and read at
-  // ~35 of the machine's ~87 GB/s in decode (the experts of 8 layers, 2 threads: 5.5 -> 3.4 ms per
-  // step of 8 layers at 2 rows per expert). A thread done with its run (the other was preempted,
-  // or the costs misjudged) takes tasks from the other runs, claimed one by one.
-  const int nth = num_threads() > 0 ? num_threads() : 1;
-  int64_t* bounds = new int64_t[nth + 1];
-  Cursor* cursor = new Cursor[nth];
-  {
-    const auto cost = [&](int64_t task) {
-      const int s = busy[task / blocks_per_slot];
-      return offsets[s + 1] - offsets[s] + TASK_COST_ROWS;
-    };
-    int64_t total = 0;
-    for (int64_t task = 0; task < num_tasks; ++task) total += cost(task);
-    int64_t acc = 0;
-    int t = 1;
-    bounds[0] = 0;
-    for (int64_t task = 0; task < num_tasks && t < nth; ++task) {
-      acc += cost(task);
-      while (t < nth && acc * nth >= total * t) bounds[t++] = task + 1;
+#pragma omp parallel num_threads(nth)
+  runs.work(omp_get_thread_num(), run_task);
+}
+
+#if defined(EMOE_AMX)
+bool g_amx = false;  // set by emoe_amx_init: the process may use AMX tiles
+
+// A per-thread buffer for the packed activations, grown as needed and kept (a prefill step
+// packs several MB per projection; allocating it anew each call would fault its pages in again).
+class Scratch {
+ public:
+  ~Scratch() { std::free(data_); }
+  uint16_t* get(size_t num) {
+    if (num > size_) {
+      std::free(data_);
+      data_ = static_cast<uint16_t*>(std::aligned_alloc(64, (num * 2 + 63) / 64 * 64));
+      size_ = data_ != nullptr ? num : 0;
     }
-    for (; t <= nth; ++t) bounds[t] = num_tasks;
-    for (int i = 0; i < nth; ++i) cursor[i].next.store(bounds[i], std::memory_order_relaxed);
+    return data_;
   }
+
+ private:
+  uint16_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+thread_local Scratch g_scratch;
+
+// The activations of a call's groups packed into AMX B tiles (amx_gemm.h), then `tasks_per_slot`
+// tasks per slot with rows: task(i, slot, j, packed) for the i-th busy slot, j < tasks_per_slot.
+// Returns false (nothing done) without scratch memory.
+template <typename X, typename Task>
+bool amx_run(const X* x, int64_t ldx, const int64_t* offsets, int num_slots, int64_t K, int64_t tasks_per_slot,
+             int64_t task_cost, Task task) {
+  using namespace amx;
+  const int parts = sizeof(X) == 4 ? MAX_PARTS : 1;
+  const int64_t block_elems = (K + TILE_K - 1) / TILE_K * parts * TILE_ELEMS;  // one token block, packed
+  const std::vector<int> busy = busy_slots(offsets, num_slots);
+  std::vector<int64_t> first_block(busy.size() + 1, 0);  // each busy slot's first packed token block
+  for (size_t i = 0; i < busy.size(); ++i)
+    first_block[i + 1] = first_block[i] + (offsets[busy[i] + 1] - offsets[busy[i]] + 15) / 16;
+  const int64_t num_blocks = first_block.back();
+  uint16_t* xp = g_scratch.get(static_cast<size_t>(num_blocks * block_elems));
+  if (xp == nullptr) return false;
+  std::vector<std::pair<int64_t, int>> block_rows(num_blocks);  // (first row, rows) of each token block
+  for (size_t i = 0; i < busy.size(); ++i)
+    for (int64_t b = first_block[i]; b < first_block[i + 1]; ++b) {
+      const int64_t r = offsets[busy[i]] + (b - first_block[i]) * 16;
+      block_rows[b] = {r, static_cast<int>(offsets[busy[i] + 1] - r < 16 ? offsets[busy[i] + 1] - r : 16)};
+    }
+  const int64_t num_tasks = static_cast<int64_t>(busy.size()) * tasks_per_slot;
+  const int nth = num_threads() > 0 ? num_threads() : 1;
+  TaskRuns runs(num_tasks, nth, [&](int64_t t) {
+    const int s = busy[t / tasks_per_slot];
+    return offsets[s + 1] - offsets[s] + task_cost;
+  });
 #pragma omp parallel num_threads(nth)
   {
-    const int me = omp_get_thread_num();
-    for (int k = 0; k < nth; ++k) {  // its own run first, then the others' (also those of absent threads)
-      const int run = (me + k) % nth;
-      for (;;) {
-        const int64_t task = cursor[run].next.fetch_add(1, std::memory_order_relaxed);
-        if (task >= bounds[run + 1]) break;
-        run_task(task);
-      }
-    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < num_blocks; ++b)
+      pack_token_block(x + block_rows[b].first * ldx, ldx, block_rows[b].second, K, parts, xp + b * block_elems);
+    configure_tiles();
+    runs.work(omp_get_thread_num(), [&](int64_t t) {
+      const int64_t i = t / tasks_per_slot;
+      task(busy[i], t % tasks_per_slot, xp + first_block[i] * block_elems, parts);
+    });
+    _tile_release();
   }
-  delete[] cursor;
-  delete[] bounds;
-  delete[] busy;
+  return true;
 }
+
+// Weight rows per task: two A tiles. A task streams its 32 weight rows once for all the slot's
+// rows; TASK_COST_ROWS per NB rows is the balancing cost of that stream.
+constexpr int AMX_NB = 32;
+constexpr int64_t AMX_TASK_COST = TASK_COST_ROWS * AMX_NB / NB;
+
+// The grouped GEMM on AMX tiles; bf16 weights only. Weight rows past the last full 16
+// (n_out % 16) run on the dot kernel.
+template <typename X>
+bool amx_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows, int num_slots,
+                      const uint16_t* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out,
+                      int64_t K) {
+  const int64_t n16 = n_out / 16 * 16;
+  const int64_t tasks_per_slot = (n16 + AMX_NB - 1) / AMX_NB + (n_out > n16);
+  return amx_run(x, ldx, offsets, num_slots, K, tasks_per_slot, AMX_TASK_COST,
+                 [&](int slot, int64_t j, const uint16_t* packed, int parts) {
+    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
+    const uint16_t* ws = w + row * w_stride_e;
+    const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
+    const int64_t n0 = j * AMX_NB;
+    if (n0 >= n16) {  // the last rows, fewer than 16
+      dot_rows(x, ldx, r0, r0 + rows, ws + n16 * w_stride_n, w_stride_n, static_cast<int>(n_out - n16), K, out + n16,
+               ldo, static_cast<const uint16_t*>(nullptr));
+    } else if (n16 - n0 >= AMX_NB) {
+      amx::run_rows<amx::Plain, X, 2>(ws + n0 * w_stride_n, w_stride_n, 16 * w_stride_n, K, packed, rows, parts,
+                                      out + r0 * ldo + n0, ldo);
+    } else {
+      amx::run_rows<amx::Plain, X, 1>(ws + n0 * w_stride_n, w_stride_n, 0, K, packed, rows, parts,
+                                      out + r0 * ldo + n0, ldo);
+    }
+  });
+}
+
+// silu(x @ gate^T) * (x @ up^T) with w [E, 2 * inter, K] holding each slot's gate rows then its up
+// rows: the expert MLP's first projection and its activation in one pass (inter % 16 == 0).
+template <typename X>
+bool amx_grouped_swiglu(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows, int num_slots,
+                        const uint16_t* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t inter,
+                        int64_t K) {
+  return amx_run(x, ldx, offsets, num_slots, K, inter / 16, AMX_TASK_COST,
+                 [&](int slot, int64_t j, const uint16_t* packed, int parts) {
+    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
+    const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
+    amx::run_rows<amx::SwiGLU, X, 2>(w + row * w_stride_e + j * 16 * w_stride_n, w_stride_n, inter * w_stride_n, K,
+                                     packed, rows, parts, out + r0 * ldo + j * 16, ldo);
+  });
+}
+#endif
 
 }  // namespace
 
@@ -196,20 +290,64 @@ extern "C" {
 
 void emoe_set_num_threads(int n) { emoe::g_num_threads = n; }
 
+// Asks the OS for AMX's tile state and uses the AMX path for bf16 weights from then on.
+// Returns 1 when granted, 0 when not (the dot kernel runs), -1 in a build without AMX.
+int emoe_amx_init() {
+#if defined(EMOE_AMX)
+  g_amx = emoe::amx::request_permission();
+  return g_amx ? 1 : 0;
+#else
+  return -1;
+#endif
+}
+
+// silu(x @ w[:, :inter]^T) * (x @ w[:, inter:]^T) per group (w: [E, 2 * inter, K], bf16) into
+// out [N, inter]. Returns 0, or -1 where not served (no AMX, dtypes, inter % 16): the caller
+// runs emoe_grouped_gemm and the activation itself.
+int emoe_grouped_swiglu(const void* x, int64_t ldx, int x_dtype, const int64_t* offsets, const int64_t* slot_rows,
+                        int num_slots, const void* w, int64_t w_stride_e, int64_t w_stride_n, int w_dtype, void* out,
+                        int64_t ldo, int64_t inter, int64_t K) {
+#if defined(EMOE_AMX)
+  if (g_amx && w_dtype == kBF16 && inter % 16 == 0) {
+    const auto* wb = static_cast<const uint16_t*>(w);
+    if (x_dtype == kF32 && amx_grouped_swiglu(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, wb,
+                                              w_stride_e, w_stride_n, static_cast<float*>(out), ldo, inter, K))
+      return 0;
+    if (x_dtype == kBF16 && amx_grouped_swiglu(static_cast<const uint16_t*>(x), ldx, offsets, slot_rows, num_slots, wb,
+                                               w_stride_e, w_stride_n, static_cast<uint16_t*>(out), ldo, inter, K))
+      return 0;
+  }
+#endif
+  return -1;
+}
+
 // Returns 0, or -1 for an unsupported dtype pair. dtypes: 0 = float32, 1 = bfloat16; out has x's dtype.
 // slot_rows: nullptr (slot s reads w[s]) or [num_slots] weight rows.
 int emoe_grouped_gemm(const void* x, int64_t ldx, int x_dtype, const int64_t* offsets, const int64_t* slot_rows,
                       int num_slots, const void* w, int64_t w_stride_e, int64_t w_stride_n, int w_dtype, void* out,
                       int64_t ldo, int64_t n_out, int64_t K) {
+  const auto* wb = static_cast<const uint16_t*>(w);
   if (x_dtype == kF32 && w_dtype == kF32) {
     grouped_gemm(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const float*>(w), w_stride_e,
                  w_stride_n, static_cast<float*>(out), ldo, n_out, K);
   } else if (x_dtype == kF32 && w_dtype == kBF16) {
-    grouped_gemm(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const uint16_t*>(w), w_stride_e,
-                 w_stride_n, static_cast<float*>(out), ldo, n_out, K);
+    const auto* xf = static_cast<const float*>(x);
+    auto* of = static_cast<float*>(out);
+#if defined(EMOE_AMX)
+    if (g_amx && amx_grouped_gemm(xf, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, of, ldo,
+                                    n_out, K))
+      return 0;
+#endif
+    grouped_gemm(xf, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, of, ldo, n_out, K);
   } else if (x_dtype == kBF16 && w_dtype == kBF16) {
-    grouped_gemm(static_cast<const uint16_t*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const uint16_t*>(w),
-                 w_stride_e, w_stride_n, static_cast<uint16_t*>(out), ldo, n_out, K);
+    const auto* xb = static_cast<const uint16_t*>(x);
+    auto* ob = static_cast<uint16_t*>(out);
+#if defined(EMOE_AMX)
+    if (g_amx && amx_grouped_gemm(xb, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, ob, ldo,
+                                    n_out, K))
+      return 0;
+#endif
+    grouped_gemm(xb, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, ob, ldo, n_out, K);
   } else {
     return -1;
   }

@@ -13,6 +13,7 @@
 #include <math.h>
 #include <omp.h>
 
+#include <atomic>
 #include <vector>
 
 #include "vec.h"
@@ -23,6 +24,10 @@ using namespace emoe;
 
 inline float round_as(const float*, float v) { return v; }
 inline float round_as(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+inline __m256 round8_as(const float*, __m256 v) { return v; }
+inline __m256 round8_as(const uint16_t*, __m256 v) { return round8_bf16(v); }
+inline vec round_vec(const float*, vec v) { return v; }
+inline vec round_vec(const uint16_t*, vec v) { return vround_bf16(v); }
 
 template <typename T>
 inline float dot(const T* a, const T* b, int64_t D) {
@@ -34,9 +39,9 @@ inline float dot(const T* a, const T* b, int64_t D) {
   return s;
 }
 
-// s[j] = a . rows[j] for 8 rows (one reduction for all eight: hsum8).
+// (a . rows[j]) for 8 rows, as one vector (a single reduction for all eight: hsum8v).
 template <typename T>
-inline void dot8(const T* a, const T* const* rows, int64_t D, float* s) {
+inline __m256 dot8(const T* a, const T* const* rows, int64_t D) {
 #if defined(EMOE_BF16DOT)
   if constexpr (sizeof(T) == 2) {
     if (D % 32 == 0) {  // native bf16 pairs, no widening
@@ -46,8 +51,7 @@ inline void dot8(const T* a, const T* const* rows, int64_t D, float* s) {
         const __m512bh av = (__m512bh)_mm512_loadu_si512(a + d);
         for (int j = 0; j < 8; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_loadu_si512(rows[j] + d));
       }
-      hsum8(acc, s);
-      return;
+      return hsum8v(acc);
     }
   }
 #endif
@@ -58,9 +62,14 @@ inline void dot8(const T* a, const T* const* rows, int64_t D, float* s) {
     const vec av = vload(a + d);
     for (int j = 0; j < 8; ++j) acc[j] = vfma(av, vload(rows[j] + d), acc[j]);
   }
-  hsum8(acc, s);
-  for (; d < D; ++d)
-    for (int j = 0; j < 8; ++j) s[j] += scalar(a, d) * scalar(rows[j], d);
+  __m256 sums = hsum8v(acc);
+  if (d < D) {
+    float tail[8] = {};
+    for (int j = 0; j < 8; ++j)
+      for (int64_t e = d; e < D; ++e) tail[j] += scalar(a, e) * scalar(rows[j], e);
+    sums = _mm256_add_ps(sums, _mm256_loadu_ps(tail));
+  }
+  return sums;
 }
 
 // p[0:n] = softmax(p[0:n]) in fp32, then rounded to T's precision (as `.to(v.dtype)` does).
@@ -81,7 +90,16 @@ inline void softmax_inplace(float* p, int64_t n, const T* as) {
   float sum = hsum(sv);
   for (; t < n; ++t) sum += (p[t] = expf(p[t] - mx));
   const float inv = 1.0f / sum;
-  for (t = 0; t < n; ++t) p[t] = round_as(as, p[t] * inv);
+  const vec invv = vset(inv);
+  for (t = 0; t + L <= n; t += L) vstore(p + t, round_vec(as, vmul(vload(p + t), invv)));
+  for (; t < n; ++t) p[t] = round_as(as, p[t] * inv);
+}
+
+// f(first token, its slot, tokens) for each block of a sequence's first `ctx` tokens, in order.
+template <typename F>
+inline void for_each_block(const int64_t* blocks, int64_t ctx, int64_t block_size, F f) {
+  for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += block_size, ++i)
+    f(t0, blocks[i] * block_size, ctx - t0 < block_size ? ctx - t0 : block_size);
 }
 
 // acc[g, :] = sum_t probs[g, t] * v_t for g < G, D = NV * L: V rows widened once per token, the
@@ -94,19 +112,50 @@ inline void weighted_sum(const float* probs, int64_t ctx, int64_t G, const T* vb
     vec a[HG][NV];
     for (int g = 0; g < HG; ++g)
       for (int j = 0; j < NV; ++j) a[g][j] = vzero();
-    for (int64_t t = 0; t < ctx; ++t) {
-      const T* v = vbase + (blocks[t / block_size] * block_size + t % block_size) * slot_stride;
-      vec vv[NV];
-      for (int j = 0; j < NV; ++j) vv[j] = vload(v + j * L);
-      for (int g = 0; g < HG; ++g) {
-        const vec p = vset(probs[(g0 + g) * ctx + t]);
-        for (int j = 0; j < NV; ++j) a[g][j] = vfma(p, vv[j], a[g][j]);
+    for_each_block(blocks, ctx, block_size, [&](int64_t t0, int64_t slot0, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        const T* v = vbase + (slot0 + i) * slot_stride;
+        vec vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = vload(v + j * L);
+        for (int g = 0; g < HG; ++g) {
+          const vec p = vset(probs[(g0 + g) * ctx + t0 + i]);
+          for (int j = 0; j < NV; ++j) a[g][j] = vfma(p, vv[j], a[g][j]);
+        }
       }
-    }
+    });
     for (int g = 0; g < HG; ++g)
       for (int j = 0; j < NV; ++j) vstore(acc + (g0 + g) * NV * L + j * L, a[g][j]);
   }
 }
+
+// The cache lines of one sequence's blocks (K and V of every head), handed out a few at a time to
+// be prefetched while the sequence before it computes: its blocks are scattered over the pool,
+// and the lines asked for all at once filled the core's miss buffers and stalled the compute.
+template <typename T>
+class LinePrefetcher {
+ public:
+  void start(const T* cache, const int64_t* blocks, int64_t ctx, int64_t block_size, int64_t slot_stride) {
+    cache_ = reinterpret_cast<const char*>(cache);
+    blocks_ = blocks;
+    block_bytes_ = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
+    num_blocks_ = (ctx + block_size - 1) / block_size;
+    block_ = 0;
+    offset_ = 0;
+  }
+  void stop() { block_ = num_blocks_; }
+  void next(int lines) {
+    for (; lines > 0 && block_ < num_blocks_; --lines) {
+      _mm_prefetch(cache_ + blocks_[block_] * block_bytes_ + offset_, _MM_HINT_T1);
+      if ((offset_ += 64) >= block_bytes_) offset_ = 0, ++block_;
+    }
+  }
+  void rest() { next(1 << 30); }
+
+ private:
+  const char* cache_ = nullptr;
+  const int64_t* blocks_ = nullptr;
+  int64_t block_bytes_ = 0, num_blocks_ = 0, block_ = 0, offset_ = 0;
+};
 
 template <typename T>
 void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int64_t* block_table, int64_t max_blocks,
@@ -115,64 +164,77 @@ void decode_attention(const T* q, int64_t q_stride_b, const T* cache, const int6
   const int64_t G = H / Hkv;
   const int64_t slot_stride = 2 * Hkv * D;  // one token: K heads then V heads
   const T* null = nullptr;
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  // Lines of the next sequence to prefetch per 8 keys scored: a sequence of ctx tokens has
+  // ctx * slot_stride * sizeof(T) / 64 lines and Hkv * ctx / 8 groups of 8 keys.
+  const int lines_per_group = static_cast<int>((8 * slot_stride * static_cast<int64_t>(sizeof(T)) / 64 + Hkv - 1) / Hkv) + 1;
+  std::atomic<int64_t> next_seq{0};
 #pragma omp parallel num_threads(num_threads())
   {
     std::vector<float> probs;  // [G, ctx]
     std::vector<float> acc;    // [G, D]
-    // A sequence's KV heads go to one thread in turn: the first head pulls the sequence's blocks
-    // (contiguous token slots of all heads) into cache, the others find them there.
-#pragma omp for schedule(dynamic, Hkv)
-    for (int64_t task = 0; task < B * Hkv; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
+    LinePrefetcher<T> prefetch;
+    // Sequences are claimed one ahead: while one computes, the next one's blocks come in.
+    int64_t b = next_seq.fetch_add(1, std::memory_order_relaxed);
+    if (b < B) {
+      prefetch.start(cache, block_table + b * max_blocks, context_lens[b], block_size, slot_stride);
+      prefetch.rest();
+    }
+    while (b < B) {
+      const int64_t after = next_seq.fetch_add(1, std::memory_order_relaxed);
+      if (after < B)
+        prefetch.start(cache, block_table + after * max_blocks, context_lens[after], block_size, slot_stride);
+      else
+        prefetch.stop();
       const int64_t ctx = context_lens[b];
       const int64_t* blocks = block_table + b * max_blocks;
-      probs.assign(G * ctx, 0.0f);
-      acc.assign(G * D, 0.0f);
-      const T* qh = q + b * q_stride_b + h * G * D;
-      int64_t t = 0;
-      const int64_t num_blocks = (ctx + block_size - 1) / block_size;
-      if (h == 0) {  // the sequence's blocks are scattered: ask for all of them up front (K and V, all heads)
-        const int64_t block_bytes = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
-        for (int64_t i = 0; i < num_blocks; ++i) {
-          const char* p = reinterpret_cast<const char*>(cache + blocks[i] * block_size * slot_stride);
-          for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-        }
-      }
-      for (; t + 8 <= ctx; t += 8) {
-        const T* k[8];
-        for (int j = 0; j < 8; ++j)
-          k[j] = cache + (blocks[(t + j) / block_size] * block_size + (t + j) % block_size) * slot_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          float s[8];
-          dot8(qh + g * D, k, D, s);
-          for (int j = 0; j < 8; ++j) probs[g * ctx + t + j] = round_as(null, s[j]) * scale;
-        }
-      }
-      for (; t < ctx; ++t) {
-        const T* k = cache + (blocks[t / block_size] * block_size + t % block_size) * slot_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) probs[g * ctx + t] = round_as(null, dot(qh + g * D, k, D)) * scale;
-      }
-      for (int64_t g = 0; g < G; ++g) softmax_inplace(probs.data() + g * ctx, ctx, null);
-      const T* vbase = cache + (Hkv + h) * D;
-      if (D == 4 * L && G % 4 == 0) {
-        weighted_sum<T, 4>(probs.data(), ctx, G, vbase, blocks, block_size, slot_stride, acc.data());
-      } else if (D == 8 * L && G % 2 == 0) {
-        weighted_sum<T, 8>(probs.data(), ctx, G, vbase, blocks, block_size, slot_stride, acc.data());
-      } else {
-        for (int64_t t = 0; t < ctx; ++t) {
-          const T* v = vbase + (blocks[t / block_size] * block_size + t % block_size) * slot_stride;
-          for (int64_t g = 0; g < G; ++g) {
-            const float pt = probs[g * ctx + t];
-            float* a = acc.data() + g * D;
-            int64_t d = 0;
-            const vec pv = vset(pt);
-            for (; d + L <= D; d += L) vstore(a + d, vfma(pv, vload(v + d), vload(a + d)));
-            for (; d < D; ++d) a[d] += pt * scalar(v, d);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        probs.assign(G * ctx, 0.0f);
+        acc.assign(G * D, 0.0f);
+        const T* qh = q + b * q_stride_b + h * G * D;
+        for_each_block(blocks, ctx, block_size, [&](int64_t t0, int64_t slot0, int64_t n) {
+          const T* kb = cache + slot0 * slot_stride + h * D;
+          int64_t i = 0;
+          for (; i + 8 <= n; i += 8) {
+            prefetch.next(lines_per_group);
+            const T* k[8];
+            for (int j = 0; j < 8; ++j) k[j] = kb + (i + j) * slot_stride;
+            for (int64_t g = 0; g < G; ++g)
+              _mm256_storeu_ps(probs.data() + g * ctx + t0 + i,
+                               _mm256_mul_ps(round8_as(null, dot8(qh + g * D, k, D)), scale8));
           }
+          for (; i < n; ++i)
+            for (int64_t g = 0; g < G; ++g)
+              probs[g * ctx + t0 + i] = round_as(null, dot(qh + g * D, kb + i * slot_stride, D)) * scale;
+        });
+        for (int64_t g = 0; g < G; ++g) softmax_inplace(probs.data() + g * ctx, ctx, null);
+        const T* vbase = cache + (Hkv + h) * D;
+        if (D == 4 * L && G % 4 == 0) {
+          weighted_sum<T, 4>(probs.data(), ctx, G, vbase, blocks, block_size, slot_stride, acc.data());
+        } else if (D == 8 * L && G % 2 == 0) {
+          weighted_sum<T, 8>(probs.data(), ctx, G, vbase, blocks, block_size, slot_stride, acc.data());
+        } else {
+          for_each_block(blocks, ctx, block_size, [&](int64_t t0, int64_t slot0, int64_t n) {
+            for (int64_t i = 0; i < n; ++i) {
+              const T* v = vbase + (slot0 + i) * slot_stride;
+              for (int64_t g = 0; g < G; ++g) {
+                const float pt = probs[g * ctx + t0 + i];
+                float* a = acc.data() + g * D;
+                int64_t d = 0;
+                const vec pv = vset(pt);
+                for (; d + L <= D; d += L) vstore(a + d, vfma(pv, vload(v + d), vload(a + d)));
+                for (; d < D; ++d) a[d] += pt * scalar(v, d);
+              }
+            }
+          });
         }
+        T* o = out + (b * H + h * G) * D;
+        int64_t i = 0;
+        for (; i + L <= G * D; i += L) vstore_as(o + i, vload(acc.data() + i));
+        for (; i < G * D; ++i) store(o, i, acc[i]);
       }
-      T* o = out + (b * H + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) store(o, i, acc[i]);
+      prefetch.rest();  // whatever the pacing left (short contexts)
+      b = after;
     }
   }
 }

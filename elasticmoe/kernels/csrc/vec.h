@@ -147,6 +147,14 @@ inline void store8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
+// 8 floats rounded to bf16 precision (nearest even), kept as fp32.
+inline __m256 round8_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // v rounded to bf16 precision (nearest even), kept as fp32.
 inline vec vround_bf16(vec v) {
 #if defined(EMOE_AVX512)

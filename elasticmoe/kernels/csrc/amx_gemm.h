@@ -1,0 +1,235 @@
+// The grouped GEMM on AMX tiles, for bf16 weights (built with -DEMOE_AMX).
+//
+//   out[r, :] = x[r, :] @ w[slot(r)]^T
+//
+// TDPBF16PS computes C[m][n] += sum_k A[m][k] B[k][n] with A a plain row-major tile (16 rows x 32
+// bf16) and B in pairs along K ("VNNI": tile row k2 holds (B[2 k2][n], B[2 k2 + 1][n]) for each
+// n). The weights are the A operand, read in place in their checkpoint layout [out, in] (rows
+// along K): nothing of them is copied or repacked, so zero-copy HMM stacks and remapped adapter
+// rows stay valid, and decode streams each weight once. The activations are the B operand: each
+// group's rows are packed once per call into VNNI tiles (a 16 x 16 dword transpose per tile; the
+// activations are a few MB at most, the weights up to hundreds). C tiles are [weight rows x
+// tokens] and are transposed back into `out`'s rows.
+//
+// fp32 activations (fp32 compute of a bf16 checkpoint) are split into three bf16 parts,
+// x = hi + mid + lo (|x - hi - mid - lo| <= 2^-27 |x|, below fp32's own rounding), accumulated into
+// the same C tile: with bf16 weights every product is exact in fp32, so the result is an fp32
+// GEMM's up to summation order, at AMX speed.
+#pragma once
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+
+#include "vec.h"
+
+namespace emoe::amx {
+
+constexpr int TILE_ROWS = 16;                  // weight rows per A tile; K pairs per B tile
+constexpr int TILE_K = 32;                     // bf16 values along K per tile row (64 bytes)
+constexpr int TILE_ELEMS = TILE_ROWS * TILE_K;  // bf16 values per tile: 1 KiB
+constexpr int MAX_PARTS = 3;
+
+// Linux hands out AMX's 8 KiB of tile state only to a process that asks (once, for all its
+// threads). PyTorch's oneDNN asks too; asking twice is harmless.
+inline bool request_permission() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Every tile 16 rows x 64 bytes. Tile state is per thread: each thread configures its own.
+inline void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette_id = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = TILE_ROWS;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// r[i] (16 dwords each) -> r[j] = (r[0][j], ..., r[15][j]): 64 shuffles.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved: (r0[4L], r1[4L], r0[4L+1], r1[4L+1]) per lane L
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: column 4L + c of rows 4g..4g+3
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes: column 4L + c = lanes L of u[c, 4+c, 8+c, 12+c]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
+
+// 32 values along K of one activation row as bf16 part `part` (zeros past `valid`).
+inline __m512i load_part(const uint16_t* x, int valid, int /*part*/) {
+  const __mmask32 m = valid >= 32 ? ~__mmask32(0) : (__mmask32(1) << valid) - 1;
+  return _mm512_maskz_loadu_epi16(m, x);
+}
+inline __m512i load_part(const float* x, int valid, int part) {
+  const __mmask16 m0 = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << (valid > 0 ? valid : 0)) - 1);
+  const __mmask16 m1 = valid >= 32 ? __mmask16(0xffff) : __mmask16((1u << (valid > 16 ? valid - 16 : 0)) - 1);
+  __m512 a = _mm512_maskz_loadu_ps(m0, x), b = _mm512_maskz_loadu_ps(m1, x + 16);
+  // Non-finite values travel whole in `hi` (their remainders would be NaN).
+  const __mmask16 fa = _mm512_fpclass_ps_mask(a, 0x99), fb = _mm512_fpclass_ps_mask(b, 0x99);
+  for (int p = 0; p < part; ++p) {
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // [a as bf16, b as bf16], nearest even
+    a = _mm512_maskz_sub_ps(~fa, a, widen(_mm512_castsi512_si256(h)));
+    b = _mm512_maskz_sub_ps(~fb, b, widen(_mm512_extracti64x4_epi64(h, 1)));
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+}
+
+// Rows x[0, rows) (rows <= 16) of K values -> the VNNI B tiles of one token block:
+// dst[(kc * parts + p) * TILE_ELEMS] for each K chunk kc, part p; missing tokens and K are zero.
+template <typename X>
+void pack_token_block(const X* x, int64_t ldx, int rows, int64_t K, int parts, uint16_t* dst) {
+  const int64_t num_chunks = (K + TILE_K - 1) / TILE_K;
+  __m512i r[16];
+  for (int64_t kc = 0; kc < num_chunks; ++kc) {
+    const int valid = static_cast<int>(K - kc * TILE_K < TILE_K ? K - kc * TILE_K : TILE_K);
+    for (int p = 0; p < parts; ++p) {
+      for (int t = 0; t < 16; ++t) r[t] = t < rows ? load_part(x + t * ldx + kc * TILE_K, valid, p) : _mm512_setzero_si512();
+      transpose16x16(r);  // r[k2]: the pairs (k = 2 k2, 2 k2 + 1) of tokens 0..15
+      uint16_t* tile = dst + (kc * parts + p) * TILE_ELEMS;
+      for (int k2 = 0; k2 < 16; ++k2) _mm512_storeu_si512(tile + k2 * TILE_K, r[k2]);
+    }
+  }
+}
+
+// Weight rows [w, w + 16) (and [w + a1, w + a1 + 16) for NA = 2) x activations of NB token blocks
+// -> c[a][b] (16 x 16 fp32 each, [weight row][token], at c + 256 * (b + 2 a)). `a1`: elements
+// from the first A tile's rows to the second's. `ktail` holds each A tile's last, partial K chunk
+// zero-padded (or null). Tile registers: A 0-1, B 2-3, C 4-7.
+template <int NA, int NB>
+inline void tile_block(const uint16_t* w, int64_t ldw, int64_t a1, int64_t num_full_chunks, const uint16_t* ktail,
+                       const uint16_t* xp, int64_t token_block_stride, int parts, float* c) {
+  static_assert(NA >= 1 && NA <= 2 && NB >= 1 && NB <= 2);
+  _tile_zero(4);
+  if constexpr (NB == 2) _tile_zero(5);
+  if constexpr (NA == 2) _tile_zero(6);
+  if constexpr (NA == 2 && NB == 2) _tile_zero(7);
+  const int64_t num_chunks = num_full_chunks + (ktail != nullptr);
+  for (int64_t kc = 0; kc < num_chunks; ++kc) {
+    if (kc < num_full_chunks) {
+      _tile_loadd(0, w + kc * TILE_K, ldw * 2);
+      if constexpr (NA == 2) _tile_loadd(1, w + a1 + kc * TILE_K, ldw * 2);
+    } else {
+      _tile_loadd(0, ktail, TILE_K * 2);
+      if constexpr (NA == 2) _tile_loadd(1, ktail + TILE_ELEMS, TILE_K * 2);
+    }
+    for (int p = 0; p < parts; ++p) {
+      const uint16_t* b = xp + (kc * parts + p) * TILE_ELEMS;
+      _tile_loadd(2, b, 64);
+      if constexpr (NB == 2) _tile_loadd(3, b + token_block_stride, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      if constexpr (NB == 2) _tile_dpbf16ps(5, 0, 3);
+      if constexpr (NA == 2) _tile_dpbf16ps(6, 1, 2);
+      if constexpr (NA == 2 && NB == 2) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, c, 64);
+  if constexpr (NB == 2) _tile_stored(5, c + 256, 64);
+  if constexpr (NA == 2) _tile_stored(6, c + 512, 64);
+  if constexpr (NA == 2 && NB == 2) _tile_stored(7, c + 768, 64);
+}
+
+// A C tile (16 x 16, [weight row][token]) -> r[t]: token t's 16 outputs.
+inline void tile_rows(const float* c, __m512 r[16]) {
+  __m512i v[16];
+  for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(c + 16 * i);
+  transpose16x16(v);
+  for (int t = 0; t < 16; ++t) r[t] = _mm512_castsi512_ps(v[t]);
+}
+
+// silu(x) = x * sigmoid(x), with exp of a non-positive argument only.
+inline __m512 silu(__m512 x) {
+  const __m512 e = vexp_nonpos(_mm512_or_ps(x, _mm512_set1_ps(-0.0f)));  // exp(-|x|)
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_set1_ps(1.0f), e);
+  return _mm512_div_ps(_mm512_mul_ps(x, num), den);
+}
+
+// How a task's C tiles become outputs: `Plain` stores each A tile's 16 outputs per token;
+// `SwiGLU` has the gate rows in A tile 0 and the up rows in A tile 1 and stores silu(gate) * up
+// (rounded where PyTorch's bf16 path rounds: the two projections, silu, the product).
+struct Plain {
+  template <typename X>
+  static void store(const float* c, int na, int b, int rows, X* out, int64_t ldo) {
+    __m512 r[16];
+    for (int a = 0; a < na; ++a) {
+      tile_rows(c + 256 * (b + 2 * a), r);
+      for (int t = 0; t < rows; ++t) vstore_as(out + t * ldo + 16 * a, r[t]);
+    }
+  }
+};
+struct SwiGLU {
+  template <typename X>
+  static void store(const float* c, int, int b, int rows, X* out, int64_t ldo) {
+    __m512 gate[16], up[16];
+    tile_rows(c + 256 * b, gate);
+    tile_rows(c + 256 * (b + 2), up);
+    for (int t = 0; t < rows; ++t) {
+      if constexpr (sizeof(X) == 2) {
+        const __m512 g = vround_bf16(gate[t]);
+        vstore_as(out + t * ldo, _mm512_mul_ps(vround_bf16(silu(g)), vround_bf16(up[t])));
+      } else {
+        vstore_as(out + t * ldo, _mm512_mul_ps(silu(gate[t]), up[t]));
+      }
+    }
+  }
+};
+
+// One task: weight rows [w, w + 16) (and [w + a1, w + a1 + 16) for NA = 2) of a slot against all
+// `rows` of its group, stored by `Out`.
+template <typename Out, typename X, int NA>
+void run_rows(const uint16_t* w, int64_t ldw, int64_t a1, int64_t K, const uint16_t* xp, int64_t rows, int parts,
+              X* out, int64_t ldo) {
+  const int64_t num_full_chunks = K / TILE_K;
+  const int64_t tail = K % TILE_K;
+  alignas(64) uint16_t ktail[2 * TILE_ELEMS];
+  if (tail != 0)
+    for (int a = 0; a < NA; ++a)
+      for (int i = 0; i < TILE_ROWS; ++i)
+        for (int k = 0; k < TILE_K; ++k)
+          ktail[a * TILE_ELEMS + i * TILE_K + k] = k < tail ? w[a * a1 + i * ldw + num_full_chunks * TILE_K + k] : 0;
+  const int64_t num_chunks = num_full_chunks + (tail != 0);
+  const int64_t stride = num_chunks * parts * TILE_ELEMS;  // between token blocks
+  alignas(64) float c[4 * 256];
+  for (int64_t t0 = 0; t0 < rows; t0 += 32) {
+    const int64_t tb = t0 / 16;
+    const int n = static_cast<int>(rows - t0 < 32 ? rows - t0 : 32);
+    const uint16_t* kt = tail != 0 ? ktail : nullptr;
+    if (n > 16)
+      tile_block<NA, 2>(w, ldw, a1, num_full_chunks, kt, xp + tb * stride, stride, parts, c);
+    else
+      tile_block<NA, 1>(w, ldw, a1, num_full_chunks, kt, xp + tb * stride, stride, parts, c);
+    for (int b = 0; b * 16 < n; ++b)
+      Out::store(c, NA, b, n - b * 16 < 16 ? n - b * 16 : 16, out + (t0 + b * 16) * ldo, ldo);
+  }
+}
+
+}  // namespace emoe::amx
