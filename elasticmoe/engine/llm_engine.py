@@ -31,14 +31,14 @@ from elasticmoe.engine.request import Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
 from elasticmoe.errors import InvalidRequestError
-from elasticmoe.kernels.grouped_gemm import has_grouped_gemm
+from elasticmoe.kernels.grouped_gemm import computes_on_amx, has_grouped_gemm
 from elasticmoe.models.registry import model_family
 from elasticmoe.models.weights import (
     ParamSpec,
     SafetensorsWeightProvider,
     WeightProvider,
     load_weights,
-    stores_stacked_as_bf16,
+    stores_as_bf16,
     with_adapter_slots,
 )
 from elasticmoe.outputs import RequestOutput
@@ -93,7 +93,7 @@ class LLMEngine:
         # Offloading without a provider: the routed experts stay on disk until the cache loads them.
         on_disk = config.offloads_experts and weight_provider is None
         self.weights = load_weights([s for s in specs if not (on_disk and s.is_stacked)], provider,
-                                    plan.weight_dtype, expert_dtype)
+                                    self._dense_dtype(specs, provider), expert_dtype)
         model_weights = self.weights
         self.offload: ExpertOffload | None = None
         if config.offloads_experts:
@@ -145,10 +145,21 @@ class LLMEngine:
         if (self.compute_plan.compute_dtype != torch.float32 or esft_in_stack
                 or not isinstance(provider, SafetensorsWeightProvider)
                 or not has_grouped_gemm(torch.float32, torch.bfloat16)
-                or not stores_stacked_as_bf16(specs, provider)):
+                or not stores_as_bf16([s for s in specs if s.is_stacked], provider)):
             return None
         logger.info("expert weights kept in bf16 (a bf16 checkpoint, computed in fp32: exact)")
         return torch.bfloat16
+
+    def _dense_dtype(self, specs: list[ParamSpec], provider: WeightProvider) -> torch.dtype:
+        """The dtype of every weight but the expert stacks: the plan's, or bf16 for a bf16
+        checkpoint computed in fp32 on an AMX host, whose projections then run on AMX tiles with
+        fp32 activations (`layers.linear`; exact weights, fp32's accuracy, half the bytes)."""
+        plan = self.compute_plan
+        if (plan.compute_dtype == torch.float32 and isinstance(provider, SafetensorsWeightProvider)
+                and computes_on_amx() and stores_as_bf16([s for s in specs if not s.is_stacked], provider)):
+            logger.info("dense weights kept in bf16 (a bf16 checkpoint, computed in fp32 on AMX: exact)")
+            return torch.bfloat16
+        return plan.weight_dtype
 
     def _max_model_len(self, num_blocks: int) -> int:
         limit = self.config.max_model_len or self.model_config.max_position_embeddings

@@ -16,7 +16,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from elasticmoe.kernels.build import load_kernel
+from elasticmoe.kernels.build import load_kernel, profiled
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _SUPPORTED = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)}
 
 
-_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+_ARGTYPES: list = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
              ctypes.c_int64, ctypes.c_int64]
 
@@ -38,9 +38,21 @@ def _library() -> ctypes.CDLL | None:
     for fn in (lib.emoe_grouped_gemm, lib.emoe_grouped_swiglu):
         fn.argtypes = _ARGTYPES
         fn.restype = ctypes.c_int
-    if lib.emoe_amx_init() == 0:
+    granted = lib.emoe_amx_init()
+    if granted == 0:
         logger.warning("kernels: the OS refused AMX tile state; the grouped GEMM runs on AVX-512")
+    _amx_builds[lib._name] = granted == 1
     return lib
+
+
+_amx_builds: dict[str, bool] = {}  # loaded library -> whether it computes on AMX tiles
+
+
+def computes_on_amx() -> bool:
+    """Whether the grouped kernel computes bf16 weights on AMX tiles here: then it also serves
+    fp32 activations times bf16 weights faster than widening the weights for an fp32 GEMM."""
+    lib = _library()
+    return lib is not None and _amx_builds.get(lib._name, False)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -60,12 +72,18 @@ def slot_offsets(sorted_slots: torch.Tensor, num_slots: int) -> torch.Tensor:
     return offsets
 
 
-def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+def kernel_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [M, in] @ w[out, in].T on the kernel's threads (decode-size projections while PyTorch
-    runs one thread); None where the kernel does not serve it."""
+    runs one thread; fp32 x bf16 on AMX); None where the kernel does not serve it."""
     if x.dim() != 2 or (x.dtype, w.dtype) not in _SUPPORTED or w.stride(-1) != 1 or _kernel() is None:
         return None
-    return grouped_gemm(x, torch.tensor([0, x.shape[0]]), w.unsqueeze(0))
+    return grouped_gemm(x, _one_group(x.shape[0]), w.unsqueeze(0))
+
+
+@cache
+def _one_group(num_rows: int) -> torch.Tensor:
+    """Offsets of a single group of `num_rows` rows (a decode step asks for the same few sizes)."""
+    return torch.tensor([0, num_rows])
 
 
 def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
@@ -84,7 +102,7 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
     x = x if x.stride(-1) == 1 else x.contiguous()
     offsets = offsets.contiguous()
     rows = slot_rows.contiguous() if slot_rows is not None else None
-    with torch.profiler.record_function("emoe::grouped_swiglu"):  # named in profiles (a ctypes call)
+    with profiled("emoe::grouped_swiglu"):
         rc = lib.emoe_grouped_swiglu(x.data_ptr(), x.stride(0), _DTYPE_CODE[x.dtype], offsets.data_ptr(),
                                      rows.data_ptr() if rows is not None else None, offsets.numel() - 1,
                                      w13.data_ptr(), w13.stride(0), w13.stride(1), _DTYPE_CODE[w13.dtype],
@@ -108,7 +126,7 @@ def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor,
         x = x if x.stride(-1) == 1 else x.contiguous()
         offsets = offsets.contiguous()
         rows = slot_rows.contiguous() if slot_rows is not None else None
-        with torch.profiler.record_function("emoe::grouped_gemm"):  # named in profiles (a ctypes call)
+        with profiled("emoe::grouped_gemm"):
             rc = fn(x.data_ptr(), x.stride(0), _DTYPE_CODE[x.dtype], offsets.data_ptr(),
                     rows.data_ptr() if rows is not None else None, num_slots,
                     w.data_ptr(), w.stride(0), w.stride(1), _DTYPE_CODE[w.dtype], out.data_ptr(), out.stride(0),

@@ -12,7 +12,7 @@ from functools import cache
 
 import torch
 
-from elasticmoe.kernels.build import load_kernel
+from elasticmoe.kernels.build import load_kernel, profiled
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -44,7 +44,7 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: to
     table = block_table.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     out = q.new_empty((batch, num_heads, head_dim))
-    with torch.profiler.record_function("emoe::paged_decode_attention"):  # named in profiles (a ctypes call)
+    with profiled("emoe::paged_decode_attention"):
         rc = fn(q.data_ptr(), q.stride(0), cache.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(),
                 batch, num_heads, num_kv_heads, head_dim, block_size, scale, _DTYPE_CODE[q.dtype], out.data_ptr())
     return out if rc == 0 else None

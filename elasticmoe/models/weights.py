@@ -136,10 +136,10 @@ class SafetensorsWeightProvider:
         self._handles.clear()
 
 
-def stores_stacked_as_bf16(specs: list[ParamSpec], provider: SafetensorsWeightProvider) -> bool:
-    """Whether every checkpoint tensor of the expert stacks is stored in bf16 (then a bf16 copy of
-    them is exact, whatever dtype the model computes in)."""
-    names = [name for spec in specs if spec.is_stacked for group in spec.sources for name in group]
+def stores_as_bf16(specs: list[ParamSpec], provider: SafetensorsWeightProvider) -> bool:
+    """Whether every checkpoint tensor of `specs` is stored in bf16 (then a bf16 copy of them is
+    exact, whatever dtype the model computes in)."""
+    names = [name for spec in specs for group in spec.sources for name in group]
     return bool(names) and all(provider.stored_dtype(name) == "BF16" for name in names)
 
 
