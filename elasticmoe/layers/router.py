@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from elasticmoe.kernels.moe_routing import topk_probs
+
 
 def gate_probs(logits: torch.Tensor) -> torch.Tensor:
     """Router logits [T, E] -> the softmax over all experts [T, E], in float32."""
@@ -18,7 +20,10 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def topk_of_probs(probs: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`softmax_topk` from the gate's probabilities."""
+    """`softmax_topk` from the gate's probabilities (one kernel call where it is built)."""
+    picked = topk_probs(probs, top_k, renormalize)
+    if picked is not None:
+        return picked
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

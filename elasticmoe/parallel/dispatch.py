@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from elasticmoe.kernels.moe_routing import combine_pairs, plan_pairs
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 
 # experts(x [N, H] with rows grouped by ascending slot, those slots [N], per-row extras [N] or None)
@@ -33,7 +34,8 @@ def _combine(num_tokens: int, pair_token_ids: torch.Tensor, pair_out: torch.Tens
 
 
 class LocalDispatcher:
-    """All experts on this rank: sort the (token, expert) pairs by slot, run, scatter-add back."""
+    """All experts on this rank: sort the (token, expert) pairs by slot, run, scatter-add back
+    (one kernel call each for the sort and the weighted sum where the kernels are built)."""
 
     def __init__(self, placement: ExpertPlacement) -> None:
         self.expert_to_slot = torch.tensor(placement.expert_to_slot, dtype=torch.long)
@@ -49,6 +51,16 @@ class LocalDispatcher:
     ):
         num_tokens, top_k = topk_ids.shape
         expert_to_slot = self.expert_to_slot if tables is None else tables[1]
+        # Slots are below the number of expert ids (ESFT tables map more ids than base slots).
+        plan = plan_pairs(topk_ids, expert_to_slot, expert_to_slot.numel())
+        if plan is not None:
+            extra = pair_extra.index_select(0, plan.pair_of_row) if pair_extra is not None else None
+            pair_out = experts(x.index_select(0, plan.token_of_row), plan.slot_of_row, extra)
+            out = combine_pairs(pair_out, plan.row_of_pair, topk_weights)
+            if out is not None:
+                return out
+            return _combine(num_tokens, plan.token_of_row, pair_out,
+                            topk_weights.reshape(-1).index_select(0, plan.pair_of_row))
         pair_slots = expert_to_slot.index_select(0, topk_ids.reshape(-1))  # [T*k], pair p = token p // k
         order = torch.argsort(pair_slots, stable=True)
         token_ids = torch.div(order, top_k, rounding_mode="floor")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from elasticmoe.kernels import grouped_gemm as gg
+from elasticmoe.kernels import moe_routing as mr
 from elasticmoe.kernels import paged_attention as pa
 from elasticmoe.kernels.build import load_kernel
 from elasticmoe.layers.attention import decode_attention
@@ -21,13 +22,13 @@ def isa(request, monkeypatch):
     """Run the kernels of one ISA build (each build this CPU can execute)."""
     if load_kernel("grouped_gemm", request.param) is None:
         pytest.skip("no C++ compiler")
-    for module in (gg, pa):
+    for module in (gg, pa, mr):
         monkeypatch.setattr(module, "load_kernel", lambda n, _isa=request.param: load_kernel(n, _isa))
-    gg._library.cache_clear()
-    pa._kernel.cache_clear()
+    for clear in (gg._library.cache_clear, pa._kernel.cache_clear, mr._library.cache_clear):
+        clear()
     yield request.param
-    gg._library.cache_clear()
-    pa._kernel.cache_clear()
+    for clear in (gg._library.cache_clear, pa._kernel.cache_clear, mr._library.cache_clear):
+        clear()
 
 
 @pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
@@ -221,3 +222,51 @@ def test_fused_rms_norm_over_heads_of_a_fused_projection(isa, monkeypatch, dtype
     rn._kernel.cache_clear()
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out[:, 8:], want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_topk_equals_torch_topk(isa, renormalize):
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(50, 12), dim=-1)
+    weights, ids = mr.topk_probs(probs, 4, renormalize)
+    want_w, want_ids = torch.topk(probs, 4, dim=-1)
+    if renormalize:
+        want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-7, rtol=1e-6)
+    ties = torch.tensor([[0.25, 0.25, 0.5, 0.0, 0.25]])  # equal values: lower expert id first
+    assert mr.topk_probs(ties, 3, False)[1].tolist() == [[2, 0, 1]]
+    assert mr.topk_probs(probs, 13, False) is None and mr.topk_probs(probs.double(), 2, False) is None
+
+
+def test_pair_plan_is_a_stable_sort_by_slot(isa):
+    torch.manual_seed(0)
+    num_tokens, top_k, num_experts = 37, 3, 9
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])
+    expert_to_slot = torch.randperm(num_experts)
+    plan = mr.plan_pairs(ids, expert_to_slot, num_experts)
+    pair_slots = expert_to_slot[ids.reshape(-1)]
+    order = torch.argsort(pair_slots, stable=True)
+    assert torch.equal(plan.pair_of_row, order)
+    assert torch.equal(plan.token_of_row, order // top_k)
+    assert torch.equal(plan.slot_of_row, pair_slots[order])
+    assert torch.equal(plan.row_of_pair[order], torch.arange(order.numel()))
+    assert torch.equal(plan.offsets, gg.slot_offsets(pair_slots[order], num_experts))
+    with pytest.raises(ValueError, match="out of range"):
+        mr.plan_pairs(torch.tensor([[0, num_experts]]), expert_to_slot, num_experts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [3, 700])  # a decode step's few tokens; a prefill's, in parallel
+def test_combine_equals_index_add_of_weighted_rows(isa, dtype, num_tokens):
+    torch.manual_seed(0)
+    top_k, hidden = 4, 40  # a tail past the vector width
+    row_of_pair = torch.randperm(num_tokens * top_k)
+    pair_out = torch.randn(num_tokens * top_k, hidden).to(dtype)
+    weights = torch.rand(num_tokens, top_k).to(dtype)
+    got = mr.combine_pairs(pair_out, row_of_pair, weights)
+    rows = pair_out.float()[row_of_pair].view(num_tokens, top_k, hidden)
+    want = (rows * weights.float().unsqueeze(-1)).sum(1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
