@@ -69,9 +69,9 @@ def test_bf16_checkpoint_in_float32_keeps_its_experts_in_bf16(tiny_model_dirs, t
     """Lossless: the experts of a bf16 checkpoint stay bf16 (half the bytes a decode step reads),
     on AMX hosts every other weight too (the projections run on AMX tiles), and the engine
     generates what an engine over fp32 copies of the same weights generates."""
-    from elasticmoe.kernels.grouped_gemm import computes_on_amx
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from elasticmoe.kernels.grouped_gemm import computes_on_amx
 
     src = tiny_model_dirs["qwen3_moe"]
     bf16_dir = str(tmp_path / "bf16")
