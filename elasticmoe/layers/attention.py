@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.kernels.paged_attention import paged_decode_attention
+from elasticmoe.utils.cpu_features import detect_cpu_features
 
 
 @dataclass
@@ -127,10 +128,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """Causal self-attention of whole spans. q [B, L, H, D]; k, v [B, Hkv, L, D] -> [B, L, H, D].
 
     Two batched matmuls with the query heads of each KV head stacked along the
-    rows. In bf16 this is ~1.7x faster on CPU than SDPA's flash kernel at prompt
-    lengths in the hundreds; in fp32 SDPA wins (it skips the masked tiles), so
-    fp32 stays on SDPA. Scores are kept in the model dtype and softmaxed in
-    float32, as HF's eager attention does.
+    rows. In bf16 without AMX this is ~1.7x faster on CPU than SDPA's flash kernel
+    at prompt lengths in the hundreds; in fp32 SDPA wins (it skips the masked
+    tiles), so fp32 stays on SDPA, and so does bf16 where oneDNN has AMX (SDPA
+    4.2x faster at 128 tokens, 8.6x at 512, measured on such a host). Scores are
+    kept in the model dtype and softmaxed in float32, as HF's eager attention does.
     """
     batch, length, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -143,6 +145,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
     out = torch.bmm(probs, v.view(-1, length, head_dim))  # [B*Hkv, G*L, D]
     return out.view(batch, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
+
+
+# bf16 causal prefill through SDPA's flash kernel where it runs on AMX tiles (see causal_attention).
+_SDPA_ON_AMX = detect_cpu_features().bf16_gemm == "amx"
 
 
 def gqa_decode(scale: float) -> DecodeFn:
@@ -166,7 +172,7 @@ def gqa_attend(scale: float) -> AttendFn:
         v = kv[:, :, 1].transpose(1, 2).contiguous()
         if q.shape[1] == 1 and mask is not None:
             return decode_attention(q[:, 0], k, v, mask.view(mask.shape[0], -1), scale).unsqueeze(1)
-        if is_causal and q.dtype != torch.float32:
+        if is_causal and q.dtype != torch.float32 and not _SDPA_ON_AMX:
             return causal_attention(q, k, v, scale)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
