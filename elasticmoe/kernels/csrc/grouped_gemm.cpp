@@ -23,6 +23,7 @@
 #include <omp.h>
 
 #include <cstdlib>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -309,13 +310,13 @@ int emoe_grouped_swiglu(const void* x, int64_t ldx, int x_dtype, const int64_t* 
                         int64_t ldo, int64_t inter, int64_t K) {
 #if defined(EMOE_AMX)
   if (g_amx && w_dtype == kBF16 && inter % 16 == 0) {
-    const auto* wb = static_cast<const uint16_t*>(w);
-    if (x_dtype == kF32 && amx_grouped_swiglu(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, wb,
-                                              w_stride_e, w_stride_n, static_cast<float*>(out), ldo, inter, K))
-      return 0;
-    if (x_dtype == kBF16 && amx_grouped_swiglu(static_cast<const uint16_t*>(x), ldx, offsets, slot_rows, num_slots, wb,
-                                               w_stride_e, w_stride_n, static_cast<uint16_t*>(out), ldo, inter, K))
-      return 0;
+    const auto run = [&](auto* typed_out) {
+      using X = std::remove_pointer_t<decltype(typed_out)>;
+      return amx_grouped_swiglu(static_cast<const X*>(x), ldx, offsets, slot_rows, num_slots,
+                                static_cast<const uint16_t*>(w), w_stride_e, w_stride_n, typed_out, ldo, inter, K);
+    };
+    if (x_dtype == kF32 && run(static_cast<float*>(out))) return 0;
+    if (x_dtype == kBF16 && run(static_cast<uint16_t*>(out))) return 0;
   }
 #endif
   return -1;
@@ -326,28 +327,25 @@ int emoe_grouped_swiglu(const void* x, int64_t ldx, int x_dtype, const int64_t* 
 int emoe_grouped_gemm(const void* x, int64_t ldx, int x_dtype, const int64_t* offsets, const int64_t* slot_rows,
                       int num_slots, const void* w, int64_t w_stride_e, int64_t w_stride_n, int w_dtype, void* out,
                       int64_t ldo, int64_t n_out, int64_t K) {
-  const auto* wb = static_cast<const uint16_t*>(w);
+  // bf16 weights: on AMX tiles where the OS granted them, else the dot kernel.
+  const auto bf16_weights = [&](auto* typed_out) {
+    using X = std::remove_pointer_t<decltype(typed_out)>;
+    const auto* xt = static_cast<const X*>(x);
+    const auto* wb = static_cast<const uint16_t*>(w);
+#if defined(EMOE_AMX)
+    if (g_amx && amx_grouped_gemm(xt, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, typed_out, ldo,
+                                  n_out, K))
+      return;
+#endif
+    grouped_gemm(xt, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, typed_out, ldo, n_out, K);
+  };
   if (x_dtype == kF32 && w_dtype == kF32) {
     grouped_gemm(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const float*>(w), w_stride_e,
                  w_stride_n, static_cast<float*>(out), ldo, n_out, K);
   } else if (x_dtype == kF32 && w_dtype == kBF16) {
-    const auto* xf = static_cast<const float*>(x);
-    auto* of = static_cast<float*>(out);
-#if defined(EMOE_AMX)
-    if (g_amx && amx_grouped_gemm(xf, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, of, ldo,
-                                    n_out, K))
-      return 0;
-#endif
-    grouped_gemm(xf, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, of, ldo, n_out, K);
+    bf16_weights(static_cast<float*>(out));
   } else if (x_dtype == kBF16 && w_dtype == kBF16) {
-    const auto* xb = static_cast<const uint16_t*>(x);
-    auto* ob = static_cast<uint16_t*>(out);
-#if defined(EMOE_AMX)
-    if (g_amx && amx_grouped_gemm(xb, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, ob, ldo,
-                                    n_out, K))
-      return 0;
-#endif
-    grouped_gemm(xb, ldx, offsets, slot_rows, num_slots, wb, w_stride_e, w_stride_n, ob, ldo, n_out, K);
+    bf16_weights(static_cast<uint16_t*>(out));
   } else {
     return -1;
   }
