@@ -1,14 +1,14 @@
 """The autoscaler on the elastic server under a generated ramp-then-drop load (tiny model).
 
 One server (2 devices, dp 1, one request per rank at a time so that a burst queues),
-API and admin keys on. The load: 0.5 rps, a step to 16 rps (well over what one
-rank serves within the SLO), then 0.5 rps again. (At a 1 rps base a 5 s window holds
-min_samples requests, so one Poisson collision on a slow or busy host was a miss rate of
-1/5 and scaled up before the step.) The autoscaler must scale up while
-attainment is below target, see attainment recover, scale down after the load
-drops, never scale twice within a cooldown, and no request may fail. Then the
-admin API: a manual scale pauses the autoscaler, `POST /admin/autoscaler` resumes it,
-and keys are enforced (the load itself ran with them).
+API and admin keys on. The load: 0.5 rps, a step to 2.5x what one rank serves, then 0.5 rps
+again. The step's rate is measured first with a few sequential requests: hosts of this kind
+differ ~5x, and a fixed rate either did not saturate a fast host or left a backlog of minutes
+(and a base load near capacity, which scaled up before the step) on a slow one. The
+autoscaler must scale up while attainment is below target, see attainment recover, scale
+down after the load drops, never scale twice within a cooldown, and no request may fail.
+Then the admin API: a manual scale pauses the autoscaler, `POST /admin/autoscaler` resumes
+it, and keys are enforced (the load itself ran with them).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
+import statistics
 import time
 from pathlib import Path
 
@@ -38,9 +39,17 @@ AUTOSCALE = AutoscaleConfig(
     scale_down_attainment=0.99, window_s=5, interval_s=0.5, scale_up_after_s=2, scale_down_after_s=5,
     cooldown_s=6, min_samples=5,
 )
-HIGH = (9.0, 17.0)  # the 16 rps step: about 1.6x what one rank serves
-DURATION = 40.0  # the scale-down comes about 10-15 s after the drop; the checks wait for it beyond the load
-LOAD = Ramp(((0.0, 0.5), (8.0, 0.5), (HIGH[0], 16.0), (HIGH[1] - 1, 16.0), (HIGH[1], 0.5), (DURATION, 0.5)))
+OUTPUT_LEN = 16
+HIGH = (9.0, 14.0)  # the step: 2.5x what one rank serves (measured first), then its backlog drains
+DURATION = 30.0  # the scale-down comes after the backlog drains; the checks wait for it beyond the load
+BASE_RPS = 0.5  # before and after the step: the ranks idle most of the time
+
+
+def load_for(rank_rps: float) -> Ramp:
+    """The ramp-then-drop load relative to what one rank serves on this host (hosts differ ~5x)."""
+    high = 2.5 * rank_rps
+    return Ramp(((0.0, BASE_RPS), (HIGH[0] - 1, BASE_RPS), (HIGH[0], high), (HIGH[1] - 1, high),
+                 (HIGH[1], BASE_RPS), (DURATION, BASE_RPS)))
 
 
 def _free_port() -> int:
@@ -73,16 +82,30 @@ def _wait_idle(server, timeout_s: float = 120) -> dict:
     raise AssertionError("the server did not settle")
 
 
+def _rank_rps(server) -> float:
+    """Requests per second one rank serves one at a time: the median of a few sequential requests."""
+    body = {"model": MODEL, "prompt": list(range(10, 22)), "max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True}
+    seconds = []
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        for _ in range(5):
+            t0 = time.monotonic()
+            c.post("/v1/completions", json=body).raise_for_status()
+            seconds.append(time.monotonic() - t0)
+    return 1 / statistics.median(seconds[1:])
+
+
 def test_ramp_then_drop_scales_up_recovers_and_scales_down(server):
     _wait_idle(server)
-    spec = LoadSpec(LOAD, duration_s=DURATION, mix=AdapterMix.single(MODEL),
-                    prompt_len=LengthDist("uniform", 8, 16), output_len=LengthDist("fixed", 48), seed=7)
+    rank_rps = _rank_rps(server)
+    assert 2.5 * rank_rps > 2 * BASE_RPS, f"one rank serves only {rank_rps:.2f} rps"
+    spec = LoadSpec(load_for(rank_rps), duration_s=DURATION, mix=AdapterMix.single(MODEL),
+                    prompt_len=LengthDist("uniform", 8, 16), output_len=LengthDist("fixed", OUTPUT_LEN), seed=7)
     result = asyncio.run(run_load(spec, server.url, api_key=API_KEY, admin_key=ADMIN_KEY,
                                   watch_scale_events=True, poll_interval_s=0.5, request_timeout_s=300))
     records = result.records
     failed = [r for r in records if not r.is_ok]
     assert not failed, f"{len(failed)} failed, e.g. {failed[0].status} {failed[0].error}"
-    assert len(records) > 100
+    assert len(records) > 12 * rank_rps, (len(records), rank_rps)
 
     # The backlog of the step drains at its own pace (on 2 cores a second rank adds little
     # decode throughput to the tiny model): give the scale-down time to come.
