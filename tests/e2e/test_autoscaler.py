@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-import statistics
 import time
 from pathlib import Path
 
@@ -83,15 +82,17 @@ def _wait_idle(server, timeout_s: float = 120) -> dict:
 
 
 def _rank_rps(server) -> float:
-    """Requests per second one rank serves one at a time: the median of a few sequential requests."""
+    """Requests per second one rank serves one at a time, from the fastest of a few sequential
+    requests: the other test worker may load the CPU now and not during the step, and a rate
+    measured slow would then not saturate the rank."""
     body = {"model": MODEL, "prompt": list(range(10, 22)), "max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True}
     seconds = []
     with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-        for _ in range(5):
+        for _ in range(6):
             t0 = time.monotonic()
             c.post("/v1/completions", json=body).raise_for_status()
             seconds.append(time.monotonic() - t0)
-    return 1 / statistics.median(seconds[1:])
+    return 1 / min(seconds[1:])
 
 
 def test_ramp_then_drop_scales_up_recovers_and_scales_down(server):
