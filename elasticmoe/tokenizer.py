@@ -1,45 +1,147 @@
-"""Tokenizer (HF `tokenizer.json` via transformers, loaded locally) and incremental detokenizer."""
+"""Tokenizer (HF `tokenizer.json` via transformers, loaded locally) and incremental detokenizer.
+
+Decoding, which every rank does for every token, runs on the `tokenizers` backend that
+transformers itself decodes with, whenever its `decode` is exactly that backend's (true of
+the fast tokenizers this project serves; checked, else transformers decodes). The backend is
+cached on disk as transformers built it (`$ELASTICMOE_TOKENIZER_CACHE`, default
+`~/.cache/elasticmoe/tokenizers`, keyed by the tokenizer files' content and both libraries'
+versions), so a process that only decodes (a rank) loads it without importing transformers:
+that import scans transformers' whole model registry, ~1.3 s of CPU at every rank start, on
+the path of a scale-up. Encoding and chat templates load transformers on first use.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import tempfile
+from functools import cached_property
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from elasticmoe.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 # Tokens of the prompt tail decoded together with the first output tokens, so
 # that tokenizers which merge across token boundaries (SentencePiece spaces)
 # produce the right first characters.
 _PREFIX_WINDOW = 5
+# What a tokenizer may read beside its own files; weights are never hashed.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ELASTICMOE_TOKENIZER_CACHE") or Path.home() / ".cache" / "elasticmoe" / "tokenizers")
+
+
+def _cache_key(model_dir: Path) -> str:
+    """The tokenizer's identity: every non-weight file of the model directory and the versions of
+    the two libraries that build and run it."""
+    digest = hashlib.sha256()
+    for lib in ("transformers", "tokenizers"):
+        digest.update(f"{lib}={metadata.version(lib)};".encode())
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:24]
+
+
+def _decodes_with_backend(hf: Any) -> bool:
+    """Whether transformers' `decode` of `hf` is its backend's `decode(ids, skip_special_tokens)`
+    and nothing else: the fast tokenizer's own `_decode`, not overridden, with no space cleanup
+    applied (transformers skips that cleanup for BPE models)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    cls = type(hf)
+    if not isinstance(hf, TokenizersBackend) or cls._decode is not TokenizersBackend._decode:
+        return False
+    if cls.decode is not PreTrainedTokenizerBase.decode:
+        return False
+    cleanup = bool(getattr(hf, "clean_up_tokenization_spaces", False))
+    is_bpe = type(hf.backend_tokenizer.model).__name__ == "BPE"
+    forced = bool(getattr(hf, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+    return not cleanup or (is_bpe and not forced)
 
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._backend: Any = None  # a `tokenizers.Tokenizer` that decodes as transformers does, or None
+        cached = self._read_cache()
+        if cached is not None:
+            from tokenizers import Tokenizer as Backend
+
+            self._backend = Backend.from_str(cached["backend"])
+            self.eos_token_ids = tuple(cached["eos_token_ids"])
+            self.vocab_size = int(cached["vocab_size"])
+            return
+        hf = self.hf
+        self.eos_token_ids = self._eos_ids(hf.eos_token_id)
+        self.vocab_size = len(hf)
+        if _decodes_with_backend(hf):
+            self._backend = hf.backend_tokenizer
+            self._write_cache()
+
+    @cached_property
+    def hf(self) -> Any:
+        """The transformers tokenizer (imported and loaded on first use)."""
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
-        self.eos_token_ids = self._eos_ids(Path(model_dir))
-        self.vocab_size = len(self.hf)
+        return AutoTokenizer.from_pretrained(str(self.model_dir))
 
-    def _eos_ids(self, model_dir: Path) -> tuple[int, ...]:
+    def _eos_ids(self, tokenizer_eos: int | None) -> tuple[int, ...]:
         ids: set[int] = set()
         for name in ("generation_config.json", "config.json"):
-            path = model_dir / name
+            path = self.model_dir / name
             if path.is_file():
                 eos = json.loads(path.read_text()).get("eos_token_id")
                 ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.hf.eos_token_id is not None:
-            ids.add(self.hf.eos_token_id)
+        if tokenizer_eos is not None:
+            ids.add(tokenizer_eos)
         return tuple(sorted(ids))
+
+    def _cache_path(self) -> Path:
+        return _cache_dir() / f"{_cache_key(self.model_dir)}.json"
+
+    def _read_cache(self) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads(self._cache_path().read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:  # unreadable or torn: rebuilt from transformers
+            logger.info("tokenizer cache of %s unusable (%s); loading through transformers", self.model_dir, exc)
+            return None
+
+    def _write_cache(self) -> None:
+        entry = {"backend": self._backend.to_str(), "eos_token_ids": list(self.eos_token_ids),
+                 "vocab_size": self.vocab_size, "model_dir": str(self.model_dir)}
+        try:
+            path = self._cache_path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(entry, f)
+            os.replace(tmp, path)  # concurrent writers (ranks starting together) write the same bytes
+        except OSError as exc:  # e.g. a read-only home: every process loads through transformers
+            logger.info("tokenizer cache not written (%s)", exc)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
-        return str(self.hf.decode([token_id]))
+        return self.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Render messages with the model's chat template, opening the assistant turn."""

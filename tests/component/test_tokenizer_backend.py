@@ -1,0 +1,128 @@
+"""The tokenizer decodes on transformers' own `tokenizers` backend, cached on disk.
+
+Decoding through the backend must equal transformers' `decode` exactly (random ids with
+special tokens, both `skip_special_tokens`, one token at a time), for the three families'
+tiny tokenizers; a second process loads the cached backend without importing transformers;
+the cache follows the tokenizer's files; a torn cache file or an unwritable cache directory
+costs the speed-up, never the output; and a tokenizer whose decode does more than its
+backend (space cleanup of a WordPiece model) keeps decoding through transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ARCHS
+from transformers import AutoTokenizer
+
+from elasticmoe.tokenizer import Tokenizer
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "tokenizer-cache"
+    monkeypatch.setenv("ELASTICMOE_TOKENIZER_CACHE", str(path))
+    return path
+
+
+def _id_runs(vocab_size: int, special: list[int], n: int = 200) -> list[list[int]]:
+    rng = random.Random(0)
+    pool = list(range(vocab_size)) + special * 20  # special tokens often, as in real outputs
+    return [[rng.choice(pool) for _ in range(rng.randint(1, 24))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backend_decode_equals_transformers(tiny_model_dirs, cache, arch):
+    model_dir = tiny_model_dirs[arch]
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    ours = Tokenizer(model_dir)
+    assert ours._backend is not None, "the tiny fast tokenizer should decode on its backend"
+    assert list(cache.glob("*.json")), "the backend was not cached"
+    assert ours.vocab_size == len(hf) and hf.eos_token_id in ours.eos_token_ids
+    for ids in _id_runs(len(hf), hf.all_special_ids):
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), (ids, skip)
+    for token_id in range(len(hf)):
+        assert ours.token_text(token_id) == hf.decode([token_id])
+
+
+def test_a_second_process_decodes_from_the_cache_without_transformers(tiny_model_dir, cache):
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = _id_runs(len(hf), hf.all_special_ids, n=20)
+    first = Tokenizer(tiny_model_dir)  # builds the backend through transformers and caches it
+    script = (
+        "import json, sys\n"
+        "from elasticmoe.tokenizer import Tokenizer\n"
+        f"t = Tokenizer({tiny_model_dir!r})\n"
+        f"out = [t.decode(i) for i in {ids!r}]\n"
+        "print(json.dumps({'transformers': 'transformers' in sys.modules, 'out': out,"
+        " 'eos': t.eos_token_ids, 'vocab': t.vocab_size}))\n"
+    )
+    env = {**__import__("os").environ, "ELASTICMOE_TOKENIZER_CACHE": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["transformers"] is False
+    assert doc["out"] == [hf.decode(i, skip_special_tokens=True) for i in ids]
+    assert (tuple(doc["eos"]), doc["vocab"]) == (first.eos_token_ids, first.vocab_size)
+
+
+def test_the_cache_follows_the_tokenizer_files(tiny_model_dir, cache, tmp_path):
+    Tokenizer(tiny_model_dir)
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_model_dir, changed)
+    config = json.loads((changed / "tokenizer_config.json").read_text())
+    config["eos_token"] = config["pad_token"]  # another eos: another tokenizer
+    (changed / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer(changed)
+    assert len(list(cache.glob("*.json"))) == 2
+    assert AutoTokenizer.from_pretrained(str(changed)).eos_token_id in ours.eos_token_ids
+    # The weights are not part of the key: a checkpoint re-saved in bf16 shares the entry.
+    (changed / "model.safetensors").write_bytes(b"not the same weights")
+    Tokenizer(changed)
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_a_torn_cache_file_is_rebuilt(tiny_model_dir, cache):
+    Tokenizer(tiny_model_dir)
+    (entry,) = cache.glob("*.json")
+    entry.write_text('{"backend": "{\\"vers')  # a writer that died mid-file (no atomic replace)
+    ours = Tokenizer(tiny_model_dir)
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert ours.decode([5, 6, 7]) == hf.decode([5, 6, 7], skip_special_tokens=True)
+    assert json.loads(entry.read_text())["vocab_size"] == len(hf)  # rewritten whole
+
+
+def test_an_unwritable_cache_costs_speed_not_output(tiny_model_dir, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("ELASTICMOE_TOKENIZER_CACHE", str(blocker / "cache"))  # cannot be created
+    ours = Tokenizer(tiny_model_dir)
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert ours.decode([5, 6, 7, 2], skip_special_tokens=False) == hf.decode([5, 6, 7, 2])
+
+
+def test_a_decode_with_space_cleanup_stays_with_transformers(tmp_path, cache):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[SEP]": 1, "hello": 2, "world": 3, ",": 4, "!": 5, "do": 6, "##n": 7, "'": 8, "t": 9}
+    backend = Backend(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    model_dir = tmp_path / "wordpiece"
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", sep_token="[SEP]",
+                            clean_up_tokenization_spaces=True).save_pretrained(str(model_dir))
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    ours = Tokenizer(model_dir)
+    assert ours._backend is None and not list(cache.glob("*.json"))
+    ids = [2, 4, 3, 5, 6, 7, 8, 9]
+    assert hf.decode(ids) != backend.decode(ids)  # the cleanup changes this text ...
+    assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids)  # ... and we keep it
