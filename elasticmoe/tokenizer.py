@@ -5,9 +5,10 @@ transformers itself decodes with, whenever its `decode` is exactly that backend'
 the fast tokenizers this project serves; checked, else transformers decodes). The backend is
 cached on disk as transformers built it (`$ELASTICMOE_TOKENIZER_CACHE`, default
 `~/.cache/elasticmoe/tokenizers`, keyed by the tokenizer files' content and both libraries'
-versions), so a process that only decodes (a rank) loads it without importing transformers:
-that import scans transformers' whole model registry, ~1.3 s of CPU at every rank start, on
-the path of a scale-up. Encoding and chat templates load transformers on first use.
+versions), so a process that only decodes (a rank, `encodes=False`) loads it without
+importing transformers: that import scans transformers' whole model registry, ~1.3 s of CPU
+at every rank start, on the path of a scale-up. A process that encodes loads transformers at
+construction, as before, so that its first request does not wait for it.
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ def _decodes_with_backend(hf: Any) -> bool:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, encodes: bool = True) -> None:
+        """`encodes=False`: the process only decodes (a rank), so transformers is not loaded when
+        the cache has the backend (it still loads on a first `encode`, which is then slow)."""
         self.model_dir = Path(model_dir)
         self._backend: Any = None  # a `tokenizers.Tokenizer` that decodes as transformers does, or None
-        cached = self._read_cache()
+        cached = None if encodes else self._read_cache()
         if cached is not None:
             from tokenizers import Tokenizer as Backend
 

@@ -55,7 +55,7 @@ class NativeBackend(LoopBackend):
         """Config and tokenizer, validated; no weights (a seed is not needed: attach maps in place)."""
         self.config = options.engine_config(model_dir, ep_rank=rank, ep_size=dp)
         await asyncio.to_thread(ModelConfig.from_pretrained, model_dir)
-        self.tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
+        self.tokenizer = await asyncio.to_thread(Tokenizer, model_dir, encodes=False)  # requests come as ids
 
     async def attach(
         self, handle_set: Mapping[str, Handle], placement: ExpertPlacement, group: Any, fence_kv: bool
@@ -79,7 +79,7 @@ class NativeBackend(LoopBackend):
         if (loader.expert_cache is not None) != config.offloads_experts:
             raise RuntimeError("attach: the device has an expert cache exactly when the engine offloads experts")
         self.engine = await asyncio.to_thread(LLMEngine, config, loader.weights, loader.kv, placement, group,
-                                              loader.expert_cache)
+                                              loader.expert_cache, self.tokenizer)
         seconds = time.perf_counter() - t0
         self.core, self.group = self.engine, group
         if fence_kv:

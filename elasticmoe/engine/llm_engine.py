@@ -66,9 +66,11 @@ class LLMEngine:
         placement: ExpertPlacement | None = None,
         ep_group: dist.ProcessGroup | None = None,
         expert_cache_pool: torch.Tensor | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         """`expert_cache_pool`: with offloading, the device's expert cache buffer (the HMM's, on
-        the elastic server); None: the engine allocates one of the configured budget."""
+        the elastic server); None: the engine allocates one of the configured budget.
+        `tokenizer`: one its owner already loaded (a rank's, decode-only); None: loaded here."""
         tune_malloc()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -79,7 +81,7 @@ class LLMEngine:
         )
         self.config = config = dataclasses.replace(config, dtype=plan.compute_dtype)
         logger.info("cpu compute: %s", cpu_compute_info(plan=plan))
-        self.tokenizer = Tokenizer(config.model)
+        self.tokenizer = tokenizer or Tokenizer(config.model)
         self.placement = placement or ExpertPlacement.balanced(cfg.num_experts, config.ep_size)
         if self.placement.num_ranks != config.ep_size:
             raise ValueError(f"placement: has {self.placement.num_ranks} ranks, ep_size is {config.ep_size}")

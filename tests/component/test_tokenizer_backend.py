@@ -3,7 +3,8 @@
 Decoding through the backend must equal transformers' `decode` exactly (random ids with
 special tokens, both `skip_special_tokens`, one token at a time), for the three families'
 tiny tokenizers; a second process loads the cached backend without importing transformers;
-the cache follows the tokenizer's files; a torn cache file or an unwritable cache directory
+a tokenizer that encodes loads transformers at once (its first request must not wait for
+it); the cache follows the tokenizer's files; a torn cache file or an unwritable cache directory
 costs the speed-up, never the output; and a tokenizer whose decode does more than its
 backend (space cleanup of a WordPiece model) keeps decoding through transformers.
 """
@@ -59,7 +60,7 @@ def test_a_second_process_decodes_from_the_cache_without_transformers(tiny_model
     script = (
         "import json, sys\n"
         "from elasticmoe.tokenizer import Tokenizer\n"
-        f"t = Tokenizer({tiny_model_dir!r})\n"
+        f"t = Tokenizer({tiny_model_dir!r}, encodes=False)\n"
         f"out = [t.decode(i) for i in {ids!r}]\n"
         "print(json.dumps({'transformers': 'transformers' in sys.modules, 'out': out,"
         " 'eos': t.eos_token_ids, 'vocab': t.vocab_size}))\n"
@@ -71,6 +72,14 @@ def test_a_second_process_decodes_from_the_cache_without_transformers(tiny_model
     assert doc["transformers"] is False
     assert doc["out"] == [hf.decode(i, skip_special_tokens=True) for i in ids]
     assert (tuple(doc["eos"]), doc["vocab"]) == (first.eos_token_ids, first.vocab_size)
+
+
+def test_a_tokenizer_that_encodes_loads_transformers_at_construction(tiny_model_dir, cache):
+    Tokenizer(tiny_model_dir)  # the cache is filled
+    ours = Tokenizer(tiny_model_dir)
+    assert "hf" in ours.__dict__ and ours._backend is not None  # loaded, and decoding on the backend
+    assert "hf" not in Tokenizer(tiny_model_dir, encodes=False).__dict__
+    assert ours.encode("hello world") == AutoTokenizer.from_pretrained(tiny_model_dir).encode("hello world")
 
 
 def test_the_cache_follows_the_tokenizer_files(tiny_model_dir, cache, tmp_path):
@@ -93,7 +102,7 @@ def test_a_torn_cache_file_is_rebuilt(tiny_model_dir, cache):
     Tokenizer(tiny_model_dir)
     (entry,) = cache.glob("*.json")
     entry.write_text('{"backend": "{\\"vers')  # a writer that died mid-file (no atomic replace)
-    ours = Tokenizer(tiny_model_dir)
+    ours = Tokenizer(tiny_model_dir, encodes=False)
     hf = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert ours.decode([5, 6, 7]) == hf.decode([5, 6, 7], skip_special_tokens=True)
     assert json.loads(entry.read_text())["vocab_size"] == len(hf)  # rewritten whole
