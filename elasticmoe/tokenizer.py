@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 # produce the right first characters.
 _PREFIX_WINDOW = 5
 # What a tokenizer may read beside its own files; weights are never hashed.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".npz", ".h5", ".msgpack", ".onnx")
 
 
 def _cache_dir() -> Path:
