@@ -106,7 +106,7 @@ def test_ramp_then_drop_scales_up_recovers_and_scales_down(server):
     records = result.records
     failed = [r for r in records if not r.is_ok]
     assert not failed, f"{len(failed)} failed, e.g. {failed[0].status} {failed[0].error}"
-    assert len(records) > 12 * rank_rps, (len(records), rank_rps)
+    assert len(records) > 8 * rank_rps, (len(records), rank_rps)  # the step alone brings ~12.5x (Poisson)
 
     # The backlog of the step drains at its own pace (on 2 cores a second rank adds little
     # decode throughput to the tiny model): give the scale-down time to come.
