@@ -12,6 +12,7 @@ backend (space cleanup of a WordPiece model) keeps decoding through transformers
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -65,7 +66,7 @@ def test_a_second_process_decodes_from_the_cache_without_transformers(tiny_model
         "print(json.dumps({'transformers': 'transformers' in sys.modules, 'out': out,"
         " 'eos': t.eos_token_ids, 'vocab': t.vocab_size}))\n"
     )
-    env = {**__import__("os").environ, "ELASTICMOE_TOKENIZER_CACHE": str(cache)}
+    env = {**os.environ, "ELASTICMOE_TOKENIZER_CACHE": str(cache)}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
