@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticmoe.errors import InvalidRequestError
+from elasticmoe.utils.user_cache import user_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +34,6 @@ logger = logging.getLogger(__name__)
 _PREFIX_WINDOW = 5
 # What a tokenizer may read beside its own files; weights are never hashed.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".npz", ".h5", ".msgpack", ".onnx")
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("ELASTICMOE_TOKENIZER_CACHE") or Path.home() / ".cache" / "elasticmoe" / "tokenizers")
 
 
 def _cache_key(model_dir: Path) -> str:
@@ -110,12 +107,14 @@ class Tokenizer:
             ids.add(tokenizer_eos)
         return tuple(sorted(ids))
 
+    @cached_property
     def _cache_path(self) -> Path:
-        return _cache_dir() / f"{_cache_key(self.model_dir)}.json"
+        """Hashed once: a miss reads it, then the write after loading through transformers."""
+        return user_cache_dir("tokenizers", "ELASTICMOE_TOKENIZER_CACHE") / f"{_cache_key(self.model_dir)}.json"
 
     def _read_cache(self) -> dict[str, Any] | None:
         try:
-            return dict(json.loads(self._cache_path().read_text()))
+            return dict(json.loads(self._cache_path.read_text()))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:  # unreadable or torn: rebuilt from transformers
@@ -126,7 +125,7 @@ class Tokenizer:
         entry = {"backend": self._backend.to_str(), "eos_token_ids": list(self.eos_token_ids),
                  "vocab_size": self.vocab_size, "model_dir": str(self.model_dir)}
         try:
-            path = self._cache_path()
+            path = self._cache_path
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
             with os.fdopen(fd, "w") as f:

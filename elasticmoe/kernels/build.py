@@ -21,6 +21,7 @@ from pathlib import Path
 import torch  # loads PyTorch's libgomp first, so the kernels share its OpenMP runtime
 
 from elasticmoe.utils.cpu_features import detect_cpu_features
+from elasticmoe.utils.user_cache import user_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def kernels_enabled() -> bool:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("ELASTICMOE_KERNEL_CACHE") or Path.home() / ".cache" / "elasticmoe" / "kernels")
+    return user_cache_dir("kernels", "ELASTICMOE_KERNEL_CACHE")
 
 
 @cache
