@@ -174,3 +174,22 @@ def test_stop_token_ids_and_eos(tiny_model_dir):
     stop_at = greedy.index(greedy[3])
     assert outs[-1].output_token_ids == greedy[: stop_at + 1]
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == greedy[3]
+
+
+def test_threads_are_bound_on_the_thread_that_steps(tiny_model_dir, monkeypatch):
+    """OpenMP keeps a team per thread: the pinning must be done by each thread that steps (a
+    server's engine thread), not only by the one that built the engine."""
+    import threading
+
+    from elasticmoe.engine import model_runner
+
+    bound_on = []
+    monkeypatch.setattr(model_runner, "bind_threads", lambda n: bound_on.append(threading.get_ident()))
+    engine = engine_for(tiny_model_dir, num_threads=2)
+    want = run_all(engine, make_prompts(2))
+    other: dict = {}
+    stepper = threading.Thread(target=lambda: other.update(run_all(engine, make_prompts(2))))
+    stepper.start()
+    stepper.join()
+    assert other == want  # the same engine, stepped from another thread
+    assert bound_on == [threading.get_ident(), stepper.ident]  # each thread once, at its first step

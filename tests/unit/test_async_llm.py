@@ -188,3 +188,34 @@ def test_shutdown_releases_waiting_consumers():
     asyncio.run(main())
     assert not llm.is_ready
     llm.shutdown()  # idempotent
+
+
+def test_start_builds_the_engine_on_the_thread_that_steps_it():
+    """One OpenMP team per process: the engine is built where it steps (AsyncLLM.start)."""
+    threads = set()
+    engine = FakeEngine()
+    engine.step_hook = lambda: threads.add(threading.get_ident())
+
+    def build():
+        threads.add(threading.get_ident())
+        return engine
+
+    llm = AsyncLLM()
+    llm.start(build)
+    try:
+        assert llm.engine is engine
+        assert len(asyncio.run(_collect(llm, "r0"))) > 0
+        assert threads == {llm._thread.ident} and threading.get_ident() not in threads
+    finally:
+        llm.shutdown()
+
+
+def test_a_build_that_fails_is_raised_by_start_and_leaves_no_thread():
+    def build():
+        raise ValueError("expert cache below top-k")
+
+    llm = AsyncLLM()
+    with pytest.raises(ValueError, match="top-k"):
+        llm.start(build)
+    assert llm._thread is None and not llm.is_ready
+    llm.shutdown()  # still safe: nothing to stop

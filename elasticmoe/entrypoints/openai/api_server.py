@@ -194,6 +194,10 @@ def build_app(
     return app
 
 
+class _StartupError(Exception):
+    """A flag's value the server cannot start with (an adapter that does not load)."""
+
+
 class _Terminated(Exception):
     pass
 
@@ -237,30 +241,32 @@ def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: in
     name, access, shutdown_timeout_s = settings.model_name, settings.access, settings.shutdown_timeout_s
     config = settings.engine_options().engine_config(settings.model_dir)
     logger.info("loading %s as %r", settings.model_dir, name)
-    try:
+
+    def build() -> LLMEngine:  # on the engine's loop thread (AsyncLLM.start)
         engine = LLMEngine(config)
-    except ValueError as exc:  # a setting the model cannot run with (e.g. an expert cache below top-k)
-        print(f"error: {exc}", file=sys.stderr)
+        for adapter_name, path in settings.esft_adapters:
+            try:
+                adapter = read_esft_adapter(adapter_name, path, engine.model_config)
+                engine.adapters.load_esft(adapter_name, adapter.config.experts, adapter.expert_weights, files=adapter)
+                adapter.close()
+            except (ValueError, RuntimeError) as exc:  # AdapterError, AdapterLimitError, ...
+                raise _StartupError(f"--esft-adapter {adapter_name}={path}: {exc}") from exc
+            logger.info("ESFT adapter %r loaded from %s", adapter_name, path)
+        for adapter_name, path in settings.lora_adapters:
+            try:
+                lora = read_lora_adapter(adapter_name, path, engine.model_config)
+                engine.adapters.load_lora(adapter_name, lora.modules, lora.weights, lora.config.scaling)
+            except (ValueError, RuntimeError) as exc:
+                raise _StartupError(f"--lora-adapter {adapter_name}={path}: {exc}") from exc
+            logger.info("LoRA adapter %r loaded from %s", adapter_name, path)
+        return engine
+
+    async_llm = AsyncLLM()
+    try:
+        async_llm.start(build)
+    except (_StartupError, ValueError) as exc:  # ValueError: a setting the model cannot run with
+        print(f"error: {exc}", file=sys.stderr)  # (e.g. an expert cache below top-k)
         return 2
-    for adapter_name, path in settings.esft_adapters:
-        try:
-            adapter = read_esft_adapter(adapter_name, path, engine.model_config)
-            engine.adapters.load_esft(adapter_name, adapter.config.experts, adapter.expert_weights, files=adapter)
-            adapter.close()
-        except (ValueError, RuntimeError) as exc:  # AdapterError, AdapterLimitError, ...
-            print(f"error: --esft-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
-            return 2
-        logger.info("ESFT adapter %r loaded from %s", adapter_name, path)
-    for adapter_name, path in settings.lora_adapters:
-        try:
-            lora = read_lora_adapter(adapter_name, path, engine.model_config)
-            engine.adapters.load_lora(adapter_name, lora.modules, lora.weights, lora.config.scaling)
-        except (ValueError, RuntimeError) as exc:
-            print(f"error: --lora-adapter {adapter_name}={path}: {exc}", file=sys.stderr)
-            return 2
-        logger.info("LoRA adapter %r loaded from %s", adapter_name, path)
-    async_llm = AsyncLLM(engine)
-    async_llm.start()
     drainer = Drainer()
     app = build_app(async_llm, name, access, drainer, shutdown_timeout_s)
     server = DrainingServer(
