@@ -230,3 +230,14 @@ def test_lora_routing_over_http(tiny_model_dir, tmp_path):
         assert learned.status_code == 200, learned.text
         bad_router = c.post("/admin/adapters", json={"name": "x", "path": str(tmp_path), "type": "lora_router"})
         assert bad_router.status_code == 400 and bad_router.json()["error"]["param"] == "path"
+
+
+def test_an_adapter_that_fails_to_load_closes_the_built_engine(tiny_model_dir, capsys, monkeypatch):
+    from elasticmoe.cli import main
+    from elasticmoe.engine.llm_engine import LLMEngine
+
+    closed = []
+    monkeypatch.setattr(LLMEngine, "close", lambda self: closed.append(self))
+    assert main(["serve", "--single", "--model", tiny_model_dir, "--port", "0", "--esft-adapter", "a=/nonexistent"]) == 2
+    assert "--esft-adapter a=/nonexistent" in capsys.readouterr().err
+    assert len(closed) == 1  # its threads end with the failed start

@@ -244,6 +244,14 @@ def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: in
 
     def build() -> LLMEngine:  # on the engine's loop thread (AsyncLLM.start)
         engine = LLMEngine(config)
+        try:
+            load_adapters(engine)
+        except BaseException:
+            engine.close()  # its own threads (expert prefetching) end with the failed start
+            raise
+        return engine
+
+    def load_adapters(engine: LLMEngine) -> None:
         for adapter_name, path in settings.esft_adapters:
             try:
                 adapter = read_esft_adapter(adapter_name, path, engine.model_config)
@@ -259,7 +267,6 @@ def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: in
             except (ValueError, RuntimeError) as exc:
                 raise _StartupError(f"--lora-adapter {adapter_name}={path}: {exc}") from exc
             logger.info("LoRA adapter %r loaded from %s", adapter_name, path)
-        return engine
 
     async_llm = AsyncLLM()
     try:
