@@ -15,8 +15,11 @@ as the single-process server, over a `RouterEngineClient`), `/health` (200 "ok",
 `coordinator.admin_routes`, the adapter routes, and `POST /admin/drain`. API keys, size
 limits and the drain are middleware shared with the single-process server (`install_guards`).
 
-The FastAPI app is built per replica after the constructor (`__serve_build_asgi_app__`,
-Serve's late-bound `@serve.ingress()`), so its routes close over the replica's own objects.
+The FastAPI app is built per replica (`__serve_build_asgi_app__`, Serve's late-bound
+`@serve.ingress()`), so its routes close over the replica's own objects. Given an
+`HttpBinding` (`elasticmoe serve`), the replica serves it on its own HTTP server
+(`coordinator.ingress_http`) and Serve runs no proxy; without one (a Serve config deployed by
+KubeRay) Serve's proxy reaches the same app.
 NOTE: one replica: a scrape, a drain and the SLO counters see all traffic through it.
 """
 
@@ -38,6 +41,7 @@ from coordinator.admin_routes import add_admin_routes
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator_client import CoordinatorClient, RemoteAdapterHost
 from coordinator.engine_client import QueueFull, RouterEngineClient
+from coordinator.ingress_http import DirectHttp, HttpBinding
 from coordinator.ingress_metrics import IngressMetrics
 from coordinator.observations import ObservationBuffer
 from coordinator.router import Router
@@ -165,7 +169,9 @@ def build_ingress_app(
 class Ingress:
     """One replica: follows the coordinator, serves HTTP."""
 
-    async def __init__(self, config: CoordinatorConfig, coordinator: Any) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, config: CoordinatorConfig, coordinator: Any, http: HttpBinding | None = None
+    ) -> None:
         if in_ray_actor():  # exit with the node's raylet (see hmm.lifeline)
             watch_parent()
         self.config = config
@@ -189,9 +195,20 @@ class Ingress:
             lambda: (self.engine.num_recovered, self.engine.num_tokens_recomputed),
         )
         self.follower.start()
-        # Serve routes to this replica once its constructor returns: only when something serves.
+        # Serve routes to this replica once its constructor returns: only when something serves
+        # (and its own HTTP server listens from then on too).
         await self.follower.wait_serving()
         self._reporter = asyncio.create_task(self._report(), name="observation-reporter")
+        self.fastapi_app = build_ingress_app(config, self.engine, self.coordinator, self.follower, self.metrics,
+                                     self.observations, self.drainer, self.model_config)
+        self.http = None if http is None else await DirectHttp.start(self.fastapi_app, http, config.access)
+
+    def __del__(self) -> None:
+        """Serve stops the replica: stop listening (the driver drained it first). NOTE: not async:
+        Python calls it again when the object is collected, and would warn of a coroutine never awaited."""
+        http = getattr(self, "http", None)
+        if http is not None:
+            http.close()
 
     async def _make_resident(self, adapter: str) -> None:
         await self.coordinator.call("make_resident", adapter, timeout_s=self.engine.swap_wait_s)
@@ -206,8 +223,7 @@ class Ingress:
                 await self.coordinator.call("observe", batch, timeout_s=5.0)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_ingress_app(self.config, self.engine, self.coordinator, self.follower, self.metrics,
-                                 self.observations, self.drainer, self.model_config)
+        return self.fastapi_app
 
     def process(self) -> tuple[str, int]:
         """(node address, pid) of this replica (the driver watches it while it drains)."""

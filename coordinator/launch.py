@@ -1,8 +1,9 @@
-"""Start the elastic server: Ray (local or joined), Serve on host:port, the coordinator app.
+"""Start the elastic server: Ray (local or joined), Serve, the coordinator app on host:port.
 
 The Serve application has two deployments: the coordinator (`coordinator.controller`: the
 HMM, the instances, scaling, repairs) and the ingress (`coordinator.ingress`: HTTP, routing
-to the published ranks). `start_elastic` returns once the coordinator has brought up the HMM
+to the published ranks). The ingress listens on host:port itself and Serve runs no HTTP proxy
+(`coordinator.ingress_http`: a streamed token then crosses one process less). `start_elastic` returns once the coordinator has brought up the HMM
 and activated the first instance and the ingress follows it (Serve only routes to a replica
 whose constructor finished); `ElasticServer.shutdown` undoes everything it started, in order:
 instance + HMM memory (explicitly, so no /dev/shm file outlives the server),
@@ -34,6 +35,7 @@ from ray import serve
 from coordinator.config import CoordinatorConfig
 from coordinator.controller import Coordinator
 from coordinator.ingress import Ingress
+from coordinator.ingress_http import HttpBinding
 from coordinator.process_tree import (
     become_subreaper,
     call_with_timeout,
@@ -134,12 +136,13 @@ class ElasticServer:
         return orderly
 
 
-def coordinator_app(config: CoordinatorConfig) -> Any:
-    """The Serve application for `config`: the coordinator, and the ingress that follows it."""
+def coordinator_app(config: CoordinatorConfig, http: HttpBinding | None = None) -> Any:
+    """The Serve application for `config`: the coordinator, and the ingress that follows it (and
+    listens on `http` itself; without it, Serve's proxy is the way in)."""
     coordinator = Coordinator.options(ray_actor_options=_ON_HEAD).bind(config)  # type: ignore[attr-defined]
     ingress = Ingress.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.max_queued + _ADMIN_SLACK, ray_actor_options=_ON_HEAD)
-    return ingress.bind(config, coordinator)
+    return ingress.bind(config, coordinator, http)
 
 
 def start_elastic(
@@ -149,6 +152,7 @@ def start_elastic(
     address: str | None = None,
     ray_init_kwargs: dict[str, Any] | None = None,
     after_ray_init: Callable[[], None] | None = None,
+    via_serve_proxy: bool = False,
 ) -> ElasticServer:
     """Connect to (`address`) or start a local Ray, deploy the coordinator on host:port, wait until ready.
 
@@ -156,6 +160,8 @@ def start_elastic(
     theirs (`elasticmoe_device`), and the server uses every one (`coordinator.nodes`).
 
     `after_ray_init` runs right after `ray.init` (which installs its own SIGTERM handlers).
+    `via_serve_proxy`: Serve's HTTP proxy listens on host:port instead of the ingress, the way
+    a KubeRay RayService runs the application (`coordinator.deployment`).
     """
     owns_ray = not ray.is_initialized()
     if owns_ray:
@@ -177,8 +183,12 @@ def start_elastic(
     if after_ray_init is not None:
         after_ray_init()
     try:
-        serve.start(http_options={"host": host, "port": port})
-        handle = serve.run(coordinator_app(config), name=APP_NAME, route_prefix="/")
+        if via_serve_proxy:
+            serve.start(http_options={"host": host, "port": port})
+            handle = serve.run(coordinator_app(config), name=APP_NAME, route_prefix="/")
+        else:
+            serve.start(proxy_location="Disabled")
+            handle = serve.run(coordinator_app(config, HttpBinding(host, port)), name=APP_NAME, route_prefix=None)
     except BaseException:
         serve.shutdown()
         if owns_ray:

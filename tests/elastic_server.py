@@ -2,8 +2,8 @@
 
 `tiny_config(model_dir, **overrides)` is a `CoordinatorConfig` on the tiny model (float32,
 small devices, a shared-memory prefix of its own, no standby pool unless a module asks for it); `running(config)` starts the server
-on a free localhost port with a local Ray, and on exit shuts it down and checks that no
-shared-memory file of it is left. `cluster_of(config)` does the same for a
+on a free localhost port with a local Ray (`via_serve_proxy`: behind Serve's HTTP proxy, as
+KubeRay runs it), and on exit shuts it down and checks that no shared-memory file of it is left. `cluster_of(config)` does the same for a
 `ClusterManager` without HTTP. Each module holds one of them as a module fixture.
 """
 
@@ -47,8 +47,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(config: CoordinatorConfig) -> Iterator[ElasticServer]:
-    server = start_elastic(config, port=free_port(), ray_init_kwargs=RAY)
+def running(config: CoordinatorConfig, via_serve_proxy: bool = False) -> Iterator[ElasticServer]:
+    server = start_elastic(config, port=free_port(), ray_init_kwargs=RAY, via_serve_proxy=via_serve_proxy)
     try:
         yield server
     finally:

@@ -220,7 +220,7 @@ def _result(fault: str, before: dict[str, Any], after: dict[str, Any], records: 
     new_events = [e for e in after["scale_events"] if (e["finished_at"] or wall_kill) >= wall_kill]
     repair = next((e for e in new_events if e["strategy"] == "heal" or e.get("fault")), None)
     restarted = any(after[p]["pid"] != before[p]["pid"] for p in ("coordinator", "ingress"))
-    # A poll's time is when its answer came: one sent while no ingress ran waits in Serve's proxy.
+    # A poll's time is when its answer came (or was refused: no ingress listens while Serve restarts it).
     first_not_ready = next((t for t, code in ready[1:] if code != 200), None)
     last_not_ready = max((t for t, code in ready[1:] if code != 200), default=t_kill)
     first_ready = next((t for t, code in ready[1:] if code == 200 and t > last_not_ready), None)

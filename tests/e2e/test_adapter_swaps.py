@@ -2,7 +2,8 @@
 
 One ESFT slot for three ESFT adapters and one LoRA slot for two LoRA adapters: the adapters
 beyond the slots are registered (201, `"slot": null`) and swapped in when a request needs them
-(ESFT by the coordinator, LoRA by the ranks in lockstep). Six clients send greedy requests for
+(ESFT by the coordinator, LoRA by the ranks in lockstep). The server runs behind Serve's HTTP proxy, as a KubeRay
+RayService runs it (`coordinator.deployment`). Six clients send greedy requests for
 a seeded mix of the five adapters and the base model while the instance scales dp 2 -> 1 -> 2:
 zero failed requests, and every response equals its merged model's greedy text. Then the admin
 view (resident flags, swap counters), and deleting adapters on disk and resident alike returns
@@ -63,7 +64,7 @@ def _reference(model_dir: str) -> str:
 def server(tiny_model_dir):
     config = tiny_config(tiny_model_dir, num_devices=2, dp=2, max_esft_adapters=1, max_esft_experts=2, max_loras=1,
                          max_cpu_loras=4, max_lora_rank=4)
-    with running(config) as srv:
+    with running(config, via_serve_proxy=True) as srv:  # as KubeRay runs it: every request through Serve's proxy
         yield srv
 
 
@@ -87,6 +88,9 @@ def _wait_scale(c: httpx.Client, event_id: str) -> dict:
 
 
 def test_adapters_beyond_the_slots_serve_their_merged_models_across_scaling(server, adapters):
+    from ray import serve
+
+    assert len(serve.status().proxies) == 1  # the requests below all cross Serve's proxy
     with httpx.Client(base_url=server.url, timeout=60) as c:
         before = _used(c)
         for name in (*ESFT, *LORA):  # the kind is read from the files

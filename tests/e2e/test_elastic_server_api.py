@@ -56,6 +56,17 @@ def _sse(response: httpx.Response) -> list[dict]:
     return [json.loads(e[len("data: ") :]) for e in events[:-1]]
 
 
+def test_the_ingress_listens_itself_and_serve_runs_no_proxy(server):
+    import psutil  # NOTE: Ray's vendored copy, importable once ray is
+    from ray import serve
+
+    port = int(server.url.rsplit(":", 1)[1])
+    assert serve.status().proxies == {}  # nothing of Serve's on the way of a token
+    listening = [c for c in psutil.Process(server.ingress_pid).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert listening, f"the ingress (pid {server.ingress_pid}) does not listen on {port}"
+
+
 def test_completion_and_chat_with_usage(server):
     r = _post(server, "/v1/completions", {"prompt": "the expert model serves", "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200, r.text
