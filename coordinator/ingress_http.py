@@ -9,7 +9,8 @@ someone else's config (KubeRay's `serveConfigV2`, `coordinator.deployment`) keep
 proxy, which reaches the same FastAPI app through `@serve.ingress`.
 
 The socket is bound before the replica's constructor returns, so a port in use fails the
-deployment with the address in the message. One replica: Serve restarts it on the head node
+deployment with the address in the message (`elasticmoe serve` checks it before starting
+anything, `elasticmoe.entrypoints.listen_address`). One replica: Serve restarts it on the head node
 (`coordinator.launch`), where it binds the same address again.
 """
 
@@ -19,12 +20,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import socket
 from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
 
+from elasticmoe.entrypoints.listen_address import bind_address
 from elasticmoe.entrypoints.openai.access import AccessPolicy
 
 logger = logging.getLogger(__name__)
@@ -49,19 +50,6 @@ class _ReplicaServer(uvicorn.Server):
         yield
 
 
-def bind(binding: HttpBinding) -> socket.socket:
-    """A TCP socket bound to `binding` (uvicorn listens on it); `OSError` names the address."""
-    family = socket.AF_INET6 if ":" in binding.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted replica rebinds at once
-    try:
-        sock.bind((binding.host, binding.port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"the ingress cannot listen on {binding.host}:{binding.port}: {exc.strerror}") from exc
-    return sock
-
-
 class DirectHttp:
     """`app` served on `binding` from the running event loop until `stop()`."""
 
@@ -71,7 +59,7 @@ class DirectHttp:
 
     @classmethod
     async def start(cls, app: FastAPI, binding: HttpBinding, access: AccessPolicy) -> DirectHttp:
-        sock = bind(binding)
+        sock = bind_address(binding.host, binding.port)
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, lifespan="off",
             h11_max_incomplete_event_size=access.max_header_bytes)

@@ -1,7 +1,11 @@
-"""`elasticmoe serve` without `--single`: option validation. Real runs of the CLI ended by SIGTERM
-are in `test_sigterm_drain.py` (a local Ray) and `test_elastic_scale.py` (two Ray nodes)."""
+"""`elasticmoe serve` without `--single`: option validation (and, for both servers, an address in
+use refused before anything loads). Real runs of the CLI ended by SIGTERM are in
+`test_sigterm_drain.py` (a local Ray) and `test_elastic_scale.py` (two Ray nodes)."""
 
 from __future__ import annotations
+
+import socket
+import time
 
 import pytest
 
@@ -34,3 +38,15 @@ def test_help_explains_every_elastic_option():
     for option in ("--devices", "--dp", "--address", "--max-queued", "--device-memory-gb", "--dtype", "--port"):
         assert option in text, option
 
+
+
+@pytest.mark.parametrize("mode", [["--devices", "2", "--dp", "1"], ["--single"]], ids=["elastic", "single"])
+def test_a_port_in_use_exits_2_naming_the_address_before_anything_loads(tiny_model_dir, capsys, mode):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        assert cli_main(["serve", "--model", tiny_model_dir, "--host", "127.0.0.1", "--port", str(port), *mode]) == 2
+        assert time.monotonic() - t0 < 10  # NOTE: a bound, not a speed check: no Ray, no model load
+    assert f"--host/--port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
