@@ -200,7 +200,7 @@ class Ingress:
         await self.follower.wait_serving()
         self._reporter = asyncio.create_task(self._report(), name="observation-reporter")
         self.fastapi_app = build_ingress_app(config, self.engine, self.coordinator, self.follower, self.metrics,
-                                     self.observations, self.drainer, self.model_config)
+                                             self.observations, self.drainer, self.model_config)
         self.http = None if http is None else await DirectHttp.start(self.fastapi_app, http, config.access)
 
     def __del__(self) -> None:

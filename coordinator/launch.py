@@ -3,12 +3,12 @@
 The Serve application has two deployments: the coordinator (`coordinator.controller`: the
 HMM, the instances, scaling, repairs) and the ingress (`coordinator.ingress`: HTTP, routing
 to the published ranks). The ingress listens on host:port itself and Serve runs no HTTP proxy
-(`coordinator.ingress_http`: a streamed token then crosses one process less). `start_elastic` returns once the coordinator has brought up the HMM
-and activated the first instance and the ingress follows it (Serve only routes to a replica
-whose constructor finished); `ElasticServer.shutdown` undoes everything it started, in order:
-instance + HMM memory (explicitly, so no /dev/shm file outlives the server),
-then Serve, then Ray if it started it, then whatever Ray left behind, then the
-/dev/shm files of any owner that died. Every step has a time bound. `serve_elastic` adds
+(`coordinator.ingress_http`: a streamed token then crosses one process less). `start_elastic`
+returns once the coordinator has brought up the HMM and activated the first instance and the
+ingress follows it (Serve only routes to a replica whose constructor finished);
+`ElasticServer.shutdown` undoes everything it started, in order: instance + HMM memory
+(explicitly, so no /dev/shm file outlives the server), then Serve, then Ray if it started it,
+then whatever Ray left behind, then the /dev/shm files of any owner that died. Every step has a time bound. `serve_elastic` adds
 SIGTERM/SIGINT: drain (new requests 503, those in flight finish up to
 `shutdown_timeout_s`), then shut down. A process group SIGTERMed at once (systemd's
 default) ends the same way: Ray's raylet goes first, our actors see it and exit
