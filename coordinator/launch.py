@@ -43,6 +43,7 @@ from coordinator.process_tree import (
     end_children,
     is_alive,
 )
+from elasticmoe.entrypoints.listen_address import AddressUnavailable, check_address_free
 from hmm.memory.lease import reap
 from hmm.placement import DEVICE_RESOURCE
 
@@ -264,6 +265,14 @@ def serve_elastic(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
 
+    # An address in use is refused before Ray, Serve and the model start (the ingress binds it only
+    # then). Joined to a cluster, the ingress runs on its head node, which may be another machine.
+    if address is None:
+        try:
+            check_address_free(host, port)
+        except AddressUnavailable as exc:
+            print(f"error: --host/--port: {exc.strerror}", file=sys.stderr)
+            return 2
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:

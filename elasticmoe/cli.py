@@ -331,18 +331,6 @@ def _run_reap_shm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _address_unavailable(args: argparse.Namespace) -> bool:
-    """Say so (and return True) if --host/--port cannot be listened on: before anything loads."""
-    from elasticmoe.entrypoints.listen_address import AddressUnavailable, check_address_free
-
-    try:
-        check_address_free(args.host, args.port)
-    except AddressUnavailable as exc:
-        print(f"error: --host/--port: {exc.strerror}", file=sys.stderr)
-        return True
-    return False
-
-
 def _run_serve(args: argparse.Namespace) -> int:
     from coordinator.cli_options import elastic_config
 
@@ -352,8 +340,6 @@ def _run_serve(args: argparse.Namespace) -> int:
         config = elastic_config(args)
     except ValueError as exc:
         print(f"error: {exc} (elastic server; --single runs one engine in this process)", file=sys.stderr)
-        return 2
-    if args.address is None and _address_unavailable(args):  # NOTE: joined: the ingress may run on another node
         return 2
     _warn_if_open(args.host, config.api_key)
     from coordinator.launch import serve_elastic
@@ -379,8 +365,6 @@ def _run_serve_single(args: argparse.Namespace) -> int:
         settings: ServeSettings = from_sources(ServeSettings, args, args.config, "serve", tables=TABLES)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if _address_unavailable(args):
         return 2
     _warn_if_open(args.host, settings.api_key)
     from elasticmoe.entrypoints.openai.api_server import run_single_server

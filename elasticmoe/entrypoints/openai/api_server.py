@@ -15,10 +15,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Coroutine
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from elasticmoe.engine.async_llm import AsyncLLM
+from elasticmoe.entrypoints.listen_address import AddressUnavailable, bind_address
 from elasticmoe.entrypoints.openai.access import AccessMiddleware, AccessPolicy
 from elasticmoe.entrypoints.openai.adapters_api import (
     EngineAdapterHost,
@@ -41,6 +43,9 @@ from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
 from elasticmoe.entrypoints.serve_settings import ServeSettings
 from elasticmoe.utils.cpu_features import cpu_compute_info
+
+if TYPE_CHECKING:
+    from elasticmoe.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -236,10 +241,20 @@ def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: in
     stop the engine. Returns an exit code."""
     import torch  # noqa: F401 - fail early and clearly if torch is missing
 
+    config = settings.engine_options().engine_config(settings.model_dir)
+    try:  # NOTE: bound before the model loads, so an address in use is refused at once; uvicorn listens on it
+        sock = bind_address(host, port)
+    except AddressUnavailable as exc:
+        print(f"error: --host/--port: {exc.strerror}", file=sys.stderr)
+        return 2
+    with sock:
+        return _serve_on(sock, settings, config, log_level)
+
+
+def _serve_on(sock: socket.socket, settings: ServeSettings, config: EngineConfig, log_level: str) -> int:
     from elasticmoe.engine.llm_engine import LLMEngine
 
     name, access, shutdown_timeout_s = settings.model_name, settings.access, settings.shutdown_timeout_s
-    config = settings.engine_options().engine_config(settings.model_dir)
     logger.info("loading %s as %r", settings.model_dir, name)
 
     def build() -> LLMEngine:  # on the engine's loop thread (AsyncLLM.start)
@@ -277,7 +292,7 @@ def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: in
     drainer = Drainer()
     app = build_app(async_llm, name, access, drainer, shutdown_timeout_s)
     server = DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+        uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10,
                        h11_max_incomplete_event_size=access.max_header_bytes if access else None),
         drainer, shutdown_timeout_s,
     )
@@ -285,7 +300,7 @@ def run_single_server(settings: ServeSettings, host: str = "127.0.0.1", port: in
     # previous handler; make SIGTERM an exception here so that the engine is still stopped below.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except (KeyboardInterrupt, _Terminated):
         logger.info("received shutdown signal")
     finally:
