@@ -14,8 +14,9 @@ Pre-initialisation (paper §4.5): with `config.standby_pool`, after the start an
 after every scale a background thread boots standby instances (processes up,
 EP group formed, skeleton built, no weights) for dp-1 and dp+1 of the active
 instance into the `InstanceManager`'s LRU pool; the scaler takes its target
-from there. A failing `start()` shuts down what it
-started before re-raising, so no actor or /dev/shm file outlives it.
+from there. The processes of retired ranks are kept (`config.idle_rank_processes`) and become
+ranks of the next instances on their nodes (`imm.rank_processes`). A failing `start()` shuts down
+what it started before re-raising, so no actor or /dev/shm file outlives it.
 
 The blocking methods use `ray.get`; asyncio callers run them in a thread.
 """
@@ -52,6 +53,7 @@ from imm.instance import Instance, seeds_from_hmm
 from imm.lifecycle import InstanceState
 from imm.manager import InstanceManager
 from imm.rank import RankStats
+from imm.rank_processes import RankProcessPool
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class ClusterManager:
         self.scale_events = ScaleEvents()
         self.hmm: HMMController | None = None
         self.standby = InstanceManager(self._boot_standby, capacity=2)
+        self.processes = RankProcessPool(config.idle_rank_processes)  # retired ranks' processes, reused
         self.adapters = ClusterAdapterHost(self, publish=self.publish_adapters)
         self._starting: Instance | None = None  # the first instance until it is published
         self._standby_thread: threading.Thread | None = None
@@ -141,7 +144,8 @@ class ClusterManager:
         cfg, hmm = self.config, self.hmm
         seeds = seeds_from_hmm(hmm, devices) if cfg.backend == "vllm" and hmm is not None and hmm.layout else []
         return Instance.create_standby(cfg.model_dir, dp, engine_options=cfg.engine_options(), paced=paced,
-                                       nodes=self.rank_nodes(devices), seeds=seeds, backend=cfg.backend)
+                                       nodes=self.rank_nodes(devices), seeds=seeds, backend=cfg.backend,
+                                       processes=self.processes)
 
     def _offered_devices(self) -> list[DeviceSpec]:
         """Every device the cluster's nodes offer (`elasticmoe_device`), at least dp of them."""
@@ -253,6 +257,7 @@ class ClusterManager:
             for d in ids:
                 hmm.remove_device(d)
         self.standby.retire_where(lambda inst: ray_node_id in getattr(inst, "nodes", ()))
+        self.processes.drop_node(ray_node_id)
         return ids
 
     def forget_lost_node(self, ray_node_id: str) -> list[int]:
@@ -266,6 +271,7 @@ class ClusterManager:
             hmm.forget_devices(ids)
             self.nodes.mark(ray_node_id, NodeState.LOST, detail=f"devices {ids} lost")
         self.standby.retire_where(lambda inst: ray_node_id in getattr(inst, "nodes", ()))
+        self.processes.drop_node(ray_node_id)
         # NOTE: a lost node's machine usually goes with it, but a dead raylet on a live host (or
         # several Ray nodes on one host, as here) leaves its workers' files behind: every live
         # node and this one free the files whose owner is gone (lease-checked, so never a live one's).
@@ -450,6 +456,7 @@ class ClusterManager:
             self._is_shut_down = True
         self._closing.set()
         self._standby_superseded.set()  # a preparation waiting out its delay ends now
+        self.processes.close()  # NOTE: first, so every rank retired from now on exits
         if self._node_watch is not None:
             self._node_watch.join(timeout=30)  # NOTE: a registration in progress ends before the HMM does
         self.standby.shutdown()  # NOTE: first, so a boot that finishes now is retired, not pooled
@@ -589,6 +596,7 @@ class ClusterManager:
                 "hits": self.standby.num_hits,
                 "misses": self.standby.num_misses,
             },
+            "rank_processes": self.processes.status(),
         }
 
     @staticmethod

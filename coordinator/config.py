@@ -70,6 +70,11 @@ class CoordinatorConfig(ServeSettings):
     standby_delay_s: float = Field(0.0, description="wait S seconds after a scale before booting the next "
                                    "standby instances (on CPU a boot takes cores from serving)",
                                    json_schema_extra=cli("--standby-delay", metavar="S"))
+    idle_rank_processes: int = Field(
+        2, ge=0, description="processes of retired ranks kept idle for the next instance on their node (native "
+        "backend): a scale that reuses one skips a process start (~3 CPU-s: interpreter, Ray worker, torch); "
+        "each idle one holds a few hundred MB. 0: every retired rank's process exits",
+        json_schema_extra=cli(metavar="N"))
     max_devices: int | None = Field(
         None, description="most devices a scale may use; the devices missing beyond those the cluster's nodes "
         "offer are asked of Ray's autoscaler (KubeRay adds worker pods) and used once they join. Default: "

@@ -40,6 +40,7 @@ from imm.engine_backend import AttachResult, BackendName
 from imm.handover import ImportReport, assign_snapshots
 from imm.lifecycle import InstanceState, check_transition
 from imm.rank import InstanceRankActor, RankStats
+from imm.rank_processes import RankProcessPool
 from imm.vllm_support import rank_env
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class Instance:
         self.nodes: tuple[str | None, ...] = (None,) * dp  # Ray node of each rank (None: anywhere)
         self.is_paused = False
         self.import_reports: list[ImportReport] = []
+        self.processes: RankProcessPool | None = None  # where the ranks' processes go at `retire`
+        self.num_reused = 0  # ranks that took a retired rank's process instead of starting one
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -138,6 +141,7 @@ class Instance:
         paced: bool = False,
         nodes: Sequence[str | None] = (),
         seeds: Sequence[Mapping[str, Handle] | None] = (),
+        processes: RankProcessPool | None = None,
         **kwargs: Any,
     ) -> Instance:
         """Start `dp` rank actors, form their EP group, build the skeletons (no weights).
@@ -148,7 +152,9 @@ class Instance:
         `nodes`: the Ray node of each rank's device (rank r maps device r's memory, so it runs
         there); empty: anywhere. `seeds`: per rank, a handle set of the committed layout on its node
         holding what its target will hold (a vLLM rank builds its engine on it in standby, see
-        `VllmBackend.prepare`; the native backend ignores it); empty: none.
+        `VllmBackend.prepare`; the native backend ignores it); empty: none. `processes`: idle
+        processes of retired ranks to take before starting new ones (native backend), and where
+        this instance's go when it retires (`imm.rank_processes`).
         """
         if nodes and len(nodes) != dp:
             raise ValueError(f"nodes: one per rank, got {len(nodes)} for dp {dp}")
@@ -157,6 +163,7 @@ class Instance:
         inst = cls(dp, model_dir, **kwargs)
         options = engine_options or EngineOptions()
         inst.nodes = tuple(nodes) or (None,) * dp
+        inst.processes = processes if inst.backend == "native" else None
         seed_of = list(seeds) or [None] * dp
 
         if inst.backend == "vllm":  # vLLM runs in the rank's process, with its thread count from the start
@@ -164,7 +171,24 @@ class Instance:
         else:
             placed_env = {}
 
+        def reused_rank(r: int) -> Any | None:
+            pool = inst.processes
+            process = pool.take(inst.nodes[r]) if pool is not None else None
+            if pool is None or process is None:
+                return None
+            try:
+                inst._get(process.actor.reuse.remote(r, dp, inst.backend))
+            except Exception as exc:  # noqa: BLE001 - never reuse a process that failed: start a new one
+                logger.warning("%s: rank process %d not reused (%s)", inst.instance_id, process.pid, describe_error(exc))
+                pool.discard(process)
+                return None
+            inst.num_reused += 1
+            return process.actor
+
         def start_rank(r: int) -> Any:
+            reused = reused_rank(r)
+            if reused is not None:
+                return reused
             placed = on_node(inst.nodes[r])
             rank: Any = InstanceRankActor.options(name=f"{inst.instance_id}-r{r}", **placed, **placed_env).remote(
                 r, dp, inst.backend)
@@ -377,23 +401,32 @@ class Instance:
         self._get([rank.shutdown.remote() for rank in self.ranks])
 
     def retire(self, wait_dead_s: float = 0.0) -> None:
-        """Stop the loops, shut the ranks down and kill the actors. Best effort, never leaves actors.
+        """Stop the loops, shut the ranks down and kill the actors, or, if every rank shut down
+        cleanly, give their processes to `processes` (each rank's engine is gone then: it stopped
+        its loop and dropped its device memory). Best effort, never leaves an actor of this instance.
 
-        `wait_dead_s` > 0: also wait (up to that long) until every rank process is gone, for a
-        caller that hands their KV pools to another instance (a hung rank must not write there)."""
+        `wait_dead_s` > 0: also wait (up to that long) until every killed rank process is gone, for
+        a caller that hands their KV pools to another instance (a hung rank must not write there)."""
 
         # A dying instance's ranks are killed soon anyway: do not wait long for their orderly shutdown.
         shutdown_timeout_s = min(self.timeout_s, 2.0) if wait_dead_s else self.timeout_s
 
         def work() -> None:
+            clean = False
             try:
                 ray.get([rank.shutdown.remote() for rank in self.ranks], timeout=shutdown_timeout_s)
+                clean = True
             except Exception as exc:  # noqa: BLE001 - dead or hung ranks are killed below anyway
                 logger.warning("%s: shutdown failed (%s); killing the ranks", self.instance_id, describe_error(exc))
-            for rank in self.ranks:
-                ray.kill(rank)
+            if clean and self.processes is not None:
+                kept = self.processes.give(self.ranks)  # kills those it does not keep
+                killed = [rank for rank, k in zip(self.ranks, kept, strict=True) if not k]
+            else:
+                killed = self.ranks
+                for rank in killed:
+                    ray.kill(rank)
             if wait_dead_s:
-                _wait_dead(self.ranks, wait_dead_s)
+                _wait_dead(killed, wait_dead_s)
             self.ranks = []
 
         self._transition(S.RETIRED, work)

@@ -15,6 +15,8 @@ Lifecycle (driven by `imm.instance.Instance`, which checks the order):
     import_requests -> resume      (new rank at a switchover)
     route_handed_over              (old rank: its exported streams end naming the new rank)
     stop -> shutdown
+    reuse                          (the process, pooled after its instance retired, becomes a rank of
+                                    a new instance: `imm.rank_processes`)
 
 It is an *async* actor. Outputs leave as `OutputDelta`s (the new tokens and text only), fed by
 `LockstepAsyncLLM`'s per-request asyncio queues, in one of two ways: batched, one Ray stream per
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import socket
@@ -56,6 +59,7 @@ from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory.page_table import SlotPages
+from hmm.memory.shm import mapped_segments
 from hmm.p2p import GroupSpec, init_gloo
 from hmm.placement import node_address, ray_node_id
 from hmm.providers import Handle
@@ -110,15 +114,36 @@ class RankStats:
 
 class InstanceRank:
     def __init__(self, rank: int, dp: int, backend: BackendName = "native") -> None:
+        self._become(rank, dp, backend)
+        if in_ray_actor():  # it maps device memory: exit with the node's raylet (see hmm.lifeline)
+            watch_parent()
+
+    def _become(self, rank: int, dp: int, backend: BackendName) -> None:
         self.rank, self.dp = rank, dp
         self.backend = make_backend(backend)
         self.group: dist.ProcessGroup | None = None
         self.has_exported = False
+        self.is_shut_down = False
         self.pending_routes = PendingRoutes()  # exported requests awaiting their next rank
         self.streams = RankStreams()  # batched output streams, one per subscriber
         self.engine_id = uuid.uuid4().hex  # see `RankStats.engine_id`
-        if in_ray_actor():  # it maps device memory: exit with the node's raylet (see hmm.lifeline)
-            watch_parent()
+
+    def reuse(self, rank: int, dp: int, backend: BackendName = "native") -> int:
+        """Become rank `rank` of a new dp-`dp` instance in this process, which a retired instance's
+        rank left (`imm.rank_processes`): a fresh backend, group, streams and counters. Refused
+        (the caller kills the process instead) unless this rank shut down and maps no device memory
+        any more, which proves that nothing of its old engine can touch a device again. NOTE: the
+        native backend only: vLLM keeps global state per process. Returns the pid."""
+        if not self.is_shut_down:
+            raise RuntimeError("reuse: this rank has not shut down")
+        if backend != "native" or self.backend.name != "native":
+            raise RuntimeError(f"reuse: a {self.backend.name} rank's process cannot host a {backend} rank")
+        gc.collect()  # the old engine's tensors (and their mappings) go with their last reference
+        still_mapped = mapped_segments()
+        if still_mapped:
+            raise RuntimeError(f"reuse: {len(still_mapped)} device segments are still mapped, e.g. {still_mapped[0]}")
+        self._become(rank, dp, backend)
+        return os.getpid()
 
     # ---- standby -----------------------------------------------------------------------
 
@@ -426,11 +451,14 @@ class InstanceRank:
         return True
 
     async def shutdown(self) -> None:
-        """Stop the loop, drop the engine (unmaps the handles) and leave the group. Idempotent."""
+        """Stop the loop, drop the engine (unmaps the handles), leave the group and end the
+        subscriptions (their subscribers learn at once). Idempotent."""
         await self.backend.shutdown()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
         self.group = None
+        self.streams.close()
+        self.is_shut_down = True
 
 
 InstanceRankActor = ray.remote(num_cpus=0)(InstanceRank)

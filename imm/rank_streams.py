@@ -84,6 +84,7 @@ class RankStreams:
         self.idle_s = idle_s
         self._outboxes: dict[str, Outbox] = {}
         self._pumps: dict[str, tuple[str, asyncio.Task[None]]] = {}  # request id -> (subscriber, pump)
+        self._closed = False
 
     def submit(self, subscriber: str, request_id: str, items: AsyncIterator[Any]) -> None:
         """Pump `items` (one request's) into `subscriber`'s outbox."""
@@ -123,6 +124,14 @@ class RankStreams:
             pass
         return True
 
+    def close(self) -> None:
+        """End every subscription once its outbox is empty (the rank shut down): a subscriber
+        reading one learns at once, not after `idle_s`, and subscribes again (to the process's next
+        rank, when a retired rank's process is reused: `imm.rank_processes`)."""
+        self._closed = True
+        for outbox in self._outboxes.values():
+            outbox.wake()
+
     def num_requests(self, subscriber: str) -> int:
         return sum(1 for s, _ in list(self._pumps.values()) if s == subscriber)
 
@@ -130,10 +139,10 @@ class RankStreams:
         """Batches for `subscriber` until it has had no request and no item for `idle_s`."""
         outbox = self._outboxes.setdefault(subscriber, Outbox())
         while True:
-            batch = await outbox.take(self.idle_s)
+            batch = await outbox.take(0 if self._closed else self.idle_s)
             if batch:
                 yield batch
-            elif not self.num_requests(subscriber) and not len(outbox):
+            elif self._closed or (not self.num_requests(subscriber) and not len(outbox)):
                 # NOTE: a request submitted after this returns lands in a fresh outbox; its
                 # subscriber subscribes again (it saw this stream end).
                 if self._outboxes.get(subscriber) is outbox:

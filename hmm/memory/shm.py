@@ -48,6 +48,18 @@ def list_segments(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"{prefix}-"))
 
 
+# A segment's path (`create_segment`) in /proc/<pid>/maps, " (deleted)" once freed.
+_SEGMENT_MAP = re.compile(r"(/dev/shm/[^/\s]+-d[A-Za-z0-9_.]+-[a-z]+-[^-\s]+-[0-9a-f]{12})(?: \(deleted\))?$")
+
+
+def mapped_segments(pid: int | str = "self") -> list[str]:
+    """Device-memory segments a process still maps (freed ones included): a process that
+    dropped every tensor of a device maps none."""
+    with open(f"/proc/{pid}/maps") as maps:
+        found = {m.group(1) for line in maps if (m := _SEGMENT_MAP.search(line.rstrip("\n")))}
+    return sorted(found)
+
+
 def create_segment(prefix: str, device_id: str, num_bytes: int, kind: str = "t") -> tuple[int, str, str]:
     """Create a new file `<prefix>-d<device>-<kind>-<owner>-<random>` in /dev/shm with `num_bytes`
     allocated; return (open fd, path, name). The name carries this process's lease (`lease.py`),

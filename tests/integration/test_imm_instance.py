@@ -2,11 +2,14 @@
 standby -> attached (zero-copy, no disk read in the ranks) -> warm -> active;
 greedy streams on both ranks equal a single-process engine while one rank idles;
 abort mid-stream frees the blocks; drain waits for in-flight work; retire kills
-the actors; illegal transitions raise."""
+the actors; illegal transitions raise; with a process pool the next instance's ranks run in the
+retired ranks' processes (a dead one replaced, a live rank's process refused) with equal tokens."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,9 +23,11 @@ from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import OutputAccumulator
 from elasticmoe.sampling_params import SamplingParams
+from hmm.memory.shm import mapped_segments
 from imm.instance import Instance
 from imm.lifecycle import IllegalTransition, InstanceState
 from imm.manager import InstanceManager, instance_factory
+from imm.rank_processes import RankProcessPool
 
 pytestmark = pytest.mark.slow
 
@@ -172,6 +177,58 @@ def test_manager_pools_standby_instances(hmm, tiny_model_dir):
         if inst is not None:
             inst.retire()  # handed out: the caller's to retire, not the pool's
     assert inst.state is InstanceState.RETIRED and not mgr.pool
+
+
+def test_a_retired_instances_processes_host_the_next_instances_ranks(hmm, tiny_model_dir):
+    pool = RankProcessPool(capacity=2)
+    instances: list[Instance] = []
+    prompt, n = PROMPTS[0]
+    want = _reference(tiny_model_dir, prompt, n)
+
+    def serving() -> Instance:
+        inst = Instance.create_standby(tiny_model_dir, dp=2, engine_options=OPTIONS, processes=pool)
+        instances.append(inst)
+        inst.attach(hmm)
+        inst.warm_up()
+        inst.activate()
+        for r in range(2):  # both ranks step in lockstep, whichever process hosts them
+            assert _stream(inst.ranks[r], f"{inst.instance_id}-{r}", prompt, _greedy(n))[-1].output_token_ids == want
+        return inst
+
+    try:
+        first = serving()
+        assert first.num_reused == 0
+        first_pids = sorted(ray.get([r.pid.remote() for r in first.ranks]))
+        first_engines = {s.engine_id for s in first.stats()}
+        # What `reuse` checks is gone: a serving rank maps its device's segments.
+        assert all(mapped_segments(pid) for pid in first_pids)
+        first.retire()
+        assert sorted(p["pid"] for p in pool.status()["idle"]) == first_pids  # kept, not killed
+
+        # One pooled process dies while idle: the next instance starts a new one in its place.
+        dead_pid, alive_pid = first_pids
+        os.kill(dead_pid, signal.SIGKILL)
+        second = serving()
+        assert second.num_reused == 1 and len(pool) == 0
+        second_pids = ray.get([r.pid.remote() for r in second.ranks])
+        assert alive_pid in second_pids and dead_pid not in second_pids
+        assert not first_engines & {s.engine_id for s in second.stats()}  # fresh engines, fresh counters
+
+        # A serving rank's process is never reused: it has not shut down.
+        with pytest.raises(ray.exceptions.RayTaskError, match="has not shut down"):
+            ray.get(second.ranks[0].reuse.remote(0, 2))
+        ranks = list(second.ranks)
+        second.retire()
+        assert len(pool) == 2
+        pool.close()  # the coordinator's shutdown: the idle processes exit
+        for rank in ranks:
+            _wait_until_dead(rank)
+        assert pool.give([]) == [] and len(pool) == 0
+    finally:
+        for inst in instances:
+            if inst.state is not InstanceState.RETIRED:
+                inst.retire()
+        pool.close()
 
 
 def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:

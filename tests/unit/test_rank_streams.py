@@ -86,6 +86,27 @@ def test_an_idle_subscription_ends_and_nothing_submitted_after_is_lost():
     run(main())
 
 
+def test_close_ends_every_subscription_at_once_after_what_was_put():
+    """A rank that shut down (its process may host another rank next) ends its subscribers' streams
+    without their idle wait, delivering what its outboxes still hold."""
+
+    async def main():
+        streams = RankStreams(idle_s=60)  # an idle end would take a minute
+        streams.submit("ing", "a", _items("a", 2))
+        reader = asyncio.create_task(_collect(streams.stream("ing")))
+        idle = asyncio.create_task(_collect(streams.stream("other")))
+        await asyncio.sleep(0.05)
+        streams.close()
+        got, nothing = await asyncio.wait_for(asyncio.gather(reader, idle), 5)
+        assert [i.request_id for i in got] == ["a", "a"] and nothing == []
+
+    run(main())
+
+
+async def _collect(stream) -> list:
+    return [item async for batch in stream for item in batch]
+
+
 def test_unpicklable_errors_become_descriptions():
     class Local(Exception):
         def __reduce__(self):
