@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -58,11 +56,6 @@ from imm.rank_processes import RankProcessPool
 logger = logging.getLogger(__name__)
 
 NODE_WATCH_INTERVAL_S = 2.0  # how often the Ray cluster is checked for nodes that joined
-
-def _attach_dict(report: Any) -> dict[str, Any]:
-    as_dict = getattr(report, "as_dict", None)
-    return as_dict() if as_dict is not None else dataclasses.asdict(report)
-
 
 class ClusterManager:
     """Owns the HMM and the active `Instance`; publishes what the ingress routes by (`feed`)."""
@@ -416,6 +409,10 @@ class ClusterManager:
     def is_shut_down(self) -> bool:
         return self._is_shut_down
 
+    @property
+    def is_preparing_standby(self) -> bool:
+        return self._standby_thread is not None and self._standby_thread.is_alive()
+
     def prepare_standby(self, delay_s: float = 0.0) -> None:
         """Boot standby instances for dp-1 and dp+1 of the active one, in the background,
         starting `delay_s` from now (a boot takes CPU from serving when devices are cores)."""
@@ -522,93 +519,3 @@ class ClusterManager:
         kinds = [a.kind for a in list(self.adapters.adapters.values())]
         slots = {"esft": self.config.max_esft_adapters, "lora": self.config.max_loras}
         return [AdapterSlotStats(kind, kinds.count(kind), n) for kind, n in slots.items()]
-
-    def _device_info(self) -> list[dict[str, Any]]:
-        """Each registered device: its node, where its worker runs, its memory and state."""
-        hmm = self.hmm
-        devices = []
-        for d, spec in sorted(dict(hmm.devices if hmm is not None else {}).items()):  # a copy: never waits for a scale
-            info: dict[str, Any] = {"device_id": spec.device_id, "node_id": spec.node_id,
-                                    "ray_node_id": spec.ray_node_id,
-                                    "budget_bytes": spec.budget_bytes, "used_bytes": None, "peak_bytes": None,
-                                    "pid": None, "running_on": None, "state": "alive"}
-            if hmm is not None and not self._is_shut_down:
-                try:
-                    health, usage = ray.get([hmm.worker(d).check_health.remote(), hmm.worker(d).usage.remote()],
-                                            timeout=2.0)
-                    info.update(used_bytes=usage.used, peak_bytes=usage.peak, pid=health["pid"],
-                                running_on=health["ray_node_id"])
-                except ray.exceptions.GetTimeoutError:
-                    info["state"] = "busy"  # a scale's copies; it answers after them
-                except Exception:  # noqa: BLE001 - the healer replaces it
-                    info["state"] = "dead"
-            devices.append(info)
-        return devices
-
-    def devices_report(self) -> dict[str, Any]:
-        """`GET /admin/devices`: every registered device, and every node offering devices (a node
-        that just joined shows here first, then among the devices once registered)."""
-        return {"devices": self._device_info(), **self.nodes_report()}
-
-    def nodes_report(self) -> dict[str, Any]:
-        """`GET /admin/nodes`: every alive node offering devices with its state (`active`,
-        `draining`, `drained`, `released`), and the lost ones; `removable`: nothing of this
-        server runs there."""
-        alive = [dataclasses.asdict(n) for n in discover()] if not self._is_shut_down else []
-        records = {r["ray_node_id"]: r for r in self.nodes.describe()}
-        nodes = []
-        for node in alive:
-            record = records.pop(node["ray_node_id"], None) or {"state": NodeState.ACTIVE.value, "removable": False}
-            nodes.append({**node, **record, "home": node["ray_node_id"] == self.home_node})
-        nodes += [{**r, "home": False} for r in records.values()]  # lost (or gone) nodes
-        return {"nodes": nodes, "devices_asked_of_autoscaler": self.device_requests.num_asked}
-
-    def status(self) -> dict[str, Any]:
-        """Active config, instance state and ranks, devices with HMM memory, the running scale
-        event (blocking). A dead or busy device worker is reported as such, never an error."""
-        inst, hmm = self.active, self.hmm
-        devices = self._device_info()
-        layout = hmm.layout if hmm is not None else None
-        running = self.scale_events.running
-        return {
-            "model": self.config.model_name,
-            "coordinator": {"pid": os.getpid()},
-            "backend": self.config.backend,
-            "active_config": None if inst is None else {
-                "dp": inst.dp, "ep": inst.dp if self.config.is_expert_parallel else 1, "tp": 1},
-            "instance": None if inst is None else {
-                "instance_id": inst.instance_id, "state": inst.state.value, "timings_s": inst.timings,
-                "ranks": self._rank_info(inst),
-                # per rank, how its weights were attached (vLLM: bytes mapped from the HMM vs copied)
-                "attach": [_attach_dict(r) for r in inst.attach_reports],
-            },
-            "layout_device_ids": list(layout.device_ids) if layout is not None else [],
-            "devices": devices,
-            "routing": {"version": self.routing.version, "accepting": self.routing.is_accepting,
-                        "num_ranks": len(self.routing.ranks)},
-            "scale_event": running.to_dict() if running is not None else None,
-            "adapters": [a.describe() for a in sorted(self.adapters.adapters.values(), key=lambda a: a.order)],
-            "adapter_swaps": self.adapters.swap_stats(),
-            "standby": {
-                "enabled": self.config.standby_pool,
-                "dps": sorted(self.standby.pool),
-                "preparing": self._standby_thread is not None and self._standby_thread.is_alive(),
-                "hits": self.standby.num_hits,
-                "misses": self.standby.num_misses,
-            },
-            "rank_processes": self.processes.status(),
-        }
-
-    @staticmethod
-    def _rank_info(inst: Instance) -> list[dict[str, Any]]:
-        """Each rank's device and process (None once it is gone)."""
-        out = []
-        for r, rank in enumerate(list(inst.ranks)):
-            try:
-                where = ray.get(rank.where.remote(), timeout=2.0)
-            except Exception:  # noqa: BLE001 - dead or hung: the healer deals with it
-                where = {"pid": None, "ray_node_id": None}
-            device = inst.device_ids[r] if r < len(inst.device_ids) else None
-            out.append({"rank": r, "device_id": device, "pid": where["pid"], "ray_node_id": inst.nodes[r],
-                        "running_on": where["ray_node_id"]})
-        return out

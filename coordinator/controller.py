@@ -22,6 +22,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from coordinator import cluster_status
 from coordinator.adapters import LOCK_WAIT_S
 from coordinator.autoscale_loop import AutoscaleLoop
 from coordinator.autoscaler import Autoscaler
@@ -108,7 +109,7 @@ class Coordinator:
     # ---- admin ---------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
-        status = await asyncio.to_thread(self.cluster.status)
+        status = await asyncio.to_thread(cluster_status.status, self.cluster)
         status["health"] = {"ready": self.cluster.routing.is_serving, **self.healer.status()}
         status["scale_events"] = [e.to_dict() for e in self.cluster.scale_events.all()[-20:]]  # the latest 20
         status["slo"] = self.autoscale.tracker.snapshot().to_dict()
@@ -132,7 +133,7 @@ class Coordinator:
 
     async def devices(self) -> dict[str, Any]:
         """The registered devices (node, state, memory) and the Ray nodes offering devices now."""
-        return await asyncio.to_thread(self.cluster.devices_report)
+        return await asyncio.to_thread(cluster_status.devices_report, self.cluster)
 
     async def start_scale(self, dp: int, strategy: str = DEFAULT_STRATEGY) -> dict[str, Any]:
         """A manual scale (raises `OpenAIError`); it pauses the autoscaler (an operator's decision
@@ -165,7 +166,7 @@ class Coordinator:
 
     async def nodes(self) -> dict[str, Any]:
         """Every node offering devices now, with its state, and the nodes drained, given back or lost."""
-        return await asyncio.to_thread(self.cluster.nodes_report)
+        return await asyncio.to_thread(cluster_status.nodes_report, self.cluster)
 
     async def node(self, node_id: str) -> dict[str, Any]:
         return await asyncio.to_thread(self.node_drainer.describe, node_id)
