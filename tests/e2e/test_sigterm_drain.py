@@ -65,22 +65,55 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start(args: list[str], port: int, timeout_s: float) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICMOE_API_KEY": "", "ELASTICMOE_ADMIN_KEY": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "elasticmoe.cli", "serve", *args, "--port", str(port),
-                             "--served-model-name", MODEL], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited early:\n{proc.stdout.read()[-4000:]}"
+def _listeners(port: int) -> set[int]:
+    """The processes holding a listening TCP socket on `port` (from /proc; no psutil)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError(f"server not ready in {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
+            if os.readlink(fd) in inodes:
+                pids.add(int(fd.parent.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _start(args: list[str], timeout_s: float, attempts: int = 3) -> tuple[subprocess.Popen, int]:
+    """`elasticmoe serve ARGS` on a free port, ready: (process, port). A port picked free can be
+    taken before the server binds it (by the other test worker's server): then the server that
+    answers is not ours, and ours starts again on another port."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICMOE_API_KEY": "", "ELASTICMOE_ADMIN_KEY": ""}
+    for _ in range(attempts):
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "elasticmoe.cli", "serve", *args, "--port", str(port),
+                                 "--served-model-name", MODEL], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            if proc.poll() is None:
+                proc.kill()
+                raise AssertionError(f"server not ready in {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
+            out = proc.stdout.read()
+            assert "cannot listen" in out, f"server exited early:\n{out[-4000:]}"
+            continue  # the port was taken before it started
+        if _listeners(port) & ({proc.pid} | _descendants(proc.pid)):
+            return proc, port
+        os.killpg(proc.pid, signal.SIGKILL)  # another server answered on that port
+        proc.wait()
+    raise AssertionError(f"no free port held for the server in {attempts} attempts")
 
 
 def _drain_on_sigterm(proc: subprocess.Popen, port: int) -> tuple[list[dict], httpx.Response, set[int]]:
@@ -153,8 +186,7 @@ def _check_stream(events: list[dict], refused: httpx.Response) -> None:
 
 
 def test_single_server_drains_on_sigterm(tiny_model_dir):
-    port = _free_port()
-    proc = _start(["--single", "--model", tiny_model_dir, "--shutdown-timeout", "60"], port, 120)
+    proc, port = _start(["--single", "--model", tiny_model_dir, "--shutdown-timeout", "60"], 120)
     events, refused, family = _drain_on_sigterm(proc, port)
     _check_stream(events, refused)
     out = _check_exit(proc, family, 60)
@@ -163,10 +195,10 @@ def test_single_server_drains_on_sigterm(tiny_model_dir):
 
 def _start_elastic(model_dir: str) -> tuple[subprocess.Popen, int, str]:
     """`elasticmoe serve` (2 devices, dp 1, no standby pool) as a subprocess: (process, port, shm prefix)."""
-    port, prefix = _free_port(), f"emoesig{secrets.token_hex(4)}"
-    proc = _start(["--model", model_dir, "--devices", "2", "--dp", "1", "--device-memory-gb", "0.0625",
-                   "--kv-cache-gb", "0.004", "--no-standby-pool", "--shm-prefix", prefix,
-                   "--shutdown-timeout", "60"], port, 240)
+    prefix = f"emoesig{secrets.token_hex(4)}"
+    proc, port = _start(["--model", model_dir, "--devices", "2", "--dp", "1", "--device-memory-gb", "0.0625",
+                         "--kv-cache-gb", "0.004", "--no-standby-pool", "--shm-prefix", prefix,
+                         "--shutdown-timeout", "60"], 240)
     return proc, port, prefix
 
 
