@@ -59,8 +59,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
+    # NOTE: admission far above the step's backlog: at 2.5x a fast host's rank rate (tiny requests,
+    # ~30 rps) the 5 s step queued past the default 256 while the other test worker held a core,
+    # and the 503s that followed are admission's business, not the autoscaler's.
     config = tiny_config(tiny_model_dir, served_model_name=MODEL, max_num_seqs=1, autoscale=AUTOSCALE,
-                         api_key=API_KEY, admin_key=ADMIN_KEY, standby_pool=True)  # the production path
+                         api_key=API_KEY, admin_key=ADMIN_KEY, standby_pool=True,  # the production path
+                         max_queued=4096)
     with running(config) as srv:
         yield srv
 
