@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray  # noqa: F401 - makes its vendored psutil importable (`_listens`)
 
 from hmm.memory import list_segments
 
@@ -65,23 +66,18 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _listeners(port: int) -> set[int]:
-    """The processes holding a listening TCP socket on `port` (from /proc; no psutil)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                    inodes.add(f"socket:[{fields[9]}]")
-    pids = set()
-    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+def _listens(pids: set[int], port: int) -> bool:
+    """Whether one of `pids` holds a listening TCP socket on `port`."""
+    import psutil  # NOTE: Ray's vendored copy, importable once ray is (imported above)
+
+    for pid in pids:
         try:
-            if os.readlink(fd) in inodes:
-                pids.add(int(fd.parent.parent.name))
-        except OSError:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections("tcp")):
+                return True
+        except psutil.Error:  # gone meanwhile
             continue
-    return pids
+    return False
 
 
 def _start(args: list[str], timeout_s: float, attempts: int = 3) -> tuple[subprocess.Popen, int]:
@@ -109,7 +105,7 @@ def _start(args: list[str], timeout_s: float, attempts: int = 3) -> tuple[subpro
             out = proc.stdout.read()
             assert "cannot listen" in out, f"server exited early:\n{out[-4000:]}"
             continue  # the port was taken before it started
-        if _listeners(port) & ({proc.pid} | _descendants(proc.pid)):
+        if _listens({proc.pid} | _descendants(proc.pid), port):
             return proc, port
         os.killpg(proc.pid, signal.SIGKILL)  # another server answered on that port
         proc.wait()
