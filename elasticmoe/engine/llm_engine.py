@@ -272,12 +272,17 @@ class LLMEngine:
     def import_requests(self, snaps: list[RequestSnapshot], kv_is_shared: bool) -> None:
         """Continue handed-over requests. `kv_is_shared`: this engine's KV pool is the
         exporter's (same device, same pool), so block tables stay valid and no
-        token is recomputed; otherwise their KV is recomputed from their tokens."""
+        token is recomputed; otherwise, or where a request's adapter is not resident
+        here, their KV is recomputed from their tokens."""
         for snap in snaps:
             if snap.request_id in self.requests:
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
             request = restore(snap, keep_kv=kv_is_shared)
             self.adapters.rebind(request)
+            if request.block_ids and not request.is_ready:
+                # Its adapter is not resident here (another took the slot): it waits for the swap-in
+                # and its KV is recomputed then, as it would run on the base model if it ran on now.
+                request.block_ids, request.num_computed_tokens = [], 0
             if request.block_ids:
                 self.block_manager.claim(request.block_ids)
                 request.status = RequestStatus.RUNNING

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticmoe.config import EngineConfig
+from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.kv_cache import KVCacheSpec
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_lora_adapter import make_lora_adapter
 
 PROMPTS = [[5, 6, 7, 8] * 5, list(range(30, 70)), [9, 9, 9]]
 PARAMS = [
@@ -93,3 +95,49 @@ def test_claim_refuses_blocks_in_use(tiny_model_dir):
         engine.block_manager.claim([5])
     with pytest.raises(ValueError):
         engine.block_manager.claim([7, 7])
+
+
+@pytest.mark.parametrize("kv_is_shared", [True, False], ids=["kv-kept", "kv-recomputed"])
+def test_a_handed_over_request_waits_for_its_lora_adapter_where_it_is_not_resident(
+        tiny_model_dir, tmp_path, kv_is_shared):
+    """A scale hands a running LoRA request to an engine whose one slot holds another adapter: the
+    request waits for its adapter's swap-in instead of running on (and so on the base model)."""
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    adapters = {n: LoraAdapter.open(n, make_lora_adapter(tiny_model_dir, str(tmp_path / n), rank=2, seed=i + 1,
+                                                         target_modules=("q_proj", "v_proj")), cfg)
+                for i, n in enumerate(("tone", "style"))}
+
+    def lora_engine(order: tuple[str, str], kv=None) -> LLMEngine:
+        engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_kv_blocks=64, block_size=4,
+                                        num_threads=1, max_loras=1, max_lora_rank=2, max_cpu_loras=2),
+                           kv_provider=kv)
+        for name in order:  # the first one loaded takes the slot
+            a = adapters[name]
+            engine.adapters.load_lora(name, a.modules, a.weights, a.config.scaling)
+        return engine
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference: dict[str, list] = {}
+    engine = lora_engine(("tone", "style"))
+    engine.add_request("t", PROMPTS[0], params, "tone")
+    drain(engine, reference)
+
+    shared = SharedPool()
+    old = lora_engine(("tone", "style"), kv=shared)
+    old.add_request("t", PROMPTS[0], params, "tone")
+    streams: dict[str, list] = {}
+    for _ in range(3):
+        for out in old.step():
+            streams.setdefault(out.request_id, []).append(out)
+    snaps = old.export_requests(hand_over_kv=kv_is_shared)
+    assert snaps[0].was_running and snaps[0].num_computed_tokens > 0
+
+    new = lora_engine(("style", "tone"), kv=shared if kv_is_shared else None)
+    assert new.adapters.lora.index("tone") is None  # "style" holds the one slot
+    new.import_requests(snaps, kv_is_shared=kv_is_shared)
+    assert new.num_running == 0 and new.num_waiting == 1  # it waits for "tone"
+    drain(new, streams)
+    assert new.adapters.lora.index("tone") is not None
+    assert streams["t"][-1].output_token_ids == reference["t"][-1].output_token_ids
+    assert "".join(o.new_text for o in streams["t"]) == reference["t"][-1].text
+    assert new.block_manager.num_free_blocks == new.block_manager.num_blocks
