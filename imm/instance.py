@@ -257,7 +257,7 @@ class Instance:
         """Start the lockstep loops of all ranks and run one short request through each."""
 
         def work() -> list[float]:
-            self._get([rank.start.remote() for rank in self.ranks])
+            self._get([rank.start.remote([p for p in self.ranks if p is not rank]) for rank in self.ranks])
             return self._get([rank.warm_up.remote() for rank in self.ranks])
 
         return self._transition(S.WARM, work)

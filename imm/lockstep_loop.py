@@ -13,7 +13,17 @@ idle, so it cannot be used for ep_size > 1. This loop instead runs rounds:
    memory only, every rank takes part in one more exchange (the adapters wanted, the slots in
    use) and applies the same swaps (`engine.lora_lockstep`); if any rank has work: every rank
    steps (idle ranks run an empty forward); otherwise wait for a command
-   (up to `idle_wait_s` with a group, blocking without one), then the next round.
+   (with a group: up to `idle_wait_s`, doubling with every idle round in a row up to
+   `max_idle_wait_s`; without one: blocking), then the next round.
+
+NOTE: with a group an idle rank cannot block: a peer's request needs it in the next round's
+all_reduce. At a fixed 2 ms wait an idle dp-2 instance ran ~500 rounds a second and each rank
+burnt about a quarter of a core doing nothing. With the back-off an idle instance runs a few
+rounds a second. So that the first request after a quiet spell does not wait for the peers' long
+waits to end, the rank it reaches wakes them (`wake_peers`, set by the rank: a message to each
+peer's `wake`) before it enters the round; a lost wake costs at most `max_idle_wait_s`. Any round
+with work starts the waits again at `idle_wait_s`. (vLLM's data-parallel engines do the same:
+they sleep when every engine is idle and a coordinator wakes them all for the next wave.)
 
 A *pause* leaves the loop without failing the consumers: their streams wait
 until `export_requests` hands each request over (its stream then raises
@@ -35,7 +45,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,6 +84,17 @@ class _Pause(StopCommand):
     """Leave the loop at the next round boundary, keeping the consumers waiting."""
 
 
+def _nothing() -> None:
+    return None
+
+
+@dataclass(slots=True)
+class _Wake(CallCommand):
+    """A peer has work: end this rank's idle wait and join the next round now (a call of nothing)."""
+
+    fn: Callable[[], Any] = _nothing
+
+
 class LockstepAsyncLLM(AsyncLLM):
     """`AsyncLLM` for one rank of an EP group; `group=None` runs the same loop on one rank."""
 
@@ -82,11 +104,17 @@ class LockstepAsyncLLM(AsyncLLM):
         group: dist.ProcessGroup | None,
         *,
         idle_wait_s: float = 0.002,
+        max_idle_wait_s: float = 0.25,
+        wake_peers: Callable[[], None] | None = None,
         stall_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(engine, stall_timeout_s=stall_timeout_s)
         self.group = group
         self.idle_wait_s = idle_wait_s
+        self.max_idle_wait_s = max(idle_wait_s, max_idle_wait_s)
+        self._idle_wait_s = idle_wait_s  # this idle round's wait (see the module docstring)
+        self.wake_peers = wake_peers  # called on the loop thread; must not block
+        self.num_wakes_sent = 0
         self.num_rounds = 0
         self.num_steps = 0
         # Adopted streams until their `resume` (monotonic adoption time): a short request can
@@ -123,6 +151,10 @@ class LockstepAsyncLLM(AsyncLLM):
         self._last_tick = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    def wake(self) -> None:
+        """A peer rank got work while the instance was idle: join the next round now."""
+        self._commands.put(_Wake())
 
     def apply_queued_commands(self) -> None:
         """After a pause, on the caller's thread: apply the adds and aborts that arrived too late
@@ -220,6 +252,7 @@ class LockstepAsyncLLM(AsyncLLM):
                     self._swap_lora_in_lockstep(*wants)  # NOTE: a collective too: every rank, this round
                 self._has_work = any_work
                 if any_work:
+                    self._idle_wait_s = self.idle_wait_s
                     # NOTE: with a group, a step that raised may have left a peer inside an
                     # all-to-all: crash (the coordinator replaces the instance); alone, fail its requests.
                     outputs = self._step() if self.group is None else self.engine.step()
@@ -280,14 +313,28 @@ class LockstepAsyncLLM(AsyncLLM):
             code = max(code, self._apply_lockstep(command))
 
     def _wait_for_command(self) -> int:
-        """Idle: block until a command arrives (or `idle_wait_s` passes, with a group); apply it."""
-        timeout = self.idle_wait_s if self.group is not None else None
+        """Idle: block until a command arrives (with a group: or this round's wait passes, and the
+        next one waits twice as long, up to `max_idle_wait_s`); apply it."""
+        timeout = self._idle_wait_s if self.group is not None else None
         try:
             command = self._commands.get(timeout=timeout)
         except queue.Empty:
+            self._idle_wait_s = min(self._idle_wait_s * 2, self.max_idle_wait_s)
             return _RUN
+        if timeout is not None and timeout > self.idle_wait_s and not isinstance(command, _Wake):
+            self._wake_peers()  # they may be in a long wait: this round should not wait for them
+        self._idle_wait_s = self.idle_wait_s
         # NOTE: a stop or pause returned here still goes through the next all_reduce.
         return self._apply_lockstep(command)
+
+    def _wake_peers(self) -> None:
+        if self.wake_peers is None:
+            return
+        try:
+            self.wake_peers()
+            self.num_wakes_sent += 1
+        except Exception:  # noqa: BLE001 - a peer that cannot be told joins when its wait ends
+            logger.warning("could not wake the peer ranks", exc_info=True)
 
     def _apply_lockstep(self, command: Any) -> int:
         if isinstance(command, _Pause):

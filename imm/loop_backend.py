@@ -16,7 +16,7 @@ Invariants: the core is touched only by the loop thread once `start` ran, before
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from elasticmoe.engine.async_llm import EngineCore
@@ -54,12 +54,17 @@ class LoopBackend:
 
     # ---- serving ------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the lockstep loop (idempotent). NOTE: with a group, every rank must be started."""
+    def start(self, wake_peers: Callable[[], None] | None = None) -> None:
+        """Start the lockstep loop (idempotent). NOTE: with a group, every rank must be started.
+        `wake_peers`: tells the other ranks this one has work (see `imm.lockstep_loop`)."""
         if self.llm is not None and self.llm.is_ready:
             return
-        self.llm = LockstepAsyncLLM(self._core(), self.group)
+        self.llm = LockstepAsyncLLM(self._core(), self.group, wake_peers=wake_peers)
         self.llm.start()
+
+    def wake(self) -> None:
+        if self.llm is not None:
+            self.llm.wake()
 
     @property
     def is_started(self) -> bool:

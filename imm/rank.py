@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -184,11 +185,18 @@ class InstanceRank:
         serving rank (native: hold all its blocks until the first `import_requests`)."""
         return await self.backend.attach(handle_set, placement, self.group, fence_kv)
 
-    def start(self) -> None:
-        """Start the step loop. NOTE: every rank of an EP group must be started, or the others hang."""
+    def start(self, peers: Sequence[Any] = ()) -> None:
+        """Start the step loop. NOTE: every rank of an EP group must be started, or the others hang.
+        `peers`: the other ranks of the instance (actor handles), woken through their `wake` when
+        this rank gets work while the instance idles (`imm.lockstep_loop`)."""
         if self.has_exported:
             raise RuntimeError("this rank handed its requests over; its engine must not run again")
-        self.backend.start()
+        has_peers = bool(peers) and self.group is not None
+        self.backend.start(functools.partial(_wake_all, list(peers)) if has_peers else None)
+
+    def wake(self) -> None:
+        """A peer rank has work: join the next round of the step loop now."""
+        self.backend.wake()
 
     async def warm_up(self, max_tokens: int = 2) -> float:
         """Send one short greedy request through the running loop; returns its latency in seconds
@@ -459,6 +467,11 @@ class InstanceRank:
         self.group = None
         self.streams.close()
         self.is_shut_down = True
+
+
+def _wake_all(peers: Sequence[Any]) -> None:
+    for peer in peers:
+        peer.wake.remote()  # fire and forget: a lost wake costs one idle wait
 
 
 InstanceRankActor = ray.remote(num_cpus=0)(InstanceRank)
