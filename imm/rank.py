@@ -191,8 +191,7 @@ class InstanceRank:
         this rank gets work while the instance idles (`imm.lockstep_loop`)."""
         if self.has_exported:
             raise RuntimeError("this rank handed its requests over; its engine must not run again")
-        has_peers = bool(peers) and self.group is not None
-        self.backend.start(functools.partial(_wake_all, list(peers)) if has_peers else None)
+        self.backend.start(functools.partial(_wake_all, list(peers)) if peers else None)
 
     def wake(self) -> None:
         """A peer rank has work: join the next round of the step loop now."""
