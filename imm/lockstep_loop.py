@@ -258,6 +258,7 @@ class LockstepAsyncLLM(AsyncLLM):
                     outputs = self._step() if self.group is None else self.engine.step()
                     self.num_steps += 1  # NOTE: before the outputs reach their consumers (stats agree with them)
                     self._deliver(outputs)
+                    self._pace(self._last_tick)
                 else:
                     stop_code = max(stop_code, self._wait_for_command())
                 self.num_running = self.engine.num_running

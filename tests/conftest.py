@@ -52,6 +52,20 @@ def tiny_model_dir(tiny_model_dirs) -> str:
     return tiny_model_dirs["qwen3_moe"]
 
 
+@pytest.fixture(scope="module")
+def paced_engines():
+    """The engines of every server the module starts step at most 50 times a second (a 200-token
+    stream lasts >= 4 s). For the modules that keep clients streaming back to back while they scale,
+    drain or kill: the load is there to have requests in flight at every event, and at full speed
+    it kept 1.6 of the 2 cores busy for the whole module, which the other test worker needs. Set
+    before the module's Ray nodes start: their processes inherit it."""
+    from elasticmoe.engine.async_llm import MIN_STEP_INTERVAL_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(MIN_STEP_INTERVAL_ENV, "0.02")
+        yield
+
+
 @pytest.fixture
 def shm_prefix():
     """A /dev/shm prefix of the test's own, and a check that no file with it is left after."""

@@ -45,7 +45,7 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, reference):
+def served(tiny_model_dir, reference, paced_engines):
     prefix = f"emoetest{secrets.token_hex(4)}"
     # NOTE: no standby pool: its boots after each scale were a fifth of this module's CPU time
     # (scales boot on demand through the same code; test_autoscaler and test_scaler use the pool)

@@ -42,7 +42,8 @@ def _veth_bytes(nodes: RayNodes) -> int:
     return sum(nodes.interface_bytes().values())
 
 
-def test_scaling_onto_a_namespaced_node_moves_weights_over_its_veth(can_netns, tiny_model_dir, reference):
+def test_scaling_onto_a_namespaced_node_moves_weights_over_its_veth(can_netns, tiny_model_dir, reference,
+                                                                    paced_engines):
     prefix = f"emoetest{secrets.token_hex(4)}"
     stop = threading.Event()
     events, crossed = [], []

@@ -43,7 +43,7 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, reference):
+def served(tiny_model_dir, reference, paced_engines):
     prefix = f"emoetest{secrets.token_hex(4)}"
     with ray_nodes(head_devices=0, worker_devices=(1,)) as nodes:
         with serve_on(nodes, "--model", tiny_model_dir, "--served-model-name", MODEL, "--dtype", "float32",

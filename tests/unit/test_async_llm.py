@@ -219,3 +219,31 @@ def test_a_build_that_fails_is_raised_by_start_and_leaves_no_thread():
         llm.start(build)
     assert llm._thread is None and not llm.is_ready
     llm.shutdown()  # still safe: nothing to stop
+
+
+def test_the_test_knob_paces_steps_and_defaults_to_none(monkeypatch):
+    """`ELASTICMOE_TEST_MIN_STEP_INTERVAL_S` (the e2e load modules' pacing): steps at least that far
+    apart, tokens unchanged; unset, the loop steps back to back."""
+    from elasticmoe.engine.async_llm import MIN_STEP_INTERVAL_ENV
+
+    def run(interval: str | None) -> tuple[float, list[str]]:
+        if interval is None:
+            monkeypatch.delenv(MIN_STEP_INTERVAL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(MIN_STEP_INTERVAL_ENV, interval)
+        async_llm = AsyncLLM(FakeEngine())
+        async_llm.start()
+        try:
+            t0 = time.monotonic()
+            outs = asyncio.run(_collect(async_llm, "r", max_tokens=6))
+            return time.monotonic() - t0, [o.new_text for o in outs]
+        finally:
+            async_llm.shutdown()
+
+    free_s, free_text = run(None)
+    paced_s, paced_text = run("0.05")
+    assert paced_text == free_text and len(paced_text) == 6
+    assert paced_s >= 5 * 0.05  # six steps, five gaps at least (a lower bound: never flaky)
+    assert AsyncLLM(FakeEngine()).min_step_interval_s == 0.05
+    monkeypatch.delenv(MIN_STEP_INTERVAL_ENV)
+    assert AsyncLLM(FakeEngine()).min_step_interval_s == 0.0
