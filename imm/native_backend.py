@@ -26,6 +26,7 @@ from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.tokenizer import Tokenizer
 from elasticmoe.utils.cpu_features import cpu_compute_info
+from elasticmoe.utils.passing_thread import in_passing_thread
 from hmm.memory import VirtualTensorHandle, map_slot_pages, unmap_slot_pages
 from hmm.memory.page_table import SlotPages
 from hmm.providers import Handle
@@ -78,8 +79,8 @@ class NativeBackend(LoopBackend):
         t0 = time.perf_counter()
         if (loader.expert_cache is not None) != config.offloads_experts:
             raise RuntimeError("attach: the device has an expert cache exactly when the engine offloads experts")
-        self.engine = await asyncio.to_thread(LLMEngine, config, loader.weights, loader.kv, placement, group,
-                                              loader.expert_cache, self.tokenizer)
+        self.engine = await in_passing_thread(LLMEngine, config, loader.weights, loader.kv, placement, group,
+                                              loader.expert_cache, self.tokenizer, name="engine-build")
         seconds = time.perf_counter() - t0
         self.core, self.group = self.engine, group
         if fence_kv:
@@ -167,7 +168,7 @@ class NativeBackend(LoopBackend):
         engine = self._engine()
         adapter = await asyncio.to_thread(LoraAdapter.open, name, path, engine.model_config)
         dtype = engine.config.dtype
-        factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
+        factors = await in_passing_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
         return await self._on_loop(
             lambda: engine.adapters.load_lora(name, adapter.modules, lambda m, _: factors[m], adapter.config.scaling,
                                               usage_probability=usage_probability)

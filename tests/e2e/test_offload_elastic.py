@@ -38,7 +38,7 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, paced_engines):
+def server(tiny_model_dir):
     config = tiny_config(tiny_model_dir, dp=2, device_memory_bytes=BUDGET, kv_bytes_per_device=1 << 20,
                          expert_cache_fraction=0.5, offload_policy="lru", max_loras=1, max_lora_rank=4,
                          max_esft_adapters=1, max_esft_experts=2)

@@ -31,6 +31,7 @@ from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.errors import UnknownAdapterError, unwrap_remote
+from elasticmoe.utils.passing_thread import in_passing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class EngineAdapterHost:
         engine, experts = self.engine, adapter.config.experts
         dtype = engine.config.dtype
         rank, placement = engine.config.ep_rank, engine.placement
-        weights = await asyncio.to_thread(read_expert_weights, adapter, rank, placement.expert_to_rank, dtype)
+        weights = await in_passing_thread(read_expert_weights, adapter, rank, placement.expert_to_rank, dtype)
         adapter.close()  # read again from its files only if it is swapped out and back
         slot = await self.async_llm.run_on_loop(
             lambda: engine.adapters.load_esft(adapter.name, experts, lambda layer, e, _: weights[(layer, e)],
@@ -189,7 +190,7 @@ class EngineAdapterHost:
     async def load_lora(self, adapter: LoraAdapter, usage_probability: float | None = None) -> dict[str, Any]:
         engine = self.engine
         dtype = engine.config.dtype
-        factors = await asyncio.to_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
+        factors = await in_passing_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
         slot = await self.async_llm.run_on_loop(
             lambda: engine.adapters.load_lora(adapter.name, adapter.modules, lambda m, _: factors[m],
                                              adapter.config.scaling, usage_probability=usage_probability)
