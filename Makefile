@@ -29,7 +29,7 @@ TEST_WORKERS ?= 2
 venv: $(STAMP)
 
 # Reinstall only when the project's dependency list changes. scripts/venv_install.py installs with uv
-# (~15 s; pip took ~110 s here), handing it pip's configuration, and falls back to pip.
+# (~65 s, bytecode compiled; pip took ~110 s here), handing it pip's configuration, and falls back to pip.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/venv_install.py -- -e '.[test]'
@@ -64,7 +64,7 @@ serve-single: $(STAMP) $(MODEL_DIR)/config.json
 test: $(STAMP)
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-# The vLLM backend's tests, in .venv-vllm (about 2.5 minutes to create it the first time).
+# The vLLM backend's tests, in .venv-vllm (about 80 s to create it the first time).
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/vllm_backend

@@ -2,9 +2,10 @@
 
     .venv/bin/python scripts/venv_install.py [--uninstall NAME ...] -- -e '.[test]'
 
-Why uv: on this project's 2-core machines pip took ~110 s to create `.venv`, most of it compiling
-bytecode for every file of torch, ray and transformers (uv leaves that to the first import, of the
-files imported) and unpacking one wheel at a time; uv takes ~15 s, and `.venv-vllm` ~4 times less.
+Why uv: on this project's 2-core machines pip took ~110 s to create `.venv` (`.venv-vllm` ~175 s),
+compiling bytecode one file at a time and unpacking one wheel at a time; uv takes 65 s (81 s), from
+a cold cache. It compiles the bytecode too (on both cores): left to the first imports, the
+suite's processes each compiled what they imported, and `make test-vllm` took 203 s instead of 113.
 
 uv does not read pip's configuration, so pip's own (`pip config list`: files and PIP_* variables,
 the variables winning) is handed to it: index, extra indexes, find-links, constraints, certificate

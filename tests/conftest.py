@@ -57,7 +57,7 @@ def paced_engines():
     """The engines of every server the module starts step at most 50 times a second (a 200-token
     stream lasts >= 4 s). For the modules that keep clients streaming back to back while they scale,
     drain or kill: the load is there to have requests in flight at every event, and at full speed
-    it kept 1.6 of the 2 cores busy for the whole module, which the other test worker needs. Set
+    it kept 1.6 of the 2 cores busy while it ran, which the other test worker needs. Set
     before the module's Ray nodes start: their processes inherit it."""
     from elasticmoe.engine.async_llm import MIN_STEP_INTERVAL_ENV
 

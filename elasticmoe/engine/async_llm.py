@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 # A test knob, never set in production: the shortest time from one step's start to the next's. The
 # e2e tests that keep clients streaming back to back while they scale, drain or kill (they check
 # that requests in flight survive, not throughput) set it: at full speed the tiny model's four
-# streams kept 1.6 of the machine's 2 cores busy for the whole test, most of those modules' CPU.
+# streams kept 1.6 of the machine's 2 cores busy while they ran.
 MIN_STEP_INTERVAL_ENV = "ELASTICMOE_TEST_MIN_STEP_INTERVAL_S"
 
 
