@@ -240,7 +240,7 @@ def test_the_test_knob_paces_steps_and_defaults_to_none(monkeypatch):
         finally:
             async_llm.shutdown()
 
-    free_s, free_text = run(None)
+    _, free_text = run(None)
     paced_s, paced_text = run("0.05")
     assert paced_text == free_text and len(paced_text) == 6
     assert paced_s >= 5 * 0.05  # six steps, five gaps at least (a lower bound: never flaky)
