@@ -16,8 +16,9 @@ the resident adapter the eviction policy picks (`elasticmoe.adapter_policy.evict
 
 Whatever the policy: an adapter a running request uses, one that became resident in this pass,
 one the request being served needs beside the incoming adapter (a per-token table or router
-mixes them), or one an older request in the window waits for is never evicted; adapters with
-younger requests in the window go last. Copies run on a background thread where the engine
+mixes them), or one an older request in the window waits for is never evicted; adapters any
+other waiting request needs go last (the scheduler starts ready requests from anywhere in the
+queue, so evicting a resident adapter with queued requests would send them back to wait). Copies run on a background thread where the engine
 allows it; the waiting requests get their slots once the copy is done. Under EP the swaps are
 the lockstep loop's, the same on every rank (`engine.lora_lockstep`).
 
@@ -133,7 +134,9 @@ class LoraSwapper:
         window = self.scheduler.window_requests()
         in_window = {id(r) for r in window}
         pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
+        queued: set[str] = set()  # every adapter a waiting request needs
         for r in waiting:
+            queued |= r.binding.lora_names
             if r.binding.is_waiting:
                 if arrived & r.binding.lora_names:
                     self.assign(r)
@@ -162,7 +165,11 @@ class LoraSwapper:
                 # NOTE: an adapter an older request waits for is not evicted for a younger one's (else
                 # a window with more adapters than slots swaps its adapters out and back, forever).
                 ahead = {n for n, i in first_need.items() if i < first_need[name]}
-                victim = self._victim(busy | together | ahead, set(first_need) - {name})
+                # NOTE: an adapter with requests queued anywhere goes last, not only one the window's
+                # younger requests need: the scheduler starts ready requests from anywhere in the queue,
+                # and evicting their adapter while another victim exists sends them back to wait for
+                # the window to reach them.
+                victim = self._victim(busy | together | ahead, queued - {name})
                 if victim is None:
                     return  # every slot serves running or older requests: wait for one to finish
                 slot = lora.evict(victim)

@@ -60,7 +60,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for metrics and tests
-        self.skip_window = 64  # waiting requests looked past per step while their adapter swaps in
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -122,20 +121,20 @@ class Scheduler:
         window in admission order, then the rest in arrival order. Returns the budget left.
 
         NOTE: a request whose adapter is still being swapped in is passed over, not waited on,
-        so requests for resident adapters behind it start (CoServe §4.2); at most `skip_window`
-        of them are looked past per step, and every request passed over keeps its place in line.
+        so requests for resident adapters behind it start (CoServe §4.2), however many wait for
+        swaps ahead of them; every request passed over keeps its place in line. Looking past
+        them all costs ~0.7 us each (admission control, `--max-queued`, bounds the queue). A
+        bound of 64 left the requests of resident adapters behind a queue of swap waiters: on
+        the elastic server under a saturating many-adapter load (CoServe bench, 16 req/s) their
+        TTFT p50 was 4.2 s, 0.64 s without it, and throughput went from 109 to 130 tok/s.
         """
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return budget
         taken = [self.waiting.popleft() for _ in range(min(self.window, len(self.waiting)))]
-        num_skipped = 0
         for request in self._candidates(taken):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not request.is_ready:
-                num_skipped += 1
-                if num_skipped >= self.skip_window:
-                    break
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, n):

@@ -59,9 +59,9 @@ def make_request(request_id: str, adapter: str | None = None, routing: VocabRout
 
 
 def make_swapper(eviction: str = "coserve", names: str = "abc", slots: int = 2, routers=None, profiled=None,
-                 declared: dict[str, float] | None = None, max_num_seqs: int = 8) -> LoraSwapper:
-    """`max_num_seqs=0`: nothing starts, every request stays in the window."""
-    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=1000, max_num_seqs=max_num_seqs, window=8)
+                 declared: dict[str, float] | None = None, max_num_seqs: int = 8, window: int = 8) -> LoraSwapper:
+    """`max_num_seqs=0`: nothing starts, every request stays in the queue."""
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=1000, max_num_seqs=max_num_seqs, window=window)
     swapper = LoraSwapper(FakeSlots(slots, list(names)), sched, can_swap_async=False, eviction=eviction,
                           routers=lambda: routers or {}, profiled=profiled)
     for name, p in (declared or {}).items():
@@ -143,6 +143,18 @@ def test_adapters_needed_beside_the_incoming_one_and_queued_ones_go_last():
     submit(swapper, make_request("queued-a", "a"))
     swapper.swap_in()
     assert swapper.lora.evicted == ["b"] and want.is_ready
+
+
+def test_an_adapter_with_requests_queued_behind_the_window_goes_last():
+    # Window of one: c waits for a slot; a's request is queued behind the window (no room to
+    # start). a is less probable than b, but b has no request: b goes, and a's request stays
+    # ready. (Evicting a sent its request back to wait until the window reached it: under a
+    # long queue the popular adapters' requests waited for the cold ones at its head.)
+    swapper = make_swapper(declared={"a": 0.3, "b": 0.6, "c": 0.1}, max_num_seqs=0, window=1)
+    want = submit(swapper, make_request("want-c", "c"))
+    queued = submit(swapper, make_request("queued-a", "a"))
+    swapper.swap_in()
+    assert swapper.lora.evicted == ["b"] and want.is_ready and queued.is_ready
 
 
 def test_an_adapter_an_older_request_waits_for_stays_for_a_younger_requests_adapter():

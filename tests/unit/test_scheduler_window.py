@@ -110,6 +110,17 @@ def test_without_lora_admission_is_arrival_order():
     assert waiting_ids(sched) == ["e1", "base2"]
 
 
+def test_ready_requests_start_behind_any_number_of_swap_waiters():
+    """However long the queue of requests waiting for their adapters' swaps, the requests of
+    resident adapters (and of the base model) behind it start in the next step, and the waiters
+    keep their order (a bound of 64 looked-past requests once left them queued)."""
+    waiters = [make_request(f"x{i}", f"X{i % 7}", ready=False) for i in range(300)]
+    sched = make_scheduler(*waiters, make_request("a0", "A"), make_request("base0"),
+                           make_request("x300", "X0", ready=False), num_blocks=1024)
+    assert scheduled_ids(sched) == ["a0", "base0"]
+    assert waiting_ids(sched) == [f"x{i}" for i in range(301)]
+
+
 def test_window_requests_and_config():
     sched = make_scheduler(*(make_request(str(i), "A") for i in range(5)), window=3)
     assert [r.request_id for r in sched.window_requests()] == ["0", "1", "2"]
