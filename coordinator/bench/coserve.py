@@ -17,13 +17,16 @@ stops the server. Configurations (CoServe, ASPLOS '25, Fig. 13):
   lru_fcfs   LRU eviction + FCFS arranging (Samba-CoE)
   fifo       FIFO eviction
   parallel   CoServe eviction + arranging, adapter-unaware least-loaded assigning
+  resident   the same arrivals and adapters, a slot for every adapter they use (only those
+             registered, all resident from the start): the adapters' compute, no swap
   reference  the same arrivals, every request on the base model (nothing registered, no swap)
 
 Reported per run: output throughput, TTFT/TPOT p50/p99, failed requests, switches (LoRA
 swaps-in per rank-group + ESFT swaps-in, server counters), hit rate (a LoRA request admitted with
 its adapter in a slot, an ESFT request that did not wait for a swap-in; server counters), the
 p99 TTFT of requests for "hot" adapters (base model and the `--max-loras` / `--max-esft-adapters`
-most popular adapters of each kind) against the reference run, and the Fig. 15 breakdown: time in
+most popular adapters of each kind) against the resident run (what others' swaps cost them) and
+the reference run, and the Fig. 15 breakdown: time in
 adapter management (LoRA slot copies, per rank, and ESFT swaps from start to resident),
 arranging (the ranks' schedulers) and assigning (the ingress's router), all server-side timers.
 The JSON document goes to stdout (--json) and/or --out, the tables to stderr, a figure to --plot.
@@ -49,6 +52,7 @@ from coordinator.bench.coserve_workload import (
     ALL_CONFIGS,
     CONFIGS,
     REFERENCE,
+    RESIDENT,
     Adapter,
     Arrival,
     build_adapters,
@@ -60,6 +64,7 @@ from coordinator.bench.coserve_workload import (
     popularity,
     progress,
     server_counters,
+    used_adapters,
 )
 from coordinator.bench.loadgen import RequestRecord, stream_completion
 from coordinator.bench.report_output import claim_stdout, emit
@@ -149,22 +154,27 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
     from coordinator.launch import start_elastic
 
     eviction, arranging, assigning = CONFIGS.get(config, CONFIGS["coserve"])
-    num_lora = sum(a.kind == "lora" for a in adapters)
+    to_register = {REFERENCE: [], RESIDENT: used_adapters(adapters, arrivals)}.get(config, adapters)
+    num_lora = sum(a.kind == "lora" for a in to_register)
+    num_esft = len(to_register) - num_lora
+    max_loras, max_esft = args.max_loras, args.max_esft_adapters
+    if config == RESIDENT:  # a slot each: registration fills them, nothing is swapped after
+        max_loras, max_esft = max(max_loras, num_lora), max(max_esft, num_esft)
     cfg = CoordinatorConfig.model_validate(dict(
         model_dir=args.model, num_devices=max(args.dps), dp=dp, dtype=args.dtype,
         device_memory_bytes=int(args.device_memory_gb * _GIB), kv_bytes_per_device=int(args.kv_cache_gb * _GIB),
         served_model_name="base", shm_prefix=f"emoecoserve{secrets.token_hex(4)}", standby_pool=False,
-        max_queued=4096, max_loras=args.max_loras, max_lora_rank=args.lora_rank,
-        max_cpu_loras=max(num_lora, args.max_loras), max_esft_adapters=args.max_esft_adapters,
+        max_queued=4096, max_loras=max_loras, max_lora_rank=args.lora_rank,
+        max_cpu_loras=max(num_lora, max_loras), max_esft_adapters=max_esft,
         max_esft_experts=args.esft_experts, adapter_eviction=eviction, request_arranging=arranging,
         request_assigning=assigning, num_threads=args.num_threads))
     progress(f"{config} dp {dp}: starting the server")
     t = time.monotonic()
     server = start_elastic(cfg, port=_free_port())
     row: dict[str, Any] = {"config": config, "dp": dp, "eviction": eviction, "arranging": arranging,
-                           "assigning": assigning, "start_s": time.monotonic() - t}
+                           "assigning": assigning, "start_s": time.monotonic() - t, "max_loras": max_loras,
+                           "max_esft_adapters": max_esft}
     try:
-        to_register = [] if config == REFERENCE else adapters
         row["register_s"] = register(server.url, to_register) if to_register else 0.0
         row["num_registered"] = len(to_register)
         before = _counters(server.url, dp) if to_register else None

@@ -20,27 +20,31 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _reference(doc: dict[str, Any], dp: int) -> dict[str, Any] | None:
-    return next((r for r in doc["runs"] if r["dp"] == dp and r["config"] == "reference"), None)
+def _hot_p99(doc: dict[str, Any], dp: int, config: str) -> float | None:
+    """The hot requests' p99 TTFT in `config`'s run at `dp`, if it ran."""
+    run = next((r for r in doc["runs"] if r["dp"] == dp and r["config"] == config), None)
+    return None if run is None else run["hot_ttft_s"]["p99"]
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
 
 
 def format_tables(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     fig13 = []
     for r in doc["runs"]:
-        ref = _reference(doc, r["dp"])
         hot = r["hot_ttft_s"]["p99"]
-        ref_hot = ref["hot_ttft_s"]["p99"] if ref is not None else None
         fig13.append([
             str(r["dp"]), r["config"], _f(r["throughput_tok_s"], ".1f"), _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]),
             _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p99"]), _f(r.get("switches"), ".0f"), _f(r.get("hit_rate"), ".3f"),
-            _ms(hot), "-" if hot is None or not ref_hot else f"{hot / ref_hot:.2f}x", str(r["failed"]),
-            _f(r.get("register_s"), ".1f")])
+            _ms(hot), _ratio(hot, _hot_p99(doc, r["dp"], "resident")), _ratio(hot, _hot_p99(doc, r["dp"], "reference")),
+            str(r["failed"]), _f(r.get("register_s"), ".1f")])
     title = (f"CoServe Fig. 13 on the elastic server: {doc['num_adapters']['lora']} LoRA + {doc['num_adapters']['esft']} "
              f"ESFT adapters, {cfg['max_loras']} LoRA / {cfg['max_esft_adapters']} ESFT slots, power law alpha "
              f"{cfg['alpha']}, {cfg['rps']} req/s Poisson for {cfg['duration_s']:.0f} s ({doc['num_requests']} requests)")
     header = ["dp", "config", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "switches",
-              "hit rate", "hot TTFT p99 ms", "hot vs reference", "failed", "register s"]
+              "hit rate", "hot TTFT p99 ms", "hot vs resident", "hot vs reference", "failed", "register s"]
     fig15 = []
     for r in doc["runs"]:
         b = r.get("breakdown_s")

@@ -24,8 +24,12 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "fifo": ("fifo", "coserve", "coserve"),
     "parallel": ("coserve", "coserve", "parallel"),  # adapter-unaware least-loaded assignment
 }
+# The same arrivals and adapters with a slot for every adapter they use (registered alone, so all
+# resident from the start): no swap, the adapters' compute unchanged. What the hot requests' TTFT
+# would be if others' swaps cost them nothing.
+RESIDENT = "resident"
 REFERENCE = "reference"  # the same arrivals, every request on the base model: no adapter, no swap
-ALL_CONFIGS = (*CONFIGS, REFERENCE)
+ALL_CONFIGS = (*CONFIGS, RESIDENT, REFERENCE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +46,12 @@ class Arrival:
     model: str | None  # an adapter's name; None: the base model
     prompt: list[int]
     max_tokens: int
+
+
+def used_adapters(adapters: Sequence[Adapter], arrivals: Sequence[Arrival]) -> list[Adapter]:
+    """The adapters `arrivals` ask for, in registration order."""
+    asked = {a.model for a in arrivals}
+    return [a for a in adapters if a.name in asked]
 
 
 def popularity(names: Sequence[str], alpha: float, seed: int) -> dict[str, float]:

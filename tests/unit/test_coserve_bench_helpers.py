@@ -9,6 +9,8 @@ from coordinator.bench.coserve import parse_args
 from coordinator.bench.coserve_report import format_tables
 from coordinator.bench.coserve_workload import (
     CONFIGS,
+    Adapter,
+    Arrival,
     counter_delta,
     hit_rate,
     latency_summary,
@@ -17,6 +19,7 @@ from coordinator.bench.coserve_workload import (
     percentile,
     popularity,
     server_counters,
+    used_adapters,
 )
 
 
@@ -42,6 +45,14 @@ def test_arrivals_are_poisson_seeded_and_follow_the_shares():
     assert again == arrivals
     with pytest.raises(ValueError, match="rps"):
         make_arrivals(shares, 0.2, 0.0, 20.0, 4, 3, 64, seed=0)
+
+
+def test_the_resident_run_registers_only_the_adapters_the_arrivals_use():
+    adapters = [Adapter(n, kind, f"/a/{n}", 0.25) for n, kind in (("l0", "lora"), ("e0", "esft"), ("l1", "lora"),
+                                                                  ("e1", "esft"))]
+    arrivals = [Arrival(0.1 * i, model, [5], 2) for i, model in enumerate(("l1", None, "e0", "l1"))]
+    assert [a.name for a in used_adapters(adapters, arrivals)] == ["e0", "l1"]  # registration order
+    assert used_adapters(adapters, [Arrival(0.0, None, [5], 2)]) == []
 
 
 def test_percentiles_and_summary():
@@ -85,8 +96,12 @@ def test_args_and_tables():
            "breakdown_s": {"management": 1.0, "management_lora": 0.1, "management_esft": 0.9, "arranging": 0.001,
                            "assigning": 0.002}}
     ref = {**run, "config": "reference", "hot_ttft_s": {**lat, "p99": 0.01}, "breakdown_s": None}
+    resident = {**run, "config": "resident", "hot_ttft_s": {**lat, "p99": 0.016}, "switches": 0.0}
     doc = {"config": {"max_loras": 2, "max_esft_adapters": 1, "alpha": 0.3, "rps": 2.0, "duration_s": 5.0},
-           "num_adapters": {"lora": 6, "esft": 3}, "num_requests": 10, "runs": [run, ref]}
+           "num_adapters": {"lora": 6, "esft": 3}, "num_requests": 10, "runs": [run, resident, ref]}
     text = format_tables(doc)
-    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 0.500 | 20 | 2.00x | 0 | 1.0 |" in text
+    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 0.500 | 20 | 1.25x | 2.00x | 0 | 1.0 |" in text
+    assert "| 1 | resident | 10.0 | 10 | 20 | 10 | 20 | 0 | 0.500 | 16 | 1.00x | 1.60x | 0 | 1.0 |" in text
+    doc["runs"] = [run]  # neither baseline ran
+    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 0.500 | 20 | - | - | 0 | 1.0 |" in format_tables(doc)
     assert "Fig. 15" in text and "| 1 | coserve | 0.100 | 0.90 | 1.0 | 2.0 |" in text
