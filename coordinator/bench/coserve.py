@@ -26,9 +26,9 @@ swaps-in per rank-group + ESFT swaps-in, server counters), hit rate (a LoRA requ
 its adapter in a slot, an ESFT request that did not wait for a swap-in; server counters), the
 p99 TTFT of requests for "hot" adapters (base model and the `--max-loras` / `--max-esft-adapters`
 most popular adapters of each kind) against the resident run (what others' swaps cost them) and
-the reference run, and the Fig. 15 breakdown: time in
-adapter management (LoRA slot copies, per rank, and ESFT swaps from start to resident),
-arranging (the ranks' schedulers) and assigning (the ingress's router), all server-side timers.
+the reference run, and the Fig. 15 breakdown: time in adapter management (LoRA slot copies, per
+rank, and ESFT swaps from start to resident), arranging (the ranks' schedulers) and assigning
+(the ingress's router), all server-side timers.
 The JSON document goes to stdout (--json) and/or --out, the tables to stderr, a figure to --plot.
 """
 

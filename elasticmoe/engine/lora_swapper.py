@@ -18,9 +18,10 @@ Whatever the policy: an adapter a running request uses, one that became resident
 one the request being served needs beside the incoming adapter (a per-token table or router
 mixes them), or one an older request in the window waits for is never evicted; adapters any
 other waiting request needs go last (the scheduler starts ready requests from anywhere in the
-queue, so evicting a resident adapter with queued requests would send them back to wait). Copies run on a background thread where the engine
-allows it; the waiting requests get their slots once the copy is done. Under EP the swaps are
-the lockstep loop's, the same on every rank (`engine.lora_lockstep`).
+queue, so evicting a resident adapter with queued requests would send them back to wait).
+Copies run on a background thread where the engine allows it; the waiting requests get their
+slots once the copy is done. Under EP the swaps are the lockstep loop's, the same on every rank
+(`engine.lora_lockstep`).
 
 NOTE: in this engine routers live beside the model, always resident, so no LoRA adapter is ever
 stranded and stage 1 picks nothing; it acts where a predecessor can leave the tier (see

@@ -126,7 +126,7 @@ class Scheduler:
         them all costs ~0.7 us each (admission control, `--max-queued`, bounds the queue). A
         bound of 64 left the requests of resident adapters behind a queue of swap waiters: on
         the elastic server under a saturating many-adapter load (CoServe bench, 16 req/s) their
-        TTFT p50 was 4.2 s, 0.64 s without it, and throughput went from 109 to 130 tok/s.
+        TTFT p50 was 4.2 s, 0.6-0.7 s without it, and throughput went from 109 to 129-132 tok/s.
         """
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return budget
