@@ -13,6 +13,7 @@ use); the loop gathers them over the instance's group; and every rank applies th
   rank-local enters the choice: usage probabilities from the profile or declared at load (not
   the observed rate), load and use times counted in rounds at which the whole group agreed;
 - an adapter any rank's live request uses, or one made resident in this plan, is never evicted;
+  one any rank's waiting requests need goes last (as `LoraSwapper` does with one rank);
 - each rank then copies its own share of the factors (its experts') from host memory into the
   slot, at once, so the next step sees the same slots everywhere.
 
@@ -58,9 +59,9 @@ class LockstepLora:
         if other is not None and other != name:
             raise ValueError(f"name: adapter {name!r} collides with {other!r}; choose another name")
 
-    def wants(self, live: Iterable[Collection[str]]) -> tuple[list[int], list[int]]:
+    def wants(self, live: Iterable[Collection[str]]) -> tuple[list[int], list[int], list[int]]:
         """(ids of adapters this rank's scheduling window waits for, at most one per slot; slots the
-        adapters of `live` requests occupy)."""
+        adapters of `live` requests occupy; slots whose adapters waiting requests need)."""
         swapper, lora = self.swapper, self.swapper.lora
         wanted: list[int] = []
         for r in swapper.scheduler.window_requests():
@@ -71,9 +72,12 @@ class LockstepLora:
                 if lora.index(name) is None and lora.is_loaded(name) and ident not in wanted:
                     wanted.append(ident)
         used = sorted({s for names in live for n in names if (s := lora.index(n)) is not None})
-        return wanted[: self.num_slots], used
+        queued = sorted({s for r in swapper.scheduler.waiting for n in r.binding.lora_names
+                         if (s := lora.index(n)) is not None})
+        return wanted[: self.num_slots], used, queued
 
-    def apply(self, wanted_ids: Iterable[int], used_slots: Collection[int]) -> list[str]:
+    def apply(self, wanted_ids: Iterable[int], used_slots: Collection[int],
+              queued_slots: Collection[int] = ()) -> list[str]:
         """Make the wanted adapters resident, the same way on every rank; returns those swapped in.
         Waiting requests of a swapped-in adapter get its slot; those of a victim wait again."""
         swapper, lora = self.swapper, self.swapper.lora
@@ -86,6 +90,7 @@ class LockstepLora:
         for resident_name in lora.slot_of:
             self._loaded.setdefault(resident_name, 0)
         pinned = {slot_names[s] for s in used_slots if s in slot_names}
+        queued = {slot_names[s] for s in queued_slots if s in slot_names}
         swapped: list[str] = []
         for ident in sorted(set(wanted_ids) - {NO_ID}):
             found = by_id.get(ident)
@@ -96,7 +101,7 @@ class LockstepLora:
             if free:
                 slot = free[0]
             else:
-                victim = self._victim(pinned)
+                victim = self._victim(pinned, queued)
                 if victim is None:
                     break  # every slot serves a live request: the rest waits for the next plan
                 slot = lora.evict(victim)
@@ -113,9 +118,9 @@ class LockstepLora:
                 swapper.assign(r)
         return swapped
 
-    def _victim(self, pinned: set[str]) -> str | None:
+    def _victim(self, pinned: set[str], queued: set[str]) -> str | None:
         swapper, lora = self.swapper, self.swapper.lora
-        base = swapper.tier_view(pinned)
+        base = swapper.tier_view(pinned, queued)
         # NOTE: only what every rank knows alike: no observed rates, times in agreed rounds.
         usage = usage_probabilities(base.graph.nodes, swapper.profiled, swapper.declared, {})
         resident = {n: Residency(self._loaded.get(n, 0), max(self._loaded.get(n, 0), self._used.get(n, 0)))

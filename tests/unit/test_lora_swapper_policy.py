@@ -10,6 +10,7 @@ import pytest
 
 from elasticmoe.adapters.lora_routing import VocabRouting
 from elasticmoe.engine.block_manager import BlockManager
+from elasticmoe.engine.lora_lockstep import LockstepLora, adapter_id
 from elasticmoe.engine.lora_swapper import LoraSwapper, router_node
 from elasticmoe.engine.request import AdapterBinding, Request
 from elasticmoe.engine.scheduler import Scheduler
@@ -155,6 +156,24 @@ def test_an_adapter_with_requests_queued_behind_the_window_goes_last():
     queued = submit(swapper, make_request("queued-a", "a"))
     swapper.swap_in()
     assert swapper.lora.evicted == ["b"] and want.is_ready and queued.is_ready
+
+
+def test_the_lockstep_plan_evicts_an_adapter_with_queued_requests_last():
+    # Under EP every rank applies the same plan from gathered inputs: the slots some rank's waiting
+    # requests need (here a's, slot 0) go last, though a is the least probable.
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.6, "c": 0.3})
+    lockstep = LockstepLora(swapper)
+    assert lockstep.apply({adapter_id("c")}, used_slots=set(), queued_slots={0}) == ["c"]
+    assert swapper.lora.evicted == ["b"] and swapper.lora.slot_of == {"a": 0, "c": 1}
+    # Without queued requests the probabilities decide: a goes.
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.6, "c": 0.3})
+    assert LockstepLora(swapper).apply({adapter_id("c")}, used_slots=set()) == ["c"]
+    assert swapper.lora.evicted == ["a"]
+    # What a rank reports: the slots its waiting requests need, beside its wants.
+    swapper = make_swapper(max_num_seqs=0)
+    submit(swapper, make_request("queued-b", "b"))
+    submit(swapper, make_request("want-c", "c"))
+    assert LockstepLora(swapper).wants([]) == ([adapter_id("c")], [], [1])
 
 
 def test_an_adapter_an_older_request_waits_for_stays_for_a_younger_requests_adapter():
