@@ -279,16 +279,16 @@ class LockstepAsyncLLM(AsyncLLM):
                 "paused" if self.is_paused else "stopped", self.num_rounds, self.num_steps,
             )
 
-    def _lora_wants(self) -> tuple[list[int], list[int], list[int]] | None:
-        """(adapter ids this rank waits for, LoRA slots its live requests use, slots its waiting
-        requests need), or None when the engine swaps LoRA adapters on its own (one rank, or no LoRA)."""
+    def _lora_wants(self) -> tuple[list[int], list[int]] | None:
+        """(adapter ids this rank waits for, LoRA slots its live requests use), or None when the
+        engine swaps LoRA adapters on its own (one rank, or no LoRA)."""
         adapters = getattr(self.engine, "adapters", None)
         lockstep = getattr(adapters, "lockstep_lora", None)
         if lockstep is None or self.group is None:
             return None
         return lockstep.wants(r.binding.lora_names for r in adapters.live())  # type: ignore[union-attr]
 
-    def _swap_lora_in_lockstep(self, wanted: list[int], used: list[int], queued: list[int]) -> None:
+    def _swap_lora_in_lockstep(self, wanted: list[int], used: list[int]) -> None:
         """Gather every rank's wants and apply the same swaps on each (`engine.lora_lockstep`)."""
         lockstep = self.engine.adapters.lockstep_lora  # type: ignore[attr-defined]
         mine = torch.full((lockstep.num_slots,), NO_ID, dtype=torch.int64)
@@ -297,7 +297,7 @@ class LockstepAsyncLLM(AsyncLLM):
         dist.all_gather(everyone, mine, group=self.group)
         slots = torch.zeros(2, lockstep.num_slots, dtype=torch.int64)  # [in use, queued] per slot
         slots[0, used] = 1
-        slots[1, queued] = 1
+        slots[1, lockstep.queued_slots()] = 1
         dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
         in_use, in_queue = slots.tolist()
         swapped = lockstep.apply({int(i) for t in everyone for i in t.tolist()},

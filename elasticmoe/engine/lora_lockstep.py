@@ -59,9 +59,9 @@ class LockstepLora:
         if other is not None and other != name:
             raise ValueError(f"name: adapter {name!r} collides with {other!r}; choose another name")
 
-    def wants(self, live: Iterable[Collection[str]]) -> tuple[list[int], list[int], list[int]]:
+    def wants(self, live: Iterable[Collection[str]]) -> tuple[list[int], list[int]]:
         """(ids of adapters this rank's scheduling window waits for, at most one per slot; slots the
-        adapters of `live` requests occupy; slots whose adapters waiting requests need)."""
+        adapters of `live` requests occupy)."""
         swapper, lora = self.swapper, self.swapper.lora
         wanted: list[int] = []
         for r in swapper.scheduler.window_requests():
@@ -72,9 +72,14 @@ class LockstepLora:
                 if lora.index(name) is None and lora.is_loaded(name) and ident not in wanted:
                     wanted.append(ident)
         used = sorted({s for names in live for n in names if (s := lora.index(n)) is not None})
-        queued = sorted({s for r in swapper.scheduler.waiting for n in r.binding.lora_names
-                         if (s := lora.index(n)) is not None})
-        return wanted[: self.num_slots], used, queued
+        return wanted[: self.num_slots], used
+
+    def queued_slots(self) -> list[int]:
+        """Slots whose adapters this rank's waiting requests need (asked only in a round that plans
+        swaps: it walks the whole queue)."""
+        lora = self.swapper.lora
+        return sorted({s for r in self.swapper.scheduler.waiting for n in r.binding.lora_names
+                       if (s := lora.index(n)) is not None})
 
     def apply(self, wanted_ids: Iterable[int], used_slots: Collection[int],
               queued_slots: Collection[int] = ()) -> list[str]:

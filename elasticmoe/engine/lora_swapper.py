@@ -135,9 +135,7 @@ class LoraSwapper:
         window = self.scheduler.window_requests()
         in_window = {id(r) for r in window}
         pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
-        queued: set[str] = set()  # every adapter a waiting request needs
         for r in waiting:
-            queued |= r.binding.lora_names
             if r.binding.is_waiting:
                 if arrived & r.binding.lora_names:
                     self.assign(r)
@@ -153,6 +151,7 @@ class LoraSwapper:
         # NOTE: adapters that just became resident are not evicted before their requests ran once
         # (else a one-slot hot set would swap them out again at once, forever).
         busy = set().union(arrived, *(r.binding.lora_names for r in running))
+        queued: set[str] | None = None  # every adapter a waiting request needs: only for an eviction
         first_need: dict[str, int] = {}  # adapter -> queue position of the first window request needing it
         for i, r in enumerate(window):
             for n in r.binding.lora_names:
@@ -170,6 +169,8 @@ class LoraSwapper:
                 # younger requests need: the scheduler starts ready requests from anywhere in the queue,
                 # and evicting their adapter while another victim exists sends them back to wait for
                 # the window to reach them.
+                if queued is None:
+                    queued = set().union(*(r.binding.lora_names for r in waiting))
                 victim = self._victim(busy | together | ahead, queued - {name})
                 if victim is None:
                     return  # every slot serves running or older requests: wait for one to finish
