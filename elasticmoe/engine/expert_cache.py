@@ -10,8 +10,9 @@ Two threads load rows: the forward thread (`ensure`: the experts a layer needs n
 and the prefetch thread (`prefetch_once`: the policy's plan, ahead of the forward). One lock
 guards the map, the state and the policy; the copies run outside it. The rules that keep them
 apart:
-- at most one prefetch copy is in flight; `ensure` pauses prefetching (FineMoE §4.5: the
-  forward needs the memory bandwidth now) and waits for that copy before deciding anything;
+- at most one prefetch copy is in flight; an `ensure` that must load pauses prefetching
+  (FineMoE §4.5: the forward needs the memory bandwidth now) and waits for that copy before
+  deciding anything; one whose experts are all published goes on beside the copy;
 - a row is published in `slot_of` only once its copy is complete, and an expert the forward
   thread is computing with (`protected`) is never a prefetch's victim;
 - a failed copy leaves the expert not resident and its row free, so a read error costs the
@@ -92,6 +93,14 @@ class ExpertCache:
         keys = [(layer, int(e)) for e in experts]
         started = time.perf_counter()
         with self._cond:
+            rows = self.slot_of[layer, experts]
+            if (rows >= 0).all():
+                # Every expert published: a copy in flight is into another row, so there is
+                # nothing to wait for and no reason to pause prefetching (the common case).
+                self._count_lookups(keys)
+                self.state = self.state.use(layer, experts)
+                self._protected = frozenset(keys)
+                return rows.tolist()
             self._paused += 1
             try:
                 while self._in_flight is not None:

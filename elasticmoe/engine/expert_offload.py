@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 
 from elasticmoe.engine.expert_cache import ExpertCache
@@ -45,7 +46,7 @@ class ExpertOffload:
         self.cache = cache
         self.policy = cache.policy
         self.routers = [r.float() for r in routers]  # [E, H] per MoE layer: the next layer's gate on this input (lru)
-        self.local_expert_ids = torch.tensor(list(local_expert_ids), dtype=torch.long)
+        self._local_expert_ids = np.asarray(list(local_expert_ids), dtype=np.int64)  # local index -> global id
         self._embeddings: dict[str, torch.Tensor] = {}  # request -> semantic embedding (prompt mean)
         self._observing = False  # the policy takes this iteration's layers
         self.policy_s = 0.0  # time in the policy on the forward thread (searches, plans): FineMoE Fig. 17
@@ -116,27 +117,35 @@ class ExpertOffload:
         [N, H] (unweighted), computed from the cache's pool rows."""
         if xs.shape[0] == 0:
             return xs.new_empty(xs.shape)
-        locals_, counts = torch.unique_consecutive(sorted_local_slots, return_counts=True)
-        experts = self.local_expert_ids.index_select(0, locals_).tolist()
-        counts_list = counts.tolist()
+        # NumPy for the bookkeeping: it runs per MoE layer of every step on a few values, where
+        # torch's per-op dispatch costs more than the work.
+        slots = sorted_local_slots.numpy()
+        starts = np.flatnonzero(np.diff(slots, prepend=-1))  # first row of each expert's group
+        experts = self._local_expert_ids[slots[starts]].tolist()
+        bounds = np.append(starts, slots.size)  # [G + 1] group offsets
+        capacity = self.cache.capacity
+        if len(experts) <= capacity:
+            return self._compute(xs, bounds, self.cache.ensure(layer, experts))
         out = torch.empty_like(xs)
-        start, capacity = 0, self.cache.capacity
         for first in range(0, len(experts), capacity):  # waves: a cache smaller than the layer's need
-            wave = slice(first, first + capacity)
-            rows = torch.tensor(self.cache.ensure(layer, experts[wave]), dtype=torch.long)
-            num_rows = sum(counts_list[wave])
-            part = xs[start : start + num_rows]
-            ys = grouped_experts_at_rows(part, counts[wave], rows, self.cache.w13, self.cache.w2)
-            if ys is not None:
-                out[start : start + num_rows] = ys
-            else:  # PyTorch paths: rows grouped by ascending pool row, then back
-                row_slots = rows.repeat_interleave(counts[wave])
-                order = torch.argsort(row_slots, stable=True)
-                ys = grouped_experts_sorted(part.index_select(0, order), row_slots.index_select(0, order),
-                                            self.cache.w13, self.cache.w2)
-                out[start : start + num_rows].index_copy_(0, order, ys)
-            start += num_rows
+            last = min(first + capacity, len(experts))
+            start, end = int(bounds[first]), int(bounds[last])
+            rows = self.cache.ensure(layer, experts[first:last])
+            out[start:end] = self._compute(xs[start:end], bounds[first : last + 1] - start, rows)
         return out
+
+    def _compute(self, xs: torch.Tensor, offsets: np.ndarray, rows: list[int]) -> torch.Tensor:
+        """Groups of `xs` (`offsets` [G + 1]) through pool rows `rows` [G] (ensured resident)."""
+        offsets_t, rows_t = torch.from_numpy(offsets), torch.tensor(rows, dtype=torch.long)
+        ys = grouped_experts_at_rows(xs, offsets_t, rows_t, self.cache.w13, self.cache.w2)
+        if ys is not None:
+            return ys
+        # PyTorch paths: rows grouped by ascending pool row, then back
+        row_slots = rows_t.repeat_interleave(offsets_t.diff())
+        order = torch.argsort(row_slots, stable=True)
+        ys = grouped_experts_sorted(xs.index_select(0, order), row_slots.index_select(0, order),
+                                    self.cache.w13, self.cache.w2)
+        return torch.empty_like(xs).index_copy_(0, order, ys)
 
     # ---- the prefetch thread --------------------------------------------------------------
 

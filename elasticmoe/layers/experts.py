@@ -60,16 +60,15 @@ def _grouped_swiglu(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, 
     return grouped_gemm(h, offsets, w2, slot_rows)
 
 
-def grouped_experts_at_rows(xs: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor, w13: torch.Tensor,
+def grouped_experts_at_rows(xs: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, w13: torch.Tensor,
                             w2: torch.Tensor) -> torch.Tensor | None:
-    """Rows of xs [N, H] in groups of `counts` [G], group g computing with weight row `rows[g]`
-    (any order: an expert cache's pool rows) -> expert outputs [N, H] (unweighted), in one grouped
-    kernel call per projection. None where the kernel does not serve it (the caller sorts the
-    rows by weight row and calls `grouped_experts_sorted`)."""
+    """Rows of xs [N, H] in groups (group g is rows `offsets[g]:offsets[g + 1]`, `offsets` [G + 1]
+    int64 from 0 to N), group g computing with weight row `rows[g]` (any order: an expert cache's
+    pool rows) -> expert outputs [N, H] (unweighted), in one grouped kernel call per projection.
+    None where the kernel does not serve it (the caller sorts the rows by weight row and calls
+    `grouped_experts_sorted`)."""
     if not use_grouped_kernel(xs.shape[0], rows.numel(), xs.dtype, w13.dtype):
         return None
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=offsets[1:])
     return _grouped_swiglu(xs, offsets, w13, w2, rows)
 
 

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from elasticmoe.models.safetensors_mmap import MappedSafetensors
+
 logger = logging.getLogger(__name__)
 
 
@@ -80,6 +82,7 @@ class SafetensorsWeightProvider:
         if not self._file_of:
             raise FileNotFoundError(f"model: no safetensors weights in {self.model_dir}")
         self._handles: dict[Path, object] = {}
+        self._mapped: dict[Path, MappedSafetensors] = {}  # read_into's zero-copy views
         self.bytes_read = 0
 
     @property
@@ -92,34 +95,47 @@ class SafetensorsWeightProvider:
 
     def stored_dtype(self, name: str) -> str:
         """The safetensors dtype a checkpoint tensor is stored in ("BF16", "F32", ...), header only."""
-        path = self._file_of.get(name)
-        if path is None:
-            raise KeyError(f"checkpoint tensor {name!r} not found in {self.model_dir}")
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = safe_open(str(path), framework="pt")
-        return handle.get_slice(name).get_dtype()  # type: ignore[attr-defined]
+        return self._handle(name).get_slice(name).get_dtype()  # type: ignore[attr-defined]
 
     def read(self, name: str) -> torch.Tensor:
-        path = self._file_of.get(name)
-        if path is None:
-            raise KeyError(f"checkpoint tensor {name!r} not found in {self.model_dir}")
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = safe_open(str(path), framework="pt")
-        t = handle.get_tensor(name)  # type: ignore[attr-defined]
+        t = self._handle(name).get_tensor(name)  # type: ignore[attr-defined]
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def _path(self, name: str) -> Path:
+        path = self._file_of.get(name)
+        if path is None:
+            raise KeyError(f"checkpoint tensor {name!r} not found in {self.model_dir}")
+        return path
+
+    def _handle(self, name: str) -> object:
+        path = self._path(name)
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+        return handle
+
     def read_into(self, dst: torch.Tensor, names: tuple[str, ...]) -> None:
-        """Copy checkpoint tensors `names`, concatenated along dim 0, into `dst` (converting dtype)."""
+        """Copy checkpoint tensors `names`, concatenated along dim 0, into `dst` (converting dtype):
+        one copy from the mapped file per tensor (see `safetensors_mmap`)."""
         offset = 0
         for name in names:
-            src = self.read(name)
+            src = self._mapped_view(name)
             dst[offset : offset + src.shape[0]].copy_(src)
             offset += src.shape[0]
         if offset != dst.shape[0]:
             raise ValueError(f"checkpoint tensors {names} give {offset} rows, expected {dst.shape[0]}")
+
+    def _mapped_view(self, name: str) -> torch.Tensor:
+        path = self._path(name)
+        mapped = self._mapped.get(path)
+        if mapped is None:
+            mapped = self._mapped[path] = MappedSafetensors(path)
+        view = mapped.view(name)
+        if view is None:  # a dtype torch cannot view: safetensors converts it
+            return self.read(name)
+        self.bytes_read += view.numel() * view.element_size()
+        return view
 
     def get(self, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(spec.shape, dtype=dtype)
@@ -134,6 +150,7 @@ class SafetensorsWeightProvider:
 
     def close(self) -> None:
         self._handles.clear()
+        self._mapped.clear()  # each mapping closes once its last view is gone
 
 
 def stores_as_bf16(specs: list[ParamSpec], provider: SafetensorsWeightProvider) -> bool:

@@ -115,7 +115,7 @@ class CacheState:
             last_used[key] = self.clock
         if int(resident.sum()) > self.capacity:
             raise ValueError(f"load: {len(keys)} experts do not fit in {self.num_free} free slots")
-        return CacheState(self.capacity, resident, last_used, self.num_uses, self.clock + 1)
+        return self._successor(resident, last_used, self.num_uses, self.clock + 1)
 
     def evict(self, keys: Sequence[ExpertKey]) -> CacheState:
         """`keys` leave the cache; their visit counts stay (see the module docstring)."""
@@ -126,7 +126,7 @@ class CacheState:
             if not resident[key]:
                 raise ValueError(f"evict: expert {key} is not resident")
             resident[key] = False
-        return CacheState(self.capacity, resident, self.last_used, self.num_uses, self.clock)
+        return self._successor(resident, self.last_used, self.num_uses, self.clock)
 
     def use(self, layer: int, expert_ids: Iterable[int]) -> CacheState:
         """Layer `layer` ran its experts `expert_ids` (all resident): one visit each, whatever
@@ -134,13 +134,29 @@ class CacheState:
         ids = sorted({int(e) for e in expert_ids})
         if not ids:
             return self
-        if not self.resident[layer, ids].all():
-            absent = [e for e in ids if not self.resident[layer, e]]
+        # NOTE: element loops, not fancy indexing: this runs per MoE layer of every step on a
+        # handful of experts, where NumPy's index conversion costs more than the writes.
+        resident = self.resident[layer]
+        absent = [e for e in ids if not resident[e]]
+        if absent:
             raise ValueError(f"use: layer {layer} experts {absent} are not resident")
         last_used, num_uses = self.last_used.copy(), self.num_uses.copy()
-        last_used[layer, ids] = self.clock
-        num_uses[layer, ids] += 1
-        return CacheState(self.capacity, self.resident, last_used, num_uses, self.clock + 1)
+        stamps, visits = last_used[layer], num_uses[layer]
+        for e in ids:
+            stamps[e] = self.clock
+            visits[e] += 1
+        return self._successor(self.resident, last_used, num_uses, self.clock + 1)
+
+    def _successor(self, resident: BoolGrid, last_used: IntGrid, num_uses: IntGrid, clock: int) -> CacheState:
+        """A transition's result, whose invariants the transition kept: made without the checks
+        of construction (a transition runs per MoE layer of every engine step)."""
+        successor = object.__new__(CacheState)
+        for name, value in (("capacity", self.capacity), ("resident", resident), ("last_used", last_used),
+                            ("num_uses", num_uses), ("clock", clock)):
+            object.__setattr__(successor, name, value)
+        for arr in (resident, last_used, num_uses):
+            arr.flags.writeable = False
+        return successor
 
     def check_integrity(self) -> None:
         """The invariants construction does not check (O(L * E)); tests and debug runs call it."""

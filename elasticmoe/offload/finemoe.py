@@ -35,9 +35,9 @@ from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.map_store import ExpertMapStore, TrajectorySearch
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
 from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
-from elasticmoe.offload.routing_map import RoutingMapRecord, request_layer_probs
-from elasticmoe.offload.search_schedule import trajectory_length, trajectory_target
-from elasticmoe.offload.selection import eviction_priority, minimum_expert_set, selection_threshold
+from elasticmoe.offload.routing_map import request_layer_probs
+from elasticmoe.offload.search_schedule import trajectory_target
+from elasticmoe.offload.selection import eviction_priority, minimum_expert_sets, selection_threshold
 
 
 class SearchLog:
@@ -69,6 +69,8 @@ class FineMoEPolicy:
                                     config.prefetch_distance)
         self.search_log = SearchLog()
         self._requests: list[RequestContext] = []
+        self._num_tokens: list[int] = []  # per request, this iteration
+        self._one_token_each = False  # a decode iteration: each request's P_l is its token's distribution
         self._observed = np.zeros((0, *shape), dtype=np.float32)  # [B, L, E] this iteration's P_l per request
         self._current_layer = -1  # the last layer observed
         self._trajectory: TrajectorySearch | None = None  # this iteration's, layer by layer
@@ -81,6 +83,8 @@ class FineMoEPolicy:
             raise ValueError("begin_iteration: an iteration needs at least one request")
         cfg = self.config
         self._requests = list(requests)
+        self._num_tokens = [r.num_tokens for r in requests]
+        self._one_token_each = all(n == 1 for n in self._num_tokens)
         self._observed = np.zeros((len(requests), cfg.num_layers, cfg.num_experts), dtype=np.float32)
         self._current_layer = -1
         self._planned[:] = False
@@ -89,18 +93,21 @@ class FineMoEPolicy:
         if len(self.store) == 0:
             return
         self._trajectory = self.store.trajectory_search(len(requests))
-        index, scores = self.store.search_semantic(torch.stack([r.embedding.float() for r in requests]))
+        index, scores = self.store.best_semantic(np.stack([r.embedding.float().numpy() for r in requests]))
         self.search_log.semantic += scores.tolist()
-        maps = self._trajectory.layers_from(index.numpy(), 0)  # [L, B, E]
+        maps = self._trajectory.layers_from(index, 0)  # [L, B, E]
         self._guide = maps.max(axis=1).astype(np.float64)
         for layer in range(min(cfg.prefetch_distance, cfg.num_layers)):
-            self._plan_layer(layer, maps[layer], scores.tolist())
+            self._plan_layer(layer, maps[layer], scores)
 
     def observe_layer(self, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor,
                       next_gate_probs: torch.Tensor | None = None) -> None:
         if layer != self._current_layer + 1:
             raise ValueError(f"observe_layer: expected layer {self._current_layer + 1}, got {layer}")
-        self._observed[:, layer] = request_layer_probs(gate_probs, [r.num_tokens for r in self._requests]).numpy()
+        if self._one_token_each and gate_probs.shape[0] == len(self._requests):  # decode: P_l is the token's
+            self._observed[:, layer] = gate_probs.float().numpy()
+        else:
+            self._observed[:, layer] = request_layer_probs(gate_probs, self._num_tokens).numpy()
         self._current_layer = layer
         if self._trajectory is None:
             return
@@ -108,12 +115,10 @@ class FineMoEPolicy:
         target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
         if target is None:
             return
-        assert trajectory_length(target, self.config.prefetch_distance) == layer + 1
         index, best = self._trajectory.best()
-        scores = best.tolist()
-        self.search_log.trajectory += scores
+        self.search_log.trajectory += best.tolist()
         maps = self._trajectory.layers_from(index, target)  # [L - target, B, E]
-        self._plan_layer(target, maps[0], scores)
+        self._plan_layer(target, maps[0], best)
         self._guide[target:] = maps.max(axis=1)
 
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
@@ -127,17 +132,20 @@ class FineMoEPolicy:
         # Only complete maps are stored: an iteration cut short has no trajectory to offer.
         if self._current_layer == self.config.num_layers - 1:
             for request, probs in zip(self._requests, self._observed, strict=True):
-                self.store.add(RoutingMapRecord(request.embedding.float(), torch.from_numpy(probs.copy())))
+                self.store.insert(request.embedding.float().numpy(), probs)  # distributions by construction
         self._requests = []
         self._trajectory = None
         self._current_layer = -1
         self._planned[:] = False  # nothing to prefetch until the next iteration's search
 
-    def _plan_layer(self, layer: int, probs: np.ndarray, scores: list[float]) -> None:
+    def _plan_layer(self, layer: int, probs: np.ndarray, scores: np.ndarray) -> None:
         """Plan `layer` from each request's searched distribution `probs` [B, E] and its
-        similarity `scores` [B] (eqs. 6-8)."""
-        for request_probs, score in zip(probs, scores, strict=True):
-            for expert in minimum_expert_set(request_probs, selection_threshold(score), self.config.top_k):
-                self._planned[layer, expert] = True
-                self._planned_probs[layer, expert] = max(self._planned_probs[layer, expert],
-                                                         float(request_probs[expert]))
+        similarity `scores` [B] (eqs. 6-8): the union of the requests' minimum expert sets, each
+        expert with its largest probability among the requests that need it."""
+        order, counts = minimum_expert_sets(probs, selection_threshold(scores), self.config.top_k)
+        chosen_rows, ranks = np.nonzero(np.arange(probs.shape[1]) < counts[:, None])
+        experts = order[chosen_rows, ranks]
+        mass = np.zeros(probs.shape, dtype=np.float64)
+        mass[chosen_rows, experts] = probs[chosen_rows, experts]
+        self._planned[layer, experts] = True
+        np.maximum(self._planned_probs[layer], mass.max(axis=0), out=self._planned_probs[layer])

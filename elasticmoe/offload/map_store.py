@@ -1,11 +1,12 @@
 """FineMoE's Expert Map Store (§4.4): at most C iteration records, deduplicated by the
 redundancy score RDY, searched by semantic (eq. 4) and trajectory (eq. 5) similarity.
 
-Records live in preallocated tensors (the paper keeps ndarrays and converts them to tensors
-to search, §5); slot i is valid for i < len. Searching runs once per layer of every
-iteration, so the store keeps what the cosine needs ready: maps layer-major [L, C, E] (the
-first n layers of every map are one contiguous block) and, per record, the prefix sums of
-its squared layer norms [C, L] and its embedding's norm [C]. The scores equal
+Records live in preallocated NumPy arrays (the paper keeps ndarrays and converts them to
+tensors to search, §5; searching here stays in NumPy, see `ExpertMapStore`); slot i is valid for
+i < len. Searching runs once per layer of every iteration, so the store keeps what the cosine
+needs ready: maps layer-major [L, C, E] (the first n layers of every map are one contiguous
+block) and, per record, the norm of its first n layers for every n [L, C] and its embedding's
+norm [C]. The scores equal
 `similarity.semantic_scores` / `trajectory_scores` / `redundancy_scores` (tested).
 
 Deduplication (§4.4): while the store has room a new record is appended. Once it holds C
@@ -39,7 +40,11 @@ def latest_best(scores: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64]
 
 
 class ExpertMapStore:
-    """Iteration records of a model with `num_layers` MoE layers of `num_experts` experts."""
+    """Iteration records of a model with `num_layers` MoE layers of `num_experts` experts.
+
+    The arrays are NumPy (float32): the store is searched per MoE layer of every step on a few
+    thousand values, where torch's per-op dispatch costs more than the arithmetic. The public
+    methods take and return tensors."""
 
     def __init__(self, capacity: int, num_layers: int, num_experts: int, prefetch_distance: int) -> None:
         if capacity < 1:
@@ -49,11 +54,12 @@ class ExpertMapStore:
         self.capacity = capacity
         self.num_layers, self.num_experts = num_layers, num_experts
         self.prefetch_distance = prefetch_distance
-        self._maps = torch.zeros(num_layers, capacity, num_experts)  # layer-major, see the module docstring
-        self._prefix_sq = torch.zeros(capacity, num_layers)  # [C, L] sum of |P_l|^2 over layers <= l
-        self._embeddings: torch.Tensor | None = None  # [C, h], sized by the first record
-        self._embedding_norms = torch.zeros(capacity)
-        self._stamps = torch.zeros(capacity, dtype=torch.long)  # insertion order, for ties
+        self._maps = np.zeros((num_layers, capacity, num_experts), dtype=np.float32)  # layer-major
+        # [L, C]: the norm of each record's first l + 1 layers as one vector (eq. 5's |map| on them)
+        self._trajectory_norms = np.zeros((num_layers, capacity), dtype=np.float32)
+        self._embeddings: np.ndarray | None = None  # [C, h], sized by the first record
+        self._embedding_norms = np.zeros(capacity, dtype=np.float32)
+        self._stamps = np.zeros(capacity, dtype=np.int64)  # insertion order, for ties
         self._num_added = 0
         self._size = 0
         self.num_replaced = 0  # records dropped as redundant
@@ -64,34 +70,38 @@ class ExpertMapStore:
     @property
     def maps(self) -> torch.Tensor:
         """[len, L, E] (a copy)."""
-        return self._maps[:, : self._size].transpose(0, 1).clone()
+        return torch.from_numpy(self._maps[:, : self._size].transpose(1, 0, 2).copy())
 
     def layer_probs(self, index: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer `layer` of the stored maps `index` [B] -> [B, E]."""
-        return self._maps[layer, index]
+        return torch.from_numpy(self._maps[layer, index.numpy()])
 
     def layers_from(self, index: torch.Tensor, layer: int) -> torch.Tensor:
         """Layers `layer`..L-1 of the stored maps `index` [B] -> [L - layer, B, E]."""
-        return self._maps[layer:, index]
+        return torch.from_numpy(self._maps[layer:, index.numpy()])
 
     @property
     def embeddings(self) -> torch.Tensor:
         """[len, h] (a view: do not write)."""
         if self._embeddings is None:
             return torch.zeros(0, 0)
-        return self._embeddings[: self._size]
+        return torch.from_numpy(self._embeddings[: self._size])
 
     def add(self, record: RoutingMapRecord) -> int:
         """Store `record`; returns the slot it took (replacing the most redundant record when full)."""
-        if tuple(record.probs.shape) != (self.num_layers, self.num_experts):
+        return self.insert(record.embedding.float().numpy(), record.probs.float().numpy())
+
+    def insert(self, embedding: npt.NDArray[np.float32], probs: npt.NDArray[np.float32]) -> int:
+        """`add` for a map already known to be one (a policy's own observed distributions):
+        `embedding` [h] and `probs` [L, E], float32."""
+        if probs.shape != (self.num_layers, self.num_experts):
             raise ValueError(f"expert map store: map must be [{self.num_layers}, {self.num_experts}], "
-                             f"got {tuple(record.probs.shape)}")
+                             f"got {tuple(probs.shape)}")
         if self._embeddings is None:
-            self._embeddings = torch.zeros(self.capacity, record.embedding.numel())
-        if record.embedding.numel() != self._embeddings.shape[1]:
+            self._embeddings = np.zeros((self.capacity, embedding.size), dtype=np.float32)
+        if embedding.size != self._embeddings.shape[1]:
             raise ValueError(f"expert map store: embedding must have {self._embeddings.shape[1]} values, "
-                             f"got {record.embedding.numel()}")
-        embedding, probs = record.embedding.float(), record.probs.float()
+                             f"got {embedding.size}")
         if self._size < self.capacity:
             slot = self._size
             self._size += 1
@@ -99,9 +109,9 @@ class ExpertMapStore:
             slot = int(self._best(self._redundancy(embedding, probs))[0][0])
             self.num_replaced += 1
         self._embeddings[slot] = embedding
-        self._embedding_norms[slot] = embedding.norm()
+        self._embedding_norms[slot] = np.sqrt(np.dot(embedding, embedding))
         self._maps[:, slot] = probs
-        self._prefix_sq[slot] = torch.cumsum(probs.square().sum(dim=1), dim=0)
+        self._trajectory_norms[:, slot] = np.sqrt(np.cumsum(np.einsum("le,le->l", probs, probs)))
         self._stamps[slot] = self._num_added
         self._num_added += 1
         return slot
@@ -109,8 +119,14 @@ class ExpertMapStore:
     def search_semantic(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 4 for `embeddings` [B, h]: per row the most similar stored iteration (index [B],
         score [B]). Needs a non-empty store."""
+        index, score = self.best_semantic(embeddings.float().numpy())
+        return torch.from_numpy(index), torch.from_numpy(score)
+
+    def best_semantic(self, embeddings: npt.NDArray[np.float32]
+                      ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """`search_semantic` on arrays."""
         self._check_searchable()
-        return self._best(self._semantic(embeddings.float()))
+        return self._best(self._semantic(embeddings))
 
     def search_trajectory(self, trajectories: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 5 for observed `trajectories` [B, n, E] (the first n layers of B iterations)
@@ -120,7 +136,8 @@ class ExpertMapStore:
         if not 1 <= n <= self.num_layers or trajectories.dim() != 3 or trajectories.shape[2] != self.num_experts:
             raise ValueError(f"trajectory search: need [B, 1..{self.num_layers}, {self.num_experts}], "
                              f"got {tuple(trajectories.shape)}")
-        return self._best(self._trajectory(trajectories.float(), n))
+        index, score = self._best(self._trajectory(trajectories.float().numpy(), n))
+        return torch.from_numpy(index), torch.from_numpy(score)
 
     def trajectory_search(self, batch: int) -> TrajectorySearch:
         """Eq. 5 layer by layer for `batch` iterations under way (see `TrajectorySearch`), valid
@@ -128,28 +145,29 @@ class ExpertMapStore:
         self._check_searchable()
         return TrajectorySearch(self, batch)
 
-    def _best(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _best(self, scores: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """`best_matches`, ties to the most recently stored record (`latest_best`)."""
-        index, best = latest_best(scores.numpy(), self._stamps.numpy()[: self._size])
-        return torch.from_numpy(index), torch.from_numpy(best)
+        return latest_best(scores, self._stamps[: self._size])
 
-    def _semantic(self, embeddings: torch.Tensor) -> torch.Tensor:
+    def _semantic(self, embeddings: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         assert self._embeddings is not None
         dots = embeddings @ self._embeddings[: self._size].T  # [B, C]
-        norms = embeddings.norm(dim=1, keepdim=True).clamp_min(_EPS) * self._embedding_norms[: self._size].clamp_min(_EPS)
-        return dots / norms
+        new_norms = np.maximum(np.sqrt(np.einsum("bh,bh->b", embeddings, embeddings)), _EPS)[:, None]
+        return dots / (new_norms * np.maximum(self._embedding_norms[: self._size], _EPS))
 
-    def _trajectory(self, trajectories: torch.Tensor, n: int) -> torch.Tensor:
+    def _trajectory(self, trajectories: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.float32]:
         # sum over layers of [B, E] x [E, C]: the flattened dot product without copying maps
-        dots = torch.bmm(trajectories.transpose(0, 1), self._maps[:n, : self._size].transpose(1, 2)).sum(dim=0)
-        old_norms = self._prefix_sq[: self._size, n - 1].sqrt().clamp_min(_EPS)
-        new_norms = trajectories.flatten(1).norm(dim=1, keepdim=True).clamp_min(_EPS)
+        dots = np.einsum("bne,nce->bc", trajectories, self._maps[:n, : self._size])
+        old_norms = np.maximum(self._trajectory_norms[n - 1, : self._size], _EPS)
+        flat = trajectories.reshape(trajectories.shape[0], -1)
+        new_norms = np.maximum(np.sqrt(np.einsum("bx,bx->b", flat, flat)), _EPS)[:, None]
         return dots / (new_norms * old_norms)
 
-    def _redundancy(self, embedding: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def _redundancy(self, embedding: npt.NDArray[np.float32], probs: npt.NDArray[np.float32]
+                    ) -> npt.NDArray[np.float32]:
         """§4.4 RDY [1, C] of one new record against every stored one."""
         w_sem = self.prefetch_distance / self.num_layers
-        return w_sem * self._semantic(embedding[None]) + (1.0 - w_sem) * self._trajectory(probs[None], self.num_layers)
+        return (w_sem * self._semantic(embedding[None]) + (1.0 - w_sem) * self._trajectory(probs[None], self.num_layers))
 
     def _check_searchable(self) -> None:
         if self._size == 0:
@@ -170,9 +188,9 @@ class TrajectorySearch:
     def __init__(self, store: ExpertMapStore, batch: int) -> None:
         self.store = store
         self.size = len(store)
-        self._maps = store._maps.numpy()[:, : self.size]  # [L, C, E] views, no copies
-        self._prefix_sq = store._prefix_sq.numpy()[: self.size]
-        self._stamps = store._stamps.numpy()[: self.size]
+        self._maps = store._maps[:, : self.size]  # [L, C, E] views, no copies
+        self._norms = np.maximum(store._trajectory_norms[:, : self.size], _EPS)  # [L, C]
+        self._stamps = store._stamps[: self.size]
         self.dots = np.zeros((batch, self.size), dtype=np.float32)
         self.new_sq = np.zeros(batch, dtype=np.float32)
         self.num_layers = 0
@@ -193,9 +211,8 @@ class TrajectorySearch:
             raise ValueError("trajectory search: no layer observed yet")
         if len(self.store) != self.size:
             raise RuntimeError("trajectory search: the store changed during the search")
-        old = np.maximum(np.sqrt(self._prefix_sq[:, self.num_layers - 1]), _EPS)
         new = np.maximum(np.sqrt(self.new_sq), _EPS)[:, None]
-        return latest_best(self.dots / (new * old), self._stamps)
+        return latest_best(self.dots / (new * self._norms[self.num_layers - 1]), self._stamps)
 
     def layers_from(self, index: npt.NDArray[np.int64], layer: int) -> npt.NDArray[np.float32]:
         """Layers `layer`..L-1 of the stored maps `index` [B] -> [L - layer, B, E] (a copy)."""

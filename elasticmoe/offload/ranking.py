@@ -25,11 +25,11 @@ def plan_from_predictions(planned: BoolGrid, probs: FloatGrid, current_layer: in
     ties by (layer, expert)."""
     wanted = planned & ~cache.resident
     wanted[: current_layer + 1] = False
-    items = [PrefetchItem(int(layer), int(expert), prefetch_priority(float(probs[layer, expert]), int(layer),
-                                                                      current_layer))
-             for layer, expert in np.argwhere(wanted)]
-    items.sort(key=lambda item: (-item.priority, item.layer, item.expert))
-    return PrefetchPlan(current_layer, tuple(items))
+    layers, experts = np.nonzero(wanted)
+    priorities = np.asarray(prefetch_priority(probs[layers, experts], layers, current_layer))
+    order = np.lexsort((experts, layers, -priorities))  # by the last key first
+    return PrefetchPlan(current_layer, tuple(PrefetchItem(int(layers[i]), int(experts[i]), float(priorities[i]))
+                                             for i in order))
 
 
 def pick_victims(cache: CacheState, evict_first: FloatGrid, num_victims: int,

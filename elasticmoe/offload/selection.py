@@ -15,10 +15,11 @@ import torch
 PROB_FLOOR = 1e-6
 
 
-def selection_threshold(score: float) -> float:
+def selection_threshold(score: float | npt.ArrayLike) -> float | npt.NDArray[np.float64]:
     """§4.3: `delta_l = Clip(1 - score, 0, 1)` for a searched map of similarity `score` in
-    [-1, 1]: the less the map resembles the request, the more probability mass to cover."""
-    return max(0.0, min(1.0 - score, 1.0))
+    [-1, 1]: the less the map resembles the request, the more probability mass to cover.
+    Elementwise over an array of scores (computed in float64)."""
+    return np.clip(1.0 - np.asarray(score, dtype=np.float64), 0.0, 1.0)
 
 
 def minimum_expert_set(probs: torch.Tensor | npt.ArrayLike, threshold: float, top_k: int) -> list[int]:
@@ -29,26 +30,38 @@ def minimum_expert_set(probs: torch.Tensor | npt.ArrayLike, threshold: float, to
     p = probs.detach().double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, dtype=np.float64)
     if p.ndim != 1:
         raise ValueError(f"minimum expert set: need probs [E], got {tuple(p.shape)}")
-    num_experts = p.size
+    order, counts = minimum_expert_sets(p[None], np.array([threshold]), top_k)
+    return order[0, : counts[0]].tolist()
+
+
+def minimum_expert_sets(probs: npt.ArrayLike, thresholds: npt.ArrayLike, top_k: int
+                        ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """`minimum_expert_set` of B distributions `probs` [B, E] at `thresholds` [B] at once:
+    (each row's expert ids by descending probability, ties to the lower id [B, E]; how many of
+    them form its set [B]).
+
+    NumPy, not torch: this runs per layer of every step on a few dozen values, where torch's
+    per-op dispatch costs more than the work."""
+    p = np.asarray(probs, dtype=np.float64)
+    num_experts = p.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"minimum expert set: top_k must be in [1, {num_experts}], got {top_k}")
-    # NumPy, not torch: this runs per request and layer on a few dozen values, where torch's
-    # per-op dispatch costs more than the work. A stable sort on -p keeps equal probabilities in
-    # id order.
-    order = np.argsort(-p, kind="stable")
-    covered = np.cumsum(p[order])
+    order = np.argsort(-p, axis=1, kind="stable")  # stable on -p: equal probabilities in id order
+    covered = np.cumsum(np.take_along_axis(p, order, axis=1), axis=1)
     # The first prefix reaching the threshold; rounding can leave the total a hair under a
     # threshold of 1, and then every expert is needed.
-    reached = covered >= threshold
-    count = int(np.argmax(reached)) + 1 if reached[-1] else num_experts
-    return order[: max(count, top_k)].tolist()
+    reached = covered >= np.asarray(thresholds, dtype=np.float64)[:, None]
+    counts = np.where(reached[:, -1], reached.argmax(axis=1) + 1, num_experts)
+    return order, np.maximum(counts, top_k)
 
 
-def prefetch_priority(prob: float, layer: int, current_layer: int) -> float:
+def prefetch_priority(prob: float | npt.NDArray[np.float64], layer: int | npt.NDArray[np.int64],
+                      current_layer: int) -> float | npt.NDArray[np.float64]:
     """§4.5: `PRI^prefetch_{l,j} = p_{l,j} / (l - l_now)`: likelier experts first, and nearer
-    layers first. `current_layer` is the last layer routed (-1 before layer 0)."""
+    layers first. `current_layer` is the last layer routed (-1 before layer 0). Elementwise
+    over arrays of `prob` and `layer`."""
     distance = layer - current_layer
-    if distance < 1:
+    if np.any(np.asarray(distance) < 1):
         raise ValueError(f"prefetch priority: layer {layer} is not after the current layer {current_layer}")
     return prob / distance
 

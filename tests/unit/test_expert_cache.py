@@ -121,6 +121,58 @@ def test_prefetch_skips_experts_another_rank_holds():
     assert_rows_hold(cache, 0, [4], cache.ensure(0, [4]))
 
 
+class BlockingTier(FakeTier):
+    """A tier whose copies of `blocked` wait for `release` (a prefetch caught mid-copy)."""
+
+    def __init__(self, blocked: tuple[int, int]) -> None:
+        super().__init__()
+        self.blocked, self.started, self.release = blocked, threading.Event(), threading.Event()
+
+    def copy_into(self, layer, local, w13, w2) -> int:
+        if (layer, local) == self.blocked:
+            self.started.set()
+            assert self.release.wait(timeout=3)
+        return super().copy_into(layer, local, w13, w2)
+
+
+def test_a_hit_does_not_wait_for_a_prefetch_copy_of_another_expert():
+    tier = BlockingTier(blocked=(1, 5))
+    cache = make_cache(capacity=3, tier=tier)
+    rows = cache.ensure(0, [0, 1])
+    with cache.locked():
+        cache._plan = PrefetchPlan(0, (PrefetchItem(1, 5, 1.0),))
+    prefetch = threading.Thread(target=cache.prefetch_once)
+    prefetch.start()
+    try:
+        assert tier.started.wait(timeout=5)
+        # (1, 5) is being copied; the forward's resident experts come back at once, with their rows
+        assert cache.ensure(0, [0, 1]) == rows
+        with cache.locked():
+            assert cache._in_flight == (1, 5)  # still copying: the lookup did not wait for it
+        assert cache.stats()["hits"] == 2 and cache.stats()["waits_for_prefetch"] == 0
+    finally:
+        tier.release.set()
+        prefetch.join(timeout=5)
+    assert_rows_hold(cache, 1, [5], cache.ensure(1, [5]))  # the prefetch completed: a hit
+    cache.check_integrity()
+
+
+def test_a_lookup_of_the_expert_being_prefetched_waits_for_its_copy():
+    tier = BlockingTier(blocked=(1, 5))
+    cache = make_cache(capacity=3, tier=tier)
+    with cache.locked():
+        cache._plan = PrefetchPlan(0, (PrefetchItem(1, 5, 1.0),))
+    prefetch = threading.Thread(target=cache.prefetch_once)
+    prefetch.start()
+    assert tier.started.wait(timeout=5)
+    threading.Timer(0.2, tier.release.set).start()
+    rows = cache.ensure(1, [5])  # not published yet: waits, then finds it resident
+    prefetch.join(timeout=5)
+    assert_rows_hold(cache, 1, [5], rows)
+    assert cache.stats()["waits_for_prefetch"] == 1 and cache.stats()["on_demand_loads"] == 0
+    cache.check_integrity()
+
+
 def test_close_wakes_an_idle_prefetch_thread():
     cache = make_cache(capacity=2)
     results = []

@@ -63,3 +63,9 @@ def test_snapshots_are_read_only_and_validated():
         stale.check_integrity()
     with pytest.raises(ValueError, match=">= 1 expert slot"):
         CacheState.empty(2, 2, 0)
+    # transitions make their snapshots without construction's checks: they must be read-only too
+    after = cache.load([(1, 1)]).use(1, [1]).evict([(0, 0)])
+    for arr in (after.resident, after.last_used, after.num_uses):
+        with pytest.raises(ValueError):
+            arr[1, 1] = 0
+    after.check_integrity()

@@ -11,6 +11,7 @@ from elasticmoe.offload.selection import (
     PROB_FLOOR,
     eviction_priority,
     minimum_expert_set,
+    minimum_expert_sets,
     prefetch_priority,
     selection_threshold,
 )
@@ -34,6 +35,24 @@ def test_minimum_expert_set_covers_the_threshold_with_at_least_k_experts():
     assert minimum_expert_set(torch.tensor([0.3333333, 0.3333333, 0.3333333]), 1.0, top_k=1) == [0, 1, 2]
     with pytest.raises(ValueError):
         minimum_expert_set(probs, 0.5, top_k=5)
+
+
+def test_the_batched_minimum_expert_sets_equal_one_set_per_row():
+    gen = np.random.default_rng(0)
+    probs = gen.dirichlet(np.full(8, 0.3), size=16)
+    probs[3] = [0.25, 0.25, 0.25, 0.25, 0, 0, 0, 0]  # ties go to the lower id
+    thresholds = gen.uniform(0, 1, size=16)
+    thresholds[:2] = (0.0, 1.0)
+    order, counts = minimum_expert_sets(probs, thresholds, top_k=2)
+    for row, threshold, ids, count in zip(probs, thresholds, order, counts, strict=True):
+        assert ids[:count].tolist() == minimum_expert_set(row, threshold, top_k=2)
+
+
+def test_thresholds_and_priorities_work_elementwise_on_arrays():
+    assert selection_threshold(np.array([1.0, 0.3, -0.5])).tolist() == pytest.approx([0.0, 0.7, 1.0])
+    assert prefetch_priority(np.array([0.6, 0.6]), np.array([3, 2]), 1).tolist() == pytest.approx([0.3, 0.6])
+    with pytest.raises(ValueError):
+        prefetch_priority(np.array([0.6, 0.6]), np.array([3, 1]), 1)
 
 
 def test_prefetch_priority_favours_likely_and_near_experts():
