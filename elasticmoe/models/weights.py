@@ -120,22 +120,22 @@ class SafetensorsWeightProvider:
         one copy from the mapped file per tensor (see `safetensors_mmap`)."""
         offset = 0
         for name in names:
-            src = self._mapped_view(name)
+            src = self.mapped_view(name)
             dst[offset : offset + src.shape[0]].copy_(src)
             offset += src.shape[0]
+            self.bytes_read += src.numel() * src.element_size()
         if offset != dst.shape[0]:
             raise ValueError(f"checkpoint tensors {names} give {offset} rows, expected {dst.shape[0]}")
 
-    def _mapped_view(self, name: str) -> torch.Tensor:
+    def mapped_view(self, name: str) -> torch.Tensor:
+        """Checkpoint tensor `name` as a read-only view of the mapped file (no copy; do not write
+        it), or, for a dtype torch cannot view in place, as safetensors reads it."""
         path = self._path(name)
         mapped = self._mapped.get(path)
         if mapped is None:
             mapped = self._mapped[path] = MappedSafetensors(path)
         view = mapped.view(name)
-        if view is None:  # a dtype torch cannot view: safetensors converts it
-            return self.read(name)
-        self.bytes_read += view.numel() * view.element_size()
-        return view
+        return view if view is not None else self._handle(name).get_tensor(name)  # type: ignore[attr-defined]
 
     def get(self, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(spec.shape, dtype=dtype)

@@ -1,5 +1,5 @@
-"""Zero-copy views of a safetensors file (`elasticmoe.models.safetensors_mmap`) and the weight
-provider's reads through them: the same tensors as safetensors gives, in every stored dtype."""
+"""Zero-copy views of a safetensors file (`elasticmoe.models.safetensors_mmap`), the weight
+provider's reads through them and the disk tier's expert rows: the tensors safetensors gives."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from elasticmoe.engine.expert_sources import DiskExperts, LayerExpertSpecs
 from elasticmoe.models.safetensors_mmap import MappedSafetensors
-from elasticmoe.models.weights import SafetensorsWeightProvider
+from elasticmoe.models.weights import ParamSpec, SafetensorsWeightProvider
 
 
 @pytest.fixture
@@ -59,6 +60,22 @@ def test_the_provider_reads_into_its_destination_converting_dtype(checkpoint):
 
 def test_a_view_outlives_the_provider(checkpoint):
     provider = SafetensorsWeightProvider(checkpoint)
-    view = provider._mapped_view("b.f32")
+    view = provider.mapped_view("b.f32")
     provider.close()
     assert torch.equal(view, load_file(str(checkpoint / "model.safetensors"))["b.f32"])
+
+
+def test_disk_experts_fill_a_row_from_the_mapped_checkpoint(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    names = {f"e{e}.{p}": torch.randn(3, 4, generator=gen).bfloat16() for e in range(2) for p in ("gate", "up", "down")}
+    save_file(names, str(tmp_path / "model.safetensors"))
+    w13 = ParamSpec("w13", (2, 6, 4), (("e0.gate", "e0.up"), ("e1.gate", "e1.up")), expert_ids=(0, 1))
+    w2 = ParamSpec("w2", (2, 3, 4), (("e0.down",), ("e1.down",)), expert_ids=(0, 1))
+    experts = DiskExperts(str(tmp_path), [LayerExpertSpecs(w13, w2)])
+    row13, row2 = torch.empty(6, 4), torch.empty(3, 4)  # fp32 rows from a bf16 checkpoint
+    assert experts.copy_into(0, 1, row13, row2) == row13.nbytes + row2.nbytes
+    assert torch.equal(row13, torch.cat([names["e1.gate"], names["e1.up"]]).float())
+    assert torch.equal(row2, names["e1.down"].float())
+    bad = ParamSpec("w13", (2, 5, 4), w13.sources, expert_ids=(0, 1))  # gate + up make 6 rows, not 5
+    with pytest.raises(ValueError, match="expert row"):
+        DiskExperts(str(tmp_path), [LayerExpertSpecs(bad, w2)])
