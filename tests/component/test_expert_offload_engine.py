@@ -72,6 +72,19 @@ def test_every_policy_gives_the_resident_outputs(policy, tiny_model_dirs, reside
         engine.offload.close()
 
 
+def test_the_pytorch_path_without_the_grouped_kernel_gives_the_resident_outputs(tiny_model_dirs, resident,
+                                                                                monkeypatch):
+    # Where the grouped kernel does not serve a call (no compiler, ELASTICMOE_KERNELS=0), rows go
+    # through the pool rows sorted, then back; a cache of 10% makes layers run in waves too.
+    monkeypatch.setattr("elasticmoe.engine.expert_offload.grouped_experts_at_rows", lambda *args: None)
+    engine = _engine(tiny_model_dirs["qwen3_moe"], expert_cache_fraction=0.1)
+    try:
+        _assert_same(_run(engine), resident["qwen3_moe"])
+        engine.offload.cache.check_integrity()
+    finally:
+        engine.offload.close()
+
+
 def test_an_engine_given_a_provider_copies_from_its_stacks(tiny_model_dir, resident):
     """The elastic server's ranks get their weights from the HMM through a provider: the cache then
     copies experts from the provider's stacks (host tier), the stacks themselves are not the pool."""
