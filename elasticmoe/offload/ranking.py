@@ -41,9 +41,26 @@ def pick_victims(cache: CacheState, evict_first: FloatGrid, num_victims: int,
     candidates = cache.resident.copy()
     for key in protected:
         candidates[key] = False
+    if num_victims == 1:  # a prefetch's victim: the same choice without sorting every candidate
+        return _first_victim(candidates, evict_first, cache.last_used)
     layers, experts = np.nonzero(candidates)
     if layers.size == 0:
         return []
     # np.lexsort sorts by the last key first.
     order = np.lexsort((experts, layers, cache.last_used[layers, experts], -evict_first[layers, experts]))
     return [(int(layers[i]), int(experts[i])) for i in order[:num_victims]]
+
+
+def _first_victim(candidates: BoolGrid, evict_first: FloatGrid, last_used: npt.NDArray[np.int64]
+                  ) -> list[ExpertKey]:
+    """`pick_victims`' first victim among `candidates` [L, E] (the prefetch thread asks for one per
+    copy, beside the forward: each NumPy call it saves is GIL time the forward gets back)."""
+    if not candidates.any():
+        return []
+    score = np.where(candidates, evict_first, -np.inf)
+    tied = candidates & (score == score.max())
+    if np.count_nonzero(tied) > 1:  # equal priorities: the least recently used, then the lowest key
+        stamps = np.where(tied, last_used, np.iinfo(np.int64).max)
+        tied &= stamps == stamps.min()
+    layer, expert = divmod(int(np.argmax(tied)), candidates.shape[1])  # the first in (layer, expert) order
+    return [(layer, expert)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from elasticmoe.offload import (
     run_prefetch,
 )
 from elasticmoe.offload.lru import OnDemandPolicy
+from elasticmoe.offload.ranking import pick_victims
 
 POLICY = OnDemandPolicy(PolicyConfig(num_layers=3, num_experts=4, top_k=2))  # LRU victims
 
@@ -82,3 +84,21 @@ def test_plans_are_ordered_and_for_later_layers():
         PrefetchPlan(0, (PrefetchItem(0, 0, 0.1),))
     with pytest.raises(ValueError, match="twice"):
         PrefetchPlan(0, (PrefetchItem(1, 0, 0.5), PrefetchItem(1, 0, 0.1)))
+
+
+def test_one_victim_is_the_first_of_the_full_ranking_ties_included():
+    # pick_victims answers a single victim without sorting; it must be the ranking's first, whatever
+    # the ties: equal priorities go to the least recently used, then to the lowest (layer, expert).
+    gen = np.random.default_rng(0)
+    for trial in range(300):
+        cache = CacheState.empty(3, 4, 12)
+        for _ in range(int(gen.integers(1, 5))):  # loads in rounds: equal stamps within a round
+            absent = [k for k in np.ndindex(3, 4) if not cache.is_resident(k)]
+            picks = gen.choice(len(absent), size=min(len(absent), int(gen.integers(1, 4))), replace=False)
+            cache = cache.load([absent[i] for i in picks])
+        priority = gen.integers(0, 3, size=(3, 4)).astype(np.float64)  # few values: many ties
+        resident = cache.resident_keys()
+        protected = {resident[i] for i in gen.choice(len(resident), size=int(gen.integers(0, len(resident) + 1)),
+                                                     replace=False)}
+        ranking = pick_victims(cache, priority, 12, protected)
+        assert pick_victims(cache, priority, 1, protected) == ranking[:1], trial
