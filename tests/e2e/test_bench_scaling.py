@@ -34,8 +34,10 @@ def _bench_segments() -> set[str]:
 def test_scaling_bench_elastic_on_tiny_model(tiny_model_dir, tmp_path):
     before = _bench_segments()
     plot, out = tmp_path / "scaling.png", tmp_path / "scaling.json"
+    # 4 req/s: with 2 s windows and requests shorter than a second, no arrival in the after-window
+    # (no token there) has a chance of e^-8; at 2 req/s it was e^-4, ~2% of runs.
     cmd = [sys.executable, "-m", "coordinator.bench.scaling", "--preset", "tiny", "--model", tiny_model_dir,
-           "--dtype", "float32", "--strategy", "elastic", "--transitions", "2-3", "--rps", "2",
+           "--dtype", "float32", "--strategy", "elastic", "--transitions", "2-3", "--rps", "4",
            "--warmup-s", "3", "--window-s", "2", "--during-s", "2", "--max-tokens", "8-16", "--prompt-len", "16",
            "--json", "--out", str(out), "--plot", str(plot)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
