@@ -59,7 +59,6 @@ class MappedSafetensors:
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
             return None
-        item = torch.empty((), dtype=dtype).element_size()
-        if begin % item:  # an unaligned tensor cannot be viewed in its dtype
+        if begin % dtype.itemsize:  # an unaligned tensor cannot be viewed in its dtype
             return None
         return self._bytes[begin:end].view(dtype).view(shape)

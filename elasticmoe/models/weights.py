@@ -95,7 +95,7 @@ class SafetensorsWeightProvider:
 
     def stored_dtype(self, name: str) -> str:
         """The safetensors dtype a checkpoint tensor is stored in ("BF16", "F32", ...), header only."""
-        return self._handle(name).get_slice(name).get_dtype()  # type: ignore[attr-defined]
+        return self._mapping(name).dtype(name)
 
     def read(self, name: str) -> torch.Tensor:
         t = self._handle(name).get_tensor(name)  # type: ignore[attr-defined]
@@ -107,6 +107,14 @@ class SafetensorsWeightProvider:
         if path is None:
             raise KeyError(f"checkpoint tensor {name!r} not found in {self.model_dir}")
         return path
+
+    def _mapping(self, name: str) -> MappedSafetensors:
+        """The mapped file holding `name` (mapped once, header parsed once)."""
+        path = self._path(name)
+        mapped = self._mapped.get(path)
+        if mapped is None:
+            mapped = self._mapped[path] = MappedSafetensors(path)
+        return mapped
 
     def _handle(self, name: str) -> object:
         path = self._path(name)
@@ -130,11 +138,7 @@ class SafetensorsWeightProvider:
     def mapped_view(self, name: str) -> torch.Tensor:
         """Checkpoint tensor `name` as a read-only view of the mapped file (no copy; do not write
         it), or, for a dtype torch cannot view in place, as safetensors reads it."""
-        path = self._path(name)
-        mapped = self._mapped.get(path)
-        if mapped is None:
-            mapped = self._mapped[path] = MappedSafetensors(path)
-        view = mapped.view(name)
+        view = self._mapping(name).view(name)
         return view if view is not None else self._handle(name).get_tensor(name)  # type: ignore[attr-defined]
 
     def get(self, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:

@@ -167,7 +167,7 @@ class ExpertMapStore:
                     ) -> npt.NDArray[np.float32]:
         """§4.4 RDY [1, C] of one new record against every stored one."""
         w_sem = self.prefetch_distance / self.num_layers
-        return (w_sem * self._semantic(embedding[None]) + (1.0 - w_sem) * self._trajectory(probs[None], self.num_layers))
+        return w_sem * self._semantic(embedding[None]) + (1.0 - w_sem) * self._trajectory(probs[None], self.num_layers)
 
     def _check_searchable(self) -> None:
         if self._size == 0:
