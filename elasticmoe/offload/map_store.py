@@ -22,10 +22,13 @@ request is the best guess of the next one. The paper does not say; this is our c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from elasticmoe.kernels import finemoe_search
 from elasticmoe.offload.routing_map import RoutingMapRecord
 
 _EPS = 1e-12  # as in `similarity`: a zero vector has cosine 0 with everything
@@ -203,6 +206,31 @@ class TrajectorySearch:
         self.dots += p @ self._maps[self.num_layers].T
         self.new_sq += np.einsum("be,be->b", p, p)
         self.num_layers += 1
+
+    def planner(self, observed: npt.NDArray[np.float32], top_k: int, planned: npt.NDArray[np.bool_],
+                planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64]
+                ) -> Callable[[int | None], tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]] | None:
+        """`plan(target)`: `add` the next layer of `observed` [B, L, E] and, for a `target` layer
+        (None: none), `best()` and FineMoE's plan of that layer from the matches
+        (`FineMoEPolicy._plan_layer` into `planned`/`planned_probs` [L, E], the matched maps'
+        layers `target`.. into `guide` [L, E]), in one kernel call (`elasticmoe.kernels.
+        finemoe_search`); returns the matches (index [B], score [B], empty without a target).
+        None where the kernel is not available (the caller runs `add`, `best` and the NumPy plan)."""
+        step = finemoe_search.bind(self._maps, self._norms, self._stamps, observed, self.dots, self.new_sq, planned,
+                                   planned_probs, guide, top_k)
+        if step is None:
+            return None
+
+        def plan(target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+            if self.num_layers >= self.store.num_layers:
+                raise ValueError(f"trajectory search: the model has {self.store.num_layers} layers")
+            if len(self.store) != self.size:
+                raise RuntimeError("trajectory search: the store changed during the search")
+            matches = step(self.num_layers, target)
+            self.num_layers += 1
+            return matches
+
+        return plan
 
     def best(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """(index [B], score [B]) of the best match on the layers added so far; ties go to the

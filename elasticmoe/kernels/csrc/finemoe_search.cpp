@@ -1,0 +1,135 @@
+// FineMoE's work after each MoE layer's router (§4.2.2, §4.3), in one call: the trajectory
+// search's running sums take the layer's gate distributions, the best stored map is found
+// (eq. 5), and the layer d ahead is planned from its minimum expert set (eqs. 6-8).
+//
+// It runs on the forward thread after every MoE layer of every step. In NumPy it is ~25 small
+// array operations (~180 us per layer on a few thousand numbers, nearly all of it dispatch);
+// here it is one pass. The arithmetic follows the NumPy reference step by step in the same
+// precision (`elasticmoe.offload.map_store.TrajectorySearch`, `selection.minimum_expert_sets`,
+// `FineMoEPolicy._plan_layer`): dot products and scores in fp32, thresholds and cumulative sums
+// in fp64, equal probabilities in expert-id order, equal scores to the most recent record.
+// Only the fp32 sums' order differs from BLAS, so scores agree to fp32 rounding.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kEps = 1e-12f;  // a zero vector has cosine 0 with everything (as in map_store)
+constexpr int kBlock = 8;
+
+// The stored record most similar to the trajectory with dot products `dots` [C] and squared
+// norm `new_sq`; equal scores go to the highest insertion stamp.
+int64_t best_record(const float* dots, float new_sq, const float* norms, const int64_t* stamps, int64_t num_records,
+                    float* score_out) {
+  const float new_norm = std::max(std::sqrt(new_sq), kEps);
+  int64_t best = 0;
+  float best_score = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < num_records; ++c) {
+    const float score = dots[c] / (new_norm * norms[c]);
+    if (score > best_score || (score == best_score && stamps[c] > stamps[best])) {
+      best = c;
+      best_score = score;
+    }
+  }
+  *score_out = best_score;
+  return best;
+}
+
+}  // namespace
+
+extern "C" {
+
+// maps: the store's [L, C_cap, E] fp32 maps (layer stride `layer_stride`, record stride
+// `record_stride`, in elements), the first `num_records` records valid.
+// norms: [L, C] the records' trajectory norms over layers 0..l (floored at eps).
+// observed: [B, L, E] the iteration's gate distributions per request (layer `layer` is read).
+// dots [B, C], new_sq [B]: the running sums, updated in place.
+// target: the layer to plan (< 0: only update the sums). planned [L, E] (uint8),
+// planned_probs [L, E] and guide [L, E] (fp64) are updated as `FineMoEPolicy` does.
+// best_index [B], best_score [B]: the matches found (when planning).
+// Returns 0, or 1 for arguments out of range (nothing written).
+int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record_stride, int64_t num_records,
+                         int num_layers, int num_experts, const float* norms, const int64_t* stamps,
+                         const float* observed, int batch, float* dots, float* new_sq, int layer, int target,
+                         int top_k, uint8_t* planned, double* planned_probs, double* guide, int64_t* best_index,
+                         float* best_score) {
+  const int E = num_experts;
+  if (num_records < 1 || batch < 1 || E < 1 || layer < 0 || layer >= num_layers || target >= num_layers ||
+      (target >= 0 && (target <= layer || top_k < 1 || top_k > E))) {
+    return 1;
+  }
+  const float* layer_maps = maps + layer * layer_stride;
+  const float* probs = observed + layer * num_experts;  // observed [B, L, E]: this layer's rows
+  const int64_t probs_stride = static_cast<int64_t>(num_layers) * E;
+  for (int b = 0; b < batch; ++b) {
+    const float* p = probs + b * probs_stride;
+    float sq = 0.f;
+    for (int e = 0; e < E; ++e) sq += p[e] * p[e];
+    new_sq[b] += sq;
+    float* d = dots + b * num_records;
+    // kBlock records at a time: independent sums keep the FMA units busy (one sum at a time
+    // waits on each add's latency); each record's sum still runs over e in order.
+    int64_t c = 0;
+    for (; c + kBlock <= num_records; c += kBlock) {
+      float acc[kBlock] = {};
+      for (int e = 0; e < E; ++e) {
+        for (int j = 0; j < kBlock; ++j) acc[j] += p[e] * layer_maps[(c + j) * record_stride + e];
+      }
+      for (int j = 0; j < kBlock; ++j) d[c + j] += acc[j];
+    }
+    for (; c < num_records; ++c) {
+      float acc = 0.f;
+      for (int e = 0; e < E; ++e) acc += p[e] * layer_maps[c * record_stride + e];
+      d[c] += acc;
+    }
+  }
+  if (target < 0) return 0;
+  norms += static_cast<int64_t>(layer) * num_records;  // norms [L, C]: over layers 0..layer
+
+  std::vector<int> order(E);
+  std::vector<double> prob(E);
+  double* planned_row = planned_probs + static_cast<int64_t>(target) * E;
+  uint8_t* planned_flags = planned + static_cast<int64_t>(target) * E;
+  for (int b = 0; b < batch; ++b) {
+    const int64_t best = best_record(dots + b * num_records, new_sq[b], norms, stamps, num_records, &best_score[b]);
+    best_index[b] = best;
+    // eq. 7's threshold: the less the map resembles the request, the more mass to cover
+    const double threshold = std::clamp(1.0 - static_cast<double>(best_score[b]), 0.0, 1.0);
+    const float* row = maps + target * layer_stride + best * record_stride;
+    for (int e = 0; e < E; ++e) {
+      order[e] = e;
+      prob[e] = row[e];
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int c) { return prob[a] > prob[c]; });
+    int count = E;  // rounding can leave the total a hair under a threshold of 1: every expert
+    double covered = 0.0;
+    for (int i = 0; i < E; ++i) {
+      covered += prob[order[i]];
+      if (covered >= threshold) {
+        count = i + 1;
+        break;
+      }
+    }
+    count = std::max(count, top_k);  // eq. 8
+    for (int i = 0; i < count; ++i) {
+      const int e = order[i];
+      planned_flags[e] = 1;
+      planned_row[e] = std::max(planned_row[e], prob[e]);
+    }
+  }
+  // eviction's p from layer `target` on: the largest over the batch's matched maps
+  for (int l = target; l < num_layers; ++l) {
+    for (int e = 0; e < E; ++e) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int b = 0; b < batch; ++b) m = std::max(m, maps[l * layer_stride + best_index[b] * record_stride + e]);
+      guide[static_cast<int64_t>(l) * E + e] = m;
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

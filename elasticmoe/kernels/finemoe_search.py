@@ -1,0 +1,92 @@
+"""FineMoE's per-layer search and plan in one kernel call (csrc/finemoe_search.cpp).
+
+`FineMoEPolicy.observe_layer` runs after every MoE layer's router on the forward thread; its NumPy
+form is ~25 small array operations whose dispatch costs far more than their arithmetic. The kernel
+does the same steps (see its header for the precision it keeps). `bind` checks the arrays of one
+iteration once and returns the call (None where the kernel is not available: the caller runs the
+NumPy reference); each call then passes only integers and cached addresses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import numpy as np
+import numpy.typing as npt
+
+from elasticmoe.kernels.build import load_kernel
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_kernel("finemoe_search")
+    if lib is None:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.emoe_finemoe_observe.argtypes = [ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, c_int, ptr, ptr, c_int,
+                                         c_int, c_int, ptr, ptr, ptr, ptr, ptr]
+    lib.emoe_finemoe_observe.restype = c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+class LayerStep:
+    """`step(layer, target)`: layer `layer` of `observed` [B, L, E] joins the trajectory sums
+    `dots` [B, C] and `new_sq` [B]; with a `target` layer (None: sums only), the best of the `C`
+    records of `maps` [L, C, E] (trajectory norms `norms` [L, C], ties by `stamps` [C]) is found and
+    layer `target` is planned into `planned`, `planned_probs` and `guide` [L, E] as
+    `FineMoEPolicy._plan_layer` does. Returns the matches (index [B], score [B]); empty without a
+    target. The arrays are used in place: they must outlive the step and keep their buffers."""
+
+    def __init__(self, lib: ctypes.CDLL, maps: npt.NDArray[np.float32], norms: npt.NDArray[np.float32],
+                 stamps: npt.NDArray[np.int64], observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32],
+                 new_sq: npt.NDArray[np.float32], planned: npt.NDArray[np.bool_],
+                 planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64], top_k: int) -> None:
+        num_layers, num_records, num_experts = maps.shape
+        batch = observed.shape[0]
+        shapes: dict[str, tuple[np.ndarray, type, tuple[int, ...]]] = {"norms": (norms, np.float32, (num_layers, num_records)),
+                  "stamps": (stamps, np.int64, (num_records,)),
+                  "observed": (observed, np.float32, (batch, num_layers, num_experts)),
+                  "dots": (dots, np.float32, (batch, num_records)), "new_sq": (new_sq, np.float32, (batch,)),
+                  "planned": (planned, np.bool_, (num_layers, num_experts)),
+                  "planned_probs": (planned_probs, np.float64, (num_layers, num_experts)),
+                  "guide": (guide, np.float64, (num_layers, num_experts))}
+        for name, (array, dtype, shape) in shapes.items():
+            if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+                raise ValueError(f"finemoe search kernel: {name} must be contiguous {np.dtype(dtype)} {shape}, "
+                                 f"got {array.dtype} {array.shape}")
+        if maps.dtype != np.float32 or maps.strides[2] != 4 or num_records < 1 or batch < 1:
+            raise ValueError(f"finemoe search kernel: maps must be float32 [L, C >= 1, E] rows, got {maps.dtype} "
+                             f"{maps.shape} strides {maps.strides}")
+        self._fn = lib.emoe_finemoe_observe
+        self._arrays = (maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide)  # kept alive
+        self.index = np.zeros(batch, dtype=np.int64)
+        self.score = np.zeros(batch, dtype=np.float32)
+        address = {name: array.ctypes.data for name, (array, _, _) in shapes.items()}
+        self._head = (maps.ctypes.data, maps.strides[0] // 4, maps.strides[1] // 4, num_records, num_layers,
+                      num_experts, address["norms"], address["stamps"], address["observed"], batch, address["dots"],
+                      address["new_sq"])
+        self._tail = (top_k, address["planned"], address["planned_probs"], address["guide"], self.index.ctypes.data,
+                      self.score.ctypes.data)
+
+    def __call__(self, layer: int, target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        if self._fn(*self._head, layer, -1 if target is None else target, *self._tail) != 0:
+            raise ValueError(f"finemoe search kernel: layer {layer} or target {target} out of range")
+        if target is None:
+            return self.index[:0], self.score[:0]
+        return self.index.copy(), self.score.copy()
+
+
+def bind(maps: npt.NDArray[np.float32], norms: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64],
+         observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32], new_sq: npt.NDArray[np.float32],
+         planned: npt.NDArray[np.bool_], planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64],
+         top_k: int) -> LayerStep | None:
+    """A `LayerStep` over these arrays, or None where the kernel is not available."""
+    lib = _library()
+    if lib is None:
+        return None
+    return LayerStep(lib, maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, top_k)

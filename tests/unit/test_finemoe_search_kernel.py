@@ -1,0 +1,112 @@
+"""FineMoE's per-layer search and plan in one kernel call (csrc/finemoe_search.cpp) equals the
+NumPy reference it replaces: the same matches, plans, eviction guide and victims, over whole
+iterations on random stores, with ties among records and among experts, and refuses arguments
+it would read out of bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from elasticmoe.kernels import finemoe_search
+from elasticmoe.offload.cache_state import CacheState
+from elasticmoe.offload.finemoe import FineMoEPolicy
+from elasticmoe.offload.policy import PolicyConfig, RequestContext
+
+pytestmark = pytest.mark.skipif(not finemoe_search.available(), reason="no C++ compiler: the NumPy path runs")
+
+
+def numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(finemoe_search, "bind", lambda *args, **kwargs: None)
+
+
+def fill_store(policy: FineMoEPolicy, rng: np.random.Generator, records: int, alpha: float = 0.3) -> None:
+    cfg = policy.config
+    for _ in range(records):
+        probs = rng.dirichlet(np.full(cfg.num_experts, alpha), size=cfg.num_layers).astype(np.float32)
+        policy.store.insert(rng.standard_normal(6).astype(np.float32), probs)
+
+
+def run_iterations(policy: FineMoEPolicy, gate_probs: list[list[torch.Tensor]], embeddings: list[torch.Tensor]
+                   ) -> list[tuple]:
+    """Every observable decision of each iteration: plans after each layer, the guide, victims."""
+    cache = CacheState.empty(policy.config.num_layers, policy.config.num_experts, 12).load(
+        [(layer, e) for layer in range(policy.config.num_layers) for e in range(0, policy.config.num_experts, 3)][:12])
+    seen = []
+    for layers in gate_probs:
+        contexts = [RequestContext(f"r{b}", 1, emb, is_prefill=False) for b, emb in enumerate(embeddings)]
+        policy.begin_iteration(contexts)
+        for layer, probs in enumerate(layers):
+            policy.observe_layer(layer, probs, torch.topk(probs, policy.config.top_k).indices)
+            plan = policy.prefetch_plan(cache)
+            seen.append((layer, [(i.layer, i.expert, round(i.priority, 6)) for i in plan.items],
+                         policy._guide.copy(), policy.choose_victims(cache, 3, set())))
+        policy.end_iteration([])
+    return seen
+
+
+@pytest.mark.parametrize(("batch", "distance", "records"), [(1, 1, 50), (3, 1, 200), (2, 2, 30), (1, 3, 1)])
+def test_the_kernel_decides_as_the_numpy_steps(monkeypatch, batch, distance, records):
+    cfg = PolicyConfig(num_layers=5, num_experts=8, top_k=2, prefetch_distance=distance, store_capacity=400)
+    rng = np.random.default_rng(batch * 10 + distance)
+    gate = [[torch.from_numpy(rng.dirichlet(np.full(8, 0.4), size=batch).astype(np.float32)) for _ in range(5)]
+            for _ in range(4)]
+    embeddings = [torch.from_numpy(rng.standard_normal(6).astype(np.float32)) for _ in range(batch)]
+    results = []
+    for use_kernel in (True, False):
+        with monkeypatch.context() as patch:
+            if not use_kernel:
+                numpy_only(patch)
+            policy = FineMoEPolicy(cfg)
+            fill_store(policy, np.random.default_rng(7), records)
+            results.append((run_iterations(policy, gate, embeddings), policy.search_log.trajectory))
+    (kernel, kernel_scores), (reference, reference_scores) = results
+    assert len(kernel) == len(reference) and kernel_scores  # searches did run
+    for (layer, plan, guide, victims), (want_layer, want_plan, want_guide, want_victims) in zip(kernel, reference, strict=True):
+        assert (layer, plan, victims) == (want_layer, want_plan, want_victims)
+        assert np.array_equal(guide, want_guide)
+    assert np.allclose(kernel_scores, reference_scores, atol=1e-6)
+
+
+def test_equal_records_go_to_the_latest_and_equal_probabilities_to_the_lower_expert(monkeypatch):
+    """Three copies of one map (equal scores: the latest wins, as in the store) whose layer 1 ties
+    experts 1, 2 and 3 (the set takes the lower ids first)."""
+    cfg = PolicyConfig(num_layers=2, num_experts=4, top_k=2, prefetch_distance=1, store_capacity=8)
+    tied = np.array([[0.7, 0.1, 0.1, 0.1], [0.1, 0.3, 0.3, 0.3]], dtype=np.float32)
+    plans = []
+    for use_kernel in (True, False):
+        with monkeypatch.context() as patch:
+            if not use_kernel:
+                numpy_only(patch)
+            policy = FineMoEPolicy(cfg)
+            for _ in range(3):
+                policy.store.insert(np.ones(6, dtype=np.float32), tied)
+            policy.begin_iteration([RequestContext("r", 1, torch.ones(6), is_prefill=False)])
+            probs = torch.from_numpy(tied[None, 0])
+            policy.observe_layer(0, probs, torch.tensor([[0, 1]]))
+            plans.append(([(i.layer, i.expert) for i in policy.prefetch_plan(CacheState.empty(2, 4, 4)).items],
+                          policy.search_log.trajectory))
+    assert plans[0] == plans[1]
+    assert plans[0][0] == [(1, 1), (1, 2)]  # score 1: threshold 0, so the top-k, ties in id order
+    assert plans[0][1] == pytest.approx([1.0])
+
+
+def test_the_kernel_refuses_a_layer_out_of_range_and_a_wrong_layout():
+    arrays = dict(maps=np.zeros((2, 4, 3), dtype=np.float32)[:, :1], norms=np.ones((2, 1), dtype=np.float32),
+                  stamps=np.zeros(1, dtype=np.int64), observed=np.zeros((1, 2, 3), dtype=np.float32),
+                  dots=np.zeros((1, 1), dtype=np.float32), new_sq=np.zeros(1, dtype=np.float32),
+                  planned=np.zeros((2, 3), dtype=np.bool_), planned_probs=np.zeros((2, 3)), guide=np.zeros((2, 3)))
+    step = finemoe_search.bind(**arrays, top_k=1)
+    with pytest.raises(ValueError, match="out of range"):
+        step(1, 2)  # the target past the last layer
+    with pytest.raises(ValueError, match="out of range"):
+        step(1, 1)  # a target that is not ahead
+    with pytest.raises(ValueError, match="out of range"):
+        step(2, None)  # a layer the model does not have
+    index, score = step(0, 1)
+    assert index.tolist() == [0] and score.tolist() == [0.0]  # zero vectors: cosine 0, not NaN
+    with pytest.raises(ValueError, match="planned_probs must be contiguous float64"):
+        finemoe_search.bind(**{**arrays, "planned_probs": np.zeros((2, 3), np.float32)}, top_k=1)
+    with pytest.raises(ValueError, match="dots must be"):
+        finemoe_search.bind(**{**arrays, "dots": np.zeros((1, 2), np.float32)}, top_k=1)  # C = 1 record
