@@ -11,8 +11,11 @@ and the prefetch thread (`prefetch_once`: the policy's plan, ahead of the forwar
 guards the map, the state and the policy; the copies run outside it. The rules that keep them
 apart:
 - at most one prefetch copy is in flight; an `ensure` that must load pauses prefetching
-  (FineMoE §4.5: the forward needs the memory bandwidth now) and waits for that copy before
-  deciding anything; one whose experts are all published goes on beside the copy;
+  (FineMoE §4.5: the forward needs the memory bandwidth now) and runs its copies beside the one
+  in flight, which it may not evict (its row is being written); it waits for that copy only
+  when it needs that expert, or that row. (The paper's GPU pauses at the PCIe link; here the
+  two copies run on two cores, and waiting would add the rest of the prefetch to the forward's
+  time: on-demand loads took 200-320 us each with the wait against ~150 for one copy.)
 - a row is published in `slot_of` only once its copy is complete, and an expert the forward
   thread is computing with (`protected`) is never a prefetch's victim;
 - a failed copy leaves the expert not resident and its row free, so a read error costs the
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 
 from elasticmoe.engine.expert_sources import ExpertSource
-from elasticmoe.offload.cache_ops import load_on_demand, next_prefetch
+from elasticmoe.offload.cache_ops import CacheTooSmallError, CacheUpdate, load_on_demand, next_prefetch
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.policy import OffloadPolicy, PrefetchPlan
 
@@ -103,12 +106,11 @@ class ExpertCache:
                 return rows.tolist()
             self._paused += 1
             try:
-                while self._in_flight is not None:
-                    if self._in_flight in keys:
-                        self.counters.waits_for_prefetch += 1
+                while self._in_flight is not None and self._in_flight in keys:
+                    self.counters.waits_for_prefetch += 1
                     self._cond.wait()
                 self._count_lookups(keys)
-                update = load_on_demand(self.state, self.policy, layer, experts)
+                update = self._load_beside_prefetch(layer, experts)
                 for key in update.evicted:
                     self._release(key)
                 loads = [(key, self._free.pop()) for key in update.loaded]
@@ -136,6 +138,19 @@ class ExpertCache:
             # is skipped by `next_prefetch`, and asking the policy again per layer costs the forward.
             self._resume()
             return [int(self.slot_of[key]) for key in keys]
+
+    def _load_beside_prefetch(self, layer: int, experts: Sequence[int]) -> CacheUpdate:
+        """`load_on_demand` while a prefetch copy of another expert may be in flight: its row is
+        being written, so it is no victim; only when the layer needs that row too (a cache
+        barely larger than the layer's experts) does the forward wait for the copy. Holds the lock."""
+        while True:
+            in_flight = (self._in_flight,) if self._in_flight is not None else ()
+            try:
+                return load_on_demand(self.state, self.policy, layer, experts, protected=in_flight)
+            except CacheTooSmallError:
+                if not in_flight:
+                    raise
+            self._cond.wait()
 
     def warm(self, popularity: np.ndarray) -> int:
         """Fill free rows with this rank's most used experts by `popularity` [L, E] (the tokens an

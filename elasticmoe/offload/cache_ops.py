@@ -48,8 +48,10 @@ def routed_experts(topk_ids: torch.Tensor) -> list[int]:
     return sorted(set(topk_ids.flatten().tolist()))
 
 
-def load_on_demand(cache: CacheState, policy: OffloadPolicy, layer: int, expert_ids: Collection[int]) -> CacheUpdate:
-    """Make layer `layer`'s `expert_ids` resident now, evicting the policy's victims.
+def load_on_demand(cache: CacheState, policy: OffloadPolicy, layer: int, expert_ids: Collection[int],
+                   protected: Collection[ExpertKey] = ()) -> CacheUpdate:
+    """Make layer `layer`'s `expert_ids` resident now, evicting the policy's victims (never one of
+    `expert_ids` or of `protected`: the engine protects an expert whose prefetch copy is in flight).
 
     Raises `CacheTooSmallError` when the layer needs more experts than the cache holds
     (the engine would then run the layer's experts in waves; the simulator sizes its cache
@@ -60,7 +62,7 @@ def load_on_demand(cache: CacheState, policy: OffloadPolicy, layer: int, expert_
     num_short = len(missing) - cache.num_free
     victims: list[ExpertKey] = []
     if num_short > 0:
-        victims = policy.choose_victims(cache, num_short, {(layer, int(e)) for e in expert_ids})
+        victims = policy.choose_victims(cache, num_short, {(layer, int(e)) for e in expert_ids} | set(protected))
         if len(victims) < num_short:
             raise CacheTooSmallError(f"layer {layer} needs {len(set(expert_ids))} experts resident at once; "
                                      f"the cache holds {cache.capacity}")

@@ -173,6 +173,48 @@ def test_a_lookup_of_the_expert_being_prefetched_waits_for_its_copy():
     cache.check_integrity()
 
 
+def start_blocked_prefetch(cache: ExpertCache, tier: BlockingTier) -> threading.Thread:
+    """A prefetch of `tier.blocked` that is mid-copy when this returns."""
+    with cache.locked():
+        cache._plan = PrefetchPlan(0, (PrefetchItem(*tier.blocked, 1.0),))
+    prefetch = threading.Thread(target=cache.prefetch_once)
+    prefetch.start()
+    assert tier.started.wait(timeout=5)
+    return prefetch
+
+
+def test_an_on_demand_load_runs_beside_a_prefetch_copy_and_never_evicts_it():
+    tier = BlockingTier(blocked=(1, 5))
+    cache = make_cache(capacity=3, tier=tier)
+    cache.ensure(0, [0, 1])
+    prefetch = start_blocked_prefetch(cache, tier)  # the third row is being written
+    try:
+        rows = cache.ensure(2, [3])  # a miss with no free row: a victim other than (1, 5), no wait
+        assert_rows_hold(cache, 2, [3], rows)
+        with cache.locked():
+            assert cache._in_flight == (1, 5)  # still copying
+            assert cache.state.is_resident((1, 5)) and cache.state.num_resident == 3
+        assert cache.stats()["on_demand_loads"] == 3 and cache.stats()["waits_for_prefetch"] == 0
+    finally:
+        tier.release.set()
+        prefetch.join(timeout=5)
+    assert_rows_hold(cache, 1, [5], cache.ensure(1, [5]))  # the prefetch landed: a hit
+    cache.check_integrity()
+
+
+def test_a_load_that_needs_the_row_being_written_waits_for_the_copy():
+    tier = BlockingTier(blocked=(1, 5))
+    cache = make_cache(capacity=2, tier=tier)
+    cache.ensure(0, [0])
+    prefetch = start_blocked_prefetch(cache, tier)
+    threading.Timer(0.2, tier.release.set).start()
+    rows = cache.ensure(2, [3, 4])  # needs both rows: (0, 0)'s and, once copied, (1, 5)'s
+    prefetch.join(timeout=5)
+    assert_rows_hold(cache, 2, [3, 4], rows)
+    assert not cache.state.is_resident((1, 5)) and cache.stats()["prefetches_wasted"] == 1
+    cache.check_integrity()
+
+
 def test_close_wakes_an_idle_prefetch_thread():
     cache = make_cache(capacity=2)
     results = []
