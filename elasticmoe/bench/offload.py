@@ -13,6 +13,11 @@ Per run: expert hit rate (lookups found resident or being prefetched), on-demand
 prefetches useful / wasted, TTFT and TPOT p50 (engine time, no HTTP), the forward thread's time
 in the policy (searches, plans) and in on-demand loads, the prefetch thread's copy time.
 
+Rounds (`--rounds R`): the resident reference and the policy x budget grid run R times, one round
+after the other; a row reports the medians over its rounds, and its TPOT ratio is the median of
+its ratios to the resident run of the same round (this host's speed drifts by tens of percent
+within minutes, so a ratio to a run made a quarter of an hour earlier means little).
+
 Sweeps: every policy at `--budgets` (fractions of the routed experts; Figs. 10 and 12), with the
 fully resident engine as the reference; FineMoE's prefetch distance d (Fig. 15) and its map store
 capacity C (Fig. 16) at `--sweep-budget`; overheads (Fig. 17) in every run's row.
@@ -224,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads of the engine (default 1: the prefetch thread gets the other core)")
     p.add_argument("--dtype", choices=("float32", "auto"), default="float32")
     p.add_argument("--link-gbps", type=float, default=16.0, help="modelled host-device link rate, GB/s")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of the resident reference and the policy x budget grid, one round after the\n"
+                        "other; rows report medians, ratios to each round's own resident run (default 1)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", metavar="FILE", help="write hit rate / TPOT / TTFT / sweep charts (PNG)")
     args = p.parse_args(argv)
@@ -237,33 +245,45 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--budgets: fractions in (0, 1]")
     if any(d < 0 for d in args.distances) or any(c < 1 for c in args.capacities):
         p.error("--distances: each >= 0; --capacities: each >= 1")
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
     prompts = load_prompts(args.model, args.warmup + args.requests)
 
     def progress(msg: str) -> None:
         print(f"[offload bench] {msg}", file=sys.stderr, flush=True)
 
-    runs: list[RunResult] = []
-    configs = [("resident", 1.0, 1, 1000)] + [(pol, b, 1, 1000) for pol in policies for b in budgets]
+    grid = [("resident", 1.0, 1, 1000)] + [(pol, b, 1, 1000) for pol in policies for b in budgets]
+    sweeps = []
     if "finemoe" in policies:
-        configs += [("finemoe", args.sweep_budget, d, 1000) for d in args.distances if d != 1]
-        configs += [("finemoe", args.sweep_budget, 1, c) for c in args.capacities if c != 1000]
-    for n, (policy, budget, distance, capacity) in enumerate(configs, 1):
-        result = run_once(args, prompts, policy, budget, distance, capacity)
-        runs.append(result)
-        progress(f"{n}/{len(configs)} {policy} budget {budget:g} d {distance} C {capacity}: hit rate "
+        sweeps += [("finemoe", args.sweep_budget, d, 1000) for d in args.distances if d != 1]
+        sweeps += [("finemoe", args.sweep_budget, 1, c) for c in args.capacities if c != 1000]
+    total = args.rounds * len(grid) + len(sweeps)
+    done = 0
+
+    def run(config: tuple[str, float, int, int]) -> RunResult:
+        nonlocal done
+        result = run_once(args, prompts, *config)
+        done += 1
+        policy, budget, distance, capacity = config
+        progress(f"{done}/{total} {policy} budget {budget:g} d {distance} C {capacity}: hit rate "
                  f"{result.hit_rate:.3f}, TTFT p50 {result.ttft_p50_ms:.1f} ms, TPOT p50 {result.tpot_p50_ms:.1f} ms")
+        return result
+
+    # Each round runs the resident reference first, then the grid: a configuration's ratio is to
+    # the resident run of its own round (this host's speed drifts by tens of percent in minutes).
+    rounds = [[run(config) for config in grid] for _ in range(args.rounds)]
+    resident_tpot = statistics.median(r[0].tpot_p50_ms for r in rounds)
+    rows = [_merged([r[i] for r in rounds], [r[0].tpot_p50_ms for r in rounds]) for i in range(len(grid))]
+    rows += [_merged([run(config)], [resident_tpot]) for config in sweeps]  # hit rates: one round is enough
     transfers = measure_transfers(args.model, args.link_gbps)
-    resident_tpot = runs[0].tpot_p50_ms
-    for run in runs[1:]:
-        ondemand_bytes = run.cache.get("on_demand_loads", 0) * transfers["expert_bytes"]
-        run.cache["model_link_stall_per_token_ms"] = round(
-            1000 * ondemand_bytes / (args.link_gbps * 1e9) / max(run.output_tokens, 1), 3)
+    for row in rows[1:]:
+        ondemand_bytes = row["cache"].get("on_demand_loads", 0) * transfers["expert_bytes"]
+        row["cache"]["model_link_stall_per_token_ms"] = round(
+            1000 * ondemand_bytes / (args.link_gbps * 1e9) / max(row["output_tokens"], 1), 3)
     report = {
         "bench": "offload", "model": args.model, "batch": args.batch, "max_tokens": args.max_tokens,
-        "warmup": args.warmup, "requests": args.requests, "threads": args.threads,
-        "resident_tpot_p50_ms": resident_tpot, "transfers": transfers,
-        "runs": [{**asdict(r), "hit_rate": round(r.hit_rate, 4),
-                  "tpot_vs_resident": round(r.tpot_p50_ms / resident_tpot, 3)} for r in runs],
+        "warmup": args.warmup, "requests": args.requests, "threads": args.threads, "rounds": args.rounds,
+        "resident_tpot_p50_ms": resident_tpot, "transfers": transfers, "runs": rows,
     }
     if args.plot:
         _plot(report, args.plot, policies, args.sweep_budget)
@@ -275,6 +295,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"C {row['store_capacity']:<4} hit {row['hit_rate']:.3f} TTFT {row['ttft_p50_ms']:.1f} ms "
                   f"TPOT {row['tpot_p50_ms']:.1f} ms ({row['tpot_vs_resident']:.2f}x resident)")
     return 0
+
+
+def _merged(runs: list[RunResult], resident_tpots: list[float]) -> dict[str, Any]:
+    """One configuration's row from its runs (one per round) and each round's resident TPOT: the
+    medians of TTFT, TPOT and of the per-round TPOT ratios; the counters of the first run."""
+    row = {**asdict(runs[0]), "hit_rate": round(statistics.median(r.hit_rate for r in runs), 4)}
+    ratios = [r.tpot_p50_ms / resident for r, resident in zip(runs, resident_tpots, strict=True)]
+    row.update(ttft_p50_ms=round(statistics.median(r.ttft_p50_ms for r in runs), 2),
+               tpot_p50_ms=round(statistics.median(r.tpot_p50_ms for r in runs), 2),
+               tpot_vs_resident=round(statistics.median(ratios), 3),
+               rounds_tpot_p50_ms=[r.tpot_p50_ms for r in runs], rounds_tpot_vs_resident=[round(x, 3) for x in ratios])
+    return row
 
 
 def _plot(report: dict, path: str, policies: list[str], sweep_budget: float) -> None:

@@ -37,7 +37,7 @@ def test_offload_bench_refuses_an_unknown_policy(tiny_model_dir):
 
 
 @pytest.mark.parametrize("flag, value", [("--capacities", "x"), ("--capacities", "0"), ("--distances", "-1"),
-                                         ("--budgets", ""), ("--budgets", "1.5")])
+                                         ("--budgets", ""), ("--budgets", "1.5"), ("--rounds", "0")])
 def test_offload_bench_refuses_bad_sweeps_naming_the_flag(tiny_model_dir, capsys, flag, value):
     with pytest.raises(SystemExit) as exit_:
         main(["--model", tiny_model_dir, flag, value])
@@ -50,3 +50,18 @@ def test_offload_bench_with_empty_sweeps_runs_the_budgets_only(tiny_model_dir, c
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert [(r["policy"], r["prefetch_distance"], r["store_capacity"]) for r in runs] == [
         ("resident", 1, 1000), ("finemoe", 1, 1000)]
+
+
+def test_offload_bench_rounds_report_medians_and_ratios_to_their_own_resident_run(tiny_model_dir, capsys):
+    assert main(["--model", tiny_model_dir, "--policies", "on_demand", "--budgets", "0.25", "--distances", "",
+                 "--capacities", "", "--warmup", "1", "--requests", "1", "--max-tokens", "3", "--rounds", "3",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    resident, quarter = report["runs"]
+    assert report["rounds"] == 3 and len(resident["rounds_tpot_p50_ms"]) == len(quarter["rounds_tpot_p50_ms"]) == 3
+    assert resident["rounds_tpot_vs_resident"] == [1.0, 1.0, 1.0] and resident["tpot_vs_resident"] == 1.0
+    want = sorted(round(q / r, 3) for q, r in zip(quarter["rounds_tpot_p50_ms"], resident["rounds_tpot_p50_ms"],
+                                                 strict=True))
+    assert sorted(quarter["rounds_tpot_vs_resident"]) == want and quarter["tpot_vs_resident"] == want[1]
+    assert quarter["tpot_p50_ms"] == sorted(quarter["rounds_tpot_p50_ms"])[1]
+    assert report["resident_tpot_p50_ms"] == sorted(resident["rounds_tpot_p50_ms"])[1]
