@@ -48,13 +48,16 @@ class LayerStep:
                  planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64], top_k: int) -> None:
         num_layers, num_records, num_experts = maps.shape
         batch = observed.shape[0]
-        shapes: dict[str, tuple[np.ndarray, type, tuple[int, ...]]] = {"norms": (norms, np.float32, (num_layers, num_records)),
-                  "stamps": (stamps, np.int64, (num_records,)),
-                  "observed": (observed, np.float32, (batch, num_layers, num_experts)),
-                  "dots": (dots, np.float32, (batch, num_records)), "new_sq": (new_sq, np.float32, (batch,)),
-                  "planned": (planned, np.bool_, (num_layers, num_experts)),
-                  "planned_probs": (planned_probs, np.float64, (num_layers, num_experts)),
-                  "guide": (guide, np.float64, (num_layers, num_experts))}
+        shapes: dict[str, tuple[np.ndarray, type, tuple[int, ...]]] = {
+            "norms": (norms, np.float32, (num_layers, num_records)),
+            "stamps": (stamps, np.int64, (num_records,)),
+            "observed": (observed, np.float32, (batch, num_layers, num_experts)),
+            "dots": (dots, np.float32, (batch, num_records)),
+            "new_sq": (new_sq, np.float32, (batch,)),
+            "planned": (planned, np.bool_, (num_layers, num_experts)),
+            "planned_probs": (planned_probs, np.float64, (num_layers, num_experts)),
+            "guide": (guide, np.float64, (num_layers, num_experts)),
+        }
         for name, (array, dtype, shape) in shapes.items():
             if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
                 raise ValueError(f"finemoe search kernel: {name} must be contiguous {np.dtype(dtype)} {shape}, "

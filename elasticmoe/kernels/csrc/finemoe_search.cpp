@@ -3,7 +3,7 @@
 // (eq. 5), and the layer d ahead is planned from its minimum expert set (eqs. 6-8).
 //
 // It runs on the forward thread after every MoE layer of every step. In NumPy it is ~25 small
-// array operations (~180 us per layer on a few thousand numbers, nearly all of it dispatch);
+// array operations (~90-130 us per layer on a few thousand numbers, nearly all of it dispatch);
 // here it is one pass. The arithmetic follows the NumPy reference step by step in the same
 // precision (`elasticmoe.offload.map_store.TrajectorySearch`, `selection.minimum_expert_sets`,
 // `FineMoEPolicy._plan_layer`): dot products and scores in fp32, thresholds and cumulative sums
