@@ -92,8 +92,18 @@ def load_prompts(model_dir: str, count: int) -> list[str]:
     return prompts[:count]
 
 
+# Facts about the cache at the end of the run, not counters: kept as they are, not differenced.
+_SNAPSHOT_FIELDS = frozenset({"capacity_experts", "expert_bytes", "cache_bytes", "resident_experts"})
+
+
 def _diff(after: dict, before: dict) -> dict:
-    return {k: round(v - before.get(k, 0), 6) if isinstance(v, (int, float)) else v for k, v in after.items()}
+    """The cache's counters over the measured part (`after - before`), its snapshot fields as they
+    ended, and the hit rate of the measured part."""
+    out = {k: round(v - before.get(k, 0), 6) if isinstance(v, (int, float)) and k not in _SNAPSHOT_FIELDS else v
+           for k, v in after.items()}
+    if "hit_rate" in out:
+        out["hit_rate"] = round(out["hits"] / out["lookups"], 4) if out.get("lookups") else 0.0
+    return out
 
 
 def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: float, distance: int,

@@ -26,6 +26,9 @@ def test_offload_bench_reports_every_policy_budget_and_sweep(tiny_model_dir, tmp
         assert 0.0 <= run["hit_rate"] <= 1.0
     quarter = runs[3]["cache"]  # on_demand at 25%: misses load on demand, nothing is prefetched
     assert quarter["on_demand_loads"] > 0 and quarter["prefetches"] == 0 and runs[3]["hit_rate"] < 1.0
+    # the measured part's hit rate, and the cache's size as it is (not a difference of two snapshots)
+    assert quarter["hit_rate"] == runs[3]["hit_rate"] and quarter["capacity_experts"] > 0
+    assert quarter["cache_bytes"] == quarter["capacity_experts"] * quarter["expert_bytes"]
     transfers = report["transfers"]
     assert transfers["expert_bytes"] > 0 and min(transfers["host_copy_s"], transfers["disk_warm_s"]) > 0
     assert plot.stat().st_size > 0
