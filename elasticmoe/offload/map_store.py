@@ -200,8 +200,7 @@ class TrajectorySearch:
 
     def add(self, probs: npt.ArrayLike) -> None:
         """The next layer's gate distributions `probs` [B, E] of the B iterations."""
-        if self.num_layers >= self.store.num_layers:
-            raise ValueError(f"trajectory search: the model has {self.store.num_layers} layers")
+        self._check_a_layer_is_left()
         p = np.asarray(probs, dtype=np.float32)
         self.dots += p @ self._maps[self.num_layers].T
         self.new_sq += np.einsum("be,be->b", p, p)
@@ -222,10 +221,8 @@ class TrajectorySearch:
             return None
 
         def plan(target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-            if self.num_layers >= self.store.num_layers:
-                raise ValueError(f"trajectory search: the model has {self.store.num_layers} layers")
-            if len(self.store) != self.size:
-                raise RuntimeError("trajectory search: the store changed during the search")
+            self._check_a_layer_is_left()
+            self._check_store_unchanged()
             matches = step(self.num_layers, target)
             self.num_layers += 1
             return matches
@@ -237,10 +234,17 @@ class TrajectorySearch:
         most recently stored record (as `ExpertMapStore` breaks them)."""
         if self.num_layers == 0:
             raise ValueError("trajectory search: no layer observed yet")
-        if len(self.store) != self.size:
-            raise RuntimeError("trajectory search: the store changed during the search")
+        self._check_store_unchanged()
         new = np.maximum(np.sqrt(self.new_sq), _EPS)[:, None]
         return latest_best(self.dots / (new * self._norms[self.num_layers - 1]), self._stamps)
+
+    def _check_a_layer_is_left(self) -> None:
+        if self.num_layers >= self.store.num_layers:
+            raise ValueError(f"trajectory search: the model has {self.store.num_layers} layers")
+
+    def _check_store_unchanged(self) -> None:
+        if len(self.store) != self.size:
+            raise RuntimeError("trajectory search: the store changed during the search")
 
     def layers_from(self, index: npt.NDArray[np.int64], layer: int) -> npt.NDArray[np.float32]:
         """Layers `layer`..L-1 of the stored maps `index` [B] -> [L - layer, B, E] (a copy)."""

@@ -135,16 +135,22 @@ class BlockingTier(FakeTier):
         return super().copy_into(layer, local, w13, w2)
 
 
+def start_blocked_prefetch(cache: ExpertCache, tier: BlockingTier) -> threading.Thread:
+    """A prefetch of `tier.blocked` that is mid-copy when this returns."""
+    with cache.locked():
+        cache._plan = PrefetchPlan(0, (PrefetchItem(*tier.blocked, 1.0),))
+    prefetch = threading.Thread(target=cache.prefetch_once)
+    prefetch.start()
+    assert tier.started.wait(timeout=5)
+    return prefetch
+
+
 def test_a_hit_does_not_wait_for_a_prefetch_copy_of_another_expert():
     tier = BlockingTier(blocked=(1, 5))
     cache = make_cache(capacity=3, tier=tier)
     rows = cache.ensure(0, [0, 1])
-    with cache.locked():
-        cache._plan = PrefetchPlan(0, (PrefetchItem(1, 5, 1.0),))
-    prefetch = threading.Thread(target=cache.prefetch_once)
-    prefetch.start()
+    prefetch = start_blocked_prefetch(cache, tier)
     try:
-        assert tier.started.wait(timeout=5)
         # (1, 5) is being copied; the forward's resident experts come back at once, with their rows
         assert cache.ensure(0, [0, 1]) == rows
         with cache.locked():
@@ -160,27 +166,13 @@ def test_a_hit_does_not_wait_for_a_prefetch_copy_of_another_expert():
 def test_a_lookup_of_the_expert_being_prefetched_waits_for_its_copy():
     tier = BlockingTier(blocked=(1, 5))
     cache = make_cache(capacity=3, tier=tier)
-    with cache.locked():
-        cache._plan = PrefetchPlan(0, (PrefetchItem(1, 5, 1.0),))
-    prefetch = threading.Thread(target=cache.prefetch_once)
-    prefetch.start()
-    assert tier.started.wait(timeout=5)
+    prefetch = start_blocked_prefetch(cache, tier)
     threading.Timer(0.2, tier.release.set).start()
     rows = cache.ensure(1, [5])  # not published yet: waits, then finds it resident
     prefetch.join(timeout=5)
     assert_rows_hold(cache, 1, [5], rows)
     assert cache.stats()["waits_for_prefetch"] == 1 and cache.stats()["on_demand_loads"] == 0
     cache.check_integrity()
-
-
-def start_blocked_prefetch(cache: ExpertCache, tier: BlockingTier) -> threading.Thread:
-    """A prefetch of `tier.blocked` that is mid-copy when this returns."""
-    with cache.locked():
-        cache._plan = PrefetchPlan(0, (PrefetchItem(*tier.blocked, 1.0),))
-    prefetch = threading.Thread(target=cache.prefetch_once)
-    prefetch.start()
-    assert tier.started.wait(timeout=5)
-    return prefetch
 
 
 def test_an_on_demand_load_runs_beside_a_prefetch_copy_and_never_evicts_it():

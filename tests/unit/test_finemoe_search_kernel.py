@@ -5,6 +5,8 @@ it would read out of bounds."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -17,8 +19,13 @@ from elasticmoe.offload.policy import PolicyConfig, RequestContext
 pytestmark = pytest.mark.skipif(not finemoe_search.available(), reason="no C++ compiler: the NumPy path runs")
 
 
-def numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(finemoe_search, "bind", lambda *args, **kwargs: None)
+def both_ways(monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    """Runs the loop body twice: with the kernel (True), then on the NumPy steps (False)."""
+    for use_kernel in (True, False):
+        with monkeypatch.context() as patch:
+            if not use_kernel:
+                patch.setattr(finemoe_search, "bind", lambda *args, **kwargs: None)
+            yield use_kernel
 
 
 def fill_store(policy: FineMoEPolicy, rng: np.random.Generator, records: int, alpha: float = 0.3) -> None:
@@ -54,13 +61,10 @@ def test_the_kernel_decides_as_the_numpy_steps(monkeypatch, batch, distance, rec
             for _ in range(4)]
     embeddings = [torch.from_numpy(rng.standard_normal(6).astype(np.float32)) for _ in range(batch)]
     results = []
-    for use_kernel in (True, False):
-        with monkeypatch.context() as patch:
-            if not use_kernel:
-                numpy_only(patch)
-            policy = FineMoEPolicy(cfg)
-            fill_store(policy, np.random.default_rng(7), records)
-            results.append((run_iterations(policy, gate, embeddings), policy.search_log.trajectory))
+    for _ in both_ways(monkeypatch):
+        policy = FineMoEPolicy(cfg)
+        fill_store(policy, np.random.default_rng(7), records)
+        results.append((run_iterations(policy, gate, embeddings), policy.search_log.trajectory))
     (kernel, kernel_scores), (reference, reference_scores) = results
     assert len(kernel) == len(reference) and kernel_scores  # searches did run
     for (layer, plan, guide, victims), (want_layer, want_plan, want_guide, want_victims) in zip(kernel, reference, strict=True):
@@ -75,18 +79,14 @@ def test_equal_records_go_to_the_latest_and_equal_probabilities_to_the_lower_exp
     cfg = PolicyConfig(num_layers=2, num_experts=4, top_k=2, prefetch_distance=1, store_capacity=8)
     tied = np.array([[0.7, 0.1, 0.1, 0.1], [0.1, 0.3, 0.3, 0.3]], dtype=np.float32)
     plans = []
-    for use_kernel in (True, False):
-        with monkeypatch.context() as patch:
-            if not use_kernel:
-                numpy_only(patch)
-            policy = FineMoEPolicy(cfg)
-            for _ in range(3):
-                policy.store.insert(np.ones(6, dtype=np.float32), tied)
-            policy.begin_iteration([RequestContext("r", 1, torch.ones(6), is_prefill=False)])
-            probs = torch.from_numpy(tied[None, 0])
-            policy.observe_layer(0, probs, torch.tensor([[0, 1]]))
-            plans.append(([(i.layer, i.expert) for i in policy.prefetch_plan(CacheState.empty(2, 4, 4)).items],
-                          policy.search_log.trajectory))
+    for _ in both_ways(monkeypatch):
+        policy = FineMoEPolicy(cfg)
+        for _ in range(3):
+            policy.store.insert(np.ones(6, dtype=np.float32), tied)
+        policy.begin_iteration([RequestContext("r", 1, torch.ones(6), is_prefill=False)])
+        policy.observe_layer(0, torch.from_numpy(tied[None, 0]), torch.tensor([[0, 1]]))
+        plans.append(([(i.layer, i.expert) for i in policy.prefetch_plan(CacheState.empty(2, 4, 4)).items],
+                      policy.search_log.trajectory))
     assert plans[0] == plans[1]
     assert plans[0][0] == [(1, 1), (1, 2)]  # score 1: threshold 0, so the top-k, ties in id order
     assert plans[0][1] == pytest.approx([1.0])
