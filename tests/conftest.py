@@ -16,7 +16,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # CPU, and an idle elastic server at dp 1 burnt 0.19 of a core (5.7 CPU-s per 30 s), a third of it
 # Serve's 10 Hz control loop and Ray's per-process task-event, metrics and event-loop reporting,
 # none of which a test reads (the tests' Prometheus scrapes the server's own /metrics). These make
-# it 0.13, and two scaling modules 8% cheaper (256 -> 235 CPU-s). Production keeps Ray's defaults.
+# it 0.13, and two scaling modules 8% cheaper (256 -> 235 CPU-s). Production keeps Ray's defaults
+# but for Serve's control loop, which a local Ray of the elastic server runs at 0.5 s too
+# (`coordinator.launch.LOCAL_RAY_DEFAULTS`).
 for _name, _value in (("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5"), ("RAY_task_events_report_interval_ms", "0"),
                       ("RAY_metrics_report_interval_ms", "600000"), ("RAY_event_stats", "0")):
     os.environ.setdefault(_name, _value)
