@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch  # loads PyTorch's libgomp first, so the kernels share its OpenMP runtime
 
@@ -97,6 +98,16 @@ def load_kernel(name: str, isa: str | None = None) -> ctypes.CDLL | None:
         lib.emoe_set_num_threads.argtypes = [ctypes.c_int]
         lib.emoe_set_num_threads(_num_threads)
         _loaded.append(lib)
+    return lib
+
+
+def declare(lib: ctypes.CDLL, signatures: dict[str, list[Any]]) -> ctypes.CDLL:
+    """`lib` with each named entry point's argument types set, and its result an int (every
+    kernel entry point returns a status code)."""
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
     return lib
 
 

@@ -15,7 +15,7 @@ from functools import cache
 import numpy as np
 import numpy.typing as npt
 
-from elasticmoe.kernels.build import load_kernel
+from elasticmoe.kernels.build import declare, load_kernel
 
 
 @cache
@@ -24,10 +24,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.emoe_finemoe_observe.argtypes = [ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, c_int, ptr, ptr, c_int,
-                                         c_int, c_int, ptr, ptr, ptr, ptr, ptr]
-    lib.emoe_finemoe_observe.restype = c_int
-    return lib
+    return declare(lib, {"emoe_finemoe_observe": [ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, c_int, ptr, ptr,
+                                                  c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr]})
 
 
 def available() -> bool:

@@ -16,7 +16,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from elasticmoe.kernels.build import load_kernel, profiled
+from elasticmoe.kernels.build import declare, load_kernel, profiled
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,7 @@ def _library() -> ctypes.CDLL | None:
     lib = load_kernel("grouped_gemm")
     if lib is None:
         return None
-    for fn in (lib.emoe_grouped_gemm, lib.emoe_grouped_swiglu):
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
+    declare(lib, {"emoe_grouped_gemm": _ARGTYPES, "emoe_grouped_swiglu": _ARGTYPES})
     granted = lib.emoe_amx_init()
     if granted == 0:
         logger.warning("kernels: the OS refused AMX tile state; the grouped GEMM runs on AVX-512")

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from elasticmoe.kernels.build import load_kernel, profiled
+from elasticmoe.kernels.build import declare, load_kernel, profiled
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_TOPK = 64
@@ -26,12 +26,9 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.emoe_topk.argtypes = [ptr, i64, i64, i64, c_int, c_int, ptr, ptr]
-    lib.emoe_plan_pairs.argtypes = [ptr, i64, c_int, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr]
-    lib.emoe_combine.argtypes = [ptr, i64, c_int, ptr, ptr, i64, c_int, i64, ptr, i64]
-    for fn in (lib.emoe_topk, lib.emoe_plan_pairs, lib.emoe_combine):
-        fn.restype = c_int
-    return lib
+    return declare(lib, {"emoe_topk": [ptr, i64, i64, i64, c_int, c_int, ptr, ptr],
+                         "emoe_plan_pairs": [ptr, i64, c_int, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr],
+                         "emoe_combine": [ptr, i64, c_int, ptr, ptr, i64, c_int, i64, ptr, i64]})
 
 
 def topk_probs(probs: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:

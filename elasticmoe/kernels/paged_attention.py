@@ -12,7 +12,7 @@ from functools import cache
 
 import torch
 
-from elasticmoe.kernels.build import load_kernel, profiled
+from elasticmoe.kernels.build import declare, load_kernel, profiled
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -22,11 +22,9 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     lib = load_kernel("paged_attention")
     if lib is None:
         return None
-    fn = lib.emoe_paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
-    fn.restype = ctypes.c_int
-    return fn
+    return declare(lib, {"emoe_paged_decode_attention": [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                                                         ctypes.c_float, ctypes.c_int, ptr]}).emoe_paged_decode_attention
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

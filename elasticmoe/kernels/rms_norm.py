@@ -7,7 +7,7 @@ from functools import cache
 
 import torch
 
-from elasticmoe.kernels.build import load_kernel
+from elasticmoe.kernels.build import declare, load_kernel
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _SUPPORTED = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
@@ -18,11 +18,9 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     lib = load_kernel("rms_norm")
     if lib is None:
         return None
-    fn = lib.emoe_rms_norm
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_float]
-    fn.restype = ctypes.c_int
-    return fn
+    return declare(lib, {"emoe_rms_norm": [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, i64,
+                                           ctypes.c_float]}).emoe_rms_norm
 
 
 def _layout(t: torch.Tensor) -> tuple[int, int] | None:

@@ -3,9 +3,11 @@ threads that load them, with a fake tier whose every expert has recognisable wei
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -135,30 +137,35 @@ class BlockingTier(FakeTier):
         return super().copy_into(layer, local, w13, w2)
 
 
-def start_blocked_prefetch(cache: ExpertCache, tier: BlockingTier) -> threading.Thread:
-    """A prefetch of `tier.blocked` that is mid-copy when this returns."""
+@contextlib.contextmanager
+def blocked_prefetch(cache: ExpertCache, tier: BlockingTier,
+                     release_after_s: float | None = None) -> Iterator[None]:
+    """A prefetch of `tier.blocked`, mid-copy inside the block (its copy released `release_after_s`
+    into it, or at its end), complete after it."""
     with cache.locked():
         cache._plan = PrefetchPlan(0, (PrefetchItem(*tier.blocked, 1.0),))
     prefetch = threading.Thread(target=cache.prefetch_once)
     prefetch.start()
     assert tier.started.wait(timeout=5)
-    return prefetch
+    if release_after_s is not None:
+        threading.Timer(release_after_s, tier.release.set).start()
+    try:
+        yield
+    finally:
+        tier.release.set()
+        prefetch.join(timeout=5)
 
 
 def test_a_hit_does_not_wait_for_a_prefetch_copy_of_another_expert():
     tier = BlockingTier(blocked=(1, 5))
     cache = make_cache(capacity=3, tier=tier)
     rows = cache.ensure(0, [0, 1])
-    prefetch = start_blocked_prefetch(cache, tier)
-    try:
+    with blocked_prefetch(cache, tier):
         # (1, 5) is being copied; the forward's resident experts come back at once, with their rows
         assert cache.ensure(0, [0, 1]) == rows
         with cache.locked():
             assert cache._in_flight == (1, 5)  # still copying: the lookup did not wait for it
         assert cache.stats()["hits"] == 2 and cache.stats()["waits_for_prefetch"] == 0
-    finally:
-        tier.release.set()
-        prefetch.join(timeout=5)
     assert_rows_hold(cache, 1, [5], cache.ensure(1, [5]))  # the prefetch completed: a hit
     cache.check_integrity()
 
@@ -166,10 +173,8 @@ def test_a_hit_does_not_wait_for_a_prefetch_copy_of_another_expert():
 def test_a_lookup_of_the_expert_being_prefetched_waits_for_its_copy():
     tier = BlockingTier(blocked=(1, 5))
     cache = make_cache(capacity=3, tier=tier)
-    prefetch = start_blocked_prefetch(cache, tier)
-    threading.Timer(0.2, tier.release.set).start()
-    rows = cache.ensure(1, [5])  # not published yet: waits, then finds it resident
-    prefetch.join(timeout=5)
+    with blocked_prefetch(cache, tier, release_after_s=0.2):
+        rows = cache.ensure(1, [5])  # not published yet: waits, then finds it resident
     assert_rows_hold(cache, 1, [5], rows)
     assert cache.stats()["waits_for_prefetch"] == 1 and cache.stats()["on_demand_loads"] == 0
     cache.check_integrity()
@@ -179,17 +184,13 @@ def test_an_on_demand_load_runs_beside_a_prefetch_copy_and_never_evicts_it():
     tier = BlockingTier(blocked=(1, 5))
     cache = make_cache(capacity=3, tier=tier)
     cache.ensure(0, [0, 1])
-    prefetch = start_blocked_prefetch(cache, tier)  # the third row is being written
-    try:
+    with blocked_prefetch(cache, tier):  # the third row is being written
         rows = cache.ensure(2, [3])  # a miss with no free row: a victim other than (1, 5), no wait
         assert_rows_hold(cache, 2, [3], rows)
         with cache.locked():
             assert cache._in_flight == (1, 5)  # still copying
             assert cache.state.is_resident((1, 5)) and cache.state.num_resident == 3
         assert cache.stats()["on_demand_loads"] == 3 and cache.stats()["waits_for_prefetch"] == 0
-    finally:
-        tier.release.set()
-        prefetch.join(timeout=5)
     assert_rows_hold(cache, 1, [5], cache.ensure(1, [5]))  # the prefetch landed: a hit
     cache.check_integrity()
 
@@ -198,10 +199,8 @@ def test_a_load_that_needs_the_row_being_written_waits_for_the_copy():
     tier = BlockingTier(blocked=(1, 5))
     cache = make_cache(capacity=2, tier=tier)
     cache.ensure(0, [0])
-    prefetch = start_blocked_prefetch(cache, tier)
-    threading.Timer(0.2, tier.release.set).start()
-    rows = cache.ensure(2, [3, 4])  # needs both rows: (0, 0)'s and, once copied, (1, 5)'s
-    prefetch.join(timeout=5)
+    with blocked_prefetch(cache, tier, release_after_s=0.2):
+        rows = cache.ensure(2, [3, 4])  # needs both rows: (0, 0)'s and, once copied, (1, 5)'s
     assert_rows_hold(cache, 2, [3, 4], rows)
     assert not cache.state.is_resident((1, 5)) and cache.stats()["prefetches_wasted"] == 1
     cache.check_integrity()
