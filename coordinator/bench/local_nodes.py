@@ -58,6 +58,7 @@ class RayNodes:
     num_nodes: int = 0
     log: list[str] = field(default_factory=list)
     network: NodeNetwork | None = None  # with `netns`: the bridge and the worker nodes' namespaces
+    client_port: int = 0  # the head's Ray Client server (its own port: 10001 by default, shared by every cluster)
 
     def _start(self, *args: str, devices: int, cpus: int, prefix: tuple[str, ...] = ()) -> None:
         cmd = [*prefix, RAY, "start", *args, "--num-cpus", str(cpus), "--resources",
@@ -99,9 +100,18 @@ class RayNodes:
         out = subprocess.run(["pgrep", "-f", self.temp_dir], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
+    def all_pids(self) -> list[int]:
+        """`pids()` and what they started: a raylet's agents rename themselves (`ray::DashboardAgent`)
+        and lose the temp dir from their command line, and the head's Ray Client server is named by
+        its port only; missed, they outlived the cluster by minutes."""
+        ours = self.pids()
+        client = subprocess.run(["pgrep", "-f", f"ray.util.client.server .*--port={self.client_port} "],
+                                capture_output=True, text=True)
+        return sorted({*ours, *(d for pid in ours for d in _descendants(pid)), *map(int, client.stdout.split())})
+
     def stop(self) -> None:
         for _ in range(3):
-            for pid in self.pids():
+            for pid in self.all_pids():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.5)
@@ -131,15 +141,15 @@ def ray_nodes(head_devices: int = 1, worker_devices: tuple[int, ...] = (1,), cpu
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, **FAST_NODE_DEATH}
     temp_dir = tempfile.mkdtemp(prefix="emoe-ray-")
     port = _free_port()
-    nodes = RayNodes(temp_dir, f"127.0.0.1:{port}", env)
+    nodes = RayNodes(temp_dir, f"127.0.0.1:{port}", env, client_port=_free_port())
     try:
         head_ip: tuple[str, ...] = ()
         if netns:
             nodes.network = NodeNetwork.create()
             nodes.address = f"{nodes.network.bridge_address}:{port}"
             head_ip = ("--node-ip-address", nodes.network.bridge_address)
-        nodes._start("--head", "--port", str(port), *head_ip, "--include-dashboard=false", devices=head_devices,
-                     cpus=cpus)
+        nodes._start("--head", "--port", str(port), *head_ip, "--include-dashboard=false",
+                     "--ray-client-server-port", str(nodes.client_port), devices=head_devices, cpus=cpus)
         for devices in worker_devices:
             nodes.add_node(devices, cpus)
         yield nodes

@@ -19,13 +19,16 @@ Streaming clients run throughout steps 1-3 and none of their requests fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -46,12 +49,25 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 def served(tiny_model_dir, reference, paced_engines):
     prefix = f"emoetest{secrets.token_hex(4)}"
     with ray_nodes(head_devices=0, worker_devices=(1,)) as nodes:
+        token = nodes.env["RAY_AUTH_TOKEN"]
         with serve_on(nodes, "--model", tiny_model_dir, "--served-model-name", MODEL, "--dtype", "float32",
                       "--device-memory-gb", str(64 / 1024), "--kv-cache-gb", str(8 / 1024), "--shm-prefix", prefix,
                       "--max-devices", "2", "--device-wait", "60", "--release-idle-nodes",
                       "--no-standby-pool") as srv:
             yield srv, nodes
     assert list_segments(prefix) == [], "shared-memory files leaked"
+    assert _processes_carrying(f"RAY_AUTH_TOKEN={token}") == [], "processes of the cluster outlived it"
+
+
+def _processes_carrying(variable: str) -> list[str]:
+    """Command lines of the live processes whose environment holds `variable` (the cluster's own
+    token: every process of it inherits it, whatever it renames itself to)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if variable.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+    return found
 
 
 def _drain_node(url: str, node: str) -> subprocess.CompletedProcess:
