@@ -35,8 +35,7 @@ import ray
 
 from coordinator.esft_residency import EsftResidency
 from elasticmoe.adapters.esft import EsftAdapter
-from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
-from elasticmoe.errors import UnknownAdapterError
+from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig

@@ -377,20 +377,9 @@ def _warn_if_open(host: str, api_key: object) -> None:
         logging.getLogger(__name__).warning("serving on %s without --api-key: anyone who reaches it may use it", host)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elasticmoe", description="Elastic serving of MoE LLMs.")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_make_model(sub)
-    _add_make_esft_adapter(sub)
-    _add_make_lora_adapter(sub)
-    _add_serve(sub)
-    _add_drain(sub)
-    _add_drain_node(sub)
-    _add_profile(sub)
-    _add_reap_shm(sub)
-    return parser
-
+_PARSERS = {"make-model": _add_make_model, "make-esft-adapter": _add_make_esft_adapter,
+            "make-lora-adapter": _add_make_lora_adapter, "serve": _add_serve, "drain": _add_drain,
+            "drain-node": _add_drain_node, "profile": _add_profile, "reap-shm": _add_reap_shm}
 
 _COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter,
              "make-lora-adapter": _run_make_lora_adapter, "serve": _run_serve,
@@ -398,8 +387,31 @@ _COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_
              "reap-shm": _run_reap_shm}
 
 
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with `command`, that subcommand's options only. Some subcommands' options
+    come from the serving configs, whose import costs ~2 CPU-s (torch): `drain-node` runs in a
+    pod's preStop hook, on a node that is still serving, and should not pay for `serve`'s."""
+    parser = argparse.ArgumentParser(prog="elasticmoe", description="Elastic serving of MoE LLMs.")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, add in _PARSERS.items():
+        if command is None or name == command:
+            add(sub)
+    return parser
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (its first word that is one and not `--log-level`'s value); None
+    when there is none (then the whole parser answers: usage, or --help listing every command)."""
+    for i, word in enumerate(argv):
+        if word in _COMMANDS and (i == 0 or argv[i - 1] != "--log-level"):
+            return word
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command_in(argv)).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return _COMMANDS[args.command](args)
 

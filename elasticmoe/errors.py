@@ -27,6 +27,14 @@ class UnknownAdapterError(InvalidRequestError):
         return (type(self), (self.adapter,))
 
 
+class AdapterLimitError(RuntimeError):
+    """No free adapter slot, or an adapter needs more experts per layer than a slot holds (HTTP 409)."""
+
+
+class AdapterConflictError(RuntimeError):
+    """An adapter of that name is already loaded, or still unloading (HTTP 409)."""
+
+
 def unwrap_remote(exc: BaseException) -> BaseException:
     """The original exception of one re-raised in another process: Ray's `RayTaskError` keeps it
     as `.cause`, and its own text is the remote traceback, which must never reach a client."""

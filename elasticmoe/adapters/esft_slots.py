@@ -23,18 +23,11 @@ from typing import Any
 import torch
 
 from elasticmoe.adapters.expert_map import ExpertMap
+from elasticmoe.errors import AdapterConflictError, AdapterLimitError
 from elasticmoe.models.common import CausalLM, ForwardContext, MoEBlock
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
-
-
-class AdapterLimitError(RuntimeError):
-    """No free adapter slot, or an adapter needs more experts per layer than a slot holds (HTTP 409)."""
-
-
-class AdapterConflictError(RuntimeError):
-    """An adapter of that name is already loaded, or still unloading (HTTP 409)."""
 
 
 # expert_weights(layer, expert, dtype) -> (w13 [2I, H], w2 [H, I]): one tuned expert's rows.

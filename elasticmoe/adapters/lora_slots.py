@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.adapters.esft import AdapterError
-from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.adapters.lora import KV_B_PROJ_UNSUPPORTED
+from elasticmoe.errors import AdapterConflictError, AdapterLimitError
 from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_sorted
 from elasticmoe.layers.lora import LoraGroups, LoraSite
 from elasticmoe.models.common import CausalLM, GQAAttention, MoEBlock

@@ -34,7 +34,7 @@ from typing import Any
 from elasticmoe.adapter_policy.profile import load_profile
 from elasticmoe.adapter_policy.usage import check_probability
 from elasticmoe.adapters.esft import AdapterError
-from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError, EsftSlots, ExpertWeights
+from elasticmoe.adapters.esft_slots import EsftSlots, ExpertWeights
 from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.adapters.lora_slots import LoraSlots, LoraWeights
@@ -45,7 +45,12 @@ from elasticmoe.engine.lora_lockstep import LockstepLora
 from elasticmoe.engine.lora_swapper import LoraSwapper, router_node
 from elasticmoe.engine.request import AdapterBinding, Request
 from elasticmoe.engine.scheduler import Scheduler
-from elasticmoe.errors import InvalidRequestError, UnknownAdapterError
+from elasticmoe.errors import (
+    AdapterConflictError,
+    AdapterLimitError,
+    InvalidRequestError,
+    UnknownAdapterError,
+)
 from elasticmoe.models.common import CausalLM
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 

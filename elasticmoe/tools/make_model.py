@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 from tokenizers import Tokenizer
 
 from elasticmoe.tools.tokenizer_builder import EOS_TOKEN, PAD_TOKEN, build_tokenizer, save_tokenizer
@@ -61,7 +60,9 @@ PRESETS: dict[str, dict[str, dict]] = {
 # Larger than transformers' default (0.02) so that logits are not near-uniform
 # and greedy decoding is not decided by rounding noise.
 _INIT_STD = {"tiny": 0.08, "tiny-vllm": 0.08, "small": 0.04}
-_SAVE_DTYPE = {"tiny": torch.float32, "tiny-vllm": torch.float32, "small": torch.bfloat16}
+_SAVE_DTYPE = {"tiny": "float32", "tiny-vllm": "float32", "small": "bfloat16"}  # torch dtype names
+# NOTE: torch is imported where a model is built: the CLI's parser reads PRESETS, and every
+# `elasticmoe` command (drain-node in a pod's preStop hook) would pay ~2 CPU-s for it.
 
 
 def _classes(arch: str):
@@ -77,6 +78,7 @@ def _classes(arch: str):
 def build_model(arch: str, preset: str, tok: Tokenizer, seed: int) -> Any:
     """The randomly initialised `transformers` model of (arch, preset) for tokenizer `tok`, in
     float32, with its generation config (greedy, the tokenizer's end token)."""
+    import torch
     from transformers import GenerationConfig
 
     eos_id, pad_id = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
@@ -90,6 +92,8 @@ def build_model(arch: str, preset: str, tok: Tokenizer, seed: int) -> Any:
 
 
 def make_model(arch: str, preset: str, seed: int, out: str) -> Path:
+    import torch
+
     if arch not in PRESETS:
         raise ValueError(f"arch: expected one of {sorted(PRESETS)}, got {arch!r}")
     if preset not in PRESETS[arch]:
@@ -98,7 +102,7 @@ def make_model(arch: str, preset: str, seed: int, out: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(vocab_size=PRESETS[arch][preset]["vocab_size"], seed=seed)
     logger.info("building %s/%s with transformers (seed %d)", arch, preset, seed)
-    model = build_model(arch, preset, tok, seed).to(_SAVE_DTYPE[preset]).eval()
+    model = build_model(arch, preset, tok, seed).to(getattr(torch, _SAVE_DTYPE[preset])).eval()
     model.save_pretrained(out_dir)
     save_tokenizer(tok, str(out_dir))
     num_params = sum(p.numel() for p in model.parameters())

@@ -244,7 +244,7 @@ def train_loop(model: Any, batches: Iterator[torch.Tensor], lr: float, max_steps
 
 def save_checkpoint(model: Any, tok: Tokenizer, preset: str, out_dir: Path) -> None:
     """Same files and dtype as `make_model`."""
-    model.to(_SAVE_DTYPE[preset]).eval()
+    model.to(getattr(torch, _SAVE_DTYPE[preset])).eval()
     model.save_pretrained(out_dir)
     save_tokenizer(tok, str(out_dir))
 

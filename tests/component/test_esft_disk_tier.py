@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from elasticmoe.adapters.esft import EsftAdapter
-from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
-from elasticmoe.errors import UnknownAdapterError
+from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from elasticmoe.adapters.esft import AdapterError, EsftAdapter
-from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
-from elasticmoe.errors import InvalidRequestError
+from elasticmoe.errors import AdapterConflictError, AdapterLimitError, InvalidRequestError
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
@@ -302,7 +301,7 @@ def qlora_base(tiny_model_dirs, tmp_path_factory) -> str:
 
     preset = {**mm.PRESETS["deepseek_v2"]["tiny"], "q_lora_rank": 24}
     with (patch.dict(mm.PRESETS["deepseek_v2"], {"tiny-q": preset}), patch.dict(mm._INIT_STD, {"tiny-q": 0.08}),
-          patch.dict(mm._SAVE_DTYPE, {"tiny-q": torch.float32})):
+          patch.dict(mm._SAVE_DTYPE, {"tiny-q": "float32"})):
         return str(mm.make_model("deepseek_v2", "tiny-q", seed=1, out=str(tmp_path_factory.mktemp("ds-q") / "m")))
 
 

@@ -21,11 +21,10 @@ from elastic_server import cluster_of, tiny_config
 from coordinator.cluster import ClusterManager
 from coordinator.scale_events import ScaleConflict, ScaleState
 from coordinator.scaler import Scaler
-from elasticmoe.adapters.esft_slots import AdapterConflictError
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
-from elasticmoe.errors import UnknownAdapterError
+from elasticmoe.errors import AdapterConflictError, UnknownAdapterError
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from coordinator.adapters import ClusterAdapterHost
-from elasticmoe.entrypoints.openai.adapters_api import AdapterLimitError
+from elasticmoe.errors import AdapterLimitError
 
 
 def _host(backend: str) -> ClusterAdapterHost:

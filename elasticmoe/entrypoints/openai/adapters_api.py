@@ -24,13 +24,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
 
 from elasticmoe.adapters.esft import EXPERT_CFG, AdapterError, EsftAdapter
-from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.adapters.lora_router import CONFIG as ROUTER_CONFIG
 from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.errors import OpenAIError
-from elasticmoe.errors import UnknownAdapterError, unwrap_remote
+from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError, unwrap_remote
 from elasticmoe.utils.passing_thread import in_passing_thread
 
 logger = logging.getLogger(__name__)

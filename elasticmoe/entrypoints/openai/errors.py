@@ -29,9 +29,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from elasticmoe.adapters.esft_slots import AdapterConflictError, AdapterLimitError
 from elasticmoe.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from elasticmoe.errors import UnknownAdapterError, unwrap_remote
+from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError, unwrap_remote
 
 logger = logging.getLogger(__name__)
 
