@@ -76,7 +76,7 @@ def _is_pairs(annotation: Any) -> bool:
 
 
 def _help(name: str, field: Any, meta: dict[str, Any]) -> str:
-    text = field.description or ""
+    text = (field.description or "").replace("%", "%%")  # argparse formats help with %
     if meta["flag"]:  # the flag is not the field's name: say the name the file and the args use
         text += f" [key {name}" + (", in bytes]" if meta["unit"] != 1 else "]")
     default = field.default

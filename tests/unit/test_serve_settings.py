@@ -199,3 +199,19 @@ def test_the_vllm_backend_serves_replicas_of_a_model_it_can_run(tiny_model_dir, 
     assert config.engine_options().max_esft_adapters == 0
     native = elastic_config(_serve_args("--model", tiny_model_dir))
     assert native.backend == "native" and native.is_expert_parallel and native.esft_slots == (4, 16)
+
+
+def test_a_description_may_say_percent():
+    """argparse formats help with %: a description's own "%" must show as itself, not break --help."""
+    import argparse
+
+    from pydantic import BaseModel, Field
+
+    from elasticmoe.utils.settings import add_flags
+
+    class Options(BaseModel):
+        share: float = Field(0.5, description="up to 50% of the cores")
+
+    parser = argparse.ArgumentParser(prog="x")
+    add_flags(parser, Options)
+    assert "up to 50% of the cores (default 0.5)" in " ".join(parser.format_help().split())
