@@ -1,9 +1,9 @@
 """ElasticMoE core: config, models, layers, engine, adapters, cli.
 
 `LLM`, `RequestOutput` and `SamplingParams` load on first use: importing a light submodule
-(the CLI's parser, the OpenAI schema, the coordinator's config) must not import torch, which
-costs ~2 CPU-s and ~180 MB in every process that does (ingress replicas, `drain-node` in a
-pod's preStop hook)."""
+(the CLI, the errors) must not import torch, which costs ~2 CPU-s and ~180 MB in a process
+that only needs those (`elasticmoe drain-node` in a pod's preStop hook, on a node that is
+still serving)."""
 
 from __future__ import annotations
 

@@ -61,8 +61,8 @@ PRESETS: dict[str, dict[str, dict]] = {
 # and greedy decoding is not decided by rounding noise.
 _INIT_STD = {"tiny": 0.08, "tiny-vllm": 0.08, "small": 0.04}
 _SAVE_DTYPE = {"tiny": "float32", "tiny-vllm": "float32", "small": "bfloat16"}  # torch dtype names
-# NOTE: torch is imported where a model is built: the CLI's parser reads PRESETS, and every
-# `elasticmoe` command (drain-node in a pod's preStop hook) would pay ~2 CPU-s for it.
+# NOTE: torch is imported where a model is built: the CLI's parser reads PRESETS (`elasticmoe
+# --help` builds every command's), and would pay ~2 CPU-s for it.
 
 
 def _classes(arch: str):
