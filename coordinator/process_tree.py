@@ -55,14 +55,30 @@ def child_running(binary: str) -> int | None:
     return None
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _children_by_parent() -> dict[int, list[int]]:
+    """Parent pid -> the pids of its live children, from one look at /proc (no psutil)."""
+    children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    return children
+
+
+def _children(pid: int) -> list[int]:
+    return _children_by_parent().get(pid, [])
+
+
+def descendants(*pids: int) -> set[int]:
+    """Every live process below `pids`: their children, the children's children, ..."""
+    children, out, todo = _children_by_parent(), set(), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
     return out
 
 

@@ -377,14 +377,13 @@ def _warn_if_open(host: str, api_key: object) -> None:
         logging.getLogger(__name__).warning("serving on %s without --api-key: anyone who reaches it may use it", host)
 
 
-_PARSERS = {"make-model": _add_make_model, "make-esft-adapter": _add_make_esft_adapter,
-            "make-lora-adapter": _add_make_lora_adapter, "serve": _add_serve, "drain": _add_drain,
-            "drain-node": _add_drain_node, "profile": _add_profile, "reap-shm": _add_reap_shm}
-
-_COMMANDS = {"make-model": _run_make_model, "make-esft-adapter": _run_make_esft_adapter,
-             "make-lora-adapter": _run_make_lora_adapter, "serve": _run_serve,
-             "drain": _run_drain, "drain-node": _run_drain_node, "profile": _run_profile,
-             "reap-shm": _run_reap_shm}
+# command -> (adds its parser, runs it)
+_COMMANDS = {"make-model": (_add_make_model, _run_make_model),
+             "make-esft-adapter": (_add_make_esft_adapter, _run_make_esft_adapter),
+             "make-lora-adapter": (_add_make_lora_adapter, _run_make_lora_adapter),
+             "serve": (_add_serve, _run_serve), "drain": (_add_drain, _run_drain),
+             "drain-node": (_add_drain_node, _run_drain_node), "profile": (_add_profile, _run_profile),
+             "reap-shm": (_add_reap_shm, _run_reap_shm)}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -394,7 +393,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elasticmoe", description="Elastic serving of MoE LLMs.")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, add in _PARSERS.items():
+    for name, (add, _) in _COMMANDS.items():
         if command is None or name == command:
             add(sub)
     return parser
@@ -413,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_command_in(argv)).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return _COMMANDS[args.command](args)
+    return _COMMANDS[args.command][1](args)
 
 
 if __name__ == "__main__":

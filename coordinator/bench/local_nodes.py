@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from coordinator.bench.netns import NodeNetwork
+from coordinator.process_tree import descendants
 from hmm.placement import DEVICE_RESOURCE
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -89,41 +90,32 @@ class RayNodes:
                              text=True)
         raylets = [int(p) for p in out.stdout.split() if self.temp_dir in Path(f"/proc/{p}/cmdline").read_text()]
         assert len(raylets) == 1, f"no (or more than one) raylet of node {ray_node_id}: {raylets}"
-        victims = _descendants(raylets[0])
+        victims = sorted(descendants(raylets[0]))
         for pid in [raylets[0], *victims]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         return 1 + len(victims)
 
     def pids(self) -> list[int]:
-        """Every live process of this cluster (its command line names the cluster's temp dir)."""
-        out = subprocess.run(["pgrep", "-f", self.temp_dir], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
-
-    def all_pids(self) -> list[int]:
-        """`pids()` and what they started: a raylet's agents rename themselves (`ray::DashboardAgent`)
-        and lose the temp dir from their command line, and the head's Ray Client server is named by
-        its port only; missed, they outlived the cluster by minutes."""
-        ours = self.pids()
+        """Every live process of this cluster: those whose command line names its temp dir, what
+        they started (a raylet's agents rename themselves, `ray::DashboardAgent`, and lose the temp
+        dir from theirs) and the head's Ray Client server (named by its port only). Missed, the
+        last two outlived the cluster by minutes."""
+        named = subprocess.run(["pgrep", "-f", self.temp_dir], capture_output=True, text=True)
         client = subprocess.run(["pgrep", "-f", f"ray.util.client.server .*--port={self.client_port} "],
                                 capture_output=True, text=True)
-        return sorted({*ours, *(d for pid in ours for d in _descendants(pid)), *map(int, client.stdout.split())})
+        ours = [int(p) for p in named.stdout.split()]
+        return sorted({*ours, *descendants(*ours), *map(int, client.stdout.split())})
 
     def stop(self) -> None:
         for _ in range(3):
-            for pid in self.all_pids():
+            for pid in self.pids():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.5)
         if self.network is not None:  # NOTE: after the processes: a namespace in use outlives its deletion
             self.network.teardown()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    children = [int(p) for p in out.stdout.split()]
-    return [p for child in children for p in (child, *_descendants(child))]
 
 
 # The GCS declares a node dead after a few missed health checks (default about 15 s).

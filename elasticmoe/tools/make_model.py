@@ -65,6 +65,13 @@ _SAVE_DTYPE = {"tiny": "float32", "tiny-vllm": "float32", "small": "bfloat16"}  
 # --help` builds every command's), and would pay ~2 CPU-s for it.
 
 
+def save_dtype(preset: str) -> Any:
+    """The torch dtype a checkpoint of `preset` is stored in."""
+    import torch
+
+    return getattr(torch, _SAVE_DTYPE[preset])
+
+
 def _classes(arch: str):
     import transformers as tf
 
@@ -92,8 +99,6 @@ def build_model(arch: str, preset: str, tok: Tokenizer, seed: int) -> Any:
 
 
 def make_model(arch: str, preset: str, seed: int, out: str) -> Path:
-    import torch
-
     if arch not in PRESETS:
         raise ValueError(f"arch: expected one of {sorted(PRESETS)}, got {arch!r}")
     if preset not in PRESETS[arch]:
@@ -102,7 +107,7 @@ def make_model(arch: str, preset: str, seed: int, out: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(vocab_size=PRESETS[arch][preset]["vocab_size"], seed=seed)
     logger.info("building %s/%s with transformers (seed %d)", arch, preset, seed)
-    model = build_model(arch, preset, tok, seed).to(getattr(torch, _SAVE_DTYPE[preset])).eval()
+    model = build_model(arch, preset, tok, seed).to(save_dtype(preset)).eval()
     model.save_pretrained(out_dir)
     save_tokenizer(tok, str(out_dir))
     num_params = sum(p.numel() for p in model.parameters())

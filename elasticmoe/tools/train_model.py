@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from elasticmoe.tools.make_model import _SAVE_DTYPE, PRESETS
+from elasticmoe.tools.make_model import PRESETS, save_dtype
 from elasticmoe.tools.make_model import build_model as make_model_build
 from elasticmoe.tools.tokenizer_builder import PAD_TOKEN, save_tokenizer, train_bpe
 
@@ -244,7 +244,7 @@ def train_loop(model: Any, batches: Iterator[torch.Tensor], lr: float, max_steps
 
 def save_checkpoint(model: Any, tok: Tokenizer, preset: str, out_dir: Path) -> None:
     """Same files and dtype as `make_model`."""
-    model.to(getattr(torch, _SAVE_DTYPE[preset])).eval()
+    model.to(save_dtype(preset)).eval()
     model.save_pretrained(out_dir)
     save_tokenizer(tok, str(out_dir))
 

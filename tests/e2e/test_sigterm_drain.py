@@ -26,6 +26,7 @@ import httpx
 import pytest
 import ray  # noqa: F401 - makes its vendored psutil importable (`_listens`)
 
+from coordinator.process_tree import descendants
 from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow
@@ -38,24 +39,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc; no psutil)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -105,7 +88,7 @@ def _start(args: list[str], timeout_s: float, attempts: int = 3) -> tuple[subpro
             out = proc.stdout.read()
             assert "cannot listen" in out, f"server exited early:\n{out[-4000:]}"
             continue  # the port was taken before it started
-        if _listens({proc.pid} | _descendants(proc.pid), port):
+        if _listens({proc.pid} | descendants(proc.pid), port):
             return proc, port
         os.killpg(proc.pid, signal.SIGKILL)  # another server answered on that port
         proc.wait()
@@ -141,7 +124,7 @@ def _drain_on_sigterm(proc: subprocess.Popen, port: int) -> tuple[list[dict], ht
     thread = threading.Thread(target=stream)
     thread.start()
     assert first.wait(60), "the stream never started"
-    family = _descendants(proc.pid)
+    family = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     refused = None
     deadline = time.monotonic() + 20
@@ -217,7 +200,7 @@ def test_elastic_server_exits_cleanly_when_its_whole_process_group_is_sigtermed(
     proc, _, prefix = _start_elastic(tiny_model_dir)
     try:
         assert list_segments(prefix), "the HMM made no shared-memory files (wrong prefix?)"
-        family = _descendants(proc.pid)
+        family = descendants(proc.pid)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -230,5 +213,5 @@ def test_elastic_server_exits_cleanly_when_its_whole_process_group_is_sigtermed(
         assert proc.poll() == 0 and not left, f"after 60 s: server {proc.poll()}, left {left}:\n{out[-3000:]}"
         assert list_segments(prefix) == [], "shared-memory files left behind"
     finally:
-        if proc.poll() is None or any(_alive(p) for p in _descendants(proc.pid)):
+        if proc.poll() is None or any(_alive(p) for p in descendants(proc.pid)):
             os.killpg(proc.pid, signal.SIGKILL)
