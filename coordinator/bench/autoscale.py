@@ -38,16 +38,22 @@ import httpx
 from coordinator.bench.arrivals import Constant, Poisson, Ramp, RateSchedule
 from coordinator.bench.load_report import events_on_axis, slo_attainment_over_time, summarize
 from coordinator.bench.load_runner import LoadSpec, plan_requests, run_load
-from coordinator.bench.report_output import claim_stdout, emit
+from coordinator.bench.report_output import claim_stdout, emit, progress_printer
 from coordinator.bench.request_shapes import AdapterMix, LengthDist, parse_length
-from coordinator.bench.scaling import PRESETS, _free_port, _wait_event, ensure_dp, resolve_model, wait_standby
+from coordinator.bench.server_admin import (
+    PRESETS,
+    ensure_dp,
+    free_port,
+    resolve_model,
+    wait_event,
+    wait_standby,
+)
 
 STRATEGIES = ("elastic", "cold_restart", "concurrent")
 _GIB = 1 << 30
 
 
-def _progress(msg: str) -> None:
-    print(f"[autoscale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_progress = progress_printer("autoscale")
 
 
 class Bench:
@@ -63,8 +69,8 @@ class Bench:
 
     async def settle(self, dp: int) -> None:
         """At `dp`, no scale running, standby pool ready: every run starts alike."""
-        await ensure_dp(self.client, dp, self.args.event_timeout_s)
-        await wait_standby(self.client, self.args.event_timeout_s)
+        await ensure_dp(self.client, dp, self.args.event_timeout_s, _progress)
+        await wait_standby(self.client, self.args.event_timeout_s, _progress)
 
     # ---- calibration ---------------------------------------------------------------------
 
@@ -102,7 +108,7 @@ class Bench:
             r = await self.client.post("/admin/scale", json={"dp": to_dp, "strategy": strategy})
             if r.status_code != 202:
                 return {"error": f"HTTP {r.status_code}: {r.text[:200]}", "posted_at": posted}
-            event = await _wait_event(self.client, r.json()["event_id"], args.event_timeout_s)
+            event = await wait_event(self.client, r.json()["event_id"], args.event_timeout_s)
             return {**event, "posted_at": posted}
 
         task = asyncio.create_task(command())
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not strategies:
         print(f"error: --strategies: unknown or needing extra devices: {unknown}", file=sys.stderr)
         return 2
-    model_dir = resolve_model(args)
+    model_dir = resolve_model(args, _progress)
     vocab_size = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
     from coordinator.autoscaler import AutoscaleConfig
@@ -340,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         standby_delay_s=args.standby_delay_s,
     )
     _progress(f"starting the elastic server: {model_dir}, 2 devices, dp 1, {args.dtype}")
-    server = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
+    server = start_elastic(config, port=free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
 
     async def go() -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=server.url) as c:

@@ -24,7 +24,6 @@ import random
 import secrets
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,14 @@ import httpx
 
 from coordinator.bench.chaos_faults import FAULTS, FaultResult, run_fault, settle, undisturbed
 from coordinator.bench.local_nodes import attached, parse_nodes, ray_nodes, run_attached
-from coordinator.bench.report_output import claim_stdout, emit
+from coordinator.bench.report_output import claim_stdout, emit, progress_printer
 from hmm.memory.lease import reap
 
 DEFAULT_FAULTS = "rank@1,rank@2,device@1,mid-scale@1,coordinator@1,ingress@1"
 _GIB = 1 << 30
 
 
-def _progress(msg: str) -> None:
-    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_progress = progress_printer("chaos")
 
 
 def parse_faults(text: str, num_devices: int) -> list[tuple[str, int]]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from coordinator.bench.report_output import progress_printer
 from elasticmoe.bench.workload import power_law_shares
 
 # name -> (eviction, arranging, assigning): CoServe (ASPLOS '25) Fig. 13's systems on our server.
@@ -180,5 +180,4 @@ def build_adapters(model_dir: str, cache_dir: Path, num_lora: int, num_esft: int
     return out, time.monotonic() - start
 
 
-def progress(msg: str) -> None:
-    print(f"[coserve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = progress_printer("coserve")

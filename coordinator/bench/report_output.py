@@ -1,5 +1,5 @@
 """How a benchmark hands back its results: the JSON document alone on stdout (`--json`),
-also in a file (`--out`), a PNG (`--plot`), and the human-readable tables on stderr.
+also in a file (`--out`), a PNG (`--plot`), and the human-readable tables and progress lines on stderr.
 
 Ray writes to file descriptor 1 (raylet messages at shutdown), so `claim_stdout()` keeps
 a private copy of stdout for the document and points fd 1 at stderr; call it before Ray starts.
@@ -10,9 +10,19 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
+
+
+def progress_printer(name: str) -> Callable[[str], None]:
+    """A benchmark's progress lines: `[name HH:MM:SS] message` on stderr, flushed at once."""
+
+    def progress(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return progress
 
 
 def claim_stdout() -> TextIO:

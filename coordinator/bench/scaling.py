@@ -42,10 +42,7 @@ import dataclasses
 import json
 import logging
 import secrets
-import socket
 import sys
-import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +51,7 @@ import httpx
 from coordinator.bench.loadgen import LoadResult, PoissonLoad, Workload
 from coordinator.bench.local_nodes import RayNodes, attached, parse_nodes, ray_nodes, run_attached
 from coordinator.bench.rank_memory import RankMemorySampler
-from coordinator.bench.report_output import claim_stdout, emit
+from coordinator.bench.report_output import claim_stdout, emit, progress_printer
 from coordinator.bench.scale_metrics import (
     EventKey,
     baseline_window,
@@ -65,18 +62,23 @@ from coordinator.bench.scale_metrics import (
     output_throughput,
     slo_attainment_bins,
 )
+from coordinator.bench.scaling_report import fmt, format_tables, plot_slo
+from coordinator.bench.server_admin import (
+    PRESETS,
+    ensure_dp,
+    free_port,
+    resolve_model,
+    wait_event,
+    wait_standby,
+)
 
 logger = logging.getLogger(__name__)
+_progress = progress_printer("scaling")
 
 STRATEGIES = ("elastic", "cold_restart", "extravagant", "concurrent")
 ABLATIONS = ("no_ipc_alloc", "no_p2p", "no_preinit", "no_zero_copy")  # cumulative, paper Table 1
 ABLATION_LABELS = {"elastic": "ElasticMoE (full)", "no_ipc_alloc": "- IPCAlloc", "no_p2p": "- P2P",
                    "no_preinit": "- PreInit", "no_zero_copy": "- ZeroCopy"}
-PRESETS = {  # preset -> (model dir, device memory GiB, KV cache GiB per device)
-    "tiny": ("models/tiny-qwen3-moe", 1 / 16, 1 / 128),
-    "small": ("models/small-qwen3-moe", 1.0, 1 / 16),
-}
-VLLM_MODELS = {"tiny": "models/tiny-vllm-qwen3-moe"}  # vLLM's CPU attention needs head_dim >= 32
 _GIB = 1 << 30
 
 
@@ -87,10 +89,6 @@ class Run:
     strategy: str
     from_dp: int
     to_dp: int
-
-
-def _progress(msg: str) -> None:
-    print(f"[scaling {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # ---- plan --------------------------------------------------------------------------------
@@ -130,77 +128,6 @@ def devices_needed(runs: list[Run]) -> int:
     return max(r.from_dp + r.to_dp if r.strategy == "extravagant" else max(r.from_dp, r.to_dp) for r in runs)
 
 
-# ---- server ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def resolve_model(args: argparse.Namespace) -> str:
-    """The model directory; the preset's checkpoint is built (`elasticmoe make-model`) if missing."""
-    default = VLLM_MODELS.get(args.preset, PRESETS[args.preset][0]) if getattr(args, "backend", "native") == "vllm" else PRESETS[args.preset][0]
-    model_dir = args.model or default
-    if not (Path(model_dir) / "config.json").is_file():
-        if args.model is not None and args.model not in (*(p[0] for p in PRESETS.values()), *VLLM_MODELS.values()):
-            raise SystemExit(f"error: --model: {model_dir} has no config.json")
-        name = Path(model_dir).name
-        preset = "tiny-vllm" if "tiny-vllm" in name else "tiny" if "tiny" in name else "small"
-        _progress(f"building {model_dir} (make-model --arch qwen3_moe --preset {preset} --seed 0)")
-        from elasticmoe.tools.make_model import make_model
-
-        make_model("qwen3_moe", preset, seed=0, out=model_dir)
-    return model_dir
-
-
-async def _wait_event(client: httpx.AsyncClient, event_id: str, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        event: dict[str, Any] = (await client.get(f"/admin/scale/{event_id}")).json()
-        if event["state"] != "running":
-            return event
-        if time.monotonic() > deadline:
-            event["error"] = f"still running after {timeout_s:.0f}s"
-            return event
-        await asyncio.sleep(0.1)
-
-
-async def _active_dp(client: httpx.AsyncClient) -> int:
-    return int((await client.get("/admin/status")).json()["active_config"]["dp"])
-
-
-async def ensure_dp(client: httpx.AsyncClient, dp: int, timeout_s: float) -> None:
-    """Move the server to `dp` with an (unmeasured) elastic scale, if it is elsewhere."""
-    deadline = time.monotonic() + timeout_s
-    while (await client.get("/admin/status")).json()["scale_event"] is not None:  # e.g. a timed-out event
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"a scale event is still running after {timeout_s:.0f}s")
-        await asyncio.sleep(0.5)
-    current = await _active_dp(client)
-    if current == dp:
-        return
-    _progress(f"reset: elastic scale dp {current} -> {dp} (unmeasured)")
-    r = await client.post("/admin/scale", json={"dp": dp, "strategy": "elastic"})
-    r.raise_for_status()
-    event = await _wait_event(client, r.json()["event_id"], timeout_s)
-    if event["state"] != "succeeded" or await _active_dp(client) != dp:
-        raise RuntimeError(f"could not reset the server to dp {dp}: {event}")
-
-
-async def wait_standby(client: httpx.AsyncClient, timeout_s: float) -> None:
-    """Wait until the server's background standby preparation (dp-1, dp+1) is done: strategies
-    with pre-initialisation are measured as deployed (the paper assumes the target is
-    pre-initialised, §7.8), and no boot competes for the cores during the measurement."""
-    deadline = time.monotonic() + timeout_s
-    while (await client.get("/admin/status")).json()["standby"]["preparing"]:
-        if time.monotonic() > deadline:
-            _progress("warning: standby preparation still running; measuring anyway")
-            return
-        await asyncio.sleep(0.2)
-
-
 # ---- one event ---------------------------------------------------------------------------
 
 
@@ -230,7 +157,7 @@ async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argpars
     stop = asyncio.Event()
     task = asyncio.create_task(load.run(stop))
     await asyncio.sleep(args.warmup_s)
-    await wait_standby(client, args.event_timeout_s)
+    await wait_standby(client, args.event_timeout_s, _progress)
     post_s = load.now()
     _progress(f"{run.strategy}: POST /admin/scale dp {run.from_dp} -> {run.to_dp} "
               f"({len(load.records)} requests so far)")
@@ -239,7 +166,7 @@ async def measure(client: httpx.AsyncClient, model: str, run: Run, args: argpars
     veth_before = _veth_bytes(cluster)
     r = await client.post("/admin/scale", json={"dp": run.to_dp, "strategy": run.strategy})
     if r.status_code == 202:
-        event = await _wait_event(client, r.json()["event_id"], args.event_timeout_s)
+        event = await wait_event(client, r.json()["event_id"], args.event_timeout_s)
     else:
         event = {"state": "rejected", "error": r.text[:300]}
     finished_s = load.now()
@@ -330,82 +257,6 @@ def ablation_table(events: list[dict[str, Any]], transition: tuple[int, int]) ->
     return rows
 
 
-# ---- output ------------------------------------------------------------------------------
-
-
-def _fmt(x: Any, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _mib(x: int | None) -> str:
-    return "-" if x is None else f"{x / (1 << 20):.1f}"
-
-
-def _moved(e: dict[str, Any], *sources: str) -> str:
-    moved = e.get("bytes_moved")
-    return "-" if not moved else _mib(sum(moved.get(f"bytes_{s}", 0) for s in sources))
-
-
-def format_tables(doc: dict[str, Any]) -> str:
-    head = ("strategy", "dp", "state", "latency_s", "x_cold", "downtime_s", "client_down_s", "baseline_s",
-            "peak_MiB", "rank_MiB", "gloo_MiB", "veth_MiB", "disk_MiB", "nodes", "failed", "tok/s before", "during", "after")
-    rows: list[tuple[str, ...]] = [head]
-    for e in doc["events"]:
-        tp = e["throughput_tok_s"]
-        state = f"{e['state']} (ran {e['strategy_applied']})" if e["strategy_ignored"] else e["state"]
-        rows.append((e["strategy"], f"{e['from_dp']}->{e['to_dp']}", state, _fmt(e["scale_latency_s"]),
-                     _fmt(e["latency_ratio_vs_cold_restart"]), _fmt(e["downtime_s"], ".3f"),
-                     _fmt(e["client_downtime_s"]), _fmt(e["baseline_client_downtime_s"]),
-                     _mib(e["peak_memory_bytes"]), _mib(e.get("peak_rank_private_bytes")),
-                     _moved(e, "p2p_gloo"), _mib(e.get("veth_bytes")), _moved(e, "disk"),
-                     str(e.get("num_rank_nodes", "-")), f"{e['failed_requests_total']}/{e['num_requests']}",
-                     _fmt(tp["before"], ".1f"), _fmt(tp["during"], ".1f"), _fmt(tp["after"], ".1f")))
-    lines = [_table(rows)]
-    if doc["ablation"]:
-        a, b = doc["config"]["ablation_transition"]
-        lines.append(f"\nablation (cumulative), DP{a} -> DP{b}")
-        rows = [("configuration", "state", "scale_s", "downtime_s", "client_down_s", "peak_MiB")]
-        rows += [(r["configuration"], r["state"], _fmt(r["scale_latency_s"]), _fmt(r["downtime_s"], ".3f"),
-                  _fmt(r["client_downtime_s"]), _mib(r["peak_memory_bytes"])) for r in doc["ablation"]]
-        lines.append(_table(rows))
-    return "\n".join(lines)
-
-
-def _table(rows: Sequence[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
-
-
-def plot_slo(doc: dict[str, Any], path: str) -> None:
-    """Paper Fig. 9: SLO attainment per 1 s arrival bin, one subplot per strategy, t=0 at the POST."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    strategies = list(dict.fromkeys(e["strategy"] for e in doc["events"]))
-    fig, axes = plt.subplots(len(strategies), 1, figsize=(8, 2.4 * len(strategies)), sharex=True, squeeze=False)
-    cfg = doc["config"]
-    for ax, strategy in zip(axes[:, 0], strategies, strict=True):
-        for i, e in enumerate(x for x in doc["events"] if x["strategy"] == strategy):
-            color = f"C{i}"
-            bins = [b for b in e["slo_bins"] if b["attainment"] is not None]
-            ax.plot([b["t_s"] + 0.5 for b in bins], [100 * b["attainment"] for b in bins], color=color,
-                    marker=".", label=f"DP{e['from_dp']}->DP{e['to_dp']} ({e['state']})")
-            ax.axvline(e["finished_s"] - e["post_s"], color=color, linestyle="--", linewidth=1)
-        ax.axvline(0.0, color="black", linestyle=":", linewidth=1)
-        ax.set_ylim(-5, 105)
-        ax.set_ylabel("SLO %")
-        ax.set_title(strategy, fontsize=10)
-        ax.legend(fontsize=8, loc="lower left")
-    axes[-1, 0].set_xlabel("seconds since the scale POST (dotted: POST; dashed: event finished)")
-    fig.suptitle(f"SLO attainment (TTFT <= {cfg['slo_ttft_s']}s, TPOT <= {cfg['slo_tpot_s']}s), "
-                 f"{cfg['rps']} req/s, 1 s bins by arrival", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))  # leave room for the suptitle
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # ---- main --------------------------------------------------------------------------------
 
 
@@ -492,11 +343,11 @@ async def run_events(url: str, runs: list[Run], args: argparse.Namespace,
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         for i, run in enumerate(runs):
             _progress(f"event {i + 1}/{len(runs)}: {run.strategy} dp {run.from_dp} -> {run.to_dp}")
-            await ensure_dp(client, run.from_dp, args.event_timeout_s)
+            await ensure_dp(client, run.from_dp, args.event_timeout_s, _progress)
             m = await measure(client, model, run, args, cluster)
             events.append(summarize(m, args))
             e = events[-1]
-            _progress(f"{run.strategy}: latency {_fmt(e['scale_latency_s'])}s, client downtime "
+            _progress(f"{run.strategy}: latency {fmt(e['scale_latency_s'])}s, client downtime "
                       f"{e['client_downtime_s']:.2f}s (baseline {e['baseline_client_downtime_s']:.2f}s), "
                       f"failed {e['failed_requests']}/{e['num_requests']}")
     keys = [(EventKey(e["strategy"], e["from_dp"], e["to_dp"]),
@@ -520,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model_dir = resolve_model(args)
+    model_dir = resolve_model(args, _progress)
     args.vocab_size = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     preset = PRESETS[args.preset]
     devices = sum(nodes) if nodes else (args.devices or devices_needed(runs))
@@ -546,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     address = cluster.address if cluster is not None else None
     _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
-    server = start_elastic(config, port=args.port or _free_port(), address=address,
+    server = start_elastic(config, port=args.port or free_port(), address=address,
                            ray_init_kwargs={"log_to_driver": False} if address else {"num_cpus": 2, "log_to_driver": False})
     try:
         with RankMemorySampler() as args.rank_memory:

@@ -38,7 +38,8 @@ from typing import Any
 import httpx
 
 from coordinator.bench.loadgen import RequestRecord
-from coordinator.bench.scaling import wait_standby
+from coordinator.bench.report_output import progress_printer
+from coordinator.bench.server_admin import wait_standby
 from coordinator.bench.throughput import closed_loop, requests_inside, tokens_per_chunk, window_stats
 
 DEFAULT_RATIOS = "elastic/single,elastic/vllm"
@@ -173,8 +174,7 @@ def format_table(docs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> st
 # ---- measuring -----------------------------------------------------------------------------------
 
 
-def _progress(msg: str) -> None:
-    print(f"[serving {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_progress = progress_printer("serving")
 
 
 async def _served_model(client: httpx.AsyncClient, name: str | None) -> str:
@@ -191,7 +191,7 @@ async def _settle(client: httpx.AsyncClient) -> None:
     status = await client.get("/admin/status")
     if status.status_code == 200 and "standby" in status.json():
         _progress("elastic server: waiting for its standby instances to be ready")
-        await wait_standby(client, 600.0)
+        await wait_standby(client, 600.0, _progress)
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:

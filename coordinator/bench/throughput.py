@@ -29,8 +29,10 @@ from typing import Any
 import httpx
 
 from coordinator.bench.loadgen import RequestRecord, stream_completion
-from coordinator.bench.report_output import claim_stdout
-from coordinator.bench.scaling import _free_port, _progress, ensure_dp, wait_standby
+from coordinator.bench.report_output import claim_stdout, progress_printer
+from coordinator.bench.server_admin import ensure_dp, free_port, wait_standby
+
+_progress = progress_printer("throughput")
 
 
 async def _client(client: httpx.AsyncClient, model: str, args: argparse.Namespace, seed: int,
@@ -103,8 +105,8 @@ async def measure_dps(url: str, args: argparse.Namespace) -> list[dict[str, Any]
                                  limits=httpx.Limits(max_connections=args.concurrency + 8)) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         for dp in args.dps:
-            await ensure_dp(client, dp, 600.0)
-            await wait_standby(client, 600.0)
+            await ensure_dp(client, dp, 600.0, _progress)
+            await wait_standby(client, 600.0, _progress)
             records = await closed_loop(client, model, args)
             stats = window_stats(records, args.warmup_s, args.warmup_s + args.duration_s)
             _progress(f"dp {dp}: {stats['output_tok_s']:.1f} output tok/s, {stats['completed']} completed, "
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queued=max(256, 4 * args.concurrency), shm_prefix=f"emoethroughput{secrets.token_hex(4)}",
     )
     _progress(f"starting the elastic server: {args.backend}, {args.model}, dps {args.dps}, {args.dtype}")
-    server = start_elastic(config, port=_free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
+    server = start_elastic(config, port=free_port(), ray_init_kwargs={"num_cpus": 2, "log_to_driver": False})
     try:
         results = asyncio.run(measure_dps(server.url, args))
     finally:
