@@ -22,7 +22,6 @@ import asyncio
 import logging
 import random
 import secrets
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import httpx
 from coordinator.bench.chaos_faults import FAULTS, FaultResult, run_fault, settle, undisturbed
 from coordinator.bench.local_nodes import attached, parse_nodes, ray_nodes, run_attached
 from coordinator.bench.report_output import claim_stdout, emit, progress_printer
+from coordinator.bench.server_admin import free_port
 from hmm.memory.lease import reap
 
 DEFAULT_FAULTS = "rank@1,rank@2,device@1,mid-scale@1,coordinator@1,ingress@1"
@@ -150,12 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     config = CoordinatorConfig(model_dir=args.model, num_devices=args.devices, dp=faults[0][1], dtype="float32",
                                device_memory_bytes=_GIB // 16, kv_bytes_per_device=_GIB // 128,
                                served_model_name="chaos", shm_prefix=f"emoechaos{secrets.token_hex(4)}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     kill_node, address = (cluster.kill_node, cluster.address) if cluster is not None else (None, None)
     _progress(f"starting the elastic server: {args.model}, {args.devices} devices")
-    server = start_elastic(config, port=port, address=address,
+    server = start_elastic(config, port=free_port(), address=address,
                            ray_init_kwargs={"log_to_driver": False} if address else {"num_cpus": 2, "log_to_driver": False})
     try:
         results = asyncio.run(run_all(server.url, "chaos", faults, args, vocab_size, config.shm_prefix, kill_node))

@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import os
 import secrets
-import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,15 +67,9 @@ from coordinator.bench.coserve_workload import (
 )
 from coordinator.bench.loadgen import RequestRecord, stream_completion
 from coordinator.bench.report_output import claim_stdout, emit
+from coordinator.bench.server_admin import PRESETS, free_port
 
-PRESETS = {"tiny": ("models/tiny-qwen3-moe", 1 / 16, 1 / 128), "small": ("models/small-qwen3-moe", 1.0, 1 / 16)}
 _GIB = 1 << 30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def register(url: str, adapters: list[Adapter]) -> float:
@@ -170,7 +163,7 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
         request_assigning=assigning, num_threads=args.num_threads))
     progress(f"{config} dp {dp}: starting the server")
     t = time.monotonic()
-    server = start_elastic(cfg, port=_free_port())
+    server = start_elastic(cfg, port=free_port())
     row: dict[str, Any] = {"config": config, "dp": dp, "eviction": eviction, "arranging": arranging,
                            "assigning": assigning, "start_s": time.monotonic() - t, "max_loras": max_loras,
                            "max_esft_adapters": max_esft}

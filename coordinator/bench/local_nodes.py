@@ -27,7 +27,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,16 +38,11 @@ from pathlib import Path
 import httpx
 
 from coordinator.bench.netns import NodeNetwork
+from coordinator.bench.server_admin import free_port
 from coordinator.process_tree import descendants
 from hmm.placement import DEVICE_RESOURCE
 
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -132,8 +126,8 @@ def ray_nodes(head_devices: int = 1, worker_devices: tuple[int, ...] = (1,), cpu
     token = secrets.token_hex(16)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, **FAST_NODE_DEATH}
     temp_dir = tempfile.mkdtemp(prefix="emoe-ray-")
-    port = _free_port()
-    nodes = RayNodes(temp_dir, f"127.0.0.1:{port}", env, client_port=_free_port())
+    port = free_port()
+    nodes = RayNodes(temp_dir, f"127.0.0.1:{port}", env, client_port=free_port())
     try:
         head_ip: tuple[str, ...] = ()
         if netns:
@@ -195,7 +189,7 @@ class Served:
 def serve_on(nodes: RayNodes, *flags: str, timeout_s: float = 180) -> Iterator[Served]:
     """`elasticmoe serve --address` on `nodes` with `flags`, until it is ready; on exit SIGTERM,
     and the process must end by itself (drain, then the devices' memory freed) with exit 0."""
-    port = _free_port()
+    port = free_port()
     output = Path(nodes.temp_dir) / f"serve-{port}.log"
     cmd = [sys.executable, "-m", "elasticmoe.cli", "--log-level", "WARNING", "serve", "--address", nodes.address,
            "--port", str(port), *flags]
