@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import secrets
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import ray
 
+from coordinator.bench.server_admin import free_port
 from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.launch import ElasticServer, start_elastic
@@ -38,12 +38,6 @@ def tiny_config(model_dir: str, **overrides: Any) -> CoordinatorConfig:
         "standby_pool": False,
     }
     return CoordinatorConfig(**{**defaults, **overrides})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

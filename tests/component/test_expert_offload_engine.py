@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from elastic_server import free_port
 from engine_runs import greedy_run
 
+from coordinator.bench.server_admin import free_port
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.models.weights import SafetensorsWeightProvider

@@ -13,15 +13,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from coordinator.bench.server_admin import free_port
 from coordinator.ingress_http import DirectHttp, HttpBinding
 from elasticmoe.entrypoints.listen_address import AddressUnavailable
 from elasticmoe.entrypoints.openai.access import AccessPolicy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _app() -> FastAPI:
@@ -35,7 +30,7 @@ def _app() -> FastAPI:
 
 
 def test_serves_until_stopped_and_frees_the_address():
-    binding = HttpBinding("127.0.0.1", _free_port())
+    binding = HttpBinding("127.0.0.1", free_port())
 
     async def run() -> None:
         for _ in range(2):  # the second start rebinds the address the first one freed

@@ -6,13 +6,13 @@ adapter resident (itself equal to the merged models: tests/component/test_lora_e
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from coordinator.bench.server_admin import free_port
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
@@ -27,12 +27,6 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # Each rank asks for other adapters, interleaved, so the one slot must change under live requests.
 RANK_REQUESTS = {0: [("a0", [5, 6, 7, 8], "med"), ("a1", [9, 10, 11], "law"), ("a2", [12, 13], "code")],
                  1: [("b0", [20, 21, 22], "code"), ("b1", [23, 24, 25, 26], "med"), ("b2", [27, 28], None)]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _engine(model_dir: str, rank: int = 0, world: int = 1, **kwargs) -> LLMEngine:
@@ -85,7 +79,7 @@ def test_ranks_swap_the_same_adapters_into_the_same_slots(tiny_model_dir, tmp_pa
              for i, name in enumerate(NAMES)}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, tiny_model_dir, paths, queue)) for r in range(2)]
     for p in procs:
         p.start()

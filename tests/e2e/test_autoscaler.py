@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
 import time
 from pathlib import Path
 
@@ -49,12 +48,6 @@ def load_for(rank_rps: float) -> Ramp:
     high = 2.5 * rank_rps
     return Ramp(((0.0, BASE_RPS), (HIGH[0] - 1, BASE_RPS), (HIGH[0], high), (HIGH[1] - 1, high),
                  (HIGH[1], BASE_RPS), (DURATION, BASE_RPS)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 
 import httpx
@@ -27,12 +26,6 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen3-moe"
 MAX_QUEUED = 3
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is an expert?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

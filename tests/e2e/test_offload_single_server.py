@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
-from elastic_server import free_port
 
+from coordinator.bench.server_admin import free_port
 from elasticmoe.cli import main as cli_main
 from elasticmoe.llm import LLM
 from elasticmoe.sampling_params import SamplingParams

@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import httpx
 import pytest
 import ray  # noqa: F401 - makes its vendored psutil importable (`_listens`)
 
+from coordinator.bench.server_admin import free_port
 from coordinator.process_tree import descendants
 from hmm.memory import list_segments
 
@@ -33,12 +33,6 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 STREAM_TOKENS = 1000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _alive(pid: int) -> bool:
@@ -69,7 +63,7 @@ def _start(args: list[str], timeout_s: float, attempts: int = 3) -> tuple[subpro
     answers is not ours, and ours starts again on another port."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICMOE_API_KEY": "", "ELASTICMOE_ADMIN_KEY": ""}
     for _ in range(attempts):
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "elasticmoe.cli", "serve", *args, "--port", str(port),
                                  "--served-model-name", MODEL], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)

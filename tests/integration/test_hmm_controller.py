@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import secrets
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
+from coordinator.bench.server_admin import free_port
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.models.registry import model_family
@@ -136,9 +136,7 @@ def test_load_then_dp1_to_dp2(controller, tiny_model_dir):
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = [(r, port, tiny_model_dir, ctl.handle_set(r), ctl.layout.placement, queue) for r in range(2)]
     procs = [ctx.Process(target=_ep_rank, args=a) for a in args]
     for proc in procs:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import httpx
 import pytest
 from elastic_server import running, tiny_config
 
+from coordinator.bench.server_admin import free_port
 from coordinator.launch import ElasticServer
 
 pytestmark = pytest.mark.slow
@@ -33,12 +33,6 @@ ESFT, LORA = "esft-a", "lora-a"
 DASHBOARDS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "grafana").glob("*.json"))
 # Grafana's variables in queries -> what an instant query uses instead (windows that cover the test).
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "5m"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prometheus_binary() -> str:
@@ -112,7 +106,7 @@ def prometheus(server, tmp_path_factory) -> Iterator[str]:
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
         f"scrape_configs:\n  - job_name: elasticmoe\n    static_configs:\n      - targets: ['{target}']\n"
     )
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     log = open(root / "prometheus.log", "wb")  # closed at teardown
     proc = subprocess.Popen(
         [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",

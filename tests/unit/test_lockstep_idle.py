@@ -11,7 +11,6 @@ the two minutes, past the test's one-minute bound).
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -19,16 +18,12 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from coordinator.bench.server_admin import free_port
+
 pytestmark = pytest.mark.slow
 
 IDLE_S = 1.0
 LONG_WAIT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, port: int, wakes_in, wakes_out, results) -> None:
@@ -88,7 +83,7 @@ def test_idle_ranks_back_off_and_a_request_wakes_the_peers():
     ctx = mp.get_context("spawn")
     to_rank = [ctx.Queue(), ctx.Queue()]
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, to_rank[r], to_rank[1 - r], results)) for r in range(2)]
     for p in procs:
         p.start()
