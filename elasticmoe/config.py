@@ -226,6 +226,9 @@ class EngineConfig:
     offload_policy: str = "finemoe"
     offload_prefetch_distance: int = 1  # FineMoE's d (§4.2); LFU's too
     offload_store_capacity: int = 1000  # FineMoE's Expert Map Store capacity C (§4.4)
+    # FineMoE's semantic embedding (§4.2.1): over the tokens each iteration feeds ("iteration") or
+    # the prompt's at every iteration ("prompt"); `elasticmoe.offload.policy.SEMANTIC_SOURCES`.
+    offload_semantic: str = "iteration"
 
     def __post_init__(self) -> None:
         _check_offload(self)
@@ -256,6 +259,7 @@ class EngineConfig:
 
 def _check_offload(config: EngineConfig | EngineOptions) -> None:
     """`ValueError` naming the option for an invalid expert-offloading setting."""
+    from elasticmoe.offload.policy import SEMANTIC_SOURCES
     from elasticmoe.offload.registry import POLICIES
 
     if config.expert_cache_bytes is not None and config.expert_cache_fraction is not None:
@@ -268,6 +272,9 @@ def _check_offload(config: EngineConfig | EngineOptions) -> None:
         raise ValueError(f"offload_policy: unknown {config.offload_policy!r}, choose one of {', '.join(POLICIES)}")
     if config.offload_prefetch_distance < 1 or config.offload_store_capacity < 1:
         raise ValueError("offload_prefetch_distance / offload_store_capacity: must be >= 1")
+    if config.offload_semantic not in SEMANTIC_SOURCES:
+        raise ValueError(f"offload_semantic: unknown {config.offload_semantic!r}, "
+                         f"choose one of {', '.join(SEMANTIC_SOURCES)}")
 
 
 def _check_policies(adapter_eviction: str, request_arranging: str) -> None:
@@ -300,6 +307,7 @@ class EngineOptions:
     offload_policy: str = "finemoe"
     offload_prefetch_distance: int = 1
     offload_store_capacity: int = 1000
+    offload_semantic: str = "iteration"
 
     def __post_init__(self) -> None:
         _check_offload(self)

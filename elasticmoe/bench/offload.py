@@ -48,6 +48,7 @@ import torch
 
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
+from elasticmoe.offload.policy import SEMANTIC_SOURCES
 from elasticmoe.sampling_params import SamplingParams
 
 _log = logging.getLogger("bench.offload")
@@ -110,7 +111,7 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
              capacity: int) -> RunResult:
     offload: dict[str, Any] = {} if policy == "resident" else dict(
         expert_cache_fraction=budget, offload_policy=policy, offload_prefetch_distance=distance,
-        offload_store_capacity=capacity)
+        offload_store_capacity=capacity, offload_semantic=args.semantic)
     # 256 MiB of KV cache hold the bench's few requests (the engine's default is 1 GiB).
     engine = LLMEngine(EngineConfig(model=args.model, dtype=torch.float32 if args.dtype == "float32" else None,
                                     num_threads=args.threads, kv_cache_bytes=256 << 20, **offload))
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="FineMoE prefetch distances d to sweep (Fig. 15; empty: no sweep)")
     p.add_argument("--capacities", type=_listed(int), default="4,16,64,256",
                    help="FineMoE map store capacities C to sweep (Fig. 16; empty: no sweep)")
+    p.add_argument("--semantic", choices=SEMANTIC_SOURCES, default=SEMANTIC_SOURCES[0],
+                   help="FineMoE's semantic embedding: over the tokens each iteration feeds (default), or the "
+                        "prompt's at every iteration")
     p.add_argument("--sweep-budget", type=float, default=0.25, help="cache budget of the d and C sweeps")
     p.add_argument("--warmup", type=int, default=16, help="requests run first, not measured (default 16)")
     p.add_argument("--requests", type=int, default=16, help="measured requests per run (default 16)")
@@ -292,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             1000 * ondemand_bytes / (args.link_gbps * 1e9) / max(row["output_tokens"], 1), 3)
     report = {
         "bench": "offload", "model": args.model, "batch": args.batch, "max_tokens": args.max_tokens,
-        "warmup": args.warmup, "requests": args.requests, "threads": args.threads, "rounds": args.rounds,
+        "semantic": args.semantic, "warmup": args.warmup, "requests": args.requests, "threads": args.threads,
+        "rounds": args.rounds,
         "resident_tpot_p50_ms": resident_tpot, "transfers": transfers, "runs": rows,
     }
     if args.plot:

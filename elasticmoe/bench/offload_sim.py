@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from elasticmoe.bench.common import REPO_ROOT, floats, fmt, logger, model_dir, table
-from elasticmoe.offload.policy import PolicyConfig
+from elasticmoe.offload.policy import SEMANTIC_SOURCES, PolicyConfig
 from elasticmoe.offload.registry import POLICIES, make_policy
-from elasticmoe.offload.replay import SEMANTIC_SOURCES, ReplayConfig, replay
+from elasticmoe.offload.replay import ReplayConfig, replay
 from elasticmoe.offload.trace import RoutingTrace
 
 _log = logger("bench.offload_sim")
@@ -169,8 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1, help="requests per iteration")
     p.add_argument("--history-fraction", type=float, default=0.7,
                    help="leading share of requests that only warm the policies (0 = online)")
-    p.add_argument("--semantic", choices=SEMANTIC_SOURCES, default="prompt",
-                   help="decode iterations' semantic embedding: the prompt's, or their own token's")
+    p.add_argument("--semantic", choices=SEMANTIC_SOURCES, default="iteration",
+                   help="decode iterations' semantic embedding: their own token's (default), or the prompt's")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--plot", default=None, help="PNG of hit rate vs budget per policy")

@@ -33,7 +33,7 @@ import torch
 from elasticmoe.engine.expert_cache import ExpertCache
 from elasticmoe.engine.request import Request
 from elasticmoe.layers.experts import grouped_experts_at_rows, grouped_experts_sorted
-from elasticmoe.offload.policy import RequestContext
+from elasticmoe.offload.policy import SEMANTIC_SOURCES, RequestContext
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +42,17 @@ class ExpertOffload:
     """The hooks of one engine's MoE blocks into its expert cache, and the prefetch thread."""
 
     def __init__(self, cache: ExpertCache, routers: Sequence[torch.Tensor], local_expert_ids: Sequence[int],
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, semantic: str = "iteration") -> None:
+        if semantic not in SEMANTIC_SOURCES:
+            raise ValueError(f"semantic: unknown {semantic!r}, choose one of {', '.join(SEMANTIC_SOURCES)}")
         self.cache = cache
         self.policy = cache.policy
         self.routers = [r.float() for r in routers]  # [E, H] per MoE layer: the next layer's gate on this input (lru)
         self._local_expert_ids = np.asarray(list(local_expert_ids), dtype=np.int64)  # local index -> global id
-        self._embeddings: dict[str, torch.Tensor] = {}  # request -> semantic embedding (prompt mean)
+        self._semantic = semantic
+        # request -> its prompt's mean embedding ("prompt"), or None ("iteration": computed per step);
+        # the keys are the requests begun and not yet ended
+        self._embeddings: dict[str, torch.Tensor | None] = {}
         self._observing = False  # the policy takes this iteration's layers
         self.policy_s = 0.0  # time in the policy on the forward thread (searches, plans): FineMoE Fig. 17
         self._thread: threading.Thread | None = None
@@ -60,8 +65,9 @@ class ExpertOffload:
     def begin_step(self, scheduled: Sequence[tuple[Request, int]], embed: torch.Tensor) -> None:
         """The step runs `scheduled` (request, tokens this step) in token order; `embed` is the
         model's input-embedding table, whose rows give a request's semantic embedding (FineMoE
-        §4.2.1: the embedding layer's output, mean-pooled over the prompt once)."""
-        contexts = [RequestContext(request.request_id, n, self._embedding(request, embed),
+        §4.2.1: the embedding layer's output, mean-pooled over the tokens this step feeds for the
+        request, or over its prompt: `RequestContext`)."""
+        contexts = [RequestContext(request.request_id, n, self._embedding(request, n, embed),
                                    is_prefill=request.num_computed_tokens < request.num_prompt_tokens)
                     for request, n in scheduled]
         self._observing = bool(contexts)  # an empty step (an idle EP rank) is not an iteration
@@ -90,11 +96,14 @@ class ExpertOffload:
         self._call_policy(lambda: self.policy.end_iteration(finished))
         self._observing = False
 
-    def _embedding(self, request: Request, embed: torch.Tensor) -> torch.Tensor:
+    def _embedding(self, request: Request, num_tokens: int, embed: torch.Tensor) -> torch.Tensor:
+        if self._semantic == "iteration":
+            self._embeddings[request.request_id] = None
+            first = request.num_computed_tokens
+            return _mean_embedding(embed, request.token_ids[first : first + num_tokens])
         emb = self._embeddings.get(request.request_id)
         if emb is None:
-            ids = torch.tensor(request.prompt_token_ids, dtype=torch.long)
-            emb = self._embeddings[request.request_id] = embed.index_select(0, ids).float().mean(dim=0)
+            emb = self._embeddings[request.request_id] = _mean_embedding(embed, request.prompt_token_ids)
         return emb
 
     def _call_policy(self, call) -> None:
@@ -164,3 +173,8 @@ class ExpertOffload:
 
     def stats(self) -> dict[str, float | int | str]:
         return {**self.cache.stats(), "policy_s": round(self.policy_s, 6)}
+
+
+def _mean_embedding(embed: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """The mean of `embed`'s rows for `token_ids`, in float32: [h]."""
+    return embed.index_select(0, torch.tensor(token_ids, dtype=torch.long)).float().mean(dim=0)

@@ -26,23 +26,21 @@ import torch
 
 from elasticmoe.offload.cache_ops import CacheUpdate, load_on_demand, routed_experts, run_prefetch
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
-from elasticmoe.offload.policy import OffloadPolicy, RequestContext
+from elasticmoe.offload.policy import SEMANTIC_SOURCES, OffloadPolicy, RequestContext
 from elasticmoe.offload.trace import RoutingTrace
-
-SEMANTIC_SOURCES = ("prompt", "iteration")
 
 
 @dataclass(frozen=True, slots=True)
 class ReplayConfig:
     """`capacity` expert slots; `semantic`: which embedding a request presents at decode
-    iterations, its prompt's ("prompt", see `RequestContext`) or the mean over the
-    iteration's own token ("iteration"). At prefill both are the prompt's."""
+    iterations, the mean over the iteration's own token ("iteration", see `RequestContext`) or
+    its prompt's ("prompt"). At prefill both are the prompt's."""
 
     capacity: int
     prefetch_per_layer: int | None = None
     batch_size: int = 1
     warmup_requests: int = 0
-    semantic: str = "prompt"
+    semantic: str = "iteration"
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.batch_size < 1 or self.warmup_requests < 0:

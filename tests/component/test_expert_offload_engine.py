@@ -102,6 +102,31 @@ def test_an_engine_given_a_provider_copies_from_its_stacks(tiny_model_dir, resid
         engine.offload.close()
 
 
+@pytest.mark.parametrize("semantic", ["iteration", "prompt"])
+def test_finemoe_is_given_each_iterations_semantic_embedding(semantic, tiny_model_dir):
+    """"iteration": the mean of the embedding rows of the tokens the step feeds (the prompt at
+    prefill, the last sampled token at decode); "prompt": the prompt's mean at every step."""
+    engine = _engine(tiny_model_dir, expert_cache_fraction=0.25, offload_semantic=semantic)
+    seen: list[torch.Tensor] = []
+    policy = engine.offload.policy
+    begin = policy.begin_iteration
+    policy.begin_iteration = lambda requests: (seen.extend(r.embedding for r in requests), begin(requests))[1]
+    try:
+        prompt = [5, 6, 7, 8, 9, 10]
+        tokens, _ = _run(engine, [prompt])
+        embed = engine.model.embed.float()
+        prompt_mean = embed[prompt].mean(dim=0)
+        fed = [embed[t] for t in tokens["0"][:-1]]  # the last token is sampled, never fed
+        want = [prompt_mean] + (fed if semantic == "iteration" else [prompt_mean] * len(fed))
+        assert len(seen) == len(want) == MAX_TOKENS
+        for got, expected in zip(seen, want, strict=True):
+            torch.testing.assert_close(got, expected)
+    finally:
+        engine.offload.close()
+    with pytest.raises(ValueError, match="offload_semantic"):
+        _engine(tiny_model_dir, expert_cache_fraction=0.5, offload_semantic="tokens")
+
+
 def test_the_cache_never_exceeds_its_byte_budget(tiny_model_dir):
     cfg = ModelConfig.from_pretrained(tiny_model_dir)
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # gate, up, down in fp32
