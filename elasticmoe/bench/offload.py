@@ -13,10 +13,16 @@ Per run: expert hit rate (lookups found resident or being prefetched), on-demand
 prefetches useful / wasted, TTFT and TPOT p50 (engine time, no HTTP), the forward thread's time
 in the policy (searches, plans) and in on-demand loads, the prefetch thread's copy time.
 
-Rounds (`--rounds R`): the resident reference and the policy x budget grid run R times, one round
-after the other; a row reports the medians over its rounds, and its TPOT ratio is the median of
-its ratios to the resident run of the same round (this host's speed drifts by tens of percent
-within minutes, so a ratio to a run made a quarter of an hour earlier means little).
+Paired with the resident engine: the fully resident engine is built once and lives through the
+whole bench. Every configuration's measured requests alternate with it, `--batch` at a time, and
+its TPOT ratio is to the resident engine's TPOT over those same interleaved requests. This host's
+speed drifts by tens of percent within minutes (the same configuration measured 0.8x to 2.4x of a
+resident run made a few minutes apart), so only a reference measured within the same seconds makes
+a ratio worth reading.
+
+Rounds (`--rounds R`): the resident row and the policy x budget grid run R times, one round after
+the other; a row reports the medians over its rounds (TPOT ratio: the median of its rounds' paired
+ratios).
 
 Sweeps: every policy at `--budgets` (fractions of the routed experts; Figs. 10 and 12), with the
 fully resident engine as the reference; FineMoE's prefetch distance d (Fig. 15) and its map store
@@ -67,6 +73,8 @@ class RunResult:
     ttft_p50_ms: float
     tpot_p50_ms: float
     cache: dict = field(default_factory=dict)  # the expert cache's counters over the measured part
+    # the resident reference's TPOT p50 over the same measured requests, interleaved with these
+    paired_resident_tpot_p50_ms: float | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -107,29 +115,55 @@ def _diff(after: dict, before: dict) -> dict:
     return out
 
 
-def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: float, distance: int,
-             capacity: int) -> RunResult:
-    offload: dict[str, Any] = {} if policy == "resident" else dict(
-        expert_cache_fraction=budget, offload_policy=policy, offload_prefetch_distance=distance,
-        offload_store_capacity=capacity, offload_semantic=args.semantic)
+def build_engine(args: argparse.Namespace, **offload: Any) -> LLMEngine:
     # 256 MiB of KV cache hold the bench's few requests (the engine's default is 1 GiB).
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=torch.float32 if args.dtype == "float32" else None,
-                                    num_threads=args.threads, kv_cache_bytes=256 << 20, **offload))
+    return LLMEngine(EngineConfig(model=args.model, dtype=torch.float32 if args.dtype == "float32" else None,
+                                  num_threads=args.threads, kv_cache_bytes=256 << 20, **offload))
+
+
+def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: float, distance: int,
+             capacity: int, reference: LLMEngine) -> RunResult:
+    """One configuration over the warm-up, then the measured prompts. `reference` is the fully
+    resident engine, alive for the whole bench and warmed: it is the "resident" row, and every
+    other configuration's measured requests alternate with it, `--batch` at a time (the first
+    chunk on the reference first, the next on the configuration first, ...), so that its TPOT
+    ratio compares two engines measured within a second of each other."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    try:
-        warm, measured = prompts[: args.warmup], prompts[args.warmup:]
-        _drive(engine, warm, params, args.batch)
-        before = engine.offload.stats() if engine.offload is not None else {}
+    warm, measured = prompts[: args.warmup], prompts[args.warmup:]
+    if policy == "resident":
         started = time.perf_counter()
-        ttft, tpot, tokens = _drive(engine, measured, params, args.batch)
-        wall = time.perf_counter() - started
-        cache = _diff(engine.offload.stats(), before) if engine.offload is not None else {}
+        ttft, tpot, tokens = _drive(reference, measured, params, args.batch)
+        return RunResult(policy, budget, distance, capacity, len(measured), tokens,
+                         round(time.perf_counter() - started, 3), _p50_ms(ttft), _p50_ms(tpot))
+    engine = build_engine(args, expert_cache_fraction=budget, offload_policy=policy,
+                          offload_prefetch_distance=distance, offload_store_capacity=capacity,
+                          offload_semantic=args.semantic)
+    assert engine.offload is not None
+    ttft, tpot, paired_tpot, tokens, wall = [], [], [], 0, 0.0
+    try:
+        _drive(engine, warm, params, args.batch)
+        before = engine.offload.stats()
+        for index, first in enumerate(range(0, len(measured), args.batch)):
+            chunk = measured[first : first + args.batch]
+            for side in ((reference, engine) if index % 2 == 0 else (engine, reference)):
+                started = time.perf_counter()
+                chunk_ttft, chunk_tpot, chunk_tokens = _drive(side, chunk, params, args.batch)
+                if side is reference:
+                    paired_tpot += chunk_tpot
+                    continue
+                wall += time.perf_counter() - started
+                ttft, tpot, tokens = ttft + chunk_ttft, tpot + chunk_tpot, tokens + chunk_tokens
+        cache = _diff(engine.offload.stats(), before)
     finally:
         engine.close()
         del engine
         gc.collect()  # the engine holds reference cycles: free its weights and KV before the next run
-    return RunResult(policy, budget, distance, capacity, len(measured), tokens, round(wall, 3),
-                     round(1000 * statistics.median(ttft), 2), round(1000 * statistics.median(tpot), 2), cache)
+    return RunResult(policy, budget, distance, capacity, len(measured), tokens, round(wall, 3), _p50_ms(ttft),
+                     _p50_ms(tpot), cache, paired_resident_tpot_p50_ms=_p50_ms(paired_tpot))
+
+
+def _p50_ms(seconds: list[float]) -> float:
+    return round(1000 * statistics.median(seconds), 2)
 
 
 def _drive(engine: LLMEngine, prompts: list[str], params: SamplingParams, batch: int) -> tuple[list, list, int]:
@@ -276,19 +310,27 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(config: tuple[str, float, int, int]) -> RunResult:
         nonlocal done
-        result = run_once(args, prompts, *config)
+        result = run_once(args, prompts, *config, reference=reference)
         done += 1
         policy, budget, distance, capacity = config
         progress(f"{done}/{total} {policy} budget {budget:g} d {distance} C {capacity}: hit rate "
                  f"{result.hit_rate:.3f}, TTFT p50 {result.ttft_p50_ms:.1f} ms, TPOT p50 {result.tpot_p50_ms:.1f} ms")
         return result
 
-    # Each round runs the resident reference first, then the grid: a configuration's ratio is to
-    # the resident run of its own round (this host's speed drifts by tens of percent in minutes).
-    rounds = [[run(config) for config in grid] for _ in range(args.rounds)]
+    # The resident reference lives through the whole bench (see run_once): this host's speed drifts
+    # by tens of percent within minutes, and a configuration's TPOT is compared with the reference's
+    # over the same interleaved requests. Each round runs the reference alone first (its own row).
+    reference = build_engine(args)
+    try:
+        _drive(reference, prompts[: args.warmup], SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                                                 ignore_eos=True), args.batch)
+        rounds = [[run(config) for config in grid] for _ in range(args.rounds)]
+        sweep_runs = [run(config) for config in sweeps]  # hit rates: one round is enough
+    finally:
+        reference.close()
     resident_tpot = statistics.median(r[0].tpot_p50_ms for r in rounds)
-    rows = [_merged([r[i] for r in rounds], [r[0].tpot_p50_ms for r in rounds]) for i in range(len(grid))]
-    rows += [_merged([run(config)], [resident_tpot]) for config in sweeps]  # hit rates: one round is enough
+    rows = [_merged([r[i] for r in rounds]) for i in range(len(grid))]
+    rows += [_merged([result]) for result in sweep_runs]
     transfers = measure_transfers(args.model, args.link_gbps)
     for row in rows[1:]:
         ondemand_bytes = row["cache"].get("on_demand_loads", 0) * transfers["expert_bytes"]
@@ -312,15 +354,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _merged(runs: list[RunResult], resident_tpots: list[float]) -> dict[str, Any]:
-    """One configuration's row from its runs (one per round) and each round's resident TPOT: the
-    medians of TTFT, TPOT and of the per-round TPOT ratios; the counters of the first run."""
+def _merged(runs: list[RunResult]) -> dict[str, Any]:
+    """One configuration's row from its runs (one per round): the medians of TTFT, TPOT and of the
+    per-round ratios of its TPOT to the resident reference's over the same interleaved requests (the
+    resident row's: 1); the counters of the first run."""
     row = {**asdict(runs[0]), "hit_rate": round(statistics.median(r.hit_rate for r in runs), 4)}
-    ratios = [r.tpot_p50_ms / resident for r, resident in zip(runs, resident_tpots, strict=True)]
+    ratios = [r.tpot_p50_ms / (r.paired_resident_tpot_p50_ms or r.tpot_p50_ms) for r in runs]
     row.update(ttft_p50_ms=round(statistics.median(r.ttft_p50_ms for r in runs), 2),
                tpot_p50_ms=round(statistics.median(r.tpot_p50_ms for r in runs), 2),
                tpot_vs_resident=round(statistics.median(ratios), 3),
-               rounds_tpot_p50_ms=[r.tpot_p50_ms for r in runs], rounds_tpot_vs_resident=[round(x, 3) for x in ratios])
+               rounds_tpot_p50_ms=[r.tpot_p50_ms for r in runs], rounds_tpot_vs_resident=[round(x, 3) for x in ratios],
+               rounds_paired_resident_tpot_p50_ms=[r.paired_resident_tpot_p50_ms for r in runs])
     return row
 
 

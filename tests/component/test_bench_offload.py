@@ -3,10 +3,12 @@ resident reference, the sweeps, the transfer timings and the plot."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
+from elasticmoe.bench import offload as offload_bench
 from elasticmoe.bench.offload import main
 
 
@@ -55,7 +57,7 @@ def test_offload_bench_with_empty_sweeps_runs_the_budgets_only(tiny_model_dir, c
         ("resident", 1, 1000), ("finemoe", 1, 1000)]
 
 
-def test_offload_bench_rounds_report_medians_and_ratios_to_their_own_resident_run(tiny_model_dir, capsys):
+def test_offload_bench_rounds_report_medians_and_ratios_to_their_paired_resident_runs(tiny_model_dir, capsys):
     assert main(["--model", tiny_model_dir, "--policies", "on_demand", "--budgets", "0.25", "--distances", "",
                  "--capacities", "", "--warmup", "1", "--requests", "1", "--max-tokens", "3", "--rounds", "3",
                  "--json"]) == 0
@@ -63,8 +65,31 @@ def test_offload_bench_rounds_report_medians_and_ratios_to_their_own_resident_ru
     resident, quarter = report["runs"]
     assert report["rounds"] == 3 and len(resident["rounds_tpot_p50_ms"]) == len(quarter["rounds_tpot_p50_ms"]) == 3
     assert resident["rounds_tpot_vs_resident"] == [1.0, 1.0, 1.0] and resident["tpot_vs_resident"] == 1.0
-    want = sorted(round(q / r, 3) for q, r in zip(quarter["rounds_tpot_p50_ms"], resident["rounds_tpot_p50_ms"],
-                                                 strict=True))
+    paired = quarter["rounds_paired_resident_tpot_p50_ms"]
+    assert len(paired) == 3 and min(paired) > 0
+    want = sorted(round(q / r, 3) for q, r in zip(quarter["rounds_tpot_p50_ms"], paired, strict=True))
     assert sorted(quarter["rounds_tpot_vs_resident"]) == want and quarter["tpot_vs_resident"] == want[1]
     assert quarter["tpot_p50_ms"] == sorted(quarter["rounds_tpot_p50_ms"])[1]
     assert report["resident_tpot_p50_ms"] == sorted(resident["rounds_tpot_p50_ms"])[1]
+
+
+def test_a_configurations_measured_requests_alternate_with_the_resident_reference(tiny_model_dir, monkeypatch):
+    calls: list[tuple[str, list[str]]] = []
+    drive = offload_bench._drive
+
+    def recorded(engine, prompts, params, batch):
+        calls.append(("reference" if engine is reference else "config", list(prompts)))
+        return drive(engine, prompts, params, batch)
+
+    args = argparse.Namespace(model=tiny_model_dir, dtype="float32", threads=1, warmup=1, batch=1, max_tokens=3,
+                              semantic="iteration")
+    reference = offload_bench.build_engine(args)
+    monkeypatch.setattr(offload_bench, "_drive", recorded)
+    try:
+        result = offload_bench.run_once(args, ["w", "a", "b", "c"], "on_demand", 0.25, 1, 1000, reference)
+    finally:
+        reference.close()
+    assert calls == [("config", ["w"]),  # the warm-up, then chunks of --batch, the order swapped each time
+                     ("reference", ["a"]), ("config", ["a"]), ("config", ["b"]), ("reference", ["b"]),
+                     ("reference", ["c"]), ("config", ["c"])]
+    assert result.output_tokens == 3 * 3 and result.paired_resident_tpot_p50_ms > 0 and result.cache["lookups"] > 0
