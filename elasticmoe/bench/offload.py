@@ -313,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run_once(args, prompts, *config, reference=reference)
         done += 1
         policy, budget, distance, capacity = config
+        paired = result.paired_resident_tpot_p50_ms
+        beside = f" (resident beside it {paired:.1f} ms: {result.tpot_p50_ms / paired:.2f}x)" if paired else ""
         progress(f"{done}/{total} {policy} budget {budget:g} d {distance} C {capacity}: hit rate "
-                 f"{result.hit_rate:.3f}, TTFT p50 {result.ttft_p50_ms:.1f} ms, TPOT p50 {result.tpot_p50_ms:.1f} ms")
+                 f"{result.hit_rate:.3f}, TTFT p50 {result.ttft_p50_ms:.1f} ms, TPOT p50 {result.tpot_p50_ms:.1f} ms"
+                 + beside)
         return result
 
     # The resident reference lives through the whole bench (see run_once): this host's speed drifts
