@@ -87,6 +87,11 @@ class ExpertCache:
         self._unused_prefetches: set[ExpertKey] = set()
         self._closed = False
 
+    @property
+    def holds_every_expert(self) -> bool:
+        """The budget has a row for every expert of this rank: nothing is ever evicted."""
+        return self.capacity >= self.slot_of.shape[0] * len(self.local_of)
+
     # ---- the forward thread ------------------------------------------------------------
 
     def ensure(self, layer: int, experts: Sequence[int]) -> list[int]:

@@ -26,6 +26,8 @@ def plan_from_predictions(planned: BoolGrid, probs: FloatGrid, current_layer: in
     wanted = planned & ~cache.resident
     wanted[: current_layer + 1] = False
     layers, experts = np.nonzero(wanted)
+    if layers.size == 0:  # the usual case once the cache holds the plan: no sort, no items
+        return PrefetchPlan(current_layer, ())
     priorities = np.asarray(prefetch_priority(probs[layers, experts], layers, current_layer))
     order = np.lexsort((experts, layers, -priorities))  # by the last key first
     return PrefetchPlan(current_layer, tuple(PrefetchItem(int(layers[i]), int(experts[i]), float(priorities[i]))

@@ -127,6 +127,23 @@ def test_finemoe_is_given_each_iterations_semantic_embedding(semantic, tiny_mode
         _engine(tiny_model_dir, expert_cache_fraction=0.5, offload_semantic="tokens")
 
 
+def test_a_cache_that_holds_every_expert_runs_no_policy(tiny_model_dir, resident):
+    engine = _engine(tiny_model_dir, expert_cache_fraction=1.0, offload_policy="finemoe")
+    calls: list[str] = []
+    policy = engine.offload.policy
+    for name in ("begin_iteration", "observe_layer", "prefetch_plan", "choose_victims", "end_iteration"):
+        setattr(policy, name, lambda *a, _name=name, **k: calls.append(_name))
+    try:
+        assert engine.offload.cache.holds_every_expert and engine.offload._thread is None  # no prefetch thread
+        _assert_same(_run(engine), resident["qwen3_moe"])
+        stats = engine.offload.stats()
+        assert calls == [] and stats["policy_s"] == 0.0
+        assert stats["on_demand_loads"] == stats["resident_experts"] > 0 and stats["evictions"] == 0  # first uses
+        engine.offload.cache.check_integrity()
+    finally:
+        engine.offload.close()
+
+
 def test_the_cache_never_exceeds_its_byte_budget(tiny_model_dir):
     cfg = ModelConfig.from_pretrained(tiny_model_dir)
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # gate, up, down in fp32
