@@ -35,7 +35,9 @@ def free_port() -> int:
 def resolve_model(args: argparse.Namespace, progress: Progress) -> str:
     """The model directory (`args.model`, else the preset's: `args.preset`, and `args.backend` if
     the benchmark has one); a preset's checkpoint is built (`elasticmoe make-model`) if missing."""
-    default = VLLM_MODELS.get(args.preset, PRESETS[args.preset][0]) if getattr(args, "backend", "native") == "vllm" else PRESETS[args.preset][0]
+    default = PRESETS[args.preset][0]
+    if getattr(args, "backend", "native") == "vllm":
+        default = VLLM_MODELS.get(args.preset, default)
     model_dir = args.model or default
     if not (Path(model_dir) / "config.json").is_file():
         if args.model is not None and args.model not in (*(p[0] for p in PRESETS.values()), *VLLM_MODELS.values()):

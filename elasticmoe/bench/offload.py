@@ -128,7 +128,7 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
     other configuration's measured requests alternate with it, `--batch` at a time (the first
     chunk on the reference first, the next on the configuration first, ...), so that its TPOT
     ratio compares two engines measured within a second of each other."""
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = _greedy(args)
     warm, measured = prompts[: args.warmup], prompts[args.warmup:]
     if policy == "resident":
         started = time.perf_counter()
@@ -160,6 +160,10 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
         gc.collect()  # the engine holds reference cycles: free its weights and KV before the next run
     return RunResult(policy, budget, distance, capacity, len(measured), tokens, round(wall, 3), _p50_ms(ttft),
                      _p50_ms(tpot), cache, paired_resident_tpot_p50_ms=_p50_ms(paired_tpot))
+
+
+def _greedy(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
 
 def _p50_ms(seconds: list[float]) -> float:
@@ -325,8 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     # over the same interleaved requests. Each round runs the reference alone first (its own row).
     reference = build_engine(args)
     try:
-        _drive(reference, prompts[: args.warmup], SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                                                 ignore_eos=True), args.batch)
+        _drive(reference, prompts[: args.warmup], _greedy(args), args.batch)
         rounds = [[run(config) for config in grid] for _ in range(args.rounds)]
         sweep_runs = [run(config) for config in sweeps]  # hit rates: one round is enough
     finally:

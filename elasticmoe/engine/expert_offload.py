@@ -38,7 +38,7 @@ import torch
 from elasticmoe.engine.expert_cache import ExpertCache
 from elasticmoe.engine.request import Request
 from elasticmoe.layers.experts import grouped_experts_at_rows, grouped_experts_sorted
-from elasticmoe.offload.policy import SEMANTIC_SOURCES, RequestContext
+from elasticmoe.offload.policy import RequestContext
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ class ExpertOffload:
 
     def __init__(self, cache: ExpertCache, routers: Sequence[torch.Tensor], local_expert_ids: Sequence[int],
                  prefetch: bool = True, semantic: str = "iteration") -> None:
-        if semantic not in SEMANTIC_SOURCES:
-            raise ValueError(f"semantic: unknown {semantic!r}, choose one of {', '.join(SEMANTIC_SOURCES)}")
+        """`semantic`: one of `SEMANTIC_SOURCES` (`EngineConfig.offload_semantic`, checked there)."""
         self.cache = cache
         self.policy = cache.policy
         self.routers = [r.float() for r in routers]  # [E, H] per MoE layer: the next layer's gate on this input (lru)
