@@ -25,7 +25,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     return declare(lib, {"emoe_finemoe_observe": [ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, c_int, ptr, ptr,
-                                                  c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr]})
+                                                  c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr]})
 
 
 def available() -> bool:
@@ -38,12 +38,15 @@ class LayerStep:
     records of `maps` [L, C, E] (trajectory norms `norms` [L, C], ties by `stamps` [C]) is found and
     layer `target` is planned into `planned`, `planned_probs` and `guide` [L, E] as
     `FineMoEPolicy._plan_layer` does. Returns the matches (index [B], score [B]); empty without a
-    target. The arrays are used in place: they must outlive the step and keep their buffers."""
+    target; `num_tokens` [B] are the requests' tokens in the iteration (eq. 8's floor, see
+    `selection.iteration_floor`). The arrays are used in place: they must outlive the step and keep
+    their buffers."""
 
     def __init__(self, lib: ctypes.CDLL, maps: npt.NDArray[np.float32], norms: npt.NDArray[np.float32],
                  stamps: npt.NDArray[np.int64], observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32],
                  new_sq: npt.NDArray[np.float32], planned: npt.NDArray[np.bool_],
-                 planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64], top_k: int) -> None:
+                 planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64], top_k: int,
+                 num_tokens: npt.NDArray[np.int32]) -> None:
         num_layers, num_records, num_experts = maps.shape
         batch = observed.shape[0]
         shapes: dict[str, tuple[np.ndarray, type, tuple[int, ...]]] = {
@@ -55,6 +58,7 @@ class LayerStep:
             "planned": (planned, np.bool_, (num_layers, num_experts)),
             "planned_probs": (planned_probs, np.float64, (num_layers, num_experts)),
             "guide": (guide, np.float64, (num_layers, num_experts)),
+            "num_tokens": (num_tokens, np.int32, (batch,)),
         }
         for name, (array, dtype, shape) in shapes.items():
             if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
@@ -63,16 +67,19 @@ class LayerStep:
         if maps.dtype != np.float32 or maps.strides[2] != 4 or num_records < 1 or batch < 1:
             raise ValueError(f"finemoe search kernel: maps must be float32 [L, C >= 1, E] rows, got {maps.dtype} "
                              f"{maps.shape} strides {maps.strides}")
+        if (num_tokens < 1).any():
+            raise ValueError(f"finemoe search kernel: every request has >= 1 token, got {num_tokens}")
         self._fn = lib.emoe_finemoe_observe
-        self._arrays = (maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide)  # kept alive
+        # kept alive
+        self._arrays = (maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, num_tokens)
         self.index = np.zeros(batch, dtype=np.int64)
         self.score = np.zeros(batch, dtype=np.float32)
         address = {name: array.ctypes.data for name, (array, _, _) in shapes.items()}
         self._head = (maps.ctypes.data, maps.strides[0] // 4, maps.strides[1] // 4, num_records, num_layers,
                       num_experts, address["norms"], address["stamps"], address["observed"], batch, address["dots"],
                       address["new_sq"])
-        self._tail = (top_k, address["planned"], address["planned_probs"], address["guide"], self.index.ctypes.data,
-                      self.score.ctypes.data)
+        self._tail = (top_k, address["num_tokens"], address["planned"], address["planned_probs"], address["guide"],
+                      self.index.ctypes.data, self.score.ctypes.data)
 
     def __call__(self, layer: int, target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         if self._fn(*self._head, layer, -1 if target is None else target, *self._tail) != 0:
@@ -85,9 +92,10 @@ class LayerStep:
 def bind(maps: npt.NDArray[np.float32], norms: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64],
          observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32], new_sq: npt.NDArray[np.float32],
          planned: npt.NDArray[np.bool_], planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64],
-         top_k: int) -> LayerStep | None:
+         top_k: int, num_tokens: npt.NDArray[np.int32]) -> LayerStep | None:
     """A `LayerStep` over these arrays, or None where the kernel is not available."""
     lib = _library()
     if lib is None:
         return None
-    return LayerStep(lib, maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, top_k)
+    return LayerStep(lib, maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, top_k,
+                     num_tokens)

@@ -11,7 +11,9 @@ Per iteration:
    forward thread), else in NumPy; both decide alike (tests/unit/test_finemoe_search_kernel.py).
 3. Each planned layer takes, per request, the minimum expert set of its searched
    distribution under the threshold `delta = Clip(1 - score, 0, 1)` (eqs. 6-8); the plan
-   orders them by `p / (l - l_now)` (§4.5).
+   orders them by `p / (l - l_now)` (§4.5). Eq. 8's floor of K experts is for one token; a
+   request feeding T > 1 tokens (a prefill) plans at least the expected size of the union of
+   its tokens' top-K (`selection.iteration_floor`, ours: the paper does not say).
 4. Victims go by `1 / (p * freq)` (§4.5), `p` from the maps searched for the iteration
    (the semantic match for all layers, replaced from layer l + d on by each trajectory
    match), `freq` the cache's visit count (`CacheState.num_uses`).
@@ -71,7 +73,7 @@ class FineMoEPolicy:
                                     config.prefetch_distance)
         self.search_log = SearchLog()
         self._requests: list[RequestContext] = []
-        self._num_tokens: list[int] = []  # per request, this iteration
+        self._num_tokens = np.zeros(0, dtype=np.int32)  # per request, this iteration
         self._one_token_each = False  # a decode iteration: each request's P_l is its token's distribution
         self._observed = np.zeros((0, *shape), dtype=np.float32)  # [B, L, E] this iteration's P_l per request
         self._current_layer = -1  # the last layer observed
@@ -86,8 +88,8 @@ class FineMoEPolicy:
             raise ValueError("begin_iteration: an iteration needs at least one request")
         cfg = self.config
         self._requests = list(requests)
-        self._num_tokens = [r.num_tokens for r in requests]
-        self._one_token_each = all(n == 1 for n in self._num_tokens)
+        self._num_tokens = np.array([r.num_tokens for r in requests], dtype=np.int32)
+        self._one_token_each = bool((self._num_tokens == 1).all())
         self._observed = np.zeros((len(requests), cfg.num_layers, cfg.num_experts), dtype=np.float32)
         self._current_layer = -1
         self._planned[:] = False
@@ -101,8 +103,8 @@ class FineMoEPolicy:
         self.search_log.semantic += scores.tolist()
         maps = self._trajectory.layers_from(index, 0)  # [L, B, E]
         self._guide = maps.max(axis=1).astype(np.float64)
-        self._planner = self._trajectory.planner(self._observed, cfg.top_k, self._planned, self._planned_probs,
-                                                 self._guide)
+        self._planner = self._trajectory.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
+                                                 self._planned_probs, self._guide)
         for layer in range(min(cfg.prefetch_distance, cfg.num_layers)):
             self._plan_layer(layer, maps[layer], scores)
 
@@ -113,7 +115,7 @@ class FineMoEPolicy:
         if self._one_token_each and gate_probs.shape[0] == len(self._requests):  # decode: P_l is the token's
             self._observed[:, layer] = gate_probs.float().numpy()
         else:
-            self._observed[:, layer] = request_layer_probs(gate_probs, self._num_tokens).numpy()
+            self._observed[:, layer] = request_layer_probs(gate_probs, self._num_tokens.tolist()).numpy()
         self._current_layer = layer
         if self._trajectory is None:
             return
@@ -150,9 +152,10 @@ class FineMoEPolicy:
 
     def _plan_layer(self, layer: int, probs: np.ndarray, scores: np.ndarray) -> None:
         """Plan `layer` from each request's searched distribution `probs` [B, E] and its
-        similarity `scores` [B] (eqs. 6-8): the union of the requests' minimum expert sets, each
-        expert with its largest probability among the requests that need it."""
-        order, counts = minimum_expert_sets(probs, selection_threshold(scores), self.config.top_k)
+        similarity `scores` [B] (eqs. 6-8, the floor per request's tokens): the union of the
+        requests' minimum expert sets, each expert with its largest probability among the
+        requests that need it."""
+        order, counts = minimum_expert_sets(probs, selection_threshold(scores), self.config.top_k, self._num_tokens)
         chosen_rows, ranks = np.nonzero(np.arange(probs.shape[1]) < counts[:, None])
         experts = order[chosen_rows, ranks]
         mass = np.zeros(probs.shape, dtype=np.float64)

@@ -206,8 +206,8 @@ class TrajectorySearch:
         self.new_sq += np.einsum("be,be->b", p, p)
         self.num_layers += 1
 
-    def planner(self, observed: npt.NDArray[np.float32], top_k: int, planned: npt.NDArray[np.bool_],
-                planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64]
+    def planner(self, observed: npt.NDArray[np.float32], top_k: int, num_tokens: npt.NDArray[np.int32],
+                planned: npt.NDArray[np.bool_], planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64]
                 ) -> Callable[[int | None], tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]] | None:
         """`plan(target)`: `add` the next layer of `observed` [B, L, E] and, for a `target` layer
         (None: none), `best()` and FineMoE's plan of that layer from the matches
@@ -216,7 +216,7 @@ class TrajectorySearch:
         finemoe_search`); returns the matches (index [B], score [B], empty without a target).
         None where the kernel is not available (the caller runs `add`, `best` and the NumPy plan)."""
         step = finemoe_search.bind(self._maps, self._norms, self._stamps, observed, self.dots, self.new_sq, planned,
-                                   planned_probs, guide, top_k)
+                                   planned_probs, guide, top_k, num_tokens)
         if step is None:
             return None
 

@@ -1,7 +1,7 @@
 """FineMoE's per-layer search and plan in one kernel call (csrc/finemoe_search.cpp) equals the
 NumPy reference it replaces: the same matches, plans, eviction guide and victims, over whole
-iterations on random stores, with ties among records and among experts, and refuses arguments
-it would read out of bounds."""
+iterations on random stores (requests of one token and of several: eq. 8's floor), with ties
+among records and among experts, and refuses arguments it would read out of bounds."""
 
 from __future__ import annotations
 
@@ -35,14 +35,16 @@ def fill_store(policy: FineMoEPolicy, rng: np.random.Generator, records: int, al
         policy.store.insert(rng.standard_normal(6).astype(np.float32), probs)
 
 
-def run_iterations(policy: FineMoEPolicy, gate_probs: list[list[torch.Tensor]], embeddings: list[torch.Tensor]
-                   ) -> list[tuple]:
-    """Every observable decision of each iteration: plans after each layer, the guide, victims."""
+def run_iterations(policy: FineMoEPolicy, gate_probs: list[list[torch.Tensor]], embeddings: list[torch.Tensor],
+                   tokens: tuple[int, ...]) -> list[tuple]:
+    """Every observable decision of each iteration: plans after each layer, the guide, victims.
+    Request b feeds `tokens[b]` tokens (its rows of `gate_probs`, in order)."""
     cache = CacheState.empty(policy.config.num_layers, policy.config.num_experts, 12).load(
         [(layer, e) for layer in range(policy.config.num_layers) for e in range(0, policy.config.num_experts, 3)][:12])
     seen = []
     for layers in gate_probs:
-        contexts = [RequestContext(f"r{b}", 1, emb, is_prefill=False) for b, emb in enumerate(embeddings)]
+        contexts = [RequestContext(f"r{b}", n, emb, is_prefill=n > 1)
+                    for b, (emb, n) in enumerate(zip(embeddings, tokens, strict=True))]
         policy.begin_iteration(contexts)
         for layer, probs in enumerate(layers):
             policy.observe_layer(layer, probs, torch.topk(probs, policy.config.top_k).indices)
@@ -53,18 +55,21 @@ def run_iterations(policy: FineMoEPolicy, gate_probs: list[list[torch.Tensor]], 
     return seen
 
 
-@pytest.mark.parametrize(("batch", "distance", "records"), [(1, 1, 50), (3, 1, 200), (2, 2, 30), (1, 3, 1)])
-def test_the_kernel_decides_as_the_numpy_steps(monkeypatch, batch, distance, records):
+@pytest.mark.parametrize(("tokens", "distance", "records"),
+                         [((1,), 1, 50), ((1, 1, 1), 1, 200), ((1, 1), 2, 30), ((1,), 3, 1), ((6,), 1, 50),
+                          ((3, 1, 20), 1, 200), ((2, 9), 2, 30)])
+def test_the_kernel_decides_as_the_numpy_steps(monkeypatch, tokens, distance, records):
     cfg = PolicyConfig(num_layers=5, num_experts=8, top_k=2, prefetch_distance=distance, store_capacity=400)
-    rng = np.random.default_rng(batch * 10 + distance)
-    gate = [[torch.from_numpy(rng.dirichlet(np.full(8, 0.4), size=batch).astype(np.float32)) for _ in range(5)]
-            for _ in range(4)]
+    batch = len(tokens)
+    rng = np.random.default_rng(sum(tokens) * 10 + distance)
+    gate = [[torch.from_numpy(rng.dirichlet(np.full(8, 0.4), size=sum(tokens)).astype(np.float32))
+             for _ in range(5)] for _ in range(4)]
     embeddings = [torch.from_numpy(rng.standard_normal(6).astype(np.float32)) for _ in range(batch)]
     results = []
     for _ in both_ways(monkeypatch):
         policy = FineMoEPolicy(cfg)
         fill_store(policy, np.random.default_rng(7), records)
-        results.append((run_iterations(policy, gate, embeddings), policy.search_log.trajectory))
+        results.append((run_iterations(policy, gate, embeddings, tokens), policy.search_log.trajectory))
     (kernel, kernel_scores), (reference, reference_scores) = results
     assert len(kernel) == len(reference) and kernel_scores  # searches did run
     for (layer, plan, guide, victims), (want_layer, want_plan, want_guide, want_victims) in zip(kernel, reference, strict=True):
@@ -96,7 +101,8 @@ def test_the_kernel_refuses_a_layer_out_of_range_and_a_wrong_layout():
     arrays = dict(maps=np.zeros((2, 4, 3), dtype=np.float32)[:, :1], norms=np.ones((2, 1), dtype=np.float32),
                   stamps=np.zeros(1, dtype=np.int64), observed=np.zeros((1, 2, 3), dtype=np.float32),
                   dots=np.zeros((1, 1), dtype=np.float32), new_sq=np.zeros(1, dtype=np.float32),
-                  planned=np.zeros((2, 3), dtype=np.bool_), planned_probs=np.zeros((2, 3)), guide=np.zeros((2, 3)))
+                  planned=np.zeros((2, 3), dtype=np.bool_), planned_probs=np.zeros((2, 3)), guide=np.zeros((2, 3)),
+                  num_tokens=np.ones(1, dtype=np.int32))
     step = finemoe_search.bind(**arrays, top_k=1)
     with pytest.raises(ValueError, match="out of range"):
         step(1, 2)  # the target past the last layer
@@ -110,3 +116,7 @@ def test_the_kernel_refuses_a_layer_out_of_range_and_a_wrong_layout():
         finemoe_search.bind(**{**arrays, "planned_probs": np.zeros((2, 3), np.float32)}, top_k=1)
     with pytest.raises(ValueError, match="dots must be"):
         finemoe_search.bind(**{**arrays, "dots": np.zeros((1, 2), np.float32)}, top_k=1)  # C = 1 record
+    with pytest.raises(ValueError, match="num_tokens must be"):
+        finemoe_search.bind(**{**arrays, "num_tokens": np.ones(1, np.int64)}, top_k=1)
+    with pytest.raises(ValueError, match="every request has >= 1 token"):
+        finemoe_search.bind(**{**arrays, "num_tokens": np.zeros(1, np.int32)}, top_k=1)

@@ -72,6 +72,20 @@ def test_finemoe_prefetches_more_experts_when_the_match_is_weak():
     assert plan_keys(policy, empty_cache()) == [(0, 0), (0, 1), (0, 2)]
 
 
+def test_finemoe_plans_a_prefill_for_the_union_of_its_tokens_experts():
+    """A perfect match (delta 0) plans K = 1 expert for one token; a prefill of 4 tokens whose map
+    spreads [0.5, 0.3, 0.2, 0] expects 0.94 + 0.76 + 0.59 = 2.29 experts: it plans 3 (in both the
+    semantic plan of layer 0 and the trajectory plan of layer 1)."""
+    soft = torch.tensor([[0.5, 0.3, 0.2, 0.0]] * 3)
+    for num_tokens, want in ((1, [0]), (4, [0, 1, 2])):
+        policy = FineMoEPolicy(make_config())
+        policy.store.add(RoutingMapRecord(torch.tensor([1.0, 0.0]), soft))
+        policy.begin_iteration(make_requests([1.0, 0.0], num_tokens=num_tokens))
+        assert plan_keys(policy, empty_cache()) == [(0, e) for e in want]
+        policy.observe_layer(0, soft[:1].expand(num_tokens, 4), torch.zeros(num_tokens, 1, dtype=torch.long))
+        assert plan_keys(policy, empty_cache()) == [(1, e) for e in want]
+
+
 def test_finemoe_evicts_by_one_over_p_times_freq_and_spares_the_protected():
     policy = FineMoEPolicy(make_config())
     policy.store.add(RoutingMapRecord(torch.tensor([1.0]), torch.tensor([[0.6, 0.3, 0.1, 0.0]] * 3)))

@@ -1,5 +1,6 @@
 """FineMoE's per-expert decisions on hand-made numbers: the similarity-aware threshold, the
-minimum expert set (eqs. 6-8), the prefetch priority and the eviction priority (§4.3, §4.5)."""
+minimum expert set (eqs. 6-8) and its floor for iterations of several tokens, the prefetch
+priority and the eviction priority (§4.3, §4.5)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from elasticmoe.offload.selection import (
     PROB_FLOOR,
     eviction_priority,
+    iteration_floor,
     minimum_expert_set,
     minimum_expert_sets,
     prefetch_priority,
@@ -35,6 +37,32 @@ def test_minimum_expert_set_covers_the_threshold_with_at_least_k_experts():
     assert minimum_expert_set(torch.tensor([0.3333333, 0.3333333, 0.3333333]), 1.0, top_k=1) == [0, 1, 2]
     with pytest.raises(ValueError):
         minimum_expert_set(probs, 0.5, top_k=5)
+
+
+def test_the_floor_of_an_iteration_of_several_tokens_is_the_expected_union_of_their_top_k():
+    # K = 2: each token picks expert j with q_j = min(1, 2 p_j) = [1, 0.6, 0.4, 0]
+    probs = np.array([[0.5, 0.3, 0.2, 0.0]] * 3)
+    # T = 1: K, as eq. 8; T = 2: 1 + (1 - 0.4^2) + (1 - 0.6^2) = 2.48 -> 3; T = 10: 2.9938 -> 3
+    assert iteration_floor(probs, [1, 2, 10], top_k=2).tolist() == [2, 3, 3]
+    # uniform over 8, K = 2 (q = 0.25): T = 4 gives 8 (1 - 0.75^4) = 5.47 -> 6; T = 64 all 8
+    uniform = np.full((3, 8), 0.125)
+    assert iteration_floor(uniform, [1, 4, 64], top_k=2).tolist() == [2, 6, 8]
+    # a float32 row summing a hair over 1 at T = 1 asks for K, not K + 1
+    assert iteration_floor(np.full((1, 4), 0.2500001, dtype=np.float32), [1], top_k=2).tolist() == [2]
+    with pytest.raises(ValueError, match="num_tokens"):
+        iteration_floor(probs, [1, 0, 2], top_k=2)
+    with pytest.raises(ValueError, match="num_tokens"):
+        iteration_floor(probs, [1, 2], top_k=2)
+
+
+def test_a_minimum_expert_set_for_several_tokens_covers_the_threshold_and_the_floor():
+    probs = torch.tensor([0.1, 0.5, 0.2, 0.2])
+    assert minimum_expert_set(probs, 0.0, top_k=1, num_tokens=1) == [1]
+    # K = 1, T = 3: 3 tokens each picking with q = p: 0.271 + 0.875 + 0.488 + 0.488 = 2.12 -> 3
+    assert minimum_expert_set(probs, 0.0, top_k=1, num_tokens=3) == [1, 2, 3]
+    assert minimum_expert_set(probs, 1.0, top_k=1, num_tokens=3) == [1, 2, 3, 0]  # the threshold wins
+    order, counts = minimum_expert_sets(probs[None].numpy().repeat(2, 0), np.zeros(2), 1, np.array([1, 3]))
+    assert counts.tolist() == [1, 3]
 
 
 def test_the_batched_minimum_expert_sets_equal_one_set_per_row():

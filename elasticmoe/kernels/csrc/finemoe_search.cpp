@@ -20,6 +20,7 @@ namespace {
 
 constexpr float kEps = 1e-12f;  // a zero vector has cosine 0 with everything (as in map_store)
 constexpr int kBlock = 8;
+constexpr double kFloorTolerance = 1e-3;  // selection.FLOOR_TOLERANCE
 
 // The stored record most similar to the trajectory with dot products `dots` [C] and squared
 // norm `new_sq`; equal scores go to the highest insertion stamp.
@@ -48,15 +49,16 @@ extern "C" {
 // norms: [L, C] the records' trajectory norms over layers 0..l (floored at eps).
 // observed: [B, L, E] the iteration's gate distributions per request (layer `layer` is read).
 // dots [B, C], new_sq [B]: the running sums, updated in place.
-// target: the layer to plan (< 0: only update the sums). planned [L, E] (uint8),
+// target: the layer to plan (< 0: only update the sums); num_tokens [B]: each request's tokens in
+// the iteration (>= 1, eq. 8's floor). planned [L, E] (uint8),
 // planned_probs [L, E] and guide [L, E] (fp64) are updated as `FineMoEPolicy` does.
 // best_index [B], best_score [B]: the matches found (when planning).
 // Returns 0, or 1 for arguments out of range (nothing written).
 int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record_stride, int64_t num_records,
                          int num_layers, int num_experts, const float* norms, const int64_t* stamps,
                          const float* observed, int batch, float* dots, float* new_sq, int layer, int target,
-                         int top_k, uint8_t* planned, double* planned_probs, double* guide, int64_t* best_index,
-                         float* best_score) {
+                         int top_k, const int32_t* num_tokens, uint8_t* planned, double* planned_probs,
+                         double* guide, int64_t* best_index, float* best_score) {
   const int E = num_experts;
   if (num_records < 1 || batch < 1 || E < 1 || layer < 0 || layer >= num_layers || target >= num_layers ||
       (target >= 0 && (target <= layer || top_k < 1 || top_k > E))) {
@@ -114,7 +116,18 @@ int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record
         break;
       }
     }
-    count = std::max(count, top_k);  // eq. 8
+    // eq. 8's floor: K for one token; for T > 1 tokens the expected size of the union of their
+    // top-K (selection.iteration_floor)
+    int floor = top_k;
+    if (num_tokens[b] > 1) {
+      double expected = 0.0;
+      for (int e = 0; e < E; ++e) {
+        const double q = std::min(1.0, top_k * prob[e]);
+        expected += 1.0 - std::pow(1.0 - q, static_cast<double>(num_tokens[b]));
+      }
+      floor = std::clamp(static_cast<int>(std::ceil(expected - kFloorTolerance)), top_k, E);
+    }
+    count = std::max(count, floor);
     for (int i = 0; i < count; ++i) {
       const int e = order[i];
       planned_flags[e] = 1;
