@@ -37,9 +37,9 @@ import torch
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 
 # Which tokens a request's semantic embedding is the mean over: those its iteration feeds
-# ("iteration", the default: on the trained small model the simulator's FineMoE hit rate at 25% of
-# the experts is 0.907 with it and 0.850 with "prompt"; the engine's 0.823 and 0.787), or its
-# prompt's at every iteration ("prompt"). See docs/offload.md.
+# ("iteration", the default: FineMoE hits more often with it on a trained model), or its prompt's
+# at every iteration ("prompt"). The measurements are in docs/offload.md ("What the paper leaves
+# open").
 SEMANTIC_SOURCES = ("iteration", "prompt")
 
 
