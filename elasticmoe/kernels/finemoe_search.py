@@ -2,9 +2,10 @@
 
 `FineMoEPolicy.observe_layer` runs after every MoE layer's router on the forward thread; its NumPy
 form is ~25 small array operations whose dispatch costs far more than their arithmetic. The kernel
-does the same steps (see its header for the precision it keeps). `bind` checks the arrays of one
-iteration once and returns the call (None where the kernel is not available: the caller runs the
-NumPy reference); each call then passes only integers and cached addresses.
+does the same steps (see its header for the precision it keeps), and plans the iteration's first
+layers from the semantic search's matches the same way. `bind` checks the arrays of one iteration
+once and returns the calls (None where the kernel is not available: the caller runs the NumPy
+reference); each call then passes only integers and cached addresses.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     return declare(lib, {"emoe_finemoe_observe": [ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, c_int, ptr, ptr,
-                                                  c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr]})
+                                                  c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr],
+                         "emoe_finemoe_plan": [ptr, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, c_int, ptr,
+                                               ptr, ptr, ptr]})
 
 
 def available() -> bool:
@@ -39,8 +42,9 @@ class LayerStep:
     layer `target` is planned into `planned`, `planned_probs` and `guide` [L, E] as
     `FineMoEPolicy._plan_layer` does. Returns the matches (index [B], score [B]); empty without a
     target; `num_tokens` [B] are the requests' tokens in the iteration (eq. 8's floor, see
-    `selection.iteration_floor`). The arrays are used in place: they must outlive the step and keep
-    their buffers."""
+    `selection.iteration_floor`). `step.plan(target, index, score)` plans layer `target` the same
+    way from matches found elsewhere (the semantic search, eq. 4). The arrays are used in place:
+    they must outlive the step and keep their buffers."""
 
     def __init__(self, lib: ctypes.CDLL, maps: npt.NDArray[np.float32], norms: npt.NDArray[np.float32],
                  stamps: npt.NDArray[np.int64], observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32],
@@ -70,6 +74,7 @@ class LayerStep:
         if (num_tokens < 1).any():
             raise ValueError(f"finemoe search kernel: every request has >= 1 token, got {num_tokens}")
         self._fn = lib.emoe_finemoe_observe
+        self._plan_fn = lib.emoe_finemoe_plan
         # kept alive
         self._arrays = (maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, num_tokens)
         self.index = np.zeros(batch, dtype=np.int64)
@@ -80,6 +85,10 @@ class LayerStep:
                       address["new_sq"])
         self._tail = (top_k, address["num_tokens"], address["planned"], address["planned_probs"], address["guide"],
                       self.index.ctypes.data, self.score.ctypes.data)
+        self._plan_head = (maps.ctypes.data, maps.strides[0] // 4, maps.strides[1] // 4, num_records, num_layers,
+                           num_experts, batch, self.index.ctypes.data, self.score.ctypes.data)
+        self._plan_tail = (top_k, address["num_tokens"], address["planned"], address["planned_probs"],
+                           address["guide"])
 
     def __call__(self, layer: int, target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         if self._fn(*self._head, layer, -1 if target is None else target, *self._tail) != 0:
@@ -87,6 +96,14 @@ class LayerStep:
         if target is None:
             return self.index[:0], self.score[:0]
         return self.index.copy(), self.score.copy()
+
+    def plan(self, target: int, index: npt.ArrayLike, score: npt.ArrayLike) -> None:
+        """Plan layer `target` (and the guide from it on) from the records `index` [B] matched with
+        similarity `score` [B]."""
+        self.index[:] = index
+        self.score[:] = score
+        if self._plan_fn(*self._plan_head, target, *self._plan_tail) != 0:
+            raise ValueError(f"finemoe search kernel: target {target} or records {self.index} out of range")
 
 
 def bind(maps: npt.NDArray[np.float32], norms: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64],

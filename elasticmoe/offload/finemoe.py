@@ -8,7 +8,8 @@ Per iteration:
    and the best map's layer l + d is planned (§4.2.2). The hybrid switch is in
    `search_schedule`. This step and step 3's plan run in one kernel call where the kernels
    build (`elasticmoe.kernels.finemoe_search`: ~30 us per layer against ~90 in NumPy on the
-   forward thread), else in NumPy; both decide alike (tests/unit/test_finemoe_search_kernel.py).
+   forward thread), and so does step 1's plan of the first d layers (~5 us against ~100), else
+   in NumPy; both decide alike (tests/unit/test_finemoe_search_kernel.py).
 3. Each planned layer takes, per request, the minimum expert set of its searched
    distribution under the threshold `delta = Clip(1 - score, 0, 1)` (eqs. 6-8); the plan
    orders them by `p / (l - l_now)` (§4.5). Eq. 8's floor of K experts is for one token; a
@@ -30,13 +31,13 @@ falls back to visit counts (LFU), which is what `1 / (p * freq)` does with `p` e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
 
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
-from elasticmoe.offload.map_store import ExpertMapStore, TrajectorySearch
+from elasticmoe.offload.map_store import ExpertMapStore, KernelPlanner, TrajectorySearch
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
 from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
 from elasticmoe.offload.routing_map import request_layer_probs
@@ -78,7 +79,7 @@ class FineMoEPolicy:
         self._observed = np.zeros((0, *shape), dtype=np.float32)  # [B, L, E] this iteration's P_l per request
         self._current_layer = -1  # the last layer observed
         self._trajectory: TrajectorySearch | None = None  # this iteration's, layer by layer
-        self._planner: Callable[[int | None], tuple] | None = None  # its kernel form, where built
+        self._planner: KernelPlanner | None = None  # its kernel form, where built
         self._planned = np.zeros(shape, dtype=np.bool_)
         self._planned_probs = np.zeros(shape, dtype=np.float64)
         self._guide = np.zeros(shape, dtype=np.float64)  # p_{l,j} of the searched maps, for eviction
@@ -101,11 +102,16 @@ class FineMoEPolicy:
         self._trajectory = self.store.trajectory_search(len(requests))
         index, scores = self.store.best_semantic(np.stack([r.embedding.float().numpy() for r in requests]))
         self.search_log.semantic += scores.tolist()
-        maps = self._trajectory.layers_from(index, 0)  # [L, B, E]
-        self._guide = maps.max(axis=1).astype(np.float64)
         self._planner = self._trajectory.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
                                                  self._planned_probs, self._guide)
-        for layer in range(min(cfg.prefetch_distance, cfg.num_layers)):
+        first_layers = range(min(cfg.prefetch_distance, cfg.num_layers))
+        if self._planner is not None:  # the kernel plans and sets the guide from layer 0 on
+            for layer in first_layers:
+                self._planner.plan_matches(layer, index, scores)
+            return
+        maps = self._trajectory.layers_from(index, 0)  # [L, B, E]
+        self._guide[:] = maps.max(axis=1)
+        for layer in first_layers:
             self._plan_layer(layer, maps[layer], scores)
 
     def observe_layer(self, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor,
@@ -121,7 +127,7 @@ class FineMoEPolicy:
             return
         target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
         if self._planner is not None:  # the kernel does all of the below in one call
-            self.search_log.trajectory += self._planner(target)[1].tolist()
+            self.search_log.trajectory += self._planner.observe(target)[1].tolist()
             return
         self._trajectory.add(self._observed[:, layer])
         if target is None:

@@ -22,8 +22,6 @@ request is the best guess of the next one. The paper does not say; this is our c
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -208,26 +206,13 @@ class TrajectorySearch:
 
     def planner(self, observed: npt.NDArray[np.float32], top_k: int, num_tokens: npt.NDArray[np.int32],
                 planned: npt.NDArray[np.bool_], planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64]
-                ) -> Callable[[int | None], tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]] | None:
-        """`plan(target)`: `add` the next layer of `observed` [B, L, E] and, for a `target` layer
-        (None: none), `best()` and FineMoE's plan of that layer from the matches
-        (`FineMoEPolicy._plan_layer` into `planned`/`planned_probs` [L, E], the matched maps'
-        layers `target`.. into `guide` [L, E]), in one kernel call (`elasticmoe.kernels.
-        finemoe_search`); returns the matches (index [B], score [B], empty without a target).
-        None where the kernel is not available (the caller runs `add`, `best` and the NumPy plan)."""
+                ) -> KernelPlanner | None:
+        """This search's layer steps and FineMoE's plans in kernel calls over `observed` [B, L, E] and
+        the plan arrays (see `KernelPlanner`); None where the kernel is not available (the caller
+        runs `add`, `best` and the NumPy plan)."""
         step = finemoe_search.bind(self._maps, self._norms, self._stamps, observed, self.dots, self.new_sq, planned,
                                    planned_probs, guide, top_k, num_tokens)
-        if step is None:
-            return None
-
-        def plan(target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-            self._check_a_layer_is_left()
-            self._check_store_unchanged()
-            matches = step(self.num_layers, target)
-            self.num_layers += 1
-            return matches
-
-        return plan
+        return None if step is None else KernelPlanner(self, step)
 
     def best(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """(index [B], score [B]) of the best match on the layers added so far; ties go to the
@@ -249,3 +234,28 @@ class TrajectorySearch:
     def layers_from(self, index: npt.NDArray[np.int64], layer: int) -> npt.NDArray[np.float32]:
         """Layers `layer`..L-1 of the stored maps `index` [B] -> [L - layer, B, E] (a copy)."""
         return self._maps[layer:, index]
+
+
+class KernelPlanner:
+    """A `TrajectorySearch` whose steps run in the kernel (`elasticmoe.kernels.finemoe_search`),
+    with FineMoE's plan (`FineMoEPolicy._plan_layer` into `planned`/`planned_probs` [L, E], the
+    matched maps' layers from the planned one on into `guide` [L, E]) in the same call."""
+
+    def __init__(self, search: TrajectorySearch, step: finemoe_search.LayerStep) -> None:
+        self.search = search
+        self.step = step
+
+    def observe(self, target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """`add` the next layer of `observed` and, for a `target` layer (None: none), `best()` and
+        the plan of that layer from the matches; returns them (index [B], score [B], empty
+        without a target)."""
+        self.search._check_a_layer_is_left()
+        self.search._check_store_unchanged()
+        matches = self.step(self.search.num_layers, target)
+        self.search.num_layers += 1
+        return matches
+
+    def plan_matches(self, target: int, index: npt.NDArray[np.int64], score: npt.NDArray[np.float32]) -> None:
+        """The plan of layer `target` from matches found elsewhere (the semantic search)."""
+        self.search._check_store_unchanged()
+        self.step.plan(target, index, score)

@@ -37,7 +37,8 @@ def fill_store(policy: FineMoEPolicy, rng: np.random.Generator, records: int, al
 
 def run_iterations(policy: FineMoEPolicy, gate_probs: list[list[torch.Tensor]], embeddings: list[torch.Tensor],
                    tokens: tuple[int, ...]) -> list[tuple]:
-    """Every observable decision of each iteration: plans after each layer, the guide, victims.
+    """Every observable decision of each iteration: plans after its start and after each layer,
+    the guide, victims.
     Request b feeds `tokens[b]` tokens (its rows of `gate_probs`, in order)."""
     cache = CacheState.empty(policy.config.num_layers, policy.config.num_experts, 12).load(
         [(layer, e) for layer in range(policy.config.num_layers) for e in range(0, policy.config.num_experts, 3)][:12])
@@ -46,6 +47,9 @@ def run_iterations(policy: FineMoEPolicy, gate_probs: list[list[torch.Tensor]], 
         contexts = [RequestContext(f"r{b}", n, emb, is_prefill=n > 1)
                     for b, (emb, n) in enumerate(zip(embeddings, tokens, strict=True))]
         policy.begin_iteration(contexts)
+        plan = policy.prefetch_plan(cache)  # the first d layers, from the semantic search's matches
+        seen.append((-1, [(i.layer, i.expert, round(i.priority, 6)) for i in plan.items], policy._guide.copy(),
+                     policy.choose_victims(cache, 3, set())))
         for layer, probs in enumerate(layers):
             policy.observe_layer(layer, probs, torch.topk(probs, policy.config.top_k).indices)
             plan = policy.prefetch_plan(cache)
@@ -97,7 +101,7 @@ def test_equal_records_go_to_the_latest_and_equal_probabilities_to_the_lower_exp
     assert plans[0][1] == pytest.approx([1.0])
 
 
-def test_the_kernel_refuses_a_layer_out_of_range_and_a_wrong_layout():
+def test_the_kernel_refuses_a_layer_or_record_out_of_range_and_a_wrong_layout():
     arrays = dict(maps=np.zeros((2, 4, 3), dtype=np.float32)[:, :1], norms=np.ones((2, 1), dtype=np.float32),
                   stamps=np.zeros(1, dtype=np.int64), observed=np.zeros((1, 2, 3), dtype=np.float32),
                   dots=np.zeros((1, 1), dtype=np.float32), new_sq=np.zeros(1, dtype=np.float32),
@@ -112,6 +116,13 @@ def test_the_kernel_refuses_a_layer_out_of_range_and_a_wrong_layout():
         step(2, None)  # a layer the model does not have
     index, score = step(0, 1)
     assert index.tolist() == [0] and score.tolist() == [0.0]  # zero vectors: cosine 0, not NaN
+    with pytest.raises(ValueError, match="out of range"):
+        step.plan(2, [0], [1.0])  # a semantic plan past the last layer
+    with pytest.raises(ValueError, match="out of range"):
+        step.plan(0, [1], [1.0])  # a record the store does not have (C = 1)
+    arrays["planned"][:] = False  # step(0, 1) planned all of layer 1 (score 0: the whole mass)
+    step.plan(1, [0], [1.0])
+    assert arrays["planned"][1].tolist() == [True, False, False]  # score 1: the top-1, ties to the lowest id
     with pytest.raises(ValueError, match="planned_probs must be contiguous float64"):
         finemoe_search.bind(**{**arrays, "planned_probs": np.zeros((2, 3), np.float32)}, top_k=1)
     with pytest.raises(ValueError, match="dots must be"):

@@ -1,6 +1,8 @@
 // FineMoE's work after each MoE layer's router (§4.2.2, §4.3), in one call: the trajectory
 // search's running sums take the layer's gate distributions, the best stored map is found
-// (eq. 5), and the layer d ahead is planned from its minimum expert set (eqs. 6-8).
+// (eq. 5), and the layer d ahead is planned from its minimum expert set (eqs. 6-8). A second
+// entry point plans a layer from matches found elsewhere: the semantic search's, for the
+// iteration's first d layers (§4.2.1).
 //
 // It runs on the forward thread after every MoE layer of every step. In NumPy it is ~25 small
 // array operations (~90-130 us per layer on a few thousand numbers, nearly all of it dispatch);
@@ -38,6 +40,64 @@ int64_t best_record(const float* dots, float new_sq, const float* norms, const i
   }
   *score_out = best_score;
   return best;
+}
+
+// Plans layer `target` from each request's matched record `best_index` [B] of similarity
+// `best_score` [B] (eqs. 6-8, the floor per request's tokens), into `planned`/`planned_probs`
+// [L, E], and sets `guide` [L, E] from layer `target` on (as `FineMoEPolicy._plan_layer` and
+// its guide update do).
+void plan_layer(const float* maps, int64_t layer_stride, int64_t record_stride, int num_layers, int E, int batch,
+                const int64_t* best_index, const float* best_score, int target, int top_k, const int32_t* num_tokens,
+                uint8_t* planned, double* planned_probs, double* guide) {
+  std::vector<int> order(E);
+  std::vector<double> prob(E);
+  double* planned_row = planned_probs + static_cast<int64_t>(target) * E;
+  uint8_t* planned_flags = planned + static_cast<int64_t>(target) * E;
+  for (int b = 0; b < batch; ++b) {
+    const int64_t best = best_index[b];
+    // eq. 7's threshold: the less the map resembles the request, the more mass to cover
+    const double threshold = std::clamp(1.0 - static_cast<double>(best_score[b]), 0.0, 1.0);
+    const float* row = maps + target * layer_stride + best * record_stride;
+    for (int e = 0; e < E; ++e) {
+      order[e] = e;
+      prob[e] = row[e];
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int c) { return prob[a] > prob[c]; });
+    int count = E;  // rounding can leave the total a hair under a threshold of 1: every expert
+    double covered = 0.0;
+    for (int i = 0; i < E; ++i) {
+      covered += prob[order[i]];
+      if (covered >= threshold) {
+        count = i + 1;
+        break;
+      }
+    }
+    // eq. 8's floor: K for one token; for T > 1 tokens the expected size of the union of their
+    // top-K (selection.iteration_floor)
+    int floor = top_k;
+    if (num_tokens[b] > 1) {
+      double expected = 0.0;
+      for (int e = 0; e < E; ++e) {
+        const double q = std::min(1.0, top_k * prob[e]);
+        expected += 1.0 - std::pow(1.0 - q, static_cast<double>(num_tokens[b]));
+      }
+      floor = std::clamp(static_cast<int>(std::ceil(expected - kFloorTolerance)), top_k, E);
+    }
+    count = std::max(count, floor);
+    for (int i = 0; i < count; ++i) {
+      const int e = order[i];
+      planned_flags[e] = 1;
+      planned_row[e] = std::max(planned_row[e], prob[e]);
+    }
+  }
+  // eviction's p from layer `target` on: the largest over the batch's matched maps
+  for (int l = target; l < num_layers; ++l) {
+    for (int e = 0; e < E; ++e) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int b = 0; b < batch; ++b) m = std::max(m, maps[l * layer_stride + best_index[b] * record_stride + e]);
+      guide[static_cast<int64_t>(l) * E + e] = m;
+    }
+  }
 }
 
 }  // namespace
@@ -92,56 +152,30 @@ int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record
   if (target < 0) return 0;
   norms += static_cast<int64_t>(layer) * num_records;  // norms [L, C]: over layers 0..layer
 
-  std::vector<int> order(E);
-  std::vector<double> prob(E);
-  double* planned_row = planned_probs + static_cast<int64_t>(target) * E;
-  uint8_t* planned_flags = planned + static_cast<int64_t>(target) * E;
   for (int b = 0; b < batch; ++b) {
-    const int64_t best = best_record(dots + b * num_records, new_sq[b], norms, stamps, num_records, &best_score[b]);
-    best_index[b] = best;
-    // eq. 7's threshold: the less the map resembles the request, the more mass to cover
-    const double threshold = std::clamp(1.0 - static_cast<double>(best_score[b]), 0.0, 1.0);
-    const float* row = maps + target * layer_stride + best * record_stride;
-    for (int e = 0; e < E; ++e) {
-      order[e] = e;
-      prob[e] = row[e];
-    }
-    std::stable_sort(order.begin(), order.end(), [&](int a, int c) { return prob[a] > prob[c]; });
-    int count = E;  // rounding can leave the total a hair under a threshold of 1: every expert
-    double covered = 0.0;
-    for (int i = 0; i < E; ++i) {
-      covered += prob[order[i]];
-      if (covered >= threshold) {
-        count = i + 1;
-        break;
-      }
-    }
-    // eq. 8's floor: K for one token; for T > 1 tokens the expected size of the union of their
-    // top-K (selection.iteration_floor)
-    int floor = top_k;
-    if (num_tokens[b] > 1) {
-      double expected = 0.0;
-      for (int e = 0; e < E; ++e) {
-        const double q = std::min(1.0, top_k * prob[e]);
-        expected += 1.0 - std::pow(1.0 - q, static_cast<double>(num_tokens[b]));
-      }
-      floor = std::clamp(static_cast<int>(std::ceil(expected - kFloorTolerance)), top_k, E);
-    }
-    count = std::max(count, floor);
-    for (int i = 0; i < count; ++i) {
-      const int e = order[i];
-      planned_flags[e] = 1;
-      planned_row[e] = std::max(planned_row[e], prob[e]);
-    }
+    best_index[b] = best_record(dots + b * num_records, new_sq[b], norms, stamps, num_records, &best_score[b]);
   }
-  // eviction's p from layer `target` on: the largest over the batch's matched maps
-  for (int l = target; l < num_layers; ++l) {
-    for (int e = 0; e < E; ++e) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int b = 0; b < batch; ++b) m = std::max(m, maps[l * layer_stride + best_index[b] * record_stride + e]);
-      guide[static_cast<int64_t>(l) * E + e] = m;
-    }
+  plan_layer(maps, layer_stride, record_stride, num_layers, E, batch, best_index, best_score, target, top_k, num_tokens,
+             planned, planned_probs, guide);
+  return 0;
+}
+
+// Plans layer `target` from matches found elsewhere (the semantic search of the iteration's first
+// layers, eq. 4): `best_index` [B] records of the first `num_records`, `best_score` [B]. The other
+// arguments are `emoe_finemoe_observe`'s. Returns 0, or 1 for arguments out of range.
+int emoe_finemoe_plan(const float* maps, int64_t layer_stride, int64_t record_stride, int64_t num_records,
+                      int num_layers, int num_experts, int batch, const int64_t* best_index, const float* best_score,
+                      int target, int top_k, const int32_t* num_tokens, uint8_t* planned, double* planned_probs,
+                      double* guide) {
+  if (num_records < 1 || batch < 1 || num_experts < 1 || target < 0 || target >= num_layers || top_k < 1 ||
+      top_k > num_experts) {
+    return 1;
   }
+  for (int b = 0; b < batch; ++b) {
+    if (best_index[b] < 0 || best_index[b] >= num_records || num_tokens[b] < 1) return 1;
+  }
+  plan_layer(maps, layer_stride, record_stride, num_layers, num_experts, batch, best_index, best_score, target, top_k,
+             num_tokens, planned, planned_probs, guide);
   return 0;
 }
 
