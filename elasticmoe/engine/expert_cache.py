@@ -17,7 +17,8 @@ apart:
   two copies run on two cores, and waiting would add the rest of the prefetch to the forward's
   time: on-demand loads took 200-320 us each with the wait against ~150 for one copy.)
 - a row is published in `slot_of` only once its copy is complete, and an expert the forward
-  thread is computing with (`protected`) is never a prefetch's victim;
+  thread is computing with, or that the current layer's router just chose (`protected`), is
+  never a prefetch's victim;
 - a failed copy leaves the expert not resident and its row free, so a read error costs the
   request that needed it, never the cache's consistency.
 """
@@ -197,9 +198,16 @@ class ExpertCache:
                 self._resume()
         return filled
 
-    def replan(self) -> None:
-        """Take the policy's current plan (after it observed a layer or began an iteration)."""
+    def replan(self, routed: tuple[int, Sequence[int]] | None = None) -> None:
+        """Take the policy's current plan (after it observed a layer or began an iteration).
+        `routed` (layer, global expert ids): the experts that layer's router just chose, which its
+        `ensure` asks for next; from now on they are no prefetch's victims. (Before, a copy for
+        the next layer could evict one of them in the moment between the router and `ensure`:
+        LRU ranks them oldest, having last used them an iteration ago.)"""
         with self._cond:
+            if routed is not None:
+                layer, experts = routed
+                self._protected = frozenset((layer, e) for e in experts if e in self.local_of)
             self._plan = self._policy_plan()
             self._wake_prefetcher()
 

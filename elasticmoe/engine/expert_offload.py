@@ -92,7 +92,7 @@ class ExpertOffload:
             next_probs = torch.softmax(x.float() @ self.routers[layer + 1].T, dim=-1)
         self._call_policy(lambda: self.policy.observe_layer(layer, probs, topk_ids, next_probs))
         if self._observing:
-            self.cache.replan()
+            self.cache.replan(routed=(layer, np.unique(topk_ids.numpy()).tolist()))
 
     def end_step(self, live_request_ids: Collection[str]) -> None:
         """After the step: requests no longer live are forgotten (LFU keeps their matrices)."""

@@ -123,6 +123,21 @@ def test_prefetch_skips_experts_another_rank_holds():
     assert_rows_hold(cache, 0, [4], cache.ensure(0, [4]))
 
 
+def test_a_prefetch_never_evicts_what_the_layers_router_just_chose():
+    """Between a layer's router and its `ensure`, the experts it routed to are no prefetch's
+    victims: LRU would pick (0, 0) first, used longest ago, though layer 0 asks for it next."""
+    cache = make_cache(capacity=2)
+    cache.ensure(0, [0])
+    cache.ensure(1, [1])
+    cache.replan(routed=(0, [0]))  # the next iteration's layer 0 routed to expert 0
+    with cache.locked():
+        cache._plan = PrefetchPlan(0, (PrefetchItem(1, 2, 1.0),))
+    assert cache.prefetch_once()
+    assert cache.state.resident_keys() == [(0, 0), (1, 2)]  # (1, 1) went instead
+    assert cache.ensure(0, [0]) and cache.stats()["on_demand_loads"] == 2  # a hit
+    cache.check_integrity()
+
+
 class BlockingTier(FakeTier):
     """A tier whose copies of `blocked` wait for `release` (a prefetch caught mid-copy)."""
 
