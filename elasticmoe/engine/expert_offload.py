@@ -38,6 +38,7 @@ import torch
 from elasticmoe.engine.expert_cache import ExpertCache
 from elasticmoe.engine.request import Request
 from elasticmoe.layers.experts import grouped_experts_at_rows, grouped_experts_sorted
+from elasticmoe.offload.cache_ops import routed_experts
 from elasticmoe.offload.policy import RequestContext
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class ExpertOffload:
             next_probs = torch.softmax(x.float() @ self.routers[layer + 1].T, dim=-1)
         self._call_policy(lambda: self.policy.observe_layer(layer, probs, topk_ids, next_probs))
         if self._observing:
-            self.cache.replan(routed=(layer, np.unique(topk_ids.numpy()).tolist()))
+            self.cache.replan(routed=(layer, routed_experts(topk_ids)))
 
     def end_step(self, live_request_ids: Collection[str]) -> None:
         """After the step: requests no longer live are forgotten (LFU keeps their matrices)."""

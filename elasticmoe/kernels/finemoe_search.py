@@ -85,10 +85,9 @@ class LayerStep:
                       address["new_sq"])
         self._tail = (top_k, address["num_tokens"], address["planned"], address["planned_probs"], address["guide"],
                       self.index.ctypes.data, self.score.ctypes.data)
-        self._plan_head = (maps.ctypes.data, maps.strides[0] // 4, maps.strides[1] // 4, num_records, num_layers,
-                           num_experts, batch, self.index.ctypes.data, self.score.ctypes.data)
-        self._plan_tail = (top_k, address["num_tokens"], address["planned"], address["planned_probs"],
-                           address["guide"])
+        # emoe_finemoe_plan: the maps' layout from the head, the plan's arrays from the tail
+        self._plan_head = (*self._head[:6], batch, self.index.ctypes.data, self.score.ctypes.data)
+        self._plan_tail = self._tail[:5]
 
     def __call__(self, layer: int, target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         if self._fn(*self._head, layer, -1 if target is None else target, *self._tail) != 0:
