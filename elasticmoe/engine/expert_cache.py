@@ -6,21 +6,27 @@ one layer holds another layer's expert next, the global budget of FineMoE's cons
 map `slot_of[l, e]` (pool row of expert e of layer l, -1 = not resident) is what the MoE block
 consults; `CacheState` (`elasticmoe.offload`) is the policy-facing view of the same residency.
 
-Two threads load rows: the forward thread (`ensure`: the experts a layer needs now, "on-demand")
-and the prefetch thread (`prefetch_once`: the policy's plan, ahead of the forward). One lock
-guards the map, the state and the policy; the copies run outside it. The rules that keep them
-apart:
-- at most one prefetch copy is in flight; an `ensure` that must load pauses prefetching
-  (FineMoE §4.5: the forward needs the memory bandwidth now) and runs its copies beside the one
-  in flight, which it may not evict (its row is being written); it waits for that copy only
-  when it needs that expert, or that row. (The paper's GPU pauses at the PCIe link; here the
-  two copies run on two cores, and waiting would add the rest of the prefetch to the forward's
-  time: on-demand loads took 200-320 us each with the wait against ~150 for one copy.)
-- a row is published in `slot_of` only once its copy is complete, and an expert the forward
-  thread is computing with, or that the current layer's router just chose (`protected`), is
-  never a prefetch's victim;
+Every decision is made on the forward thread; the copies are made on two:
+- `ensure` (on demand): the experts a layer needs now, copied by the forward thread itself;
+- `replan` (after each layer's router and at an iteration's start): the policy's plan becomes a
+  queue of copies, each with its row and its victim, submitted to a copier (`expert_copier`) that
+  copies beside the forward without taking the GIL. A new plan cancels the copies not started and
+  queues its own.
+The rules that keep the two apart:
+- a queued copy's victim leaves `slot_of` at once (its row will be written), but a copy cancelled
+  before it started gives the victim its row back: the row was never written (`CacheState.
+  reinstate`). A lookup that needs a queued copy's victim, or a queued expert, cancels the queue
+  and finds the victim resident (a hit), or loads the expert itself;
+- an `ensure` that must load pauses the copier (FineMoE §4.5: the forward needs the memory
+  bandwidth now) and runs its copies beside the one in progress, which it may not evict (its row is
+  being written); it waits for that copy only when it needs that expert, or that row (a cache
+  barely larger than the layer's experts). Then the plan is queued again;
+- a copy is published in `slot_of` only once it has finished (`_publish_finished`, at the next
+  lookup or plan), and an expert the forward thread is computing with, or that the current layer's
+  router just chose (`protected`), is never a prefetch's victim;
 - a failed copy leaves the expert not resident and its row free, so a read error costs the
   request that needed it, never the cache's consistency.
+One lock guards the map, the state and the policy (other threads read the stats).
 """
 
 from __future__ import annotations
@@ -28,14 +34,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from elasticmoe.engine.expert_copier import ExpertCopier, ThreadCopier, make_copier
 from elasticmoe.engine.expert_sources import ExpertSource
-from elasticmoe.offload.cache_ops import CacheTooSmallError, CacheUpdate, load_on_demand, next_prefetch
+from elasticmoe.offload.cache_ops import CacheTooSmallError, CacheUpdate, load_on_demand, run_prefetch
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.policy import OffloadPolicy, PrefetchPlan
 
@@ -47,28 +55,41 @@ class CacheCounters:
     """What the cache did since it was created (exported as metrics)."""
 
     lookups: int = 0  # (iteration, layer, expert) lookups by the forward
-    hits: int = 0  # ... whose expert was resident or being prefetched
+    hits: int = 0  # ... whose expert was resident, or being prefetched (the lookup waited for it)
     on_demand_loads: int = 0
     prefetches: int = 0  # prefetch copies completed
     prefetches_useful: int = 0  # ... of experts the forward used before they left
     prefetches_wasted: int = 0  # ... evicted unused
+    prefetches_cancelled: int = 0  # queued copies dropped before they started (a newer plan, a load)
     prefetch_failures: int = 0
     evictions: int = 0
     waits_for_prefetch: int = 0  # lookups that found their expert's prefetch still copying
     warm_loads: int = 0  # rows filled before serving, most used first (`ExpertCache.warm`)
     on_demand_s: float = 0.0  # the forward's time in `ensure` beyond its hits: waiting and copying
-    prefetch_s: float = 0.0  # the prefetch thread's copying time (beside the forward)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class QueuedCopy:
+    """A prefetch submitted to the copier and not yet published: `key` into `row`, which held
+    `victim` (None: a free row)."""
+
+    copy_id: int
+    key: ExpertKey
+    row: int
+    victim: ExpertKey | None
+
+
 class ExpertCache:
     """Pool rows, residency map and the policy that decides what enters and leaves them."""
 
     def __init__(self, policy: OffloadPolicy, source: ExpertSource, pool_w13: torch.Tensor, pool_w2: torch.Tensor,
-                 local_expert_ids: Sequence[int], num_layers: int, num_experts: int) -> None:
+                 local_expert_ids: Sequence[int], num_layers: int, num_experts: int,
+                 copier: ExpertCopier | None = None) -> None:
+        """`copier`: who makes the prefetch copies (default: `make_copier`, native where it can)."""
         self.policy = policy
         self.source = source
         self.w13, self.w2 = pool_w13, pool_w2
@@ -79,10 +100,14 @@ class ExpertCache:
         self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int64)
         self.counters = CacheCounters()
         self.bytes_loaded = {source.tier: 0}
+        if copier is None:
+            # A cache that holds every expert never evicts, so it plans nothing: no copy thread.
+            copier = (ThreadCopier(source, pool_w13, pool_w2, start=False) if self.holds_every_expert
+                      else make_copier(source, pool_w13, pool_w2, num_layers, len(self.local_of)))
+        self.copier = copier
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out row 0 first
-        self._cond = threading.Condition()
-        self._paused = 0
-        self._in_flight: ExpertKey | None = None
+        self._lock = threading.Lock()
+        self._queued: deque[QueuedCopy] = deque()  # in copy id order
         self._plan: PrefetchPlan | None = None
         self._protected: frozenset[ExpertKey] = frozenset()
         self._unused_prefetches: set[ExpertKey] = set()
@@ -93,7 +118,7 @@ class ExpertCache:
         """The budget has a row for every expert of this rank: nothing is ever evicted."""
         return self.capacity >= self.slot_of.shape[0] * len(self.local_of)
 
-    # ---- the forward thread ------------------------------------------------------------
+    # ---- lookups (the forward thread) -------------------------------------------------------
 
     def ensure(self, layer: int, experts: Sequence[int]) -> list[int]:
         """Make `experts` (global ids, at most `capacity` of them) of MoE layer `layer` resident
@@ -101,62 +126,78 @@ class ExpertCache:
         victims; the experts stay protected from prefetch evictions until the next `ensure`."""
         keys = [(layer, int(e)) for e in experts]
         started = time.perf_counter()
-        with self._cond:
+        with self._lock:
+            self._publish_finished()
             rows = self.slot_of[layer, experts]
             if (rows >= 0).all():
-                # Every expert published: a copy in flight is into another row, so there is
-                # nothing to wait for and no reason to pause prefetching (the common case).
+                # Every expert published: the copies in progress are into other rows, so there is
+                # nothing to wait for and no reason to stop them (the common case).
                 self._count_lookups(keys)
                 self.state = self.state.use(layer, experts)
                 self._protected = frozenset(keys)
                 return rows.tolist()
-            self._paused += 1
+            self.copier.pause(True)
             try:
-                while self._in_flight is not None and self._in_flight in keys:
-                    self.counters.waits_for_prefetch += 1
-                    self._cond.wait()
+                # Queued copies give their victims back, and a queued expert this layer needs is
+                # loaded here rather than after the queue's others; the plan is queued again below.
+                self._cancel_queued()
+                # Left: the copy in progress and copies finished since the last publish.
+                for copy in [c for c in self._queued if c.key in keys]:
+                    if copy.copy_id >= self.copier.finished():
+                        self.counters.waits_for_prefetch += 1
+                    self._wait_for(copy)
                 self._count_lookups(keys)
-                update = self._load_beside_prefetch(layer, experts)
-                for key in update.evicted:
-                    self._release(key)
-                loads = [(key, self._free.pop()) for key in update.loaded]
-                self.state = update.cache
                 self._protected = frozenset(keys)
-            except BaseException:
-                self._resume()
-                raise
+                self._load_now(layer, experts)
+                self.state = self.state.use(layer, experts)
+                self.counters.on_demand_s += time.perf_counter() - started
+                return [int(self.slot_of[key]) for key in keys]
+            finally:
+                # NOTE: the plan is the one `replan` took for this layer: what became resident since is
+                # skipped, and asking the policy again per layer costs the forward.
+                self._queue_plan()
+                self.copier.pause(False)
+
+    def _load_now(self, layer: int, experts: Sequence[int]) -> None:
+        """Copy the layer's missing experts on this thread, beside a prefetch copy in progress
+        (paused copier, empty queue). Holds the lock."""
+        update = self._load_beside_copy(layer, experts)
+        for key in update.evicted:
+            self._release(key)
+        loads = [(key, self._free.pop()) for key in update.loaded]
+        self.state = update.cache
         try:
-            for key, row in loads:  # prefetching is paused: this thread alone copies
+            for key, row in loads:
                 self._copy(key, row)
         except BaseException:
-            with self._cond:
-                self.state = self.state.evict([key for key, _ in loads])
-                self._free.extend(row for _, row in loads)
-                self._resume()
+            self.state = self.state.evict([key for key, _ in loads])
+            self._free.extend(row for _, row in loads)
             raise
-        with self._cond:
-            for key, row in loads:
-                self.slot_of[key] = row
-            self.counters.on_demand_loads += len(loads)
-            self.counters.on_demand_s += time.perf_counter() - started
-            self.state = self.state.use(layer, experts)
-            # NOTE: the plan stays the one `observe` made for this layer: what became resident since
-            # is skipped by `next_prefetch`, and asking the policy again per layer costs the forward.
-            self._resume()
-            return [int(self.slot_of[key]) for key in keys]
+        for key, row in loads:
+            self.slot_of[key] = row
+        self.counters.on_demand_loads += len(loads)
 
-    def _load_beside_prefetch(self, layer: int, experts: Sequence[int]) -> CacheUpdate:
-        """`load_on_demand` while a prefetch copy of another expert may be in flight: its row is
-        being written, so it is no victim; only when the layer needs that row too (a cache
-        barely larger than the layer's experts) does the forward wait for the copy. Holds the lock."""
+    def _load_beside_copy(self, layer: int, experts: Sequence[int]) -> CacheUpdate:
+        """`load_on_demand` while a prefetch copy may be in progress: its row is being written, so
+        its expert is no victim; only when the layer needs that row too (a cache barely larger than
+        the layer's experts) does the forward wait for the copy."""
         while True:
-            in_flight = (self._in_flight,) if self._in_flight is not None else ()
+            copying = tuple(c.key for c in self._queued)
             try:
-                return load_on_demand(self.state, self.policy, layer, experts, protected=in_flight)
+                return load_on_demand(self.state, self.policy, layer, experts, protected=copying)
             except CacheTooSmallError:
-                if not in_flight:
+                if not copying:
                     raise
-            self._cond.wait()
+            self._wait_for(self._queued[-1])
+
+    def _count_lookups(self, keys: list[ExpertKey]) -> None:
+        self.counters.lookups += len(keys)
+        for key in keys:
+            if self.slot_of[key] >= 0:
+                self.counters.hits += 1
+                if key in self._unused_prefetches:
+                    self._unused_prefetches.discard(key)
+                    self.counters.prefetches_useful += 1
 
     def warm(self, popularity: np.ndarray) -> int:
         """Fill free rows with this rank's most used experts by `popularity` [L, E] (the tokens an
@@ -167,55 +208,52 @@ class ExpertCache:
         if popularity.shape != self.slot_of.shape:
             raise ValueError(f"warm: popularity is {popularity.shape}, the cache maps {self.slot_of.shape}")
         order = np.argsort(-popularity, axis=None, kind="stable")
-        with self._cond:
-            self._paused += 1
-            keys: list[ExpertKey] = []
-            for flat in order[: int((popularity > 0).sum())]:
-                layer, expert = divmod(int(flat), popularity.shape[1])
-                if len(keys) == self.state.num_free:
-                    break
-                if expert in self.local_of and not self.state.is_resident((layer, expert)):
-                    keys.append((layer, expert))
-            loads = [(key, self._free.pop()) for key in keys]
-            self.state = self.state.load(keys)
         filled = 0
-        try:
-            for key, row in loads:
-                try:
-                    self._copy(key, row)
-                except Exception:  # noqa: BLE001 - a warm start is an optimisation; on demand covers it
-                    logger.exception("warming expert %s failed", key)
-                    with self._cond:
-                        self.state = self.state.evict([key])
+        with self._lock:
+            self.copier.pause(True)
+            try:
+                self._cancel_queued()
+                while self._queued:  # the copy in progress
+                    self._wait_for(self._queued[0])
+                for flat in order[: int((popularity > 0).sum())]:
+                    layer, expert = divmod(int(flat), popularity.shape[1])
+                    if self.state.is_full:
+                        break
+                    key = (layer, expert)
+                    if expert not in self.local_of or self.state.is_resident(key):
+                        continue
+                    row = self._free.pop()
+                    try:
+                        self._copy(key, row)
+                    except Exception:  # noqa: BLE001 - a warm start is an optimisation; on demand covers it
+                        logger.exception("warming expert %s failed", key)
                         self._free.append(row)
-                    continue
-                with self._cond:
+                        continue
+                    self.state = self.state.load([key])
                     self.slot_of[key] = row
-                filled += 1
-        finally:
-            with self._cond:
+                    filled += 1
+            finally:
                 self.counters.warm_loads += filled
-                self._resume()
+                self._queue_plan()
+                self.copier.pause(False)
         return filled
 
+    # ---- prefetches (decided on the forward thread, copied by the copier) ---------------------
+
     def replan(self, routed: tuple[int, Sequence[int]] | None = None) -> None:
-        """Take the policy's current plan (after it observed a layer or began an iteration).
-        `routed` (layer, global expert ids): the experts that layer's router just chose, which its
-        `ensure` asks for next; from now on they are no prefetch's victims. (Before, a copy for
-        the next layer could evict one of them in the moment between the router and `ensure`:
-        LRU ranks them oldest, having last used them an iteration ago.)"""
-        with self._cond:
+        """Take the policy's current plan (after it observed a layer or began an iteration) and
+        queue its copies in place of the queued ones. `routed` (layer, global expert ids): the
+        experts that layer's router just chose, which its `ensure` asks for next; from now on they
+        are no prefetch's victims. (Before, a copy for the next layer could evict one of them in the
+        moment between the router and `ensure`: LRU ranks them oldest, having last used them an
+        iteration ago.)"""
+        with self._lock:
             if routed is not None:
                 layer, experts = routed
                 self._protected = frozenset((layer, e) for e in experts if e in self.local_of)
             self._plan = self._policy_plan()
-            self._wake_prefetcher()
-
-    def _wake_prefetcher(self) -> None:
-        # Only when there is something to copy: a wake-up per layer for nothing costs a context
-        # switch on every MoE layer of every step.
-        if self._plan is not None and self._plan.items and not self._paused:
-            self._cond.notify_all()
+            self._publish_finished()
+            self._queue_plan()
 
     def _policy_plan(self) -> PrefetchPlan | None:
         """The policy's plan; None (no prefetching until the next one) if it raises: a policy's
@@ -226,66 +264,44 @@ class ExpertCache:
             logger.exception("offload policy %s: prefetch_plan failed", self.policy.name)
             return None
 
-    def locked(self) -> threading.Condition:
-        """The lock to hold around any other call into the policy (policies are not thread-safe)."""
-        return self._cond
-
-    def _count_lookups(self, keys: list[ExpertKey]) -> None:
-        self.counters.lookups += len(keys)
-        for key in keys:
-            if self.state.is_resident(key):
-                self.counters.hits += 1
-                if key in self._unused_prefetches:
-                    self._unused_prefetches.discard(key)
-                    self.counters.prefetches_useful += 1
-
-    def _resume(self) -> None:
-        self._paused -= 1
-        self._wake_prefetcher()
-
-    # ---- the prefetch thread -----------------------------------------------------------
-
-    def prefetch_once(self) -> bool:
-        """Wait for work, then copy the plan's next expert in. False once the cache is closed."""
-        with self._cond:
-            while True:
-                if self._closed:
-                    return False
-                step = None
-                if not self._paused and self._plan is not None:
-                    plan = self._local_plan(self._plan)
-                    step = next_prefetch(self.state, self.policy, plan, self._protected)
-                    if step is None:
-                        self._plan = None  # done, or nothing may be evicted for it
-                if step is not None:
-                    break
-                self._cond.wait()
-            if step.victim is not None:
-                self._release(step.victim)
-            key, row = step.item.key, self._free.pop()
-            self.state = self.state.load([key])
-            self._in_flight = key
-        started = time.perf_counter()
+    def _queue_plan(self) -> None:
+        """Submit the plan's copies the cache does not hold or copy yet, each with its row: a free
+        one, or the one of the policy's victim (never a protected, planned or queued expert). The
+        queued copies stay when the plan still wants each of them (the plan after layer l mostly
+        repeats the plan after layer l - 1, and a requeue costs the forward a victim search);
+        otherwise they are cancelled first. Holds the lock."""
+        if self._plan is None or self._closed:
+            self._cancel_queued()
+            return
+        plan = self._local_plan(self._plan)
+        planned = plan.keys
+        if self._queued:
+            copying = self.copier.running()  # cancelling cannot stop that one, so it does not count
+            if any(copy.key not in planned and copy.copy_id != copying for copy in self._queued):
+                self._cancel_queued()
+        protected = self._protected.union(c.key for c in self._queued)
+        num_free = self.state.num_free
         try:
-            self._copy(key, row)
-            ok = True
-        except Exception:  # noqa: BLE001 - the forward loads it on demand (and reports) if it needs it
-            logger.exception("prefetch of expert %s failed", key)
-            ok = False
-        with self._cond:
-            self._in_flight = None
-            self.counters.prefetch_s += time.perf_counter() - started
-            if ok:
-                self.slot_of[key] = row
-                self.counters.prefetches += 1
-                self._unused_prefetches.add(key)
+            update = run_prefetch(self.state, self.policy, plan, None, protected)
+        except Exception:  # noqa: BLE001 - as in `_policy_plan`
+            logger.exception("offload policy %s: choose_victims failed", self.policy.name)
+            self._plan = None
+            return
+        if not update.loaded:
+            return
+        victims: list[ExpertKey | None] = [None] * min(num_free, len(update.loaded)) + list(update.evicted)
+        rows = []
+        for victim in victims:
+            if victim is None:
+                rows.append(self._free.pop())
             else:
-                self.state = self.state.evict([key])
-                self._free.append(row)
-                self.counters.prefetch_failures += 1
-                self._plan = None
-            self._cond.notify_all()
-        return True
+                rows.append(int(self.slot_of[victim]))
+                self.slot_of[victim] = -1  # its row is about to be written
+        self.state = update.cache
+        first = self.copier.submit([(layer, self.local_of[e], row) for (layer, e), row in zip(update.loaded, rows,
+                                                                                              strict=True)])
+        self._queued.extend(QueuedCopy(first + i, key, row, victim)
+                            for i, (key, row, victim) in enumerate(zip(update.loaded, rows, victims, strict=True)))
 
     def _local_plan(self, plan: PrefetchPlan) -> PrefetchPlan:
         """The plan's experts this rank holds (under EP the policy also sees other ranks' experts)."""
@@ -293,10 +309,68 @@ class ExpertCache:
             return plan
         return PrefetchPlan(plan.after_layer, tuple(i for i in plan.items if i.expert in self.local_of))
 
+    def _cancel_queued(self) -> None:
+        """Drop the copies not started: each victim gets its row back (never written), or the row
+        is free again. Holds the lock."""
+        if not self._queued:
+            return
+        first = self.copier.cancel()
+        while self._queued and self._queued[-1].copy_id >= first:
+            copy = self._queued.pop()
+            self.state = self.state.evict([copy.key])
+            if copy.victim is None:
+                self._free.append(copy.row)
+            else:
+                self.state = self.state.reinstate([copy.victim])
+                self.slot_of[copy.victim] = copy.row
+            self.counters.prefetches_cancelled += 1
+
+    def _publish_finished(self) -> None:
+        """Publish the copies the copier has finished (or discard the failed ones). Holds the lock."""
+        if not self._queued:
+            return
+        finished = self.copier.finished()
+        while self._queued and self._queued[0].copy_id < finished:
+            copy = self._queued.popleft()
+            if copy.victim is not None:  # gone for good: its row has been written
+                self.counters.evictions += 1
+                if copy.victim in self._unused_prefetches:
+                    self._unused_prefetches.discard(copy.victim)
+                    self.counters.prefetches_wasted += 1
+            if copy.copy_id in self.copier.failed:
+                self.copier.failed.discard(copy.copy_id)
+                self.state = self.state.evict([copy.key])
+                self._free.append(copy.row)
+                self.counters.prefetch_failures += 1
+                continue
+            self.slot_of[copy.key] = copy.row
+            self.bytes_loaded[self.source.tier] += self.expert_bytes
+            self.counters.prefetches += 1
+            self._unused_prefetches.add(copy.key)
+
+    def _wait_for(self, copy: QueuedCopy) -> None:
+        """Block until `copy` (in progress, or queued on a running copier) has finished, then publish."""
+        if not self.copier.wait(copy.copy_id):
+            raise RuntimeError(f"expert cache: prefetch copy {copy.copy_id} of {copy.key} will not run")
+        self._publish_finished()
+
+    def locked(self) -> threading.Lock:
+        """The lock to hold around any other call into the policy (policies are not thread-safe)."""
+        return self._lock
+
     def close(self) -> None:
-        with self._cond:
+        """Drop the queued copies, publish the one in progress once done, and stop the copier."""
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            self._cond.notify_all()
+            self._plan = None
+            self.copier.pause(True)
+            self._cancel_queued()
+            for copy in list(self._queued):
+                self.copier.wait(copy.copy_id)
+            self._publish_finished()
+            self.copier.close()
 
     # ---- both ----------------------------------------------------------------------------
 
@@ -317,7 +391,8 @@ class ExpertCache:
             self.counters.prefetches_wasted += 1
 
     def stats(self) -> dict[str, float | int | str]:
-        with self._cond:
+        with self._lock:
+            self._publish_finished()
             c = self.counters
             return {
                 "policy": self.policy.name, "capacity_experts": self.capacity, "expert_bytes": self.expert_bytes,
@@ -325,23 +400,27 @@ class ExpertCache:
                 "lookups": c.lookups, "hits": c.hits, "hit_rate": round(c.hit_rate, 4),
                 "on_demand_loads": c.on_demand_loads, "prefetches": c.prefetches,
                 "prefetches_useful": c.prefetches_useful, "prefetches_wasted": c.prefetches_wasted,
+                "prefetches_cancelled": c.prefetches_cancelled,
                 "prefetch_failures": c.prefetch_failures, "evictions": c.evictions,
                 "waits_for_prefetch": c.waits_for_prefetch, "warm_loads": c.warm_loads, "on_demand_s": round(c.on_demand_s, 6),
-                "prefetch_s": round(c.prefetch_s, 6),
+                "prefetch_s": round(self.copier.busy_s, 6),
                 **{f"bytes_loaded_{tier}": n for tier, n in self.bytes_loaded.items()},
             }
 
     def check_integrity(self) -> None:
         """The map and the state agree and no row is used twice (tests and debug runs)."""
-        with self._cond:
+        with self._lock:
             self.state.check_integrity()
             rows = self.slot_of[self.slot_of >= 0]
             if len(set(rows.tolist())) != rows.size:
                 raise AssertionError("expert cache: a pool row holds two experts")
             published = self.slot_of >= 0
-            pending = {self._in_flight} if self._in_flight is not None else set()
+            pending = {c.key for c in self._queued}
             mismatched = np.argwhere(published != self.state.resident)
             if any((int(layer), int(e)) not in pending for layer, e in mismatched):
                 raise AssertionError("expert cache: map and state disagree")
-            if rows.size + len(self._free) + len(pending) != self.capacity:
+            queued_rows = {c.row for c in self._queued}
+            if queued_rows & set(rows.tolist()) or queued_rows & set(self._free):
+                raise AssertionError("expert cache: a queued copy's row is also published or free")
+            if rows.size + len(self._free) + len(queued_rows) != self.capacity:
                 raise AssertionError("expert cache: rows lost")

@@ -19,7 +19,7 @@ A policy that raises in `begin_step`, `observe` or `end_step` is logged and igno
 rest of the iteration (no prefetching then); loads on demand still run, so no request fails
 for a policy's fault.
 
-A cache whose budget holds every expert of the rank runs no policy and no prefetch thread: it
+A cache whose budget holds every expert of the rank runs no policy and queues no prefetch: it
 never evicts, so there is nothing to plan or choose (each expert loads on its first use, or
 when the cache is warmed). The policy's searches would cost the forward ~1.5 ms per output token
 for nothing (FineMoE on the trained small model).
@@ -28,7 +28,6 @@ for nothing (FineMoE on the trained small model).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Collection, Sequence
 
@@ -45,10 +44,10 @@ logger = logging.getLogger(__name__)
 
 
 class ExpertOffload:
-    """The hooks of one engine's MoE blocks into its expert cache, and the prefetch thread."""
+    """The hooks of one engine's MoE blocks into its expert cache."""
 
     def __init__(self, cache: ExpertCache, routers: Sequence[torch.Tensor], local_expert_ids: Sequence[int],
-                 prefetch: bool = True, semantic: str = "iteration") -> None:
+                 semantic: str = "iteration") -> None:
         """`semantic`: one of `SEMANTIC_SOURCES` (`EngineConfig.offload_semantic`, checked there)."""
         self.cache = cache
         self.policy = cache.policy
@@ -61,10 +60,6 @@ class ExpertOffload:
         self._observing = False  # the policy takes this iteration's layers
         self._policy_runs = not cache.holds_every_expert  # see the module docstring
         self.policy_s = 0.0  # time in the policy on the forward thread (searches, plans): FineMoE Fig. 17
-        self._thread: threading.Thread | None = None
-        if prefetch and self._policy_runs:
-            self._thread = threading.Thread(target=self._prefetch_loop, name="expert-prefetch", daemon=True)
-            self._thread.start()
 
     # ---- the iteration ----------------------------------------------------------------
 
@@ -166,20 +161,9 @@ class ExpertOffload:
                                     self.cache.w13, self.cache.w2)
         return torch.empty_like(xs).index_copy_(0, order, ys)
 
-    # ---- the prefetch thread --------------------------------------------------------------
-
-    def _prefetch_loop(self) -> None:
-        try:
-            while self.cache.prefetch_once():
-                pass
-        except Exception:  # noqa: BLE001 - prefetching stops; loads on demand go on
-            logger.exception("expert prefetch thread stopped")
-
     def close(self) -> None:
-        """Stop the prefetch thread (it may be in the middle of one copy)."""
+        """Stop the cache's copier (after the copy in progress, if any)."""
         self.cache.close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
     def stats(self) -> dict[str, float | int | str]:
         return {**self.cache.stats(), "policy_s": round(self.policy_s, 6)}

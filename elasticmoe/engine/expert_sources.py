@@ -8,9 +8,10 @@ Two tiers below the cache (DESIGN.md "Memory tiers"):
   shared memory, one copy per node, handed to the engine through a `WeightProvider`); a load
   is one memory copy.
 
-Both copy one expert into one row of the cache's pool tensors and report the bytes copied.
-They are called from the forward thread and the prefetch thread, never both at once (the
-cache serialises loads), so they hold no lock of their own.
+Both copy one expert into one row of the cache's pool tensors and report the bytes copied, and
+both describe that copy as raw segments (`segments`) for the native copy thread that runs the
+prefetches (`elasticmoe.engine.expert_copier`). The forward thread and the copy thread may read one
+source at once; neither writes it, so it holds no lock.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from typing import Protocol
 
 import torch
 
+from elasticmoe.kernels.copy_engine import BF16_TO_F32, MEMCPY
 from elasticmoe.models.weights import ParamSpec, SafetensorsWeightProvider
+
+# (source address, pool: 0 = w13 / 1 = w2, byte offset in the pool row, count, kind): one piece of an
+# expert's copy in the native copy engine's terms (`elasticmoe.kernels.copy_engine`)
+Segment = tuple[int, int, int, int, int]
 
 
 class ExpertSource(Protocol):
@@ -31,6 +37,36 @@ class ExpertSource(Protocol):
         """Write MoE layer `layer`'s expert of local index `local` into the rows `w13` [2I, H] and
         `w2` [H, I]; returns the bytes written."""
         ...
+
+    def segments(self, layer: int, local: int, dtype: torch.dtype) -> list[Segment] | None:
+        """The same copy into pool rows of `dtype` as raw segments, or None where the native engine
+        cannot make it (a conversion it does not have): the expert is then copied by `copy_into`."""
+        ...
+
+
+def tensor_segment(src: torch.Tensor, pool: int, offset: int, dtype: torch.dtype) -> Segment | None:
+    """`src` (contiguous) written at byte `offset` of a pool row of `dtype`; None: no native kind."""
+    if not src.is_contiguous():
+        return None
+    if src.dtype == dtype:
+        return (src.data_ptr(), pool, offset, src.numel() * src.element_size(), MEMCPY)
+    if src.dtype == torch.bfloat16 and dtype == torch.float32:
+        return (src.data_ptr(), pool, offset, src.numel(), BF16_TO_F32)
+    return None
+
+
+def row_segments(parts_per_pool: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype) -> list[Segment] | None:
+    """Segments of one expert whose pool row `pool` is the concatenation (dim 0) of `parts_per_pool[pool]`."""
+    out: list[Segment] = []
+    for pool, parts in enumerate(parts_per_pool):
+        offset = 0
+        for part in parts:
+            segment = tensor_segment(part, pool, offset, dtype)
+            if segment is None:
+                return None
+            out.append(segment)
+            offset += part.numel() * dtype.itemsize
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +111,9 @@ class DiskExperts:
         torch._foreach_copy_(dsts, srcs)  # one call, outside the GIL; converts the dtype if needed
         return w13.nbytes + w2.nbytes
 
+    def segments(self, layer: int, local: int, dtype: torch.dtype) -> list[Segment] | None:
+        return row_segments((self._views[layer][0][local], self._views[layer][1][local]), dtype)
+
 
 class HostExperts:
     """Experts copied from full stacks kept in host memory by their owner."""
@@ -89,3 +128,7 @@ class HostExperts:
         w13.copy_(src13[local])
         w2.copy_(src2[local])
         return w13.nbytes + w2.nbytes
+
+    def segments(self, layer: int, local: int, dtype: torch.dtype) -> list[Segment] | None:
+        src13, src2 = self.stacks[layer]
+        return row_segments(([src13[local]], [src2[local]]), dtype)

@@ -10,9 +10,7 @@ from __future__ import annotations
 from elasticmoe.offload.cache_ops import (
     CacheTooSmallError,
     CacheUpdate,
-    PrefetchStep,
     load_on_demand,
-    next_prefetch,
     routed_experts,
     run_prefetch,
 )
@@ -30,11 +28,9 @@ __all__ = [
     "PolicyConfig",
     "PrefetchItem",
     "PrefetchPlan",
-    "PrefetchStep",
     "RequestContext",
     "load_on_demand",
     "make_policy",
-    "next_prefetch",
     "routed_experts",
     "run_prefetch",
 ]

@@ -1,7 +1,7 @@
 """The engine side of a policy's decisions, as pure steps over a `CacheState`: what an
-on-demand load evicts and loads, and which prefetch a background thread runs next. The
-copies themselves are the HMM's; these functions only decide, so the engine, its prefetch
-thread and the simulator (`replay`) share one logic.
+on-demand load evicts and loads, and which copies a prefetch plan queues. The copies
+themselves are the engine's; these functions only decide, so the engine's expert cache and
+the simulator (`replay`) share one logic.
 
 Two rules hold for every eviction:
 - an expert the current layer routed to is never evicted (the engine passes them as
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
-from elasticmoe.offload.policy import OffloadPolicy, PrefetchItem, PrefetchPlan
+from elasticmoe.offload.policy import OffloadPolicy, PrefetchPlan
 
 
 class CacheTooSmallError(ValueError):
@@ -33,14 +33,6 @@ class CacheUpdate:
     cache: CacheState
     loaded: tuple[ExpertKey, ...] = ()
     evicted: tuple[ExpertKey, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchStep:
-    """The next copy of a plan: `item` in, after `victim` (if any) out."""
-
-    item: PrefetchItem
-    victim: ExpertKey | None
 
 
 def routed_experts(topk_ids: torch.Tensor) -> list[int]:
@@ -70,29 +62,17 @@ def load_on_demand(cache: CacheState, policy: OffloadPolicy, layer: int, expert_
     return CacheUpdate(cache.evict(victims).load(loaded), loaded, tuple(victims))
 
 
-def next_prefetch(cache: CacheState, policy: OffloadPolicy, plan: PrefetchPlan,
-                  protected: Collection[ExpertKey] = ()) -> PrefetchStep | None:
-    """The next copy a prefetch thread should make for `plan`, or None when the plan is done
-    (every item resident) or the cache holds nothing it may evict. Call again after each
-    copy: the answer depends on the cache as it is then."""
-    for item in plan.items:
-        if cache.is_resident(item.key):
-            continue
-        if not cache.is_full:
-            return PrefetchStep(item, None)
-        victims = policy.choose_victims(cache, 1, set(protected) | plan.keys)
-        return PrefetchStep(item, victims[0]) if victims else None
-    return None
-
-
 def run_prefetch(cache: CacheState, policy: OffloadPolicy, plan: PrefetchPlan, max_loads: int | None,
                  protected: Collection[ExpertKey] = ()) -> CacheUpdate:
-    """Run `plan` for at most `max_loads` copies (None: to the end), as the prefetch thread
-    would between two layers, with the decisions `next_prefetch` makes one at a time.
+    """Run `plan` for at most `max_loads` copies (None: to the end): the plan's experts not
+    resident, in order, into free slots and then in place of the policy's victims (never one of
+    `protected` or of the plan: it would evict what it just loaded for a nearer layer), until
+    nothing more may be evicted.
 
     The victims are asked for at once: loading a planned expert (protected) does not change
-    how the policies rank the others, so the same victims come out in the same order (only
-    the clock stamps differ: the items loaded together share one)."""
+    how the policies rank the others, so the same victims come out in the same order as when
+    asked one copy at a time (only the clock stamps differ: the items loaded together share
+    one). The engine queues these copies on its copier; the simulator applies them."""
     items = [item.key for item in plan.items if not cache.is_resident(item.key)]
     if max_loads is not None:
         items = items[:max_loads]

@@ -128,6 +128,20 @@ class CacheState:
             resident[key] = False
         return self._successor(resident, self.last_used, self.num_uses, self.clock)
 
+    def reinstate(self, keys: Sequence[ExpertKey]) -> CacheState:
+        """`keys`, evicted for a copy that was cancelled before it wrote their rows, are resident
+        again with the stamps they had: nothing about them changed (unlike `load`, which stamps)."""
+        if not keys:
+            return self
+        resident = self.resident.copy()
+        for key in keys:
+            if resident[key]:
+                raise ValueError(f"reinstate: expert {key} is already resident")
+            resident[key] = True
+        if int(resident.sum()) > self.capacity:
+            raise ValueError(f"reinstate: {len(keys)} experts do not fit in {self.num_free} free slots")
+        return self._successor(resident, self.last_used, self.num_uses, self.clock)
+
     def use(self, layer: int, expert_ids: Iterable[int]) -> CacheState:
         """Layer `layer` ran its experts `expert_ids` (all resident): one visit each, whatever
         the number of tokens routed to an expert, and each stamped with the clock."""

@@ -17,13 +17,14 @@ holds the decisions the engine and its prefetch thread take):
     policy.end_iteration(finished_request_ids)
 
 The cache (`CacheState`) belongs to the engine; a policy reads it and never keeps it. A
-plan is an immutable, priority-ordered list: a background thread consumes it item by item
-(`cache_ops.next_prefetch`), drops it when a newer plan arrives (cancel) and stops between
-items while an on-demand load runs (pause, FineMoE §4.5 "On-demand expert loading").
+plan is an immutable, priority-ordered list: the engine turns it into copies at once
+(`cache_ops.run_prefetch`: each expert with its victim) that a copier makes beside the
+forward, cancels the copies not started when a newer plan arrives, and stops between copies
+while an on-demand load runs (pause, FineMoE §4.5 "On-demand expert loading").
 
 NOTE: policies are not thread-safe. Call every method from one thread, or hold one lock
 around each call (they are small: a few [L, E] operations and one search over the store).
-The prefetch thread's `choose_victims` calls therefore go through the same lock.
+The engine calls them all on its forward thread.
 """
 
 from __future__ import annotations

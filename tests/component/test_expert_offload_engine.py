@@ -134,7 +134,8 @@ def test_a_cache_that_holds_every_expert_runs_no_policy(tiny_model_dir, resident
     for name in ("begin_iteration", "observe_layer", "prefetch_plan", "choose_victims", "end_iteration"):
         setattr(policy, name, lambda *a, _name=name, **k: calls.append(_name))
     try:
-        assert engine.offload.cache.holds_every_expert and engine.offload._thread is None  # no prefetch thread
+        copier = engine.offload.cache.copier
+        assert engine.offload.cache.holds_every_expert and copier._thread is None  # no copy thread
         _assert_same(_run(engine), resident["qwen3_moe"])
         stats = engine.offload.stats()
         assert calls == [] and stats["policy_s"] == 0.0

@@ -1,5 +1,7 @@
-"""The engine's expert cache (`elasticmoe.engine.expert_cache`): rows, residency and the two
-threads that load them, with a fake tier whose every expert has recognisable weights."""
+"""The engine's expert cache (`elasticmoe.engine.expert_cache`): rows, residency, the queue of
+prefetch copies and the copiers that make them, with tiers whose every expert has recognisable
+weights. Most tests drive the Python copier a copy at a time (`run_one`); the concurrent ones run
+the Python thread and the native copy engine."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import pytest
 import torch
 
 from elasticmoe.engine.expert_cache import ExpertCache
+from elasticmoe.engine.expert_copier import NativeCopier, ThreadCopier, make_copier
+from elasticmoe.engine.expert_sources import HostExperts
+from elasticmoe.kernels import copy_engine
 from elasticmoe.offload.cache_ops import CacheTooSmallError
 from elasticmoe.offload.policy import PolicyConfig, PrefetchItem, PrefetchPlan
 from elasticmoe.offload.registry import make_policy
@@ -40,11 +45,40 @@ class FakeTier:
         return w13.nbytes + w2.nbytes
 
 
-def make_cache(capacity: int, policy: str = "lru", tier: FakeTier | None = None,
-               local_ids: tuple[int, ...] = tuple(range(EXPERTS))) -> ExpertCache:
+    def segments(self, layer, local, dtype):
+        return None  # copied by `copy_into` only: the Python copier
+
+
+def host_tier(local_ids: tuple[int, ...], row: tuple[int, int] = (4, 2)) -> HostExperts:
+    """FakeTier's weights in host memory, which the native copier can copy."""
+    stacks = []
+    for layer in range(LAYERS):
+        values = torch.tensor([layer * 100 + local for local in range(len(local_ids))], dtype=torch.float32)
+        stacks.append((values.view(-1, 1, 1).expand(-1, *row).contiguous(),
+                       values.view(-1, 1, 1).expand(-1, row[1], row[1]).contiguous()))
+    return HostExperts(stacks)
+
+
+def make_cache(capacity: int, policy: str = "lru", tier: FakeTier | HostExperts | None = None,
+               local_ids: tuple[int, ...] = tuple(range(EXPERTS)), copier: str = "manual",
+               row: tuple[int, int] = (4, 2)) -> ExpertCache:
+    """`copier`: "manual" (the Python copier without its thread: `cache.copier.run_one()` copies),
+    "thread" (with it), or "native" (the copy engine; needs a `HostExperts` tier)."""
     config = PolicyConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K)
-    return ExpertCache(make_policy(policy, config), tier or FakeTier(), torch.zeros(capacity, 4, 2),
-                       torch.zeros(capacity, 2, 2), local_ids, LAYERS, EXPERTS)
+    tier = tier or FakeTier()
+    w13, w2 = torch.zeros(capacity, *row), torch.zeros(capacity, row[1], row[1])
+    made = (ThreadCopier(tier, w13, w2, start=copier == "thread") if copier in ("manual", "thread")
+            else make_copier(tier, w13, w2, LAYERS, len(local_ids)))
+    if copier == "native":
+        assert isinstance(made, NativeCopier)
+    return ExpertCache(make_policy(policy, config), tier, w13, w2, local_ids, LAYERS, EXPERTS, copier=made)
+
+
+def queue_plan(cache: ExpertCache, after_layer: int, *items: tuple[int, int, float]) -> None:
+    """Queue a prefetch plan of (layer, expert, priority) items, as `replan` does with the policy's."""
+    with cache.locked():
+        cache._plan = PrefetchPlan(after_layer, tuple(PrefetchItem(*item) for item in items))
+        cache._queue_plan()
 
 
 def assert_rows_hold(cache: ExpertCache, layer: int, experts: list[int], rows: list[int]) -> None:
@@ -91,10 +125,9 @@ def test_a_failed_load_leaves_the_expert_absent_and_its_row_free():
 
 def test_prefetch_copies_the_plan_and_counts_useful_and_wasted():
     cache = make_cache(capacity=2)
-    with cache.locked():
-        cache._plan = PrefetchPlan(-1, (PrefetchItem(0, 3, 0.9), PrefetchItem(1, 5, 0.5)))
-    assert cache.prefetch_once() and cache.prefetch_once()
-    assert cache.stats()["prefetches"] == 2
+    queue_plan(cache, -1, (0, 3, 0.9), (1, 5, 0.5))
+    assert cache.copier.run_one() and cache.copier.run_one() and not cache.copier.run_one()
+    assert cache.stats()["prefetches"] == 2  # published when read
     assert_rows_hold(cache, 0, [3], cache.ensure(0, [3]))  # a hit, prefetched: useful
     cache.ensure(2, [0])  # evicts (1, 5), never used: wasted
     stats = cache.stats()
@@ -105,9 +138,8 @@ def test_prefetch_copies_the_plan_and_counts_useful_and_wasted():
 def test_a_failed_prefetch_is_counted_and_the_forward_loads_on_demand():
     tier = FakeTier(failing={(1, 4)})
     cache = make_cache(capacity=2, tier=tier)
-    with cache.locked():
-        cache._plan = PrefetchPlan(0, (PrefetchItem(1, 4, 1.0),))
-    assert cache.prefetch_once()
+    queue_plan(cache, 0, (1, 4, 1.0))
+    assert cache.copier.run_one()
     assert cache.stats()["prefetch_failures"] == 1 and not cache.state.is_resident((1, 4))
     cache.check_integrity()
     tier.failing.clear()
@@ -116,9 +148,8 @@ def test_a_failed_prefetch_is_counted_and_the_forward_loads_on_demand():
 
 def test_prefetch_skips_experts_another_rank_holds():
     cache = make_cache(capacity=2, local_ids=(3, 4, 5))  # EP: this rank holds experts 3-5
-    with cache.locked():
-        cache._plan = PrefetchPlan(-1, (PrefetchItem(0, 1, 0.9), PrefetchItem(0, 4, 0.5)))
-    assert cache.prefetch_once()
+    queue_plan(cache, -1, (0, 1, 0.9), (0, 4, 0.5))
+    assert cache.copier.run_one() and not cache.copier.run_one()
     assert cache.state.resident_keys() == [(0, 4)]
     assert_rows_hold(cache, 0, [4], cache.ensure(0, [4]))
 
@@ -130,11 +161,67 @@ def test_a_prefetch_never_evicts_what_the_layers_router_just_chose():
     cache.ensure(0, [0])
     cache.ensure(1, [1])
     cache.replan(routed=(0, [0]))  # the next iteration's layer 0 routed to expert 0
-    with cache.locked():
-        cache._plan = PrefetchPlan(0, (PrefetchItem(1, 2, 1.0),))
-    assert cache.prefetch_once()
+    queue_plan(cache, 0, (1, 2, 1.0))
+    assert cache.copier.run_one()
     assert cache.state.resident_keys() == [(0, 0), (1, 2)]  # (1, 1) went instead
     assert cache.ensure(0, [0]) and cache.stats()["on_demand_loads"] == 2  # a hit
+    cache.check_integrity()
+
+
+def test_a_cancelled_copy_gives_its_victim_back_its_row_and_stamps():
+    """A newer plan that no longer wants a queued copy cancels it before it starts: the victim's row
+    was never written, so the victim is resident again, in the same row, as old as it was (LRU
+    still evicts it first), and a lookup of it is a hit."""
+    cache = make_cache(capacity=2)
+    rows = {0: cache.ensure(0, [0])[0], 1: cache.ensure(1, [1])[0]}
+    queue_plan(cache, 1, (2, 2, 1.0))  # victim: (0, 0), the least recently used
+    with cache.locked():
+        assert cache.slot_of[0, 0] == -1 and cache.state.is_resident((2, 2))  # its row is promised
+    queue_plan(cache, 1)  # the plan changed before the copy started: nothing to prefetch now
+    assert cache.stats()["prefetches_cancelled"] == 1
+    with cache.locked():
+        assert cache.state.is_resident((0, 0)) and int(cache.slot_of[0, 0]) == rows[0]
+    cache.check_integrity()
+    queue_plan(cache, 1, (2, 3, 1.0))  # (0, 0) is still the oldest: reinstated, not stamped as new
+    assert cache.copier.run_one()
+    assert cache.state.resident_keys() == [(1, 1), (2, 3)]
+    assert cache.ensure(2, [3]) == [rows[0]] and cache.ensure(1, [1]) == [rows[1]]  # two hits
+    assert cache.stats()["on_demand_loads"] == 2
+    cache.check_integrity()
+
+
+def test_a_lookup_of_a_queued_copys_victim_cancels_the_queue_and_hits():
+    cache = make_cache(capacity=2)
+    row = cache.ensure(0, [0])[0]
+    cache.ensure(1, [1])
+    queue_plan(cache, 1, (2, 2, 1.0))  # victim (0, 0), not copied yet
+    assert cache.ensure(0, [0]) == [row]  # the copy is cancelled: (0, 0) never left its row
+    stats = cache.stats()
+    assert (stats["hits"], stats["on_demand_loads"], stats["prefetches_cancelled"]) == (1, 2, 1)
+    assert cache.state.resident_keys() == [(0, 0), (2, 2)]  # the plan queued again, another victim
+    assert cache.copier.run_one()
+    assert_rows_hold(cache, 2, [2], cache.ensure(2, [2]))
+    cache.check_integrity()
+
+
+def test_a_lookup_of_a_queued_expert_loads_it_now_instead_of_after_the_queue():
+    cache = make_cache(capacity=3)
+    queue_plan(cache, -1, (1, 1, 0.9), (2, 2, 0.5))
+    assert_rows_hold(cache, 2, [2], cache.ensure(2, [2]))  # the queue is not run first
+    stats = cache.stats()
+    assert (stats["on_demand_loads"], stats["waits_for_prefetch"], stats["prefetches_cancelled"]) == (1, 0, 2)
+    assert cache.copier.run_one() and not cache.copier.run_one()  # (1, 1) queued again
+    assert_rows_hold(cache, 1, [1], cache.ensure(1, [1]))
+    cache.check_integrity()
+
+
+def test_a_newer_plan_that_still_wants_the_queue_keeps_it():
+    cache = make_cache(capacity=3)
+    queue_plan(cache, -1, (1, 1, 0.9))
+    queue_plan(cache, 0, (1, 1, 0.9), (2, 2, 0.5))  # the next layer's plan: one more
+    assert cache.stats()["prefetches_cancelled"] == 0
+    assert cache.copier.run_one() and cache.copier.run_one() and not cache.copier.run_one()
+    assert cache.stats()["prefetches"] == 2
     cache.check_integrity()
 
 
@@ -157,9 +244,8 @@ def blocked_prefetch(cache: ExpertCache, tier: BlockingTier,
                      release_after_s: float | None = None) -> Iterator[None]:
     """A prefetch of `tier.blocked`, mid-copy inside the block (its copy released `release_after_s`
     into it, or at its end), complete after it."""
-    with cache.locked():
-        cache._plan = PrefetchPlan(0, (PrefetchItem(*tier.blocked, 1.0),))
-    prefetch = threading.Thread(target=cache.prefetch_once)
+    queue_plan(cache, 0, (*tier.blocked, 1.0))
+    prefetch = threading.Thread(target=cache.copier.run_one)
     prefetch.start()
     assert tier.started.wait(timeout=5)
     if release_after_s is not None:
@@ -178,8 +264,7 @@ def test_a_hit_does_not_wait_for_a_prefetch_copy_of_another_expert():
     with blocked_prefetch(cache, tier):
         # (1, 5) is being copied; the forward's resident experts come back at once, with their rows
         assert cache.ensure(0, [0, 1]) == rows
-        with cache.locked():
-            assert cache._in_flight == (1, 5)  # still copying: the lookup did not wait for it
+        assert cache.copier.running() >= 0  # still copying: the lookup did not wait for it
         assert cache.stats()["hits"] == 2 and cache.stats()["waits_for_prefetch"] == 0
     assert_rows_hold(cache, 1, [5], cache.ensure(1, [5]))  # the prefetch completed: a hit
     cache.check_integrity()
@@ -202,8 +287,8 @@ def test_an_on_demand_load_runs_beside_a_prefetch_copy_and_never_evicts_it():
     with blocked_prefetch(cache, tier):  # the third row is being written
         rows = cache.ensure(2, [3])  # a miss with no free row: a victim other than (1, 5), no wait
         assert_rows_hold(cache, 2, [3], rows)
+        assert cache.copier.running() >= 0  # still copying
         with cache.locked():
-            assert cache._in_flight == (1, 5)  # still copying
             assert cache.state.is_resident((1, 5)) and cache.state.num_resident == 3
         assert cache.stats()["on_demand_loads"] == 3 and cache.stats()["waits_for_prefetch"] == 0
     assert_rows_hold(cache, 1, [5], cache.ensure(1, [5]))  # the prefetch landed: a hit
@@ -221,30 +306,37 @@ def test_a_load_that_needs_the_row_being_written_waits_for_the_copy():
     cache.check_integrity()
 
 
-def test_close_wakes_an_idle_prefetch_thread():
-    cache = make_cache(capacity=2)
-    results = []
-    thread = threading.Thread(target=lambda: results.append(cache.prefetch_once()))
-    thread.start()
+def test_close_stops_an_idle_copier_thread_and_drops_the_queue():
+    cache = make_cache(capacity=2, copier="thread")
+    cache.copier.pause(True)
+    queue_plan(cache, -1, (0, 1, 1.0))
     cache.close()
-    thread.join(timeout=5)
-    assert not thread.is_alive() and results == [False]
+    assert not cache.copier._thread.is_alive()
+    assert cache.state.num_resident == 0 and cache.stats()["prefetches_cancelled"] == 1
+    cache.check_integrity()
 
 
+@pytest.mark.skipif(not copy_engine.available(), reason="no C++ compiler for the copy engine")
+def test_a_closed_cache_still_loads_on_demand_and_queues_nothing():
+    """A step that races the engine's shutdown must not fail on the stopped copier."""
+    cache = make_cache(capacity=2, tier=host_tier(tuple(range(EXPERTS))), copier="native")
+    cache.close()
+    assert_rows_hold(cache, 1, [2, 3], cache.ensure(1, [2, 3]))
+    queue_plan(cache, 1, (2, 2, 1.0))
+    assert cache.stats()["prefetches"] == 0 and cache.state.resident_keys() == [(1, 2), (1, 3)]
+
+
+@pytest.mark.parametrize("copier", ["thread", pytest.param("native", marks=pytest.mark.skipif(
+    not copy_engine.available(), reason="no C++ compiler for the copy engine"))])
 @pytest.mark.parametrize("policy", ["lru", "finemoe"])
-def test_forward_and_prefetch_threads_never_hand_out_a_wrong_row(policy):
-    """A slow prefetcher copies random plans while the forward thread asks for random experts:
-    every row the forward gets holds the expert it asked for, and the cache stays consistent."""
-    tier = FakeTier(delay_s=0.0005)
-    cache = make_cache(capacity=4, policy=policy, tier=tier)
-    stop = threading.Event()
-
-    def prefetcher() -> None:
-        while not stop.is_set() and cache.prefetch_once():
-            pass
-
-    thread = threading.Thread(target=prefetcher)
-    thread.start()
+def test_forward_and_copier_never_hand_out_a_wrong_row(policy, copier):
+    """The copier copies random plans while the forward thread asks for random experts: every row
+    the forward gets holds the expert it asked for, and the cache stays consistent."""
+    if copier == "thread":
+        cache = make_cache(capacity=4, policy=policy, tier=FakeTier(delay_s=0.0005), copier="thread")
+    else:  # rows of 256 KiB: copies long enough to be caught in progress
+        cache = make_cache(capacity=4, policy=policy, tier=host_tier(tuple(range(EXPERTS)), row=(256, 128)),
+                           copier="native", row=(256, 128))
     rng = random.Random(0)
     try:
         for _ in range(300):
@@ -253,17 +345,13 @@ def test_forward_and_prefetch_threads_never_hand_out_a_wrong_row(policy):
             rows = cache.ensure(layer, experts)
             assert_rows_hold(cache, layer, experts, rows)
             plan_layer = rng.randrange(LAYERS)
-            items = tuple(PrefetchItem(plan_layer, e, 1.0 - i / 10) for i, e in enumerate(rng.sample(range(EXPERTS), 3)))
-            with cache.locked():
-                cache._plan = PrefetchPlan(plan_layer - 1, items)
-                cache.locked().notify_all()
+            queue_plan(cache, plan_layer - 1, *((plan_layer, e, 1.0 - i / 10)
+                                                for i, e in enumerate(rng.sample(range(EXPERTS), 3))))
             if rng.random() < 0.3:
-                time.sleep(0.002)  # let the prefetcher start a copy before the forward asks again
+                time.sleep(0.002)  # let the copier start a copy before the forward asks again
             cache.check_integrity()
     finally:
-        stop.set()
         cache.close()
-        thread.join(timeout=5)
     stats = cache.stats()
     assert stats["prefetches"] > 0 and stats["resident_experts"] <= 4
     assert stats["lookups"] == stats["hits"] + stats["on_demand_loads"]

@@ -1,4 +1,4 @@
-"""The engine's side of the decisions: on-demand loads and prefetch steps over a CacheState."""
+"""The engine's side of the decisions: on-demand loads and prefetch copies over a CacheState."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from elasticmoe.offload import (
     PrefetchItem,
     PrefetchPlan,
     load_on_demand,
-    next_prefetch,
     routed_experts,
     run_prefetch,
 )
@@ -53,24 +52,26 @@ def test_on_demand_load_evicts_victims_but_never_the_layers_own_experts():
 def test_a_prefetch_never_evicts_what_its_plan_holds():
     cache = make_cache(3, [(1, 1)], [(0, 0)], [(2, 3)])
     plan = make_plan(0, (1, 1), (2, 0), (2, 1))  # (1, 1) is planned, (2, 3) is not
-    step = next_prefetch(cache, POLICY, plan, protected={(0, 0)})
-    assert step is not None and step.item.key == (2, 0) and step.victim == (2, 3)
-    cache = cache.evict([(2, 3)]).load([(2, 0)])
-    assert next_prefetch(cache, POLICY, plan, protected={(0, 0)}) is None  # only planned or protected left
-    assert next_prefetch(cache, POLICY, plan) is not None  # (0, 0) is evictable once its layer is done
+    update = run_prefetch(cache, POLICY, plan, None, protected={(0, 0)})
+    assert update.loaded == ((2, 0),) and update.evicted == ((2, 3),)  # then only planned or protected left
+    assert run_prefetch(update.cache, POLICY, plan, None, protected={(0, 0)}).loaded == ()
+    assert run_prefetch(update.cache, POLICY, plan, None).loaded == ((2, 1),)  # (0, 0) once its layer is done
 
 
 def test_run_prefetch_makes_the_same_decisions_as_one_step_at_a_time():
+    """Victims asked for at once equal victims asked for before each copy (the policy's rank of
+    the others does not change when a planned, protected expert arrives)."""
     cache = make_cache(4, [(0, 0)], [(0, 1)], [(1, 2)], [(2, 3)])
     plan = make_plan(0, (1, 0), (1, 1), (2, 0), (2, 1))
     update = run_prefetch(cache, POLICY, plan, max_loads=3, protected={(0, 1)})
     stepped, loaded, evicted = cache, [], []
-    while len(loaded) < 3 and (step := next_prefetch(stepped, POLICY, plan, {(0, 1)})) is not None:
-        if step.victim is not None:
-            stepped = stepped.evict([step.victim])
-            evicted.append(step.victim)
-        stepped = stepped.load([step.item.key])
-        loaded.append(step.item.key)
+    for item in plan.items[:3]:
+        if stepped.is_full:
+            victim = POLICY.choose_victims(stepped, 1, {(0, 1)} | plan.keys)[0]
+            stepped = stepped.evict([victim])
+            evicted.append(victim)
+        stepped = stepped.load([item.key])
+        loaded.append(item.key)
     assert list(update.loaded) == loaded == [(1, 0), (1, 1), (2, 0)]
     assert list(update.evicted) == evicted == [(0, 0), (1, 2), (2, 3)]
     assert update.cache.resident_keys() == stepped.resident_keys()

@@ -69,3 +69,19 @@ def test_snapshots_are_read_only_and_validated():
         with pytest.raises(ValueError):
             arr[1, 1] = 0
     after.check_integrity()
+
+
+def test_reinstate_puts_an_evicted_expert_back_as_it_was():
+    """A prefetch cancelled before it wrote its victim's row gives the victim back: resident again
+    with its old stamp and visits (LRU still sees it as old), the clock unchanged."""
+    cache = CacheState.empty(2, 3, capacity=2).load([(0, 0)]).load([(1, 1)]).use(0, [0])
+    evicted = cache.evict([(0, 0)]).load([(1, 2)])
+    back = evicted.evict([(1, 2)]).reinstate([(0, 0)])
+    assert back.resident_keys() == [(0, 0), (1, 1)]
+    assert back.last_used[0, 0] == cache.last_used[0, 0] and back.num_uses[0, 0] == 1
+    assert back.clock == evicted.clock
+    back.check_integrity()
+    with pytest.raises(ValueError, match="already resident"):
+        back.reinstate([(0, 0)])
+    with pytest.raises(ValueError, match="do not fit"):
+        evicted.reinstate([(0, 0)])  # (1, 2) still holds the slot

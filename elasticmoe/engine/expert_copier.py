@@ -1,0 +1,201 @@
+"""The expert cache's prefetch copies, made beside the forward by a copier the cache submits to.
+
+The cache decides on the forward thread which expert goes into which pool row (and which expert
+leaves it); a copier only copies, in submission order, like a GPU's copy stream beside its compute
+stream. Two copiers with one interface:
+- `NativeCopier`: a native thread (`elasticmoe.kernels.copy_engine`) that never takes the GIL. A
+  Python thread that takes the GIL for each copy costs the forward more than the copy: after every
+  PyTorch op the forward must take the GIL back, and on this 2-vCPU guest each hand-over is a
+  wake-up (docs/offload.md, "the prefetch thread's GIL").
+- `ThreadCopier`: a Python thread calling the source's `copy_into`, where the native engine is not
+  available (no C++ compiler) or cannot make the copy (a dtype conversion it does not have). Tests
+  drive it a copy at a time (`start=False`, `run_one`).
+
+The protocol both keep: copies get consecutive ids from 0; every id below `finished()` has been
+copied, failed (`failed`) or been cancelled; `cancel()` drops every copy not started and returns
+the first dropped id (their rows were never written); `pause(True)` stops between two copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from elasticmoe.engine.expert_sources import ExpertSource, Segment
+from elasticmoe.kernels import copy_engine
+
+logger = logging.getLogger(__name__)
+
+# (MoE layer, local expert index, pool row): one expert copied into one row of the pool
+Copy = tuple[int, int, int]
+
+
+class ExpertCopier(Protocol):
+    failed: set[int]  # ids of copies that raised (their rows hold garbage); the cache discards them
+
+    def submit(self, copies: Sequence[Copy]) -> int: ...  # the first copy's id
+    def cancel(self) -> int: ...
+    def pause(self, paused: bool) -> None: ...
+    def finished(self) -> int: ...
+    def running(self) -> int: ...  # the id being copied, or -1
+    def wait(self, copy_id: int) -> bool: ...  # blocks until it finished; False if nobody would copy it
+    @property
+    def busy_s(self) -> float: ...
+    def close(self) -> None: ...
+
+
+class NativeCopier:
+    """Copies by the native copy engine, whose table holds every expert's segments (made once)."""
+
+    def __init__(self, engine: copy_engine.CopyEngine, num_local: int) -> None:
+        """`engine`'s source `layer * num_local + local` is that expert."""
+        self.engine = engine
+        self.failed: set[int] = set()  # native copies cannot fail
+        self._num_local = num_local
+        self._busy_at_close = 0.0
+
+    def submit(self, copies: Sequence[Copy]) -> int:
+        return self.engine.submit([(layer * self._num_local + local, row) for layer, local, row in copies])
+
+    def cancel(self) -> int:
+        return self.engine.cancel()
+
+    def pause(self, paused: bool) -> None:
+        if not self.engine.closed:  # a closed cache still loads on demand (a step racing a shutdown)
+            self.engine.pause(paused)
+
+    def finished(self) -> int:
+        return self.engine.finished()
+
+    def running(self) -> int:
+        return self.engine.running()
+
+    def wait(self, copy_id: int) -> bool:
+        return self.engine.wait(copy_id)
+
+    @property
+    def busy_s(self) -> float:
+        return self._busy_at_close if self.engine.closed else self.engine.busy_s
+
+    def close(self) -> None:
+        if not self.engine.closed:
+            self._busy_at_close = self.engine.busy_s
+        self.engine.close()
+
+
+class ThreadCopier:
+    """Copies by `source.copy_into` on a Python thread (or, with `start=False`, by `run_one`)."""
+
+    def __init__(self, source: ExpertSource, w13: torch.Tensor, w2: torch.Tensor, start: bool = True) -> None:
+        self.source, self.w13, self.w2 = source, w13, w2
+        self.failed: set[int] = set()
+        self.busy_s = 0.0
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[int, Copy]] = deque()
+        self._next = self._finished = 0
+        self._running = -1
+        self._paused = self._closed = False
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._loop, name="expert-prefetch", daemon=True)
+            self._thread.start()
+
+    def submit(self, copies: Sequence[Copy]) -> int:
+        with self._cond:
+            first = self._next
+            self._queue.extend((first + i, copy) for i, copy in enumerate(copies))
+            self._next += len(copies)
+            self._cond.notify_all()
+            return first
+
+    def cancel(self) -> int:
+        with self._cond:
+            first = self._queue[0][0] if self._queue else self._next
+            self._queue.clear()
+            if self._running < 0:
+                self._finished = self._next
+            self._cond.notify_all()
+            return first
+
+    def pause(self, paused: bool) -> None:
+        with self._cond:
+            self._paused = paused
+            self._cond.notify_all()
+
+    def finished(self) -> int:
+        return self._finished
+
+    def running(self) -> int:
+        return self._running
+
+    def wait(self, copy_id: int) -> bool:
+        with self._cond:
+            while copy_id >= self._finished:
+                if copy_id >= self._next or self._closed or (self._paused and self._running != copy_id):
+                    return False
+                self._cond.wait()
+            return True
+
+    def run_one(self, block: bool = False) -> bool:
+        """Copy the next queued expert; False when there is none (`block`: wait for one, False
+        once closed)."""
+        with self._cond:
+            while self._paused or not self._queue:
+                if self._closed or not block:
+                    return False
+                self._cond.wait()
+            copy_id, (layer, local, row) = self._queue.popleft()
+            self._running = copy_id
+        started = time.perf_counter()
+        try:
+            self.source.copy_into(layer, local, self.w13[row], self.w2[row])
+        except Exception:  # noqa: BLE001 - the cache discards the copy; the forward loads on demand
+            logger.exception("prefetch of expert %d/%d failed", layer, local)
+            self.failed.add(copy_id)
+        with self._cond:
+            self.busy_s += time.perf_counter() - started
+            self._running = -1
+            self._finished = self._queue[0][0] if self._queue else self._next
+            self._cond.notify_all()
+        return True
+
+    def _loop(self) -> None:
+        while self.run_one(block=True):
+            pass
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+def make_copier(source: ExpertSource, w13: torch.Tensor, w2: torch.Tensor, num_layers: int,
+                num_local: int) -> ExpertCopier:
+    """The native copier where the kernel builds and the source can describe every expert's copy;
+    else the Python thread."""
+    if not copy_engine.available() or w13.dtype != w2.dtype:
+        return ThreadCopier(source, w13, w2)
+    pieces: list[list[Segment]] = []
+    for layer in range(num_layers):
+        for local in range(num_local):
+            expert = source.segments(layer, local, w13.dtype)
+            if expert is None:
+                logger.info("expert prefetch: the source's dtype needs a conversion the native copier does "
+                            "not make; a Python thread copies")
+                return ThreadCopier(source, w13, w2)
+            pieces.append(expert)
+    per_copy = max(len(p) for p in pieces)
+    table = np.zeros((num_layers * num_local, per_copy, copy_engine.SEGMENT_FIELDS), dtype=np.int64)
+    for i, p in enumerate(pieces):
+        table[i, : len(p)] = p
+    return NativeCopier(copy_engine.CopyEngine(table, (w13, w2), keepalive=source), num_local)

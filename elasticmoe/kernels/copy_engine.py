@@ -1,0 +1,142 @@
+"""A native copy thread (csrc/copy_engine.cpp): queued copies into pool rows that never take the GIL.
+
+The expert cache's prefetches run here (`elasticmoe.engine.expert_copier`): the forward thread
+decides and submits, this thread copies. The engine is made with a table of sources (one per
+expert): each is up to S segments, a piece of memory written at an offset of a row of one of the
+pools, by `memcpy` or by a bf16 -> fp32 widening. A copy is then two integers, (source, row). The
+table holds raw addresses: the caller keeps the sources and the pools alive until the engine is
+closed (`close` waits for the copy in progress).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Sequence
+from functools import cache
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from elasticmoe.kernels.build import load_kernel
+
+MEMCPY = 0  # count: bytes
+BF16_TO_F32 = 1  # count: elements
+SEGMENT_FIELDS = 5  # source address, pool, byte offset in the pool's row, count, kind
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_kernel("copy_engine")
+    if lib is None:
+        return None
+    handle, i64, ptr, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    for name, argtypes, restype in (
+        ("emoe_copy_engine_new", [ptr, i64, i64, ptr, ptr, i64, i64], handle),
+        ("emoe_copy_engine_free", [handle], c_int),
+        ("emoe_copy_engine_submit", [handle, ptr, i64], i64),
+        ("emoe_copy_engine_cancel", [handle], i64),
+        ("emoe_copy_engine_pause", [handle, c_int], c_int),
+        ("emoe_copy_engine_finished", [handle], i64),
+        ("emoe_copy_engine_running", [handle], i64),
+        ("emoe_copy_engine_busy_ns", [handle], i64),
+        ("emoe_copy_engine_wait", [handle, i64], c_int),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _free(lib: ctypes.CDLL, handle: int, memory: object) -> None:
+    """Stop the thread (after its copy in progress); `memory` is released only after."""
+    lib.emoe_copy_engine_free(handle)
+
+
+class CopyEngine:
+    """One native copy thread. Items get consecutive ids from 0 in submission order; every id below
+    `finished()` has been copied or cancelled. Calls are ctypes calls: each releases the GIL."""
+
+    def __init__(self, table: npt.NDArray[np.int64], pools: Sequence[torch.Tensor], keepalive: object = None) -> None:
+        """`table` [sources, S, 5]: per source, its segments (count 0: padding); `pools`: contiguous
+        tensors whose dim 0 indexes rows; `keepalive`: what owns the sources' memory. The engine
+        holds the pools and `keepalive` until its thread has stopped, so that memory cannot be
+        freed under a copy, whatever order a collector frees things in."""
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("copy engine: the native kernel is not available (no C++ compiler, or kernels off)")
+        table = np.ascontiguousarray(table, dtype=np.int64)
+        if table.ndim != 3 or table.shape[2] != SEGMENT_FIELDS or table.shape[1] < 1:
+            raise ValueError(f"copy engine: table must be [sources, S >= 1, {SEGMENT_FIELDS}], got {table.shape}")
+        rows = {int(p.shape[0]) for p in pools}
+        if not pools or len(rows) != 1 or not all(p.is_contiguous() for p in pools):
+            raise ValueError("copy engine: pools must be contiguous tensors with the same number of rows")
+        bases = np.array([p.data_ptr() for p in pools], dtype=np.int64)
+        row_bytes = np.array([p[0].nbytes for p in pools], dtype=np.int64)
+        handle = lib.emoe_copy_engine_new(table.ctypes.data, table.shape[0], table.shape[1], bases.ctypes.data,
+                                          row_bytes.ctypes.data, len(pools), rows.pop())
+        if not handle:
+            raise ValueError("copy engine: a segment writes outside its pool row, or names an unknown pool or kind")
+        self._lib, self._handle = lib, handle
+        self.num_sources = table.shape[0]
+        # Freed (its thread joined) at close, garbage collection or interpreter exit, whichever is first:
+        # before the memory it copies into can go away.
+        self._finalizer = weakref.finalize(self, _free, lib, handle, (tuple(pools), keepalive))
+
+    def submit(self, copies: Sequence[tuple[int, int]]) -> int:
+        """Queue copies (source, row); returns the first one's id."""
+        self._check_open()
+        flat = [int(v) for copy in copies for v in copy]
+        if len(flat) != 2 * len(copies):
+            raise ValueError(f"copy engine: copies are (source, row) pairs, got {copies}")
+        first = self._lib.emoe_copy_engine_submit(self._handle, (ctypes.c_int64 * len(flat))(*flat), len(copies))
+        if first < 0:
+            raise ValueError(f"copy engine: a source or row of {copies} is out of range")
+        return int(first)
+
+    def cancel(self) -> int:
+        """Drop every queued item not started; returns the first dropped id (the next id if none)."""
+        self._check_open()
+        return int(self._lib.emoe_copy_engine_cancel(self._handle))
+
+    def pause(self, paused: bool) -> None:
+        """Stop (or resume) taking items; the one in progress completes."""
+        self._check_open()
+        self._lib.emoe_copy_engine_pause(self._handle, int(paused))
+
+    def finished(self) -> int:
+        self._check_open()
+        return int(self._lib.emoe_copy_engine_finished(self._handle))
+
+    def running(self) -> int:
+        """The id of the item being copied, or -1."""
+        self._check_open()
+        return int(self._lib.emoe_copy_engine_running(self._handle))
+
+    def wait(self, item: int) -> bool:
+        """Block until `item` has finished; False at once if nobody would copy it (queued behind a
+        pause, or never submitted)."""
+        self._check_open()
+        return bool(self._lib.emoe_copy_engine_wait(self._handle, item))
+
+    @property
+    def busy_s(self) -> float:
+        """The thread's time copying so far."""
+        self._check_open()
+        return self._lib.emoe_copy_engine_busy_ns(self._handle) / 1e9
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Drop the queue, let the copy in progress finish and stop the thread (idempotent)."""
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("copy engine: closed")

@@ -1,0 +1,236 @@
+// A copy engine for the expert cache: one native thread that copies queued experts into pool rows
+// and never takes Python's GIL (elasticmoe/kernels/copy_engine.py binds it).
+//
+// Why a native thread: the cache's prefetches used to run on a Python thread, which takes the GIL
+// several times per copy. The forward thread takes it back after every PyTorch op, and on a 2-vCPU
+// guest each hand-over costs a wake-up: a Python thread waking 1,000 times a second slowed a
+// resident decode step by 1-5 ms, whatever its work (docs/offload.md). Here the forward thread
+// decides (which expert, which row, which victim) and submits; this thread only copies, the way a
+// GPU's copy stream runs beside its compute stream.
+//
+// The engine is made with a table of sources: source i (an expert) is up to S segments, each a
+// piece of the expert (an address and a count) written at an offset of a row of one of the pools
+// (w13, w2), by memcpy or by a bf16 -> fp32 widening (a bf16 checkpoint read into an fp32 cache).
+// A copy is (source, row). The protocol (every field under `mu_`):
+// - copies get consecutive ids from 0; the queue holds the ones not started, in id order;
+// - the worker takes the queue's front (unless paused), copies it without the lock, and then
+//   advances `finished_`: every id below it is copied or cancelled;
+// - `cancel` drops every queued copy at once and returns the first dropped id: a dropped copy's
+//   row was never written, so the caller may hand it back to the expert that held it;
+// - `pause` stops the worker between two copies (an on-demand load needs the memory bandwidth).
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMemcpy = 0;      // count = bytes
+constexpr int64_t kBf16ToF32 = 1;   // count = elements
+constexpr int64_t kSegmentFields = 5;  // source address, pool, offset in the row, count, kind
+
+struct Segment {
+  const char* src;
+  int64_t pool;
+  int64_t offset;
+  int64_t count;
+  int64_t kind;
+};
+
+struct Pool {
+  char* base;
+  int64_t row_bytes;
+};
+
+struct Item {
+  int64_t id;
+  int64_t source;
+  int64_t row;
+};
+
+int64_t written_bytes(const Segment& s) { return s.kind == kMemcpy ? s.count : s.count * 4; }
+
+void copy_segment(const Segment& s, char* dst) {
+  if (s.count == 0) return;  // padding: an expert made of fewer pieces than the widest
+  if (s.kind == kMemcpy) {
+    std::memcpy(dst, s.src, static_cast<size_t>(s.count));
+    return;
+  }
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < s.count; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;  // exact
+}
+
+class CopyEngine {
+ public:
+  CopyEngine(std::vector<Segment> table, int64_t per_source, std::vector<Pool> pools, int64_t num_rows)
+      : table_(std::move(table)), per_source_(per_source), pools_(std::move(pools)), num_rows_(num_rows),
+        worker_([this] { run(); }) {}
+
+  int64_t num_sources() const { return static_cast<int64_t>(table_.size()) / per_source_; }
+  int64_t num_rows() const { return num_rows_; }
+
+  ~CopyEngine() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+      queue_.clear();
+    }
+    work_cv_.notify_all();
+    worker_.join();  // after the copy in progress, if any: its row stays valid until then
+  }
+
+  int64_t submit(const int64_t* copies, int64_t num_copies) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t first = next_id_;
+    for (int64_t i = 0; i < num_copies; ++i) queue_.push_back({next_id_++, copies[2 * i], copies[2 * i + 1]});
+    work_cv_.notify_all();
+    return first;
+  }
+
+  int64_t cancel() {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t first = queue_.empty() ? next_id_ : queue_.front().id;
+    queue_.clear();
+    if (running_ < 0) finished_ = next_id_;
+    done_cv_.notify_all();
+    return first;
+  }
+
+  void pause(bool paused) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      paused_ = paused;
+    }
+    work_cv_.notify_all();
+    done_cv_.notify_all();
+  }
+
+  int64_t finished() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return finished_;
+  }
+
+  int64_t running() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return running_;
+  }
+
+  int64_t busy_ns() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return busy_ns_;
+  }
+
+  // Block until item `id` is finished. Returns at once (false) when it is queued behind a pause or
+  // was never submitted: nobody would copy it.
+  bool wait(int64_t id) {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (id < finished_) return true;
+      if (id >= next_id_ || stopping_ || (paused_ && running_ != id)) return false;
+      done_cv_.wait(lock);
+    }
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      work_cv_.wait(lock, [this] { return stopping_ || (!paused_ && !queue_.empty()); });
+      if (stopping_) return;
+      const Item item = queue_.front();
+      queue_.pop_front();
+      running_ = item.id;
+      lock.unlock();
+      const auto started = std::chrono::steady_clock::now();
+      const Segment* segments = table_.data() + item.source * per_source_;
+      for (int64_t i = 0; i < per_source_; ++i) {
+        const Pool& pool = pools_[segments[i].pool];
+        copy_segment(segments[i], pool.base + item.row * pool.row_bytes + segments[i].offset);
+      }
+      const auto took = std::chrono::steady_clock::now() - started;
+      lock.lock();
+      busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(took).count();
+      running_ = -1;
+      finished_ = queue_.empty() ? next_id_ : queue_.front().id;
+      done_cv_.notify_all();
+    }
+  }
+
+  const std::vector<Segment> table_;  // [sources, per_source_]
+  const int64_t per_source_;
+  const std::vector<Pool> pools_;
+  const int64_t num_rows_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<Item> queue_;
+  int64_t next_id_ = 0, finished_ = 0, running_ = -1, busy_ns_ = 0;
+  bool paused_ = false, stopping_ = false;
+  std::thread worker_;  // last: it starts once the fields above are initialised
+};
+
+CopyEngine* engine(void* handle) { return static_cast<CopyEngine*>(handle); }
+
+}  // namespace
+
+extern "C" {
+
+// `table` [num_sources, per_source, 5]: (source address, pool, offset in the row, count, kind);
+// `pool_bases` / `row_bytes` [num_pools]: each pool's address and row size; rows 0..num_rows-1.
+// Returns null when a segment would write outside its pool row, or names an unknown pool or kind.
+void* emoe_copy_engine_new(const int64_t* table, int64_t num_sources, int64_t per_source, const int64_t* pool_bases,
+                           const int64_t* row_bytes, int64_t num_pools, int64_t num_rows) {
+  if (num_sources < 0 || per_source < 1 || num_pools < 1 || num_rows < 0) return nullptr;
+  std::vector<Pool> pools;
+  for (int64_t p = 0; p < num_pools; ++p) pools.push_back({reinterpret_cast<char*>(pool_bases[p]), row_bytes[p]});
+  std::vector<Segment> segments;
+  for (int64_t i = 0; i < num_sources * per_source; ++i) {
+    const int64_t* f = table + i * kSegmentFields;
+    const Segment s{reinterpret_cast<const char*>(f[0]), f[1], f[2], f[3], f[4]};
+    if (s.pool < 0 || s.pool >= num_pools || (s.kind != kMemcpy && s.kind != kBf16ToF32) || s.count < 0 ||
+        s.offset < 0 || s.offset + written_bytes(s) > pools[s.pool].row_bytes)
+      return nullptr;
+    segments.push_back(s);
+  }
+  return new (std::nothrow) CopyEngine(std::move(segments), per_source, std::move(pools), num_rows);
+}
+
+int emoe_copy_engine_free(void* handle) {
+  delete engine(handle);
+  return 0;
+}
+
+// `copies` [num_copies, 2]: (source, row). Returns the first copy's id (-1: a source or row out of range).
+int64_t emoe_copy_engine_submit(void* handle, const int64_t* copies, int64_t num_copies) {
+  CopyEngine* e = engine(handle);
+  for (int64_t i = 0; i < num_copies; ++i) {
+    if (copies[2 * i] < 0 || copies[2 * i] >= e->num_sources() || copies[2 * i + 1] < 0 ||
+        copies[2 * i + 1] >= e->num_rows())
+      return -1;
+  }
+  return e->submit(copies, num_copies);
+}
+
+int64_t emoe_copy_engine_cancel(void* handle) { return engine(handle)->cancel(); }
+
+int emoe_copy_engine_pause(void* handle, int paused) {
+  engine(handle)->pause(paused != 0);
+  return 0;
+}
+
+int64_t emoe_copy_engine_finished(void* handle) { return engine(handle)->finished(); }
+
+int64_t emoe_copy_engine_running(void* handle) { return engine(handle)->running(); }
+
+int64_t emoe_copy_engine_busy_ns(void* handle) { return engine(handle)->busy_ns(); }
+
+int emoe_copy_engine_wait(void* handle, int64_t id) { return engine(handle)->wait(id) ? 1 : 0; }
+
+}  // extern "C"
