@@ -257,9 +257,12 @@ class ExpertCache:
 
     def _policy_plan(self) -> PrefetchPlan | None:
         """The policy's plan; None (no prefetching until the next one) if it raises: a policy's
-        fault costs hit rate, never a request."""
+        fault costs hit rate, never a request.
+        The policy sees the queued copies' experts as not resident: a plan leaves out what is
+        resident, and the queued copies it still wants must be in it to stay queued."""
+        queued = [copy.key for copy in self._queued]
         try:
-            return self.policy.prefetch_plan(self.state)
+            return self.policy.prefetch_plan(self.state.evict(queued) if queued else self.state)
         except Exception:  # noqa: BLE001
             logger.exception("offload policy %s: prefetch_plan failed", self.policy.name)
             return None
