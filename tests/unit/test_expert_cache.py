@@ -19,6 +19,7 @@ from elasticmoe.engine.expert_copier import NativeCopier, ThreadCopier, make_cop
 from elasticmoe.engine.expert_sources import HostExperts
 from elasticmoe.kernels import copy_engine
 from elasticmoe.offload.cache_ops import CacheTooSmallError
+from elasticmoe.offload.lru import OnDemandPolicy
 from elasticmoe.offload.policy import PolicyConfig, PrefetchItem, PrefetchPlan
 from elasticmoe.offload.registry import make_policy
 
@@ -222,6 +223,37 @@ def test_a_newer_plan_that_still_wants_the_queue_keeps_it():
     assert cache.stats()["prefetches_cancelled"] == 0
     assert cache.copier.run_one() and cache.copier.run_one() and not cache.copier.run_one()
     assert cache.stats()["prefetches"] == 2
+    cache.check_integrity()
+
+
+class FixedPlanPolicy(OnDemandPolicy):
+    """LRU victims; plans `wanted` minus what the cache holds, as every policy leaves out the
+    resident experts."""
+
+    name = "fixed"
+
+    def __init__(self, wanted: list[tuple[int, int]]) -> None:
+        super().__init__(PolicyConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K))
+        self.wanted = wanted
+
+    def prefetch_plan(self, cache):
+        keys = [key for key in self.wanted if not cache.is_resident(key)]
+        return PrefetchPlan(-1, tuple(PrefetchItem(*key, 1.0 - i / 10) for i, key in enumerate(keys)))
+
+
+def test_replanning_the_same_plan_keeps_its_queued_copies():
+    """The policy is shown the queued copies' experts as not resident: otherwise the plan after
+    the next layer would leave them out, and the copies it still wants would be cancelled."""
+    tier = FakeTier()
+    w13, w2 = torch.zeros(3, 4, 2), torch.zeros(3, 2, 2)
+    cache = ExpertCache(FixedPlanPolicy([(1, 1), (2, 2)]), tier, w13, w2, tuple(range(EXPERTS)), LAYERS,
+                        EXPERTS, copier=ThreadCopier(tier, w13, w2, start=False))
+    cache.replan()
+    cache.replan(routed=(0, [0]))  # the next layer: the same plan
+    assert cache.stats()["prefetches_cancelled"] == 0
+    assert cache.copier.run_one() and cache.copier.run_one() and not cache.copier.run_one()
+    assert_rows_hold(cache, 2, [2], cache.ensure(2, [2]))
+    assert cache.stats()["prefetches"] == 2 and cache.stats()["on_demand_loads"] == 0
     cache.check_integrity()
 
 
