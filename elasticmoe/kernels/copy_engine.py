@@ -80,7 +80,8 @@ class CopyEngine:
         handle = lib.emoe_copy_engine_new(table.ctypes.data, table.shape[0], table.shape[1], bases.ctypes.data,
                                           row_bytes.ctypes.data, len(pools), rows.pop())
         if not handle:
-            raise ValueError("copy engine: a segment writes outside its pool row, or names an unknown pool or kind")
+            raise ValueError("copy engine: refused: a segment writes outside its pool row, or names an unknown pool "
+                             "or kind (or its thread could not start)")
         self._lib, self._handle = lib, handle
         self.num_sources = table.shape[0]
         # Freed (its thread joined) at close, garbage collection or interpreter exit, whichever is first:

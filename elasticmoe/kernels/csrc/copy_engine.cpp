@@ -2,11 +2,10 @@
 // and never takes Python's GIL (elasticmoe/kernels/copy_engine.py binds it).
 //
 // Why a native thread: the cache's prefetches used to run on a Python thread, which takes the GIL
-// several times per copy. The forward thread takes it back after every PyTorch op, and on a 2-vCPU
-// guest each hand-over costs a wake-up: a Python thread waking 1,000 times a second slowed a
-// resident decode step by 1-5 ms, whatever its work (docs/offload.md). Here the forward thread
-// decides (which expert, which row, which victim) and submits; this thread only copies, the way a
-// GPU's copy stream runs beside its compute stream.
+// several times per copy while the forward thread needs it back after every PyTorch op. Here the
+// forward thread decides (which expert, which row, which victim) and submits; this thread only
+// copies, the way a GPU's copy stream runs beside its compute stream (docs/offload.md, "A copy
+// engine beside the forward").
 //
 // The engine is made with a table of sources: source i (an expert) is up to S segments, each a
 // piece of the expert (an address and a count) written at an offset of a row of one of the pools
@@ -25,7 +24,6 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <new>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -184,7 +182,8 @@ extern "C" {
 
 // `table` [num_sources, per_source, 5]: (source address, pool, offset in the row, count, kind);
 // `pool_bases` / `row_bytes` [num_pools]: each pool's address and row size; rows 0..num_rows-1.
-// Returns null when a segment would write outside its pool row, or names an unknown pool or kind.
+// Returns null when a segment would write outside its pool row, or names an unknown pool or kind,
+// or when the thread cannot start.
 void* emoe_copy_engine_new(const int64_t* table, int64_t num_sources, int64_t per_source, const int64_t* pool_bases,
                            const int64_t* row_bytes, int64_t num_pools, int64_t num_rows) {
   if (num_sources < 0 || per_source < 1 || num_pools < 1 || num_rows < 0) return nullptr;
@@ -199,7 +198,11 @@ void* emoe_copy_engine_new(const int64_t* table, int64_t num_sources, int64_t pe
       return nullptr;
     segments.push_back(s);
   }
-  return new (std::nothrow) CopyEngine(std::move(segments), per_source, std::move(pools), num_rows);
+  try {
+    return new CopyEngine(std::move(segments), per_source, std::move(pools), num_rows);
+  } catch (...) {  // no memory, or no thread: nothing may escape into the Python caller
+    return nullptr;
+  }
 }
 
 int emoe_copy_engine_free(void* handle) {
