@@ -210,11 +210,8 @@ class ExpertCache:
         order = np.argsort(-popularity, axis=None, kind="stable")
         filled = 0
         with self._lock:
-            self.copier.pause(True)
+            self._drain_copier()
             try:
-                self._cancel_queued()
-                while self._queued:  # the copy in progress
-                    self._wait_for(self._queued[0])
                 for flat in order[: int((popularity > 0).sum())]:
                     layer, expert = divmod(int(flat), popularity.shape[1])
                     if self.state.is_full:
@@ -336,10 +333,7 @@ class ExpertCache:
         while self._queued and self._queued[0].copy_id < finished:
             copy = self._queued.popleft()
             if copy.victim is not None:  # gone for good: its row has been written
-                self.counters.evictions += 1
-                if copy.victim in self._unused_prefetches:
-                    self._unused_prefetches.discard(copy.victim)
-                    self.counters.prefetches_wasted += 1
+                self._count_eviction(copy.victim)
             if copy.copy_id in self.copier.failed:
                 self.copier.failed.discard(copy.copy_id)
                 self.state = self.state.evict([copy.key])
@@ -350,6 +344,14 @@ class ExpertCache:
             self.bytes_loaded[self.source.tier] += self.expert_bytes
             self.counters.prefetches += 1
             self._unused_prefetches.add(copy.key)
+
+    def _drain_copier(self) -> None:
+        """Pause the copier, cancel the queue and wait for the copy in progress: afterwards the
+        queue is empty and nothing writes a row. The caller resumes the copier. Holds the lock."""
+        self.copier.pause(True)
+        self._cancel_queued()
+        while self._queued:
+            self._wait_for(self._queued[0])
 
     def _wait_for(self, copy: QueuedCopy) -> None:
         """Block until `copy` (in progress, or queued on a running copier) has finished, then publish."""
@@ -368,11 +370,7 @@ class ExpertCache:
                 return
             self._closed = True
             self._plan = None
-            self.copier.pause(True)
-            self._cancel_queued()
-            for copy in list(self._queued):
-                self.copier.wait(copy.copy_id)
-            self._publish_finished()
+            self._drain_copier()
             self.copier.close()
 
     # ---- both ----------------------------------------------------------------------------
@@ -388,6 +386,9 @@ class ExpertCache:
         self.slot_of[key] = -1
         self.state = self.state.evict([key])
         self._free.append(row)
+        self._count_eviction(key)
+
+    def _count_eviction(self, key: ExpertKey) -> None:
         self.counters.evictions += 1
         if key in self._unused_prefetches:
             self._unused_prefetches.discard(key)

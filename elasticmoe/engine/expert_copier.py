@@ -59,7 +59,6 @@ class NativeCopier:
         self.engine = engine
         self.failed: set[int] = set()  # native copies cannot fail
         self._num_local = num_local
-        self._busy_at_close = 0.0
 
     def submit(self, copies: Sequence[Copy]) -> int:
         return self.engine.submit([(layer * self._num_local + local, row) for layer, local, row in copies])
@@ -82,11 +81,9 @@ class NativeCopier:
 
     @property
     def busy_s(self) -> float:
-        return self._busy_at_close if self.engine.closed else self.engine.busy_s
+        return self.engine.busy_s
 
     def close(self) -> None:
-        if not self.engine.closed:
-            self._busy_at_close = self.engine.busy_s
         self.engine.close()
 
 

@@ -83,6 +83,7 @@ class CopyEngine:
             raise ValueError("copy engine: refused: a segment writes outside its pool row, or names an unknown pool "
                              "or kind (or its thread could not start)")
         self._lib, self._handle = lib, handle
+        self._busy_at_close = 0.0
         self.num_sources = table.shape[0]
         # Freed (its thread joined) at close, garbage collection or interpreter exit, whichever is first:
         # before the memory it copies into can go away.
@@ -126,8 +127,9 @@ class CopyEngine:
 
     @property
     def busy_s(self) -> float:
-        """The thread's time copying so far."""
-        self._check_open()
+        """The thread's time copying so far (its total once closed)."""
+        if not self._finalizer.alive:
+            return self._busy_at_close
         return self._lib.emoe_copy_engine_busy_ns(self._handle) / 1e9
 
     @property
@@ -136,6 +138,13 @@ class CopyEngine:
 
     def close(self) -> None:
         """Drop the queue, let the copy in progress finish and stop the thread (idempotent)."""
+        if not self._finalizer.alive:
+            return
+        self.cancel()
+        running = self.running()
+        if running >= 0:
+            self.wait(running)
+        self._busy_at_close = self.busy_s  # final: nothing copies any more
         self._finalizer()
 
     def _check_open(self) -> None:

@@ -1,9 +1,15 @@
-"""Hand-made routing traces for the offloading tests (k = 1: each token names one expert per layer)."""
+"""Hand-made inputs for the offloading tests: routing traces (k = 1: each token names one expert
+per layer) and a tiny bf16 checkpoint of two experts read by `DiskExperts`."""
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
+from elasticmoe.engine.expert_sources import DiskExperts, LayerExpertSpecs
+from elasticmoe.models.weights import ParamSpec
 from elasticmoe.offload.trace import RoutingTrace
 
 ROUTED_PROB = 0.7  # the routed expert's gate probability; the rest is spread evenly
@@ -46,3 +52,14 @@ def mixed_routes(seed: int = 0, num_requests: int = 4) -> list[list[list[list[in
         return torch.randint(0, 4, (n, 3), generator=gen).tolist()
 
     return [[tokens(3), *(tokens(1) for _ in range(3))] for _ in range(num_requests)]
+
+
+def bf16_disk_experts(directory: Path) -> tuple[dict[str, torch.Tensor], DiskExperts, ParamSpec, ParamSpec]:
+    """Two experts (gate, up [3, 4] -> w13 rows [6, 4]; down -> w2 rows [3, 4]) saved in bf16 in
+    `directory`, their tensors by name, and the disk tier over them with its two specs."""
+    gen = torch.Generator().manual_seed(1)
+    names = {f"e{e}.{p}": torch.randn(3, 4, generator=gen).bfloat16() for e in range(2) for p in ("gate", "up", "down")}
+    save_file(names, str(directory / "model.safetensors"))
+    w13 = ParamSpec("w13", (2, 6, 4), (("e0.gate", "e0.up"), ("e1.gate", "e1.up")), expert_ids=(0, 1))
+    w2 = ParamSpec("w2", (2, 3, 4), (("e0.down",), ("e1.down",)), expert_ids=(0, 1))
+    return names, DiskExperts(str(directory), [LayerExpertSpecs(w13, w2)]), w13, w2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from offload_factories import bf16_disk_experts
 from safetensors.torch import load_file, save_file
 
 from elasticmoe.engine.expert_sources import DiskExperts, LayerExpertSpecs
@@ -66,12 +67,7 @@ def test_a_view_outlives_the_provider(checkpoint):
 
 
 def test_disk_experts_fill_a_row_from_the_mapped_checkpoint(tmp_path):
-    gen = torch.Generator().manual_seed(1)
-    names = {f"e{e}.{p}": torch.randn(3, 4, generator=gen).bfloat16() for e in range(2) for p in ("gate", "up", "down")}
-    save_file(names, str(tmp_path / "model.safetensors"))
-    w13 = ParamSpec("w13", (2, 6, 4), (("e0.gate", "e0.up"), ("e1.gate", "e1.up")), expert_ids=(0, 1))
-    w2 = ParamSpec("w2", (2, 3, 4), (("e0.down",), ("e1.down",)), expert_ids=(0, 1))
-    experts = DiskExperts(str(tmp_path), [LayerExpertSpecs(w13, w2)])
+    names, experts, w13, w2 = bf16_disk_experts(tmp_path)
     row13, row2 = torch.empty(6, 4), torch.empty(3, 4)  # fp32 rows from a bf16 checkpoint
     assert experts.copy_into(0, 1, row13, row2) == row13.nbytes + row2.nbytes
     assert torch.equal(row13, torch.cat([names["e1.gate"], names["e1.up"]]).float())
