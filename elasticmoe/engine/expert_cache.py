@@ -128,14 +128,17 @@ class ExpertCache:
         started = time.perf_counter()
         with self._lock:
             self._publish_finished()
-            rows = self.slot_of[layer, experts]
-            if (rows >= 0).all():
+            # NOTE: Python lists, not NumPy indexing: this runs per MoE layer of every step on a
+            # handful of experts, where each NumPy call's dispatch costs more than the lookup.
+            layer_rows = self.slot_of[layer].tolist()
+            rows = [layer_rows[e] for _, e in keys]
+            if min(rows) >= 0:
                 # Every expert published: the copies in progress are into other rows, so there is
                 # nothing to wait for and no reason to stop them (the common case).
-                self._count_lookups(keys)
+                self._count_hits(keys)
                 self.state = self.state.use(layer, experts)
                 self._protected = frozenset(keys)
-                return rows.tolist()
+                return rows
             self.copier.pause(True)
             try:
                 # Queued copies give their victims back, and a queued expert this layer needs is
@@ -191,13 +194,19 @@ class ExpertCache:
             self._wait_for(self._queued[-1])
 
     def _count_lookups(self, keys: list[ExpertKey]) -> None:
+        """`keys` were looked up; those published are hits."""
+        hits = [key for key in keys if self.slot_of[key] >= 0]
+        self._count_hits(hits)
+        self.counters.lookups += len(keys) - len(hits)
+
+    def _count_hits(self, keys: list[ExpertKey]) -> None:
+        """`keys` were looked up and found resident."""
         self.counters.lookups += len(keys)
-        for key in keys:
-            if self.slot_of[key] >= 0:
-                self.counters.hits += 1
-                if key in self._unused_prefetches:
-                    self._unused_prefetches.discard(key)
-                    self.counters.prefetches_useful += 1
+        self.counters.hits += len(keys)
+        if self._unused_prefetches:
+            used = self._unused_prefetches.intersection(keys)
+            self._unused_prefetches -= used
+            self.counters.prefetches_useful += len(used)
 
     def warm(self, popularity: np.ndarray) -> int:
         """Fill free rows with this rank's most used experts by `popularity` [L, E] (the tokens an
@@ -279,6 +288,8 @@ class ExpertCache:
             copying = self.copier.running()  # cancelling cannot stop that one, so it does not count
             if any(copy.key not in planned and copy.copy_id != copying for copy in self._queued):
                 self._cancel_queued()
+        if not plan.items:  # the usual case once the cache holds what the policy predicts
+            return
         protected = self._protected.union(c.key for c in self._queued)
         num_free = self.state.num_free
         try:
