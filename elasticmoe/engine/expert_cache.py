@@ -132,7 +132,7 @@ class ExpertCache:
             # handful of experts, where each NumPy call's dispatch costs more than the lookup.
             layer_rows = self.slot_of[layer].tolist()
             rows = [layer_rows[e] for _, e in keys]
-            if min(rows) >= 0:
+            if not rows or min(rows) >= 0:
                 # Every expert published: the copies in progress are into other rows, so there is
                 # nothing to wait for and no reason to stop them (the common case).
                 self._count_hits(keys)

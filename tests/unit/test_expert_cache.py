@@ -100,6 +100,7 @@ def test_ensure_loads_missing_experts_and_evicts_within_the_budget():
     assert stats["bytes_loaded_disk"] == 4 * cache.expert_bytes
     assert cache.ensure(1, [3]) == [rows[1]]  # resident: a hit, no copy
     assert cache.stats()["hits"] == 1
+    assert cache.ensure(1, []) == [] and cache.stats()["lookups"] == 5  # nothing asked, nothing counted
     cache.check_integrity()
 
 
