@@ -24,6 +24,7 @@ sees an adapter half-loaded, and an unloading adapter blocks scales until it is 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -35,6 +36,9 @@ import ray
 
 from coordinator.esft_residency import EsftResidency
 from elasticmoe.adapters.esft import EsftAdapter
+from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.adapters.lora_router import LoraRouter
+from elasticmoe.config import ModelConfig
 from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError
 
 if TYPE_CHECKING:
@@ -150,9 +154,22 @@ class ClusterAdapterHost:
 
     # ---- AdapterHost ------------------------------------------------------------------------
 
-    async def load_esft(self, adapter: EsftAdapter, usage_probability: float | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.load_blocking, adapter.name, str(adapter.path), adapter.config.experts,
-                                       usage_probability)
+    @functools.cached_property
+    def model_config(self) -> ModelConfig:
+        """The base model's config: what an adapter's files are checked against."""
+        return ModelConfig.from_pretrained(self.cluster.config.model_dir)
+
+    async def load_esft(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        experts = await asyncio.to_thread(self.esft_experts, name, path)
+        return await asyncio.to_thread(self.load_blocking, name, path, experts, usage_probability)
+
+    def esft_experts(self, name: str, path: str) -> dict[int, tuple[int, ...]]:
+        """The tuned experts per layer of the ESFT adapter at `path`, once its files are checked
+        against the base (an `AdapterError` naming the field if the base cannot take them). The
+        HMM reads the tensors when it loads them into a slot."""
+        adapter = EsftAdapter.open(name, path, self.model_config)
+        adapter.close()
+        return adapter.config.experts
 
     def load_blocking(self, name: str, path: str, experts: dict[int, tuple[int, ...]],
                       usage_probability: float | None = None) -> dict[str, Any]:
@@ -218,8 +235,10 @@ class ClusterAdapterHost:
         self.publish_registry()  # the ingress stops sending them first
         ray.get([rank.unload_adapter.remote(name) for rank in inst.ranks])
 
-    async def load_lora(self, adapter: Any, usage_probability: float | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.load_lora_blocking, adapter.name, str(adapter.path), usage_probability)
+    async def load_lora(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        # Checked here first: a rank's own check would fail alike, but only after others loaded it.
+        await asyncio.to_thread(LoraAdapter.open, name, path, self.model_config)
+        return await asyncio.to_thread(self.load_lora_blocking, name, path, usage_probability)
 
     def load_lora_blocking(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
         """Every rank loads the adapter (its own experts' factors) into the same slot: the ranks'
@@ -253,7 +272,8 @@ class ClusterAdapterHost:
         finally:
             self.lock.release()
 
-    async def load_router(self, name: str, router: Any, usage_probability: float | None = None) -> dict[str, Any]:
+    async def load_router(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        router = await asyncio.to_thread(LoraRouter.open, path)
         return await asyncio.to_thread(self.load_router_blocking, name, router, usage_probability)
 
     def load_router_blocking(self, name: str, router: Any, usage_probability: float | None = None) -> dict[str, Any]:

@@ -38,8 +38,6 @@ from coordinator.scale_runner import ScaleRunner
 from coordinator.scaler import Scaler
 from coordinator.slo import SloTracker
 from coordinator.strategies import DEFAULT_STRATEGY
-from elasticmoe.config import ModelConfig
-from elasticmoe.entrypoints.openai.adapters_api import read_esft_adapter
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from hmm.lifeline import in_ray_actor, watch_parent
 
@@ -60,14 +58,12 @@ class Coordinator:
         self.config = config
         self.cluster = ClusterManager(config)
         await asyncio.to_thread(self.cluster.start)
-        self.model_config = await asyncio.to_thread(ModelConfig.from_pretrained, config.model_dir)
         scaler = Scaler(self.cluster)
         self.healer = Healer(self.cluster, scaler)
         for name, path in config.esft_adapters:  # --esft-adapter: a bad one fails the start
-            adapter = await asyncio.to_thread(read_esft_adapter, name, path, self.model_config)
-            await self.cluster.adapters.load_esft(adapter)
+            await self.cluster.adapters.load_esft(name, path)
         for name, path in config.lora_adapters:  # --lora-adapter
-            await asyncio.to_thread(self.cluster.adapters.load_lora_blocking, name, path)
+            await self.cluster.adapters.load_lora(name, path)
         self.scales = ScaleRunner(scaler)
         self.node_drainer = NodeDrainer(self.cluster, scaler)
         self.metrics = ClusterMetrics(self._active_dp)
@@ -192,17 +188,16 @@ class Coordinator:
         self.metrics.refresh_adapters(self.cluster.adapter_slots(), self.cluster.adapters.swap_stats())
         return self.metrics.render()
 
-    # ---- adapters (`coordinator.ingress_adapters.RemoteAdapterHost` calls these) ----------------
+    # ---- adapters (`coordinator.coordinator_client.RemoteAdapterHost` calls these; each opens the files here) ----------------
 
-    async def load_esft(self, name: str, path: str, experts: dict[int, tuple[int, ...]],
-                        usage_probability: float | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.cluster.adapters.load_blocking, name, path, experts, usage_probability)
+    async def load_esft(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        return await self.cluster.adapters.load_esft(name, path, usage_probability)
 
     async def load_lora(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.cluster.adapters.load_lora_blocking, name, path, usage_probability)
+        return await self.cluster.adapters.load_lora(name, path, usage_probability)
 
-    async def load_router(self, name: str, router: Any, usage_probability: float | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.cluster.adapters.load_router_blocking, name, router, usage_probability)
+    async def load_router(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        return await self.cluster.adapters.load_router(name, path, usage_probability)
 
     async def unload_adapter(self, name: str) -> bool:
         return await self.cluster.adapters.unload(name)

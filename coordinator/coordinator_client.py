@@ -5,8 +5,9 @@ from Ray's wrapper: an `OpenAIError` keeps its status, an adapter error its `par
 coordinator that is gone, restarting or too slow becomes a 503 that says so. No remote
 traceback ever reaches a client.
 
-`RemoteAdapterHost` is the ingress's `AdapterHost`: the admin routes validate an adapter's
-files here (400s before anything is sent), the coordinator loads it on every rank.
+`RemoteAdapterHost` is the ingress's `AdapterHost`: the coordinator opens and validates an
+adapter's files (its `AdapterError`s come back here as 400s naming the field), then loads it on
+every rank. The ingress never opens a tensor, so it imports no torch.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from coordinator.routing_state import RoutingState
-from elasticmoe.adapters.esft import EsftAdapter
-from elasticmoe.adapters.lora import LoraAdapter
-from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.errors import describe_error, unwrap_remote
 
@@ -76,15 +74,14 @@ class RemoteAdapterHost:
     def __init__(self, coordinator: CoordinatorClient) -> None:
         self.coordinator = coordinator
 
-    async def load_esft(self, adapter: EsftAdapter, usage_probability: float | None = None) -> dict[str, Any]:
-        return dict(await self.coordinator.call("load_esft", adapter.name, str(adapter.path), adapter.config.experts,
-                                                usage_probability))
+    async def load_esft(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_esft", name, path, usage_probability))
 
-    async def load_lora(self, adapter: LoraAdapter, usage_probability: float | None = None) -> dict[str, Any]:
-        return dict(await self.coordinator.call("load_lora", adapter.name, str(adapter.path), usage_probability))
+    async def load_lora(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_lora", name, path, usage_probability))
 
-    async def load_router(self, name: str, router: LoraRouter, usage_probability: float | None = None) -> dict[str, Any]:
-        return dict(await self.coordinator.call("load_router", name, router, usage_probability))
+    async def load_router(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        return dict(await self.coordinator.call("load_router", name, path, usage_probability))
 
     async def unload(self, name: str) -> bool:
         return bool(await self.coordinator.call("unload_adapter", name))

@@ -46,7 +46,6 @@ from coordinator.ingress_metrics import IngressMetrics
 from coordinator.observations import ObservationBuffer
 from coordinator.router import Router
 from coordinator.routing_follower import RoutingFollower
-from elasticmoe.config import ModelConfig
 from elasticmoe.entrypoints.openai.adapters_api import add_adapter_routes
 from elasticmoe.entrypoints.openai.api_server import add_openai_routes, install_guards
 from elasticmoe.entrypoints.openai.drain import Drainer, add_drain_route
@@ -115,7 +114,6 @@ def build_ingress_app(
     metrics: IngressMetrics,
     observations: ObservationBuffer,
     drainer: Drainer,
-    model_config: ModelConfig,
 ) -> FastAPI:
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible elastic MoE serving (ingress)")
     router = engine.router
@@ -126,7 +124,7 @@ def build_ingress_app(
     add_openai_routes(app, serving)
     add_drain_route(app, drainer, config.shutdown_timeout_s)
     add_admin_routes(app, coordinator, engine, follower, drainer)
-    add_adapter_routes(app, RemoteAdapterHost(coordinator), lambda: model_config, config.model_name)
+    add_adapter_routes(app, RemoteAdapterHost(coordinator), config.model_name)
 
     @app.get("/health")
     async def health() -> Response:
@@ -177,7 +175,6 @@ class Ingress:
         self.config = config
         self.coordinator = CoordinatorClient(coordinator)
         tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
-        self.model_config = await asyncio.to_thread(ModelConfig.from_pretrained, config.model_dir)
         self.observations = ObservationBuffer()
         router: Router[Any] = Router(max_hold_s=config.max_hold_s, assign=config.request_assigning,
                                      kinds=await asyncio.to_thread(_profile_kinds, config.profile))
@@ -200,7 +197,7 @@ class Ingress:
         await self.follower.wait_serving()
         self._reporter = asyncio.create_task(self._report(), name="observation-reporter")
         self.fastapi_app = build_ingress_app(config, self.engine, self.coordinator, self.follower, self.metrics,
-                                             self.observations, self.drainer, self.model_config)
+                                             self.observations, self.drainer)
         self.http = None if http is None else await DirectHttp.start(self.fastapi_app, http, config.access)
 
     def __del__(self) -> None:

@@ -8,14 +8,17 @@ an adapter change) runs, 503 without an active instance.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
 from coordinator.scale_events import ScaleConflict
-from coordinator.scaler import Scaler
 from coordinator.strategies import DEFAULT_STRATEGY, STRATEGIES
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.sampling_params import MAX_INT32
+
+if TYPE_CHECKING:  # the ingress imports `ScaleRequest` from here, without the scaler's engine and torch
+    from coordinator.scaler import Scaler
 
 
 class ScaleRequest(BaseModel):

@@ -27,6 +27,12 @@ class UnknownAdapterError(InvalidRequestError):
         return (type(self), (self.adapter,))
 
 
+class AdapterError(InvalidRequestError):
+    """A bad adapter or adapter option; `.param` names the offending field. Here, not beside the
+    adapter formats, so that the admin routes and `adapters.kinds` raise and map it without
+    importing them (and torch)."""
+
+
 class AdapterLimitError(RuntimeError):
     """No free adapter slot, or an adapter needs more experts per layer than a slot holds (HTTP 409)."""
 

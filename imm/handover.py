@@ -34,14 +34,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from elasticmoe.engine.async_llm import EngineDeadError
-from elasticmoe.engine.block_manager import BlockManager
-from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.outputs import OutputAccumulator, RequestOutput
+
+if TYPE_CHECKING:  # the ingress imports the outputs and errors here, without the engine and torch
+    from elasticmoe.engine.block_manager import BlockManager
+    from elasticmoe.engine.handover import RequestSnapshot
 
 
 class RankPaused(RuntimeError):

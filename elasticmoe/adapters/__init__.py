@@ -1,5 +1,3 @@
-"""ESFT adapters: the on-disk format (`esft`) and the batched expert map (`expert_map`)."""
-
-from elasticmoe.adapters.esft import AdapterError, EsftAdapter, EsftConfig, ExpertTensors, expert_tensors
-
-__all__ = ["AdapterError", "EsftAdapter", "EsftConfig", "ExpertTensors", "expert_tensors"]
+"""Adapters over the base model: ESFT expert sets (`esft`), LoRA (`lora`) and learned routers over
+LoRA adapters (`lora_router`), their slots in the engine, and which kind a directory holds
+(`kinds`, importable without torch)."""

@@ -20,25 +20,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from elasticmoe.adapters.kinds import EXPERT_CFG
 from elasticmoe.config import ModelConfig
+from elasticmoe.errors import AdapterError
 
 logger = logging.getLogger(__name__)
 
-EXPERT_CFG = "expert_cfg.json"
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-class AdapterError(ValueError):
-    """A bad adapter or adapter option; `.param` names the offending field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
-
-    def __reduce__(self):
-        # Crosses process boundaries (Ray actors) with `.param` intact.
-        return (type(self), (self.param, self.message))
 
 
 _INNER = "model."  # `model.model`'s prefix in a checkpoint's tensor names

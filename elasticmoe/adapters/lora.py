@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from elasticmoe.adapters.esft import _ST_DTYPES, AdapterError, _is_int, expert_tensors
+from elasticmoe.adapters.esft import _ST_DTYPES, _is_int, expert_tensors
+from elasticmoe.adapters.kinds import LORA_CONFIG as CONFIG_FILE
 from elasticmoe.config import ModelConfig
+from elasticmoe.errors import AdapterError
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",

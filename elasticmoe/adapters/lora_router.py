@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-CONFIG, WEIGHTS = "router_config.json", "router.safetensors"
+from elasticmoe.adapters.kinds import ROUTER_CONFIG as CONFIG
+
+WEIGHTS = "router.safetensors"
 
 
 @dataclass(frozen=True)

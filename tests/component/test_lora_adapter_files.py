@@ -311,13 +311,14 @@ def test_mla_kv_b_proj_is_rejected_with_the_reason(tiny_model_dirs, adapters, tm
     assert main(["make-lora-adapter", "--base", base, "--out", str(tmp_path / "kvb"), "--targets", "kv_b_proj"]) == 2
     assert "error: --targets: target_modules: kv_b_proj cannot be adapted" in capsys.readouterr().err
 
-    class NoHost:  # the adapter is refused before any engine sees it
-        async def load_lora(self, adapter):
+    class CheckingHost:  # the host checks the files before any engine sees them (as both servers' hosts do)
+        async def load_lora(self, name, path, usage_probability=None):
+            LoraAdapter.open(name, path, cfg)
             raise AssertionError("loaded")
 
     app = FastAPI()
     install_exception_handlers(app)
-    add_adapter_routes(app, NoHost(), lambda: cfg, "base")  # type: ignore[arg-type]
+    add_adapter_routes(app, CheckingHost(), "base")  # type: ignore[arg-type]
     response = TestClient(app).post("/admin/adapters", json={"name": "kvb", "path": str(as_target), "type": "lora"})
     assert response.status_code == 400
     error = response.json()["error"]

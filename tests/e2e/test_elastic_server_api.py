@@ -142,6 +142,29 @@ BAD_INPUTS = [
 ]
 
 
+def test_adapter_files_the_base_cannot_take_are_400s_naming_the_field(server, tmp_path):
+    """The coordinator opens and checks an adapter's files (the ingress only tells its kind): its
+    refusal crosses Ray to the client as a 400 naming the field, and nothing is registered."""
+    esft = tmp_path / "esft"
+    esft.mkdir()
+    (esft / "expert_cfg.json").write_text(json.dumps({"experts": {"1": [0, 999]}}))
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                          "target_modules": ["q_proj"]}))
+    router = tmp_path / "router"
+    router.mkdir()
+    (router / "router_config.json").write_text("{not json")
+    with _client(server) as c:
+        for name, path, param in (("esft-bad", esft, "experts"), ("lora-bad", lora, "path"), ("router-bad", router, "path")):
+            r = c.post("/admin/adapters", json={"name": name, "path": str(path)})
+            assert r.status_code == 400, (name, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and "Traceback" not in error["message"], (name, error)
+        assert c.get("/admin/adapters").json()["adapters"] == []
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL]
+
+
 @pytest.mark.parametrize("path,body,status,param", BAD_INPUTS)
 def test_bad_input_is_rejected(server, path, body, status, param):
     r = _post(server, path, body)

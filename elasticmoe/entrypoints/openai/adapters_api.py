@@ -8,29 +8,32 @@ Requests then pick an adapter with the OpenAI `model` field (`/v1/models` lists
 them). Errors are OpenAI-format: 400 naming the field (bad name, bad path, an
 adapter the base cannot take), 404 (unknown adapter), 409 (name taken, no free
 slot, too many experts per layer for a slot: the message names the limit).
+
+The routes check the request and tell the adapter's kind from its marker file; the host opens and
+validates the files where it loads them (the engine's process, or the elastic server's
+coordinator), so this module and the elastic server's ingress import no torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from http import HTTPStatus
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
 
-from elasticmoe.adapters.esft import EXPERT_CFG, AdapterError, EsftAdapter
-from elasticmoe.adapters.lora import LoraAdapter
-from elasticmoe.adapters.lora_router import CONFIG as ROUTER_CONFIG
-from elasticmoe.adapters.lora_router import LoraRouter
-from elasticmoe.config import ModelConfig
+from elasticmoe.adapters.kinds import adapter_kind
 from elasticmoe.entrypoints.openai.errors import OpenAIError
-from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError, unwrap_remote
-from elasticmoe.utils.passing_thread import in_passing_thread
+from elasticmoe.errors import (
+    AdapterConflictError,
+    AdapterError,
+    AdapterLimitError,
+    UnknownAdapterError,
+    unwrap_remote,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,41 +76,19 @@ class LoadAdapterRequest(BaseModel):
 
 
 class AdapterHost(Protocol):
-    """Where adapters are loaded: one engine, or every rank of the active instance."""
+    """Where adapters are loaded: one engine, or every rank of the active instance. Each load
+    opens and validates the directory at `path` (an `AdapterError` naming the field when the base
+    cannot take it) before anything is loaded."""
 
-    async def load_esft(self, adapter: EsftAdapter, usage_probability: float | None = None) -> dict[str, Any]: ...
-    async def load_lora(self, adapter: LoraAdapter, usage_probability: float | None = None) -> dict[str, Any]: ...
-    async def load_router(self, name: str, router: LoraRouter,
-                          usage_probability: float | None = None) -> dict[str, Any]: ...
+    async def load_esft(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]: ...
+    async def load_lora(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]: ...
+    async def load_router(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]: ...
     async def unload(self, name: str) -> bool: ...  # True: unloaded now; False: once its requests finish
     async def describe(self) -> list[dict[str, Any]]: ...
 
 
-def adapter_kind(path: str) -> str:
-    """The kind of the adapter directory at `path`, read from its files; `AdapterError` naming
-    `path` when none is recognised (the same answer whether the path exists or not)."""
-    root = Path(path)
-    for marker, kind in (("adapter_config.json", "lora"), (EXPERT_CFG, "esft"), (ROUTER_CONFIG, "lora_router")):
-        if (root / marker).is_file():
-            return kind
-    raise AdapterError("path", f"{root}: no adapter here (want a directory with adapter_config.json, {EXPERT_CFG} "
-                       f"or {ROUTER_CONFIG}, or give type)")
-
-
-def read_esft_adapter(name: str, path: str, model_config: ModelConfig) -> EsftAdapter:
-    """Open and validate an adapter directory (blocking: run it in a thread)."""
-    return EsftAdapter.open(name, path, model_config)
-
-
-def read_lora_adapter(name: str, path: str, model_config: ModelConfig) -> LoraAdapter:
-    """Open and validate a PEFT LoRA directory (blocking: run it in a thread)."""
-    return LoraAdapter.open(name, path, model_config)
-
-
-def add_adapter_routes(
-    app: FastAPI, host: AdapterHost, model_config: Callable[[], ModelConfig], base_name: str
-) -> None:
-    """The adapter admin routes; `model_config()` gives the base model's config (read on first load)."""
+def add_adapter_routes(app: FastAPI, host: AdapterHost, base_name: str) -> None:
+    """The adapter admin routes over `host`; `base_name` is the base model's id (no adapter takes it)."""
     @app.post("/admin/adapters", status_code=201)
     async def load_adapter(body: LoadAdapterRequest) -> Response:
         if body.name == base_name:
@@ -117,16 +98,13 @@ def add_adapter_routes(
         try:
             if kind is None:
                 kind = await asyncio.to_thread(adapter_kind, body.path)
-            p = body.usage_probability
+            name, path, p = body.name, body.path, body.usage_probability
             if kind == "lora_router":
-                router = await asyncio.to_thread(LoraRouter.open, body.path)
-                info = await host.load_router(body.name, router, p)
+                info = await host.load_router(name, path, p)
             elif kind == "lora":
-                lora = await asyncio.to_thread(read_lora_adapter, body.name, body.path, model_config())
-                info = await host.load_lora(lora, p)
+                info = await host.load_lora(name, path, p)
             else:
-                adapter = await asyncio.to_thread(read_esft_adapter, body.name, body.path, model_config())
-                info = await host.load_esft(adapter, p)
+                info = await host.load_esft(name, path, p)
         except (ValueError, RuntimeError) as exc:
             raise _adapter_error(unwrap_remote(exc)) from None
         logger.info("adapter %r loaded from %s", body.name, body.path)
@@ -159,64 +137,3 @@ def _adapter_error(exc: BaseException) -> Exception:
         return OpenAIError(str(exc), param=getattr(exc, "param", None) or "path")
     logger.error("adapter load failed: %r", exc)
     return OpenAIError("Internal server error.", status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
-
-
-class EngineAdapterHost:
-    """Adapters of one `AsyncLLM`'s engine. The weights are read from disk in a worker thread;
-    the engine thread only copies them into their slot rows, so serving does not pause. ESFT
-    adapters beyond the slots are registered on disk and swapped in when a request needs one
-    (`engine.esft_disk_tier`: that read is on the engine thread)."""
-
-    def __init__(self, async_llm: Any) -> None:
-        self.async_llm = async_llm
-
-    @property
-    def engine(self) -> Any:
-        return self.async_llm.engine
-
-    async def load_esft(self, adapter: EsftAdapter, usage_probability: float | None = None) -> dict[str, Any]:
-        engine, experts = self.engine, adapter.config.experts
-        dtype = engine.config.dtype
-        rank, placement = engine.config.ep_rank, engine.placement
-        weights = await in_passing_thread(read_expert_weights, adapter, rank, placement.expert_to_rank, dtype)
-        adapter.close()  # read again from its files only if it is swapped out and back
-        slot = await self.async_llm.run_on_loop(
-            lambda: engine.adapters.load_esft(adapter.name, experts, lambda layer, e, _: weights[(layer, e)],
-                                              usage_probability=usage_probability, files=adapter)
-        )
-        return {"slot": slot, "num_experts": sum(len(v) for v in experts.values())}
-
-    async def load_lora(self, adapter: LoraAdapter, usage_probability: float | None = None) -> dict[str, Any]:
-        engine = self.engine
-        dtype = engine.config.dtype
-        factors = await in_passing_thread(lambda: {m: adapter.weights(m, dtype) for m in adapter.modules})
-        slot = await self.async_llm.run_on_loop(
-            lambda: engine.adapters.load_lora(adapter.name, adapter.modules, lambda m, _: factors[m],
-                                             adapter.config.scaling, usage_probability=usage_probability)
-        )
-        return {"slot": slot, "rank": adapter.config.r, "num_modules": len(adapter.modules)}
-
-    async def load_router(self, name: str, router: LoraRouter, usage_probability: float | None = None) -> dict[str, Any]:
-        engine = self.engine
-        await self.async_llm.run_on_loop(lambda: engine.adapters.load_router(name, router, usage_probability))
-        return {"adapters": list(router.adapters), "top_k": router.top_k}
-
-    async def unload(self, name: str) -> bool:
-        engine = self.engine
-        return bool(await self.async_llm.run_on_loop(lambda: engine.adapters.unload(name)))
-
-    async def describe(self) -> list[dict[str, Any]]:
-        engine = self.engine
-        return list(await self.async_llm.run_on_loop(engine.adapters.describe))
-
-
-def read_expert_weights(
-    adapter: EsftAdapter, rank: int, expert_to_rank: tuple[int, ...], dtype: Any
-) -> dict[tuple[int, int], tuple[Any, Any]]:
-    """(layer, expert) -> (w13, w2) of the tuned experts `rank` holds (blocking)."""
-    return {
-        (layer, e): adapter.expert_weights(layer, e, dtype)
-        for layer, ids in adapter.config.experts.items()
-        for e in ids
-        if expert_to_rank[e] == rank
-    }

@@ -27,16 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from elasticmoe.adapters.esft import EsftAdapter
+from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.engine.async_llm import AsyncLLM
 from elasticmoe.entrypoints.listen_address import AddressUnavailable, bind_address
 from elasticmoe.entrypoints.openai.access import AccessMiddleware, AccessPolicy
-from elasticmoe.entrypoints.openai.adapters_api import (
-    EngineAdapterHost,
-    add_adapter_routes,
-    read_esft_adapter,
-    read_lora_adapter,
-)
+from elasticmoe.entrypoints.openai.adapters_api import add_adapter_routes
 from elasticmoe.entrypoints.openai.drain import Drainer, DrainMiddleware, add_drain_route
+from elasticmoe.entrypoints.openai.engine_adapters import EngineAdapterHost
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
 from elasticmoe.entrypoints.openai.metrics import ExpertCacheCollector, RequestCountMiddleware, ServerMetrics
 from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -157,7 +155,7 @@ def build_app(
     add_openai_routes(app, serving)
     add_drain_route(app, drainer, drain_timeout_s)
     engine: Any = async_llm.engine
-    add_adapter_routes(app, EngineAdapterHost(async_llm), lambda: engine.model_config, served_model_name)
+    add_adapter_routes(app, EngineAdapterHost(async_llm), served_model_name)
     offload = getattr(engine, "offload", None)
     if offload is not None:
         metrics.registry.register(ExpertCacheCollector(offload.stats))
@@ -269,7 +267,7 @@ def _serve_on(sock: socket.socket, settings: ServeSettings, config: EngineConfig
     def load_adapters(engine: LLMEngine) -> None:
         for adapter_name, path in settings.esft_adapters:
             try:
-                adapter = read_esft_adapter(adapter_name, path, engine.model_config)
+                adapter = EsftAdapter.open(adapter_name, path, engine.model_config)
                 engine.adapters.load_esft(adapter_name, adapter.config.experts, adapter.expert_weights, files=adapter)
                 adapter.close()
             except (ValueError, RuntimeError) as exc:  # AdapterError, AdapterLimitError, ...
@@ -277,7 +275,7 @@ def _serve_on(sock: socket.socket, settings: ServeSettings, config: EngineConfig
             logger.info("ESFT adapter %r loaded from %s", adapter_name, path)
         for adapter_name, path in settings.lora_adapters:
             try:
-                lora = read_lora_adapter(adapter_name, path, engine.model_config)
+                lora = LoraAdapter.open(adapter_name, path, engine.model_config)
                 engine.adapters.load_lora(adapter_name, lora.modules, lora.weights, lora.config.scaling)
             except (ValueError, RuntimeError) as exc:
                 raise _StartupError(f"--lora-adapter {adapter_name}={path}: {exc}") from exc
