@@ -16,6 +16,10 @@
 3. Reported per (policy, budget): hit rate (also prefill / decode), on-demand loads per
    iteration, prefetches used / wasted, bytes moved; FineMoE also its mean similarity
    scores. Tables on stderr, JSON on stdout, `--plot` draws hit rate vs budget.
+4. `--domain-shift N`: also the hit rate after a change of traffic. The trace runs N times
+   (the past, unmeasured), then the same requests routed to other experts (expert e's routing
+   on expert e + E/2: a new domain), measured; once with the cache's visit counts aged
+   (`CacheState`: halved every window, the default) and once never aged.
 
 Nothing here is timed: the results are counts and do not depend on machine load.
 """
@@ -75,6 +79,28 @@ def run_policies(trace: RoutingTrace, policies: Sequence[str], budgets: Sequence
     return rows
 
 
+def run_domain_shift(trace: RoutingTrace, policies: Sequence[str], budgets: Sequence[float], passes: int, *,
+                     prefetch_distance: int, store_capacity: int, prefetch_per_layer: int | None, batch_size: int,
+                     semantic: str) -> list[dict[str, Any]]:
+    """Per (policy, budget): the hit rate over the renumbered trace after `passes` runs of the
+    trace, with the visit counts aged (the cache's default) and never aged."""
+    config = PolicyConfig(trace.num_layers, trace.num_experts, trace.top_k, prefetch_distance, store_capacity)
+    shifted = trace.with_experts_renumbered(torch.roll(torch.arange(trace.num_experts), trace.num_experts // 2))
+    rows = []
+    for budget in budgets:
+        capacity = budget_capacity(budget, trace.num_layers, trace.num_experts)
+        for name in policies:
+            row: dict[str, Any] = {"policy": name, "budget": budget, "capacity": capacity, "past_passes": passes}
+            for label, window in (("aged", None), ("never_aged", 0)):
+                replay_config = ReplayConfig(capacity, prefetch_per_layer, batch_size, 0, semantic, window)
+                stats = replay(shifted, make_policy(name, config), replay_config, history=[trace] * passes)
+                row[f"hit_rate_{label}"] = stats.hit_rate
+            rows.append(row)
+            _log(f"{name:>9} budget {budget:.3f} after a domain shift: hit rate {fmt(row['hit_rate_aged'], '.3f')} "
+                 f"aged, {fmt(row['hit_rate_never_aged'], '.3f')} never aged")
+    return rows
+
+
 def hit_rate_table(rows: list[dict[str, Any]], key: str = "hit_rate") -> tuple[list[str], list[list[str]]]:
     budgets = sorted({r["budget"] for r in rows})
     policies = list(dict.fromkeys(r["policy"] for r in rows))
@@ -95,6 +121,13 @@ def print_tables(result: dict[str, Any]) -> None:
               str(r["prefetch_wasted"]), fmt(r["bytes_moved_per_iteration"] and r["bytes_moved_per_iteration"] / 1e6, ".2f")]
              for r in rows]
     print(table("prefetches and traffic", header, lines), file=sys.stderr)
+    shift = result.get("domain_shift")
+    if shift:
+        header = ["policy", "budget", "counts aged", "never aged"]
+        lines = [[r["policy"], f"{r['budget']:g}", fmt(r["hit_rate_aged"], ".3f"), fmt(r["hit_rate_never_aged"], ".3f")]
+                 for r in shift]
+        print(table(f"hit rate after a domain shift ({shift[0]['past_passes']} passes of the trace before)", header,
+                    lines), file=sys.stderr)
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -174,6 +207,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--plot", default=None, help="PNG of hit rate vs budget per policy")
+    p.add_argument("--domain-shift", type=int, default=0, metavar="N",
+                   help="also replay a change of traffic: N passes of the trace, then its requests on other "
+                        "experts, with and without ageing the visit counts (default 0: not run)")
     args = p.parse_args(argv)
     args.policies = [n for n in args.policies.split(",") if n]
     unknown = [n for n in args.policies if n not in POLICIES]
@@ -186,6 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--history-fraction must be in [0, 1)")
     if not args.budgets:
         p.error("--budgets: at least one")
+    if args.domain_shift < 0:
+        p.error("--domain-shift must be >= 0")
     return args
 
 
@@ -203,6 +241,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             store_capacity=args.store_capacity, prefetch_per_layer=per_layer or None,
                             batch_size=args.batch_size, history_fraction=args.history_fraction,
                             semantic=args.semantic)
+        shift = [] if not args.domain_shift else run_domain_shift(
+            trace, args.policies, args.budgets, args.domain_shift, prefetch_distance=args.prefetch_distance,
+            store_capacity=args.store_capacity, prefetch_per_layer=per_layer or None, batch_size=args.batch_size,
+            semantic=args.semantic)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     result: dict[str, Any] = {
@@ -215,9 +257,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {"policies": args.policies, "budgets": args.budgets, "prefetch_distance": args.prefetch_distance,
                    "store_capacity": args.store_capacity, "prefetch_per_layer": per_layer or None,
                    "batch_size": args.batch_size, "history_fraction": args.history_fraction,
-                   "semantic": args.semantic},
+                   "semantic": args.semantic, "domain_shift": args.domain_shift},
         "results": rows,
     }
+    if shift:
+        result["domain_shift"] = shift
     print_tables(result)
     text = json.dumps(result, indent=2)
     if args.out:

@@ -14,6 +14,10 @@ Besides residency the snapshot keeps the two usage facts eviction policies read:
   layer, expert) lookup, however many tokens the iteration routed to it: a 500-token
   prefill is one lookup of each expert it needs, not 500 (see `use`). Counts persist
   across evictions: they measure how popular an expert is, not how long it stayed.
+  They age: every `ageing_window` visits all counts are halved (TinyLFU's reset), so the
+  popularity is that of recent traffic. Without it a server that served one topic for a day
+  would keep that topic's experts against the next topic's for as many visits again; halving
+  keeps the counts' order (up to ties among the smallest) while old visits fade geometrically.
 
 Invariants (checked by `check_integrity`; construction checks the shapes and the capacity):
 the arrays are `[L, E]` and read-only; at most `capacity` experts are resident;
@@ -33,6 +37,12 @@ import numpy.typing as npt
 # (layer, expert): layer indexes the MoE layers 0..L-1, expert the routed experts 0..E-1.
 ExpertKey = tuple[int, int]
 
+# The visits between two halvings of the counts, per (layer, expert) of the model: each expert
+# seen 16 times on average. TinyLFU resets after 10 samples per cache entry; ours counts per key,
+# and a cache of a quarter of the experts makes this ~64 per entry, so that a decode-heavy run
+# (4 experts per layer and token) ranks by a few hundred iterations of history.
+AGEING_VISITS_PER_EXPERT = 16
+
 BoolGrid = npt.NDArray[np.bool_]
 IntGrid = npt.NDArray[np.int64]
 
@@ -44,8 +54,10 @@ class CacheState:
     capacity: int  # expert slots
     resident: BoolGrid  # [L, E]
     last_used: IntGrid  # [L, E] clock of the last use or load; -1 = never
-    num_uses: IntGrid  # [L, E] visits since the cache was created
+    num_uses: IntGrid  # [L, E] visits, halved every `ageing_window` visits
     clock: int = 0  # the next stamp; advances once per `load` / `use`
+    ageing_window: int = 0  # visits between two halvings of `num_uses`; 0: never halved
+    visits_since_ageing: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -58,14 +70,20 @@ class CacheState:
                              f"{self.num_uses.shape}")
         if self.num_resident > self.capacity:
             raise ValueError(f"cache: {self.num_resident} resident experts exceed the capacity {self.capacity}")
+        if self.ageing_window < 0 or self.visits_since_ageing < 0:
+            raise ValueError(f"cache ageing: need a window >= 0 and visits >= 0, got {self.ageing_window}, "
+                             f"{self.visits_since_ageing}")
 
     @classmethod
-    def empty(cls, num_layers: int, num_experts: int, capacity: int) -> CacheState:
+    def empty(cls, num_layers: int, num_experts: int, capacity: int, ageing_window: int | None = None) -> CacheState:
+        """No expert resident. `ageing_window`: visits between halvings of the counts (default
+        `AGEING_VISITS_PER_EXPERT` per (layer, expert); 0: never)."""
         if num_layers < 1 or num_experts < 1:
             raise ValueError(f"cache shape: need >= 1 layer and expert, got [{num_layers}, {num_experts}]")
         shape = (num_layers, num_experts)
+        window = AGEING_VISITS_PER_EXPERT * num_layers * num_experts if ageing_window is None else ageing_window
         return cls(capacity, np.zeros(shape, dtype=np.bool_), np.full(shape, -1, dtype=np.int64),
-                   np.zeros(shape, dtype=np.int64))
+                   np.zeros(shape, dtype=np.int64), ageing_window=window)
 
     # ---- predicates ---------------------------------------------------------------
 
@@ -159,14 +177,21 @@ class CacheState:
         for e in ids:
             stamps[e] = self.clock
             visits[e] += 1
-        return self._successor(self.resident, last_used, num_uses, self.clock + 1)
+        since = self.visits_since_ageing + len(ids)
+        if self.ageing_window and since >= self.ageing_window:
+            num_uses //= 2
+            since = 0
+        return self._successor(self.resident, last_used, num_uses, self.clock + 1, since)
 
-    def _successor(self, resident: BoolGrid, last_used: IntGrid, num_uses: IntGrid, clock: int) -> CacheState:
+    def _successor(self, resident: BoolGrid, last_used: IntGrid, num_uses: IntGrid, clock: int,
+                   visits_since_ageing: int | None = None) -> CacheState:
         """A transition's result, whose invariants the transition kept: made without the checks
         of construction (a transition runs per MoE layer of every engine step)."""
         successor = object.__new__(CacheState)
+        since = self.visits_since_ageing if visits_since_ageing is None else visits_since_ageing
         for name, value in (("capacity", self.capacity), ("resident", resident), ("last_used", last_used),
-                            ("num_uses", num_uses), ("clock", clock)):
+                            ("num_uses", num_uses), ("clock", clock), ("ageing_window", self.ageing_window),
+                            ("visits_since_ageing", since)):
             object.__setattr__(successor, name, value)
         for arr in (resident, last_used, num_uses):
             arr.flags.writeable = False

@@ -41,6 +41,7 @@ class ReplayConfig:
     batch_size: int = 1
     warmup_requests: int = 0
     semantic: str = "iteration"
+    ageing_window: int | None = None  # visits between halvings of the counts (`CacheState.empty`)
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.batch_size < 1 or self.warmup_requests < 0:
@@ -141,10 +142,19 @@ class _Counter:
             self.stats.prefill_misses += num_misses
 
 
-def replay(trace: RoutingTrace, policy: OffloadPolicy, config: ReplayConfig) -> ReplayStats:
-    """Run every request of `trace` through `policy` with a cache of `config.capacity` slots."""
+def replay(trace: RoutingTrace, policy: OffloadPolicy, config: ReplayConfig,
+           history: Sequence[RoutingTrace] = ()) -> ReplayStats:
+    """Run every request of `trace` through `policy` with a cache of `config.capacity` slots.
+    `history`: traces of the same model run first, unmeasured, through the same policy and cache
+    (the past the measured traffic follows: another domain's requests, say)."""
     counter = _Counter(ReplayStats())
-    cache = CacheState.empty(trace.num_layers, trace.num_experts, config.capacity)
+    cache = CacheState.empty(trace.num_layers, trace.num_experts, config.capacity, config.ageing_window)
+    for past in history:
+        if (past.num_layers, past.num_experts) != (trace.num_layers, trace.num_experts):
+            raise ValueError("replay: a history trace of another model shape")
+        for start in range(0, past.num_requests, config.batch_size):
+            batch = list(range(start, min(start + config.batch_size, past.num_requests)))
+            cache = _replay_batch(past, policy, config, cache, batch, counter)
     warmup = min(config.warmup_requests, trace.num_requests)
     for first, last, measuring in ((0, warmup, False), (warmup, trace.num_requests, True)):
         if measuring:

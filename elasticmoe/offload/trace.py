@@ -72,6 +72,18 @@ class RoutingTrace:
         ids = torch.nonzero(self.iteration_request == request).flatten()
         return range(int(ids[0]), int(ids[-1]) + 1) if ids.numel() else range(0)
 
+    def with_experts_renumbered(self, new_id: torch.Tensor) -> RoutingTrace:
+        """The same requests routed to other experts, as on a new domain: what expert e did, expert
+        `new_id[e]` does, in every layer (`new_id` a permutation of 0..E-1). The embeddings stay."""
+        if sorted(new_id.tolist()) != list(range(self.num_experts)):
+            raise ValueError(f"renumbering: need a permutation of 0..{self.num_experts - 1}")
+        old_id = torch.argsort(new_id)  # column j of the new distributions is old expert old_id[j]
+        return RoutingTrace(self.num_layers, self.num_experts, self.top_k, self.expert_bytes,
+                            self.gate_probs[..., old_id], new_id[self.topk_ids],
+                            None if self.next_gate_probs is None else self.next_gate_probs[..., old_id],
+                            self.iteration_request, self.iteration_num_tokens, self.iteration_embedding,
+                            self.prompt_embedding, meta={**self.meta, "renumbered": new_id.tolist()})
+
     def save(self, path: str | Path) -> None:
         arrays = {name: getattr(self, name).numpy() for name in _TENSORS if getattr(self, name) is not None}
         header = {"num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k,

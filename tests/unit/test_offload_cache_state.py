@@ -85,3 +85,36 @@ def test_reinstate_puts_an_evicted_expert_back_as_it_was():
         back.reinstate([(0, 0)])
     with pytest.raises(ValueError, match="do not fit"):
         evicted.reinstate([(0, 0)])  # (1, 2) still holds the slot
+
+
+def test_visit_counts_halve_every_window_and_keep_their_order():
+    cache = CacheState.empty(2, 3, capacity=6, ageing_window=10).load([(0, 0), (0, 1), (0, 2), (1, 0)])
+    for _ in range(3):  # 9 visits: below the window
+        cache = cache.use(0, [0, 1, 2])
+    assert cache.num_uses[0].tolist() == [3, 3, 3] and cache.visits_since_ageing == 9
+    aged = cache.use(0, [0]).use(1, [0])  # the 10th visit halves every count (4, 3, 3); then one more
+    assert aged.num_uses.tolist() == [[2, 1, 1], [1, 0, 0]] and aged.visits_since_ageing == 1
+    assert cache.num_uses[0].tolist() == [3, 3, 3]  # the old snapshot is untouched
+    aged.check_integrity()
+    never = CacheState.empty(1, 2, capacity=2, ageing_window=0).load([(0, 0)])
+    for _ in range(50):
+        never = never.use(0, [0])
+    assert never.num_uses[0, 0] == 50
+    assert CacheState.empty(8, 32, capacity=64).ageing_window == 16 * 8 * 32  # the default
+    with pytest.raises(ValueError, match="ageing"):
+        CacheState.empty(1, 2, capacity=2, ageing_window=-1)
+
+
+def test_a_traffic_shift_outranks_a_long_past_within_a_few_windows():
+    """A day of one topic must not pin its experts: after the shift, the new experts' counts pass
+    the old ones' within a few windows, where without ageing they would need as many visits again."""
+    window = 40
+    cache = CacheState.empty(1, 4, capacity=4, ageing_window=window).load([(0, 0), (0, 1), (0, 2), (0, 3)])
+    unaged = CacheState.empty(1, 4, capacity=4, ageing_window=0).load([(0, 0), (0, 1), (0, 2), (0, 3)])
+    for _ in range(2000):  # the past: experts 0 and 1
+        cache, unaged = cache.use(0, [0, 1]), unaged.use(0, [0, 1])
+    steps = 0
+    while cache.num_uses[0, 2] <= cache.num_uses[0, 0]:  # the present: experts 2 and 3
+        cache, unaged, steps = cache.use(0, [2, 3]), unaged.use(0, [2, 3]), steps + 1
+    assert steps * 2 <= 3 * window  # passed within a few windows ...
+    assert unaged.num_uses[0, 2] < unaged.num_uses[0, 0]  # ... where the unaged counts still favour the past

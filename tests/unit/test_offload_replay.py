@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from offload_factories import cyclic_request, make_trace, mixed_routes
 
 from elasticmoe.offload import POLICIES, PolicyConfig, make_policy
@@ -70,3 +71,28 @@ def test_batches_run_iterations_of_several_requests_together():
     assert stats.num_prefill_iterations == 2
     with pytest.raises(ValueError, match="semantic"):
         ReplayConfig(capacity=4, semantic="tokens")
+
+
+def test_a_history_runs_unmeasured_through_the_same_cache():
+    """With room for every expert, a trace replayed after itself only hits; its history is not counted."""
+    trace = make_trace(mixed_routes(seed=1))
+    cold = replay(trace, make_policy("on_demand", config_for(trace)), ReplayConfig(capacity=12))
+    warm = replay(trace, make_policy("on_demand", config_for(trace)), ReplayConfig(capacity=12), history=[trace] * 2)
+    assert cold.misses > 0 and warm.misses == 0
+    assert warm.hits == cold.hits + cold.misses and warm.num_iterations == cold.num_iterations
+    other = make_trace([[[[0, 0]]]])  # two layers, not three
+    with pytest.raises(ValueError, match="model shape"):
+        replay(trace, make_policy("on_demand", config_for(trace)), ReplayConfig(capacity=12), history=[other])
+
+
+def test_renumbered_experts_route_the_same_requests_to_other_experts():
+    trace = make_trace(mixed_routes(seed=2), speculate=True)
+    new_id = torch.tensor([2, 0, 3, 1])
+    moved = trace.with_experts_renumbered(new_id)
+    assert torch.equal(moved.topk_ids, new_id[trace.topk_ids])
+    for old in range(4):
+        assert torch.equal(moved.gate_probs[..., int(new_id[old])], trace.gate_probs[..., old])
+        assert torch.equal(moved.next_gate_probs[..., int(new_id[old])], trace.next_gate_probs[..., old])
+    assert torch.equal(moved.iteration_embedding, trace.iteration_embedding)
+    with pytest.raises(ValueError, match="permutation"):
+        trace.with_experts_renumbered(torch.tensor([0, 0, 1, 2]))

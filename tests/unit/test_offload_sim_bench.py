@@ -28,6 +28,21 @@ def test_the_benchmark_reports_every_policy_at_every_budget(tmp_path, capsys):
     assert result["trace"]["num_requests"] == 6 and plot_path.stat().st_size > 0
 
 
+def test_the_domain_shift_reports_aged_and_never_aged_counts(tmp_path, capsys):
+    trace_path = tmp_path / "trace.npz"
+    make_trace(mixed_routes(num_requests=4)).save(trace_path)
+    result = offload_sim.main(["--trace", str(trace_path), "--budgets", "0.34", "--prefetch-distance", "1",
+                               "--policies", "lfu,lru", "--domain-shift", "2"])
+    assert result["config"]["domain_shift"] == 2
+    assert [(r["policy"], r["capacity"], r["past_passes"]) for r in result["domain_shift"]] == [("lfu", 4, 2),
+                                                                                                ("lru", 4, 2)]
+    for row in result["domain_shift"]:
+        assert 0.0 <= row["hit_rate_aged"] <= 1.0 and 0.0 <= row["hit_rate_never_aged"] <= 1.0
+    assert "after a domain shift" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        offload_sim.main(["--trace", str(trace_path), "--domain-shift", "-1"])
+
+
 def test_a_budget_below_one_layer_of_experts_is_refused():
     assert offload_sim.budget_capacity(0.5, 8, 32) == 128
     with pytest.raises(ValueError, match="one layer's 32 experts"):
