@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -69,22 +71,49 @@ def _is_serve_unavailable(exc: BaseException) -> bool:
 
 
 class RemoteAdapterHost:
-    """`AdapterHost` over the coordinator: every rank of the active instance loads the adapter."""
+    """`AdapterHost` over the coordinator: every rank of the active instance loads the adapter.
 
-    def __init__(self, coordinator: CoordinatorClient) -> None:
+    A load or unload returns once this ingress routes by it: the coordinator publishes the new
+    adapter list, and the ingress's routing state follows it by a long poll, a few milliseconds
+    later. Without the wait a client that registered an adapter and used it at once got a 404
+    ("model does not exist") in that gap."""
+
+    def __init__(self, coordinator: CoordinatorClient, served: Callable[[], tuple[str, ...]],
+                 publish_wait_s: float = 10.0, poll_s: float = 0.005) -> None:
+        """`served()`: the adapters this ingress's routing state accepts requests for now."""
         self.coordinator = coordinator
+        self.served = served
+        self.publish_wait_s, self.poll_s = publish_wait_s, poll_s
 
     async def load_esft(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
-        return dict(await self.coordinator.call("load_esft", name, path, usage_probability))
+        info = dict(await self.coordinator.call("load_esft", name, path, usage_probability))
+        await self._routed(name, True)
+        return info
 
     async def load_lora(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
-        return dict(await self.coordinator.call("load_lora", name, path, usage_probability))
+        info = dict(await self.coordinator.call("load_lora", name, path, usage_probability))
+        await self._routed(name, True)
+        return info
 
     async def load_router(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
+        # A router is no model id of its own (requests name it in `lora_routing`): nothing to wait for.
         return dict(await self.coordinator.call("load_router", name, path, usage_probability))
 
     async def unload(self, name: str) -> bool:
-        return bool(await self.coordinator.call("unload_adapter", name))
+        done = bool(await self.coordinator.call("unload_adapter", name))
+        await self._routed(name, False)
+        return done
 
     async def describe(self) -> list[dict[str, Any]]:
         return list(await self.coordinator.call("describe_adapters"))
+
+    async def _routed(self, name: str, accepted: bool) -> None:
+        """Until this ingress's routing state accepts requests for `name` (or no longer does); after
+        `publish_wait_s` (the coordinator unreachable) only a warning: the change itself was made."""
+        deadline = time.monotonic() + self.publish_wait_s
+        while (name in self.served()) != accepted:
+            if time.monotonic() > deadline:
+                logger.warning("adapter %r: the routing state did not follow the change within %.0fs", name,
+                               self.publish_wait_s)
+                return
+            await asyncio.sleep(self.poll_s)

@@ -124,7 +124,7 @@ def build_ingress_app(
     add_openai_routes(app, serving)
     add_drain_route(app, drainer, config.shutdown_timeout_s)
     add_admin_routes(app, coordinator, engine, follower, drainer)
-    add_adapter_routes(app, RemoteAdapterHost(coordinator), config.model_name)
+    add_adapter_routes(app, RemoteAdapterHost(coordinator, engine.adapter_names), config.model_name)
 
     @app.get("/health")
     async def health() -> Response:
