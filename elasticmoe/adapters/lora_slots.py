@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.lora import KV_B_PROJ_UNSUPPORTED
 from elasticmoe.errors import AdapterConflictError, AdapterLimitError
-from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_sorted
+from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_at_slot_rows, grouped_experts_sorted
 from elasticmoe.layers.lora import LoraGroups, LoraSite
 from elasticmoe.models.common import CausalLM, GQAAttention, MoEBlock
 from elasticmoe.models.deepseek_v2 import MLAttention
@@ -90,40 +90,41 @@ class ExpertLora:
         self.w2 = LoraSite(num_slots * num_local, max_rank, inter, hidden, dtype)
 
     def experts(self, xs: torch.Tensor, slots: torch.Tensor, lora_slots: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                w13: torch.Tensor, w2: torch.Tensor, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The grouped experts of rows sorted by expert slot, plus the weighted LoRA of each row's
-        adapters (`lora_slots`: per row its K slots, then their K weights, as floats)."""
+        adapters (`lora_slots`: per row its K slots, then their K weights, as floats). `slot_rows`
+        [num_local]: where each local expert's weights sit in `w13`/`w2` (an expert cache's pool
+        rows, when the experts are offloaded); the LoRA factors stay indexed by the expert."""
         k = lora_slots.shape[1] // 2
         adapter, weights = lora_slots[:, :k].long(), lora_slots[:, k:]
         local = slots.unsqueeze(1)
         has = (adapter >= 0) & (local < self.num_local)  # ESFT adapter rows never carry a LoRA
         groups = LoraGroups.build(torch.where(has, adapter * self.num_local + local, -1), weights)
         if groups is None:
+            if slot_rows is not None:
+                return grouped_experts_at_slot_rows(xs, slots, slot_rows, w13, w2)
             return grouped_experts_sorted(xs, slots, w13, w2, self.num_local)
-        gate_up = expert_rows_linear(xs, slots, w13, self.num_local) + groups.delta(xs, self.w13.a, self.w13.b)
+        gate_up = (expert_rows_linear(xs, slots, w13, self.num_local, slot_rows)
+                   + groups.delta(xs, self.w13.a, self.w13.b))
         gate, up = gate_up.chunk(2, dim=-1)
         h = F.silu(gate) * up
-        return expert_rows_linear(h, slots, w2, self.num_local) + groups.delta(h, self.w2.a, self.w2.b)
+        return expert_rows_linear(h, slots, w2, self.num_local, slot_rows) + groups.delta(h, self.w2.a, self.w2.b)
 
 
 class LoraSlots:
     def __init__(self, model: CausalLM, placement: ExpertPlacement, rank: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, max_cached: int | None = None, top_k: int = 1,
-                 expert_sites: bool = True) -> None:
-        """`expert_sites`: give the MoE blocks' experts LoRA sites (False: attention only, e.g.
-        with offloaded experts, whose weights sit in whichever cache row holds them)."""
+                 dtype: torch.dtype, max_cached: int | None = None, top_k: int = 1) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"lora: need max_loras >= 1 and max_lora_rank >= 1, got {max_loras}, {max_rank}")
         self.placement, self.rank, self.max_loras, self.max_rank = placement, rank, max_loras, max_rank
         self.attention: dict[int, AttentionSites] = {}  # layer -> its attention's modules
         self.experts: dict[int, ExpertLora] = {}
-        self.expert_sites = expert_sites
         num_local = len(placement.local_expert_ids(rank))
         for i, layer in enumerate(model.layers):
             sites = attention_sites(layer.attn, max_loras, max_rank, dtype)
             if sites:
                 self.attention[i] = sites
-            if expert_sites and isinstance(layer.mlp, MoEBlock) and num_local:
+            if isinstance(layer.mlp, MoEBlock) and num_local:
                 block = layer.mlp
                 inter, hidden = block.w2.shape[2], block.w2.shape[1]
                 block.lora = self.experts[i] = ExpertLora(max_loras, num_local, max_rank, hidden, inter, dtype,
@@ -176,9 +177,6 @@ class LoraSlots:
                 raise AdapterError("target_modules", f"{path}: {KV_B_PROJ_UNSUPPORTED}")
             raise ValueError(f"target_modules: {path}: not a LoRA target of this model's attention")
         m = _EXPERT.match(path)
-        if m is not None and not self.expert_sites:
-            raise AdapterError("target_modules", f"{path}: the routed experts are offloaded (--expert-cache-gb / "
-                               "--expert-cache-fraction), and LoRA is served on the attention only then")
         if m is not None and m.group(3) in _EXPERT_PART and int(m.group(1)) in self.experts:
             lora, part = self.experts[int(m.group(1))], _EXPERT_PART[m.group(3)]
             expert = int(m.group(2))

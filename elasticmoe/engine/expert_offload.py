@@ -37,6 +37,7 @@ import torch
 from elasticmoe.engine.expert_cache import ExpertCache
 from elasticmoe.engine.request import Request
 from elasticmoe.layers.experts import grouped_experts_at_rows, grouped_experts_sorted
+from elasticmoe.models.common import ExpertsHook
 from elasticmoe.offload.cache_ops import routed_experts
 from elasticmoe.offload.policy import RequestContext
 
@@ -126,27 +127,45 @@ class ExpertOffload:
 
     # ---- the experts --------------------------------------------------------------------
 
-    def run_experts(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor,
+                    lora: tuple[ExpertsHook, torch.Tensor] | None = None) -> torch.Tensor:
         """Rows `xs` [N, H] sorted by this rank's local expert index -> their experts' outputs
-        [N, H] (unweighted), computed from the cache's pool rows."""
+        [N, H] (unweighted), computed from the cache's pool rows. `lora` (hook, `lora_slots`
+        [N, 2K]): the rows' LoRA adapters on the experts, whose factors stay resident (indexed by
+        expert, not by pool row): the hook computes both from the rows the cache holds."""
         if xs.shape[0] == 0:
             return xs.new_empty(xs.shape)
         # NumPy for the bookkeeping: it runs per MoE layer of every step on a few values, where
         # torch's per-op dispatch costs more than the work.
         slots = sorted_local_slots.numpy()
         starts = np.flatnonzero(np.diff(slots, prepend=-1))  # first row of each expert's group
-        experts = self._local_expert_ids[slots[starts]].tolist()
+        local_ids = slots[starts]
+        experts = self._local_expert_ids[local_ids].tolist()
         bounds = np.append(starts, slots.size)  # [G + 1] group offsets
         capacity = self.cache.capacity
         if len(experts) <= capacity:
-            return self._compute(xs, bounds, self.cache.ensure(layer, experts))
+            return self._wave(layer, xs, sorted_local_slots, bounds, local_ids, experts, lora)
         out = torch.empty_like(xs)
         for first in range(0, len(experts), capacity):  # waves: a cache smaller than the layer's need
             last = min(first + capacity, len(experts))
             start, end = int(bounds[first]), int(bounds[last])
-            rows = self.cache.ensure(layer, experts[first:last])
-            out[start:end] = self._compute(xs[start:end], bounds[first : last + 1] - start, rows)
+            out[start:end] = self._wave(layer, xs[start:end], sorted_local_slots[start:end],
+                                        bounds[first : last + 1] - start, local_ids[first:last], experts[first:last],
+                                        None if lora is None else (lora[0], lora[1][start:end]))
         return out
+
+    def _wave(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor, offsets: np.ndarray,
+              local_ids: np.ndarray, experts: list[int], lora: tuple[ExpertsHook, torch.Tensor] | None
+              ) -> torch.Tensor:
+        """Groups of `xs` (`offsets` [G + 1]: local experts `local_ids`, global `experts`), at most
+        the cache's capacity of them, made resident and computed from their pool rows."""
+        rows = self.cache.ensure(layer, experts)
+        if lora is None:
+            return self._compute(xs, offsets, rows)
+        slot_rows = torch.zeros(len(self._local_expert_ids), dtype=torch.long)  # the others have no rows here
+        slot_rows[torch.from_numpy(local_ids)] = torch.tensor(rows, dtype=torch.long)
+        hook, lora_slots = lora
+        return hook.experts(xs, sorted_local_slots, lora_slots, self.cache.w13, self.cache.w2, slot_rows)
 
     def _compute(self, xs: torch.Tensor, offsets: np.ndarray, rows: list[int]) -> torch.Tensor:
         """Groups of `xs` (`offsets` [G + 1]) through pool rows `rows` [G] (ensured resident)."""

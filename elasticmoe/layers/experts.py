@@ -60,6 +60,14 @@ def _grouped_swiglu(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, 
     return grouped_gemm(h, offsets, w2, slot_rows)
 
 
+def grouped_experts_at_slot_rows(xs: torch.Tensor, sorted_slots: torch.Tensor, slot_rows: torch.Tensor,
+                                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Rows of xs [N, H] grouped by ascending `sorted_slots`, slot s computing with weight row
+    `slot_rows[s]` (`slot_rows` [S] int64, any order: an expert cache's pool rows) -> expert outputs
+    [N, H] (unweighted)."""
+    return _grouped_swiglu(xs, slot_offsets(sorted_slots, slot_rows.numel()), w13, w2, slot_rows)
+
+
 def grouped_experts_at_rows(xs: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, w13: torch.Tensor,
                             w2: torch.Tensor) -> torch.Tensor | None:
     """Rows of xs [N, H] in groups (group g is rows `offsets[g]:offsets[g + 1]`, `offsets` [G + 1]
@@ -129,8 +137,12 @@ def grouped_experts_sorted(xs: torch.Tensor, sorted_slots: torch.Tensor, w13: to
 
 
 def expert_rows_linear(xs: torch.Tensor, sorted_slots: torch.Tensor, w: torch.Tensor,
-                       dense_slots: int | None = None) -> torch.Tensor:
-    """Rows of xs [N, in] grouped by ascending `sorted_slots` -> `xs[i] @ w[slot_i].T` [N, out]."""
+                       dense_slots: int | None = None, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of xs [N, in] grouped by ascending `sorted_slots` -> `xs[i] @ w[slot_i].T` [N, out].
+    `slot_rows` [S] int64: slot s computes with `w[slot_rows[s]]` instead (an expert cache's pool
+    rows, in any order)."""
+    if slot_rows is not None:
+        return grouped_gemm(xs, slot_offsets(sorted_slots, slot_rows.numel()), w, slot_rows)
     if use_grouped_kernel(xs.shape[0], dense_slots or w.shape[0], xs.dtype, w.dtype):
         return grouped_gemm(xs, slot_offsets(sorted_slots, w.shape[0]), w)
     out = xs.new_empty((xs.shape[0], w.shape[1]))

@@ -39,9 +39,10 @@ class ExpertsHook(Protocol):
     top_k: int  # (slot, weight) pairs each token carries
 
     def experts(self, xs: torch.Tensor, slots: torch.Tensor, lora_slots: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                w13: torch.Tensor, w2: torch.Tensor, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `xs` [N, H] sorted by expert slot `slots` [N], each with its adapters' (slots,
-        weights) `lora_slots` [N, 2K] -> the experts' output [N, H]."""
+        weights) `lora_slots` [N, 2K] -> the experts' output [N, H]. `slot_rows` [S]: expert slot
+        s's weights are `w13[slot_rows[s]]`, `w2[slot_rows[s]]` (offloaded experts' cache rows)."""
         ...
 
 
@@ -54,8 +55,11 @@ class ExpertResidency(Protocol):
         `topk_ids` [T, k] (the offloading policy learns)."""
         ...
 
-    def run_experts(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor) -> torch.Tensor:
-        """Rows `xs` [N, H] sorted by local expert slot -> the experts' outputs [N, H] (unweighted)."""
+    def run_experts(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor,
+                    lora: tuple[ExpertsHook, torch.Tensor] | None = None) -> torch.Tensor:
+        """Rows `xs` [N, H] sorted by local expert slot -> the experts' outputs [N, H] (unweighted).
+        `lora` (hook, `lora_slots` [N, 2K]): the rows' adapters ride on the experts (the hook
+        computes them from the cache's rows)."""
         ...
 
 
@@ -171,24 +175,27 @@ class MoEBlock:
     def experts(
         self, x_sorted: torch.Tensor, sorted_slot_ids: torch.Tensor, lora_slots: torch.Tensor | None = None
     ) -> torch.Tensor:
+        lora = None if lora_slots is None or self.lora is None else (self.lora, lora_slots)
         if self.offload is not None:
-            return self._offloaded_experts(x_sorted, sorted_slot_ids)
-        if lora_slots is not None and self.lora is not None:
-            return self.lora.experts(x_sorted, sorted_slot_ids, lora_slots, self.w13, self.w2)
+            return self._offloaded_experts(x_sorted, sorted_slot_ids, lora)
+        if lora is not None:
+            return lora[0].experts(x_sorted, sorted_slot_ids, lora[1], self.w13, self.w2)
         return grouped_experts_sorted(x_sorted, sorted_slot_ids, self.w13, self.w2, self.num_base_slots)
 
-    def _offloaded_experts(self, xs: torch.Tensor, sorted_slot_ids: torch.Tensor) -> torch.Tensor:
-        """Base experts from the expert cache; rows of ESFT adapter slots (sorted last) from
-        the slots' own resident rows."""
+    def _offloaded_experts(self, xs: torch.Tensor, sorted_slot_ids: torch.Tensor,
+                           lora: tuple[ExpertsHook, torch.Tensor] | None) -> torch.Tensor:
+        """Base experts from the expert cache (with their rows' LoRA); rows of ESFT adapter slots
+        (sorted last, never with a LoRA) from the slots' own resident rows."""
         assert self.offload is not None
         if self.esft_rows is None or self.num_base_slots is None:
-            return self.offload.run_experts(self.moe_index, xs, sorted_slot_ids)
+            return self.offload.run_experts(self.moe_index, xs, sorted_slot_ids, lora)
         num_base_rows = int(torch.searchsorted(sorted_slot_ids, self.num_base_slots))
         if num_base_rows == xs.shape[0]:
-            return self.offload.run_experts(self.moe_index, xs, sorted_slot_ids)
+            return self.offload.run_experts(self.moe_index, xs, sorted_slot_ids, lora)
         out = torch.empty_like(xs)
+        base_lora = None if lora is None else (lora[0], lora[1][:num_base_rows])
         out[:num_base_rows] = self.offload.run_experts(self.moe_index, xs[:num_base_rows],
-                                                       sorted_slot_ids[:num_base_rows])
+                                                       sorted_slot_ids[:num_base_rows], base_lora)
         w13, w2 = self.esft_rows
         out[num_base_rows:] = grouped_experts_sorted(xs[num_base_rows:],
                                                      sorted_slot_ids[num_base_rows:] - self.num_base_slots, w13, w2)
