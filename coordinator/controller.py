@@ -188,7 +188,7 @@ class Coordinator:
         self.metrics.refresh_adapters(self.cluster.adapter_slots(), self.cluster.adapters.swap_stats())
         return self.metrics.render()
 
-    # ---- adapters (`coordinator.coordinator_client.RemoteAdapterHost` calls these; each opens the files here) ----------------
+    # ---- adapters (`coordinator_client.RemoteAdapterHost` calls these; the files are opened here) ----
 
     async def load_esft(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
         return await self.cluster.adapters.load_esft(name, path, usage_probability)

@@ -7,7 +7,7 @@ traceback ever reaches a client.
 
 `RemoteAdapterHost` is the ingress's `AdapterHost`: the coordinator opens and validates an
 adapter's files (its `AdapterError`s come back here as 400s naming the field), then loads it on
-every rank. The ingress never opens a tensor, so it imports no torch.
+every rank. The ingress never opens an adapter's files.
 """
 
 from __future__ import annotations

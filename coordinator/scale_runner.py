@@ -17,7 +17,7 @@ from coordinator.strategies import DEFAULT_STRATEGY, STRATEGIES
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from elasticmoe.sampling_params import MAX_INT32
 
-if TYPE_CHECKING:  # the ingress imports `ScaleRequest` from here, without the scaler's engine and torch
+if TYPE_CHECKING:  # the ingress imports `ScaleRequest` from here: it need not load the scaler and instances
     from coordinator.scaler import Scaler
 
 

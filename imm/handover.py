@@ -41,7 +41,7 @@ import ray
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.outputs import OutputAccumulator, RequestOutput
 
-if TYPE_CHECKING:  # the ingress imports the outputs and errors here, without the engine and torch
+if TYPE_CHECKING:  # the ingress imports the outputs and errors here: it need not load the engine
     from elasticmoe.engine.block_manager import BlockManager
     from elasticmoe.engine.handover import RequestSnapshot
 

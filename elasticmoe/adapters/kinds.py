@@ -1,7 +1,7 @@
 """Which kind of adapter a directory holds, told by its marker file alone.
 
-No tensor is opened here and nothing imports torch: the elastic server's ingress asks this of a
-registration before it hands the path to the coordinator, which opens and checks the files.
+No tensor is opened here and this module imports no torch: the elastic server's ingress asks this
+of a registration before it hands the path to the coordinator, which opens and checks the files.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ EXPERT_CFG = "expert_cfg.json"  # ESFT (the ESFT repository's name)
 LORA_CONFIG = "adapter_config.json"  # PEFT LoRA
 ROUTER_CONFIG = "router_config.json"  # a learned router over LoRA adapters (`lora_router`)
 
-ADAPTER_KINDS = ("esft", "lora", "lora_router")
 _MARKERS = ((LORA_CONFIG, "lora"), (EXPERT_CFG, "esft"), (ROUTER_CONFIG, "lora_router"))
 
 

@@ -11,7 +11,8 @@ slot, too many experts per layer for a slot: the message names the limit).
 
 The routes check the request and tell the adapter's kind from its marker file; the host opens and
 validates the files where it loads them (the engine's process, or the elastic server's
-coordinator), so this module and the elastic server's ingress import no torch.
+coordinator): this module imports no adapter format (nor torch), and the elastic server's ingress
+reads no adapter file.
 """
 
 from __future__ import annotations
