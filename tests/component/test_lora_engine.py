@@ -136,6 +136,40 @@ def test_lora_over_offloaded_experts_equals_each_merged_model(setup):
         _same(got[rid], reference[rid])
 
 
+def test_an_unreadable_offloaded_expert_fails_only_the_lora_requests_that_need_it(setup):
+    """The disk tier raises for one expert while LoRA requests ride on the experts: the requests
+    routed to it finish with an error, the engine and the adapter's slot go on, and once the tier
+    reads again the same requests equal the merged model."""
+    arch, base, adapters, merged, root = setup
+    engine = _engine(base, max_loras=1, max_lora_rank=8, expert_cache_fraction=0.25)
+    source = engine.offload.cache.source
+    original, broken = source.copy_into, {"on": True}
+
+    def flaky(layer, local, w13, w2):
+        if broken["on"] and local == 1:  # expert 1 of every layer
+            raise OSError("disk read error")
+        return original(layer, local, w13, w2)
+
+    source.copy_into = flaky
+    try:
+        _load(engine, adapters["experts"])
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"e{i}", prompt, PARAMS, "experts")
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert set(finished) == {"e0", "e1"}
+        assert any(o.finish_reason == "error" and "disk read error" in o.error for o in finished.values())
+        engine.offload.cache.check_integrity()
+        broken["on"] = False
+        got = _run(engine, [(f"experts-{i}", p, "experts") for i, p in enumerate(PROMPTS)])
+    finally:
+        engine.offload.close()
+    want = _run(_engine(merged["experts"]), [(f"experts-{i}", p, None) for i, p in enumerate(PROMPTS)])
+    for rid in want:
+        _same(got[rid], want[rid])
+
+
 def test_limits_unsupported_targets_unload_and_reuse(setup):
     arch, base, adapters, merged, root = setup
     engine = _engine(base, max_loras=1, max_lora_rank=4)
