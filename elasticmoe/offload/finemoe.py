@@ -101,6 +101,7 @@ class FineMoEPolicy:
             return
         self._trajectory = self.store.trajectory_search(len(requests))
         index, scores = self.store.best_semantic(np.stack([r.embedding.float().numpy() for r in requests]))
+        self.store.mark_matched(index)
         self.search_log.semantic += scores.tolist()
         self._planner = self._trajectory.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
                                                  self._planned_probs, self._guide)
@@ -127,12 +128,16 @@ class FineMoEPolicy:
             return
         target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
         if self._planner is not None:  # the kernel does all of the below in one call
-            self.search_log.trajectory += self._planner.observe(target)[1].tolist()
+            index, best = self._planner.observe(target)
+            if target is not None:
+                self.store.mark_matched(index)
+            self.search_log.trajectory += best.tolist()
             return
         self._trajectory.add(self._observed[:, layer])
         if target is None:
             return
         index, best = self._trajectory.best()
+        self.store.mark_matched(index)
         self.search_log.trajectory += best.tolist()
         maps = self._trajectory.layers_from(index, target)  # [L - target, B, E]
         self._plan_layer(target, maps[0], best)

@@ -15,6 +15,14 @@ the one it is most redundant with ("we update the old iterations y with new iter
 x"). New records are inserted one at a time against the store as it stands, so two
 near-identical new iterations of one batch replace each other rather than two old ones.
 
+Stale records go too (ours: the paper does not age the store). A record that has not been the
+best match of any search for more than C insertions gains `staleness = age / C - 1` (age: the
+insertions since it was stored or last matched) on its redundancy when a new record looks for
+one to replace. While traffic holds still the records in use are matched and the rule is RDY's;
+after a change of traffic the past's maps stop matching and leave within ~2C insertions. Without
+it the store kept them: RDY replaces the stored map most like the new one, which after the
+first few is another new map (docs/offload.md, "Visit counts age").
+
 Equal scores (identical embeddings: every iteration of a request presents its prompt's
 embedding) go to the most recently stored record: the latest iteration of the same
 request is the best guess of the next one. The paper does not say; this is our choice.
@@ -61,6 +69,7 @@ class ExpertMapStore:
         self._embeddings: np.ndarray | None = None  # [C, h], sized by the first record
         self._embedding_norms = np.zeros(capacity, dtype=np.float32)
         self._stamps = np.zeros(capacity, dtype=np.int64)  # insertion order, for ties
+        self._last_matched = np.zeros(capacity, dtype=np.int64)  # `_num_added` when last stored or best matched
         self._num_added = 0
         self._size = 0
         self.num_replaced = 0  # records dropped as redundant
@@ -107,15 +116,24 @@ class ExpertMapStore:
             slot = self._size
             self._size += 1
         else:
-            slot = int(self._best(self._redundancy(embedding, probs))[0][0])
+            slot = int(self._best(self._redundancy(embedding, probs) + self._staleness())[0][0])
             self.num_replaced += 1
         self._embeddings[slot] = embedding
         self._embedding_norms[slot] = np.sqrt(np.dot(embedding, embedding))
         self._maps[:, slot] = probs
         self._trajectory_norms[:, slot] = np.sqrt(np.cumsum(np.einsum("le,le->l", probs, probs)))
-        self._stamps[slot] = self._num_added
+        self._stamps[slot] = self._last_matched[slot] = self._num_added
         self._num_added += 1
         return slot
+
+    def mark_matched(self, index: npt.NDArray[np.int64]) -> None:
+        """Records `index` were the best matches of a search whose plan is used: they are in use."""
+        self._last_matched[index] = self._num_added
+
+    def _staleness(self) -> npt.NDArray[np.float32]:
+        """[C] `max(0, age / C - 1)` per record (see the module docstring)."""
+        age = self._num_added - self._last_matched[: self._size]
+        return np.maximum(age / self.capacity - 1.0, 0.0).astype(np.float32)
 
     def search_semantic(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 4 for `embeddings` [B, h]: per row the most similar stored iteration (index [B],

@@ -65,6 +65,26 @@ def test_the_store_replaces_the_argmax_of_rdy_on_random_records():
     assert store.add(new) == int(rdy.argmax())
 
 
+def test_records_no_search_matches_leave_once_stale_and_matched_ones_stay():
+    """A new domain's maps replace each other by RDY; a past record no search matched for more than
+    C insertions gains staleness and goes, while one still matched stays."""
+    store = ExpertMapStore(capacity=3, num_layers=3, num_experts=4, prefetch_distance=1)
+    for e, v in (([0, 0, 0], [1.0, 0.0]), ([1, 1, 1], [0.0, 1.0]), ([2, 2, 2], [1.0, 1.0])):
+        store.add(make_record(e, v))
+    kept = store.add(make_record([3, 3, 3], [-1.0, 0.0]))  # the new domain's first map takes a slot
+    for _ in range(3):  # within C insertions: pure RDY, the new maps replace each other
+        slot = store.add(make_record([3, 3, 3], [-1.0, 0.0]))
+        store.mark_matched(torch.tensor([slot, 0]).numpy())  # searches use the new map and record 0
+    maps = [m.argmax(dim=1).tolist() for m in store.maps]
+    assert maps.count([3, 3, 3]) == 1 and [0, 0, 0] in maps and kept == slot
+    for _ in range(4):  # past C: the unmatched past record goes; the matched one stays
+        store.mark_matched(torch.tensor([0]).numpy())
+        slot = store.add(make_record([3, 3, 3], [-1.0, 0.0]))
+        store.mark_matched(torch.tensor([slot]).numpy())
+    maps = [m.argmax(dim=1).tolist() for m in store.maps]
+    assert [0, 0, 0] in maps and maps.count([3, 3, 3]) == 2, maps
+
+
 def test_searches_equal_equations_4_and_5():
     gen = torch.Generator().manual_seed(1)
     store = ExpertMapStore(capacity=8, num_layers=3, num_experts=4, prefetch_distance=1)

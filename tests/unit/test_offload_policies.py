@@ -62,6 +62,19 @@ def test_finemoe_trajectory_search_plans_layer_l_plus_d_after_layer_l():
         policy.observe_layer(0, one_hot([3]), torch.tensor([[3]]))
 
 
+def test_finemoe_marks_the_maps_its_plans_come_from_as_in_use():
+    """Each search whose match plans a layer keeps that stored map from going stale."""
+    policy = FineMoEPolicy(make_config(prefetch_distance=1))
+    policy.store.add(RoutingMapRecord(torch.tensor([1.0, 0.0]), one_hot([0, 1, 2])))
+    policy.store.add(RoutingMapRecord(torch.tensor([0.0, 1.0]), one_hot([3, 3, 3])))
+    marked = []
+    policy.store.mark_matched = lambda index: marked.append(index.tolist())
+    policy.begin_iteration(make_requests([1.0, 0.0]))  # the semantic match: record 0
+    for layer in range(3):
+        policy.observe_layer(layer, one_hot([3]), torch.tensor([[3]]))  # the trajectory: record 1
+    assert marked == [[0], [1], [1]]  # after layers 0 and 1 their matches plan layers 1 and 2; after 2, none
+
+
 def test_finemoe_prefetches_more_experts_when_the_match_is_weak():
     soft = torch.tensor([[0.5, 0.3, 0.2, 0.0]] * 3)
     policy = FineMoEPolicy(make_config())
