@@ -115,8 +115,8 @@ class ServeSettings(BaseModel):
         "(elastic: per device, allocated by the HMM) and load the others on demand from the checkpoint (single) or "
         "the node's host memory (elastic, where a scale-down onto devices that cannot hold every expert then "
         "offloads instead of being refused); outputs are unchanged. ESFT adapter slots stay resident beside the "
-        "cache (not part of its size); LoRA adapters then serve the attention only (default: off, every expert "
-        "resident)", json_schema_extra=cli("--expert-cache-gb", metavar="GB", unit=GIB))
+        "cache (not part of its size), and LoRA adapters' factors stay resident on the attention and the experts "
+        "alike (default: off, every expert resident)", json_schema_extra=cli("--expert-cache-gb", metavar="GB", unit=GIB))
     expert_cache_fraction: float | None = Field(
         None, description="expert offloading with a cache of this fraction (0-1] of the routed experts instead of "
         "a size (elastic: of a device's experts at the first --dp; the size then stays through scales)",
