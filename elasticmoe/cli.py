@@ -66,7 +66,8 @@ _ESFT_OPTIONS = {"experts_per_layer": "--experts-per-layer", "noise": "--noise",
 
 
 def _run_make_esft_adapter(args: argparse.Namespace) -> int:
-    from elasticmoe.adapters.esft import AdapterError, EsftConfig
+    from elasticmoe.adapters.esft import EsftConfig
+    from elasticmoe.errors import AdapterError
     from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 
     if args.fit and args.config is None:
@@ -130,7 +131,7 @@ def _int_list(text: str | None, option: str) -> list[int] | None:
 
 
 def _run_make_lora_adapter(args: argparse.Namespace) -> int:
-    from elasticmoe.adapters.esft import AdapterError
+    from elasticmoe.errors import AdapterError
     from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
 
     try:

@@ -35,9 +35,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 import torch.nn.functional as F
 
-from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.lora import KV_B_PROJ_UNSUPPORTED
-from elasticmoe.errors import AdapterConflictError, AdapterLimitError
+from elasticmoe.errors import AdapterConflictError, AdapterError, AdapterLimitError
 from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_at_slot_rows, grouped_experts_sorted
 from elasticmoe.layers.lora import LoraGroups, LoraSite
 from elasticmoe.models.common import CausalLM, GQAAttention, MoEBlock

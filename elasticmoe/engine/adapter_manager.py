@@ -33,7 +33,6 @@ from typing import Any
 
 from elasticmoe.adapter_policy.profile import load_profile
 from elasticmoe.adapter_policy.usage import check_probability
-from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.esft_slots import EsftSlots, ExpertWeights
 from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
@@ -47,6 +46,7 @@ from elasticmoe.engine.request import AdapterBinding, Request
 from elasticmoe.engine.scheduler import Scheduler
 from elasticmoe.errors import (
     AdapterConflictError,
+    AdapterError,
     AdapterLimitError,
     InvalidRequestError,
     UnknownAdapterError,

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from elasticmoe.adapters.esft import AdapterError
+from elasticmoe.errors import AdapterError
 
 
 def rewrite_checkpoint(base: Path, out: Path, change: Callable[[str, torch.Tensor], torch.Tensor | None]) -> int:

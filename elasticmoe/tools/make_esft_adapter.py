@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from elasticmoe.adapters.esft import EXPERT_CFG, AdapterError, EsftAdapter, EsftConfig, expert_tensors
+from elasticmoe.adapters.esft import EsftAdapter, EsftConfig, expert_tensors
+from elasticmoe.adapters.kinds import EXPERT_CFG
 from elasticmoe.config import ModelConfig
+from elasticmoe.errors import AdapterError
 from elasticmoe.models.weights import SafetensorsWeightProvider
 from elasticmoe.tools.checkpoint import rewrite_checkpoint
 

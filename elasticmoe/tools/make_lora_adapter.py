@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.lora import CONFIG_FILE, PREFIX, WEIGHTS_FILE, LoraAdapter, LoraConfig, lora_modules
 from elasticmoe.config import ModelConfig
+from elasticmoe.errors import AdapterError
 from elasticmoe.models.weights import SafetensorsWeightProvider
 from elasticmoe.tools.checkpoint import rewrite_checkpoint
 

@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from elasticmoe.adapters.esft import AdapterError, EsftAdapter, EsftConfig, expert_tensors
+from elasticmoe.adapters.esft import EsftAdapter, EsftConfig, expert_tensors
 from elasticmoe.cli import main
 from elasticmoe.config import ModelConfig
+from elasticmoe.errors import AdapterError
 from elasticmoe.models.registry import model_family
 from elasticmoe.models.weights import SafetensorsWeightProvider
 from elasticmoe.tools.make_esft_adapter import ADAPTER_FILE, make_esft_adapter, write_merged_model

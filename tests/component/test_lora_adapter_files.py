@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.lora import CONFIG_FILE, PREFIX, WEIGHTS_FILE, LoraAdapter, lora_modules
 from elasticmoe.cli import main
 from elasticmoe.config import ModelConfig
+from elasticmoe.errors import AdapterError
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
 
 # arch -> (targets, layers, experts): attention everywhere plus expert targets on a subset

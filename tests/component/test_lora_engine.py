@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticmoe.adapters.esft import AdapterError, EsftAdapter
+from elasticmoe.adapters.esft import EsftAdapter
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
-from elasticmoe.errors import AdapterConflictError, AdapterLimitError, InvalidRequestError
+from elasticmoe.errors import AdapterConflictError, AdapterError, AdapterLimitError, InvalidRequestError
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model

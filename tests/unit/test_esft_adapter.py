@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from elasticmoe.adapters.esft import AdapterError, EsftConfig
+from elasticmoe.adapters.esft import EsftConfig
 from elasticmoe.config import ModelConfig
+from elasticmoe.errors import AdapterError
 
 ESFT_DIR = Path("/work/shared/data/esft_expert_configs")
 # max experts per layer of the four real DeepSeek-V2-Lite ESFT configs

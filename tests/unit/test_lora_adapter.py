@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 
-from elasticmoe.adapters.esft import AdapterError
 from elasticmoe.adapters.lora import LoraConfig, lora_modules
 from elasticmoe.config import ModelConfig
+from elasticmoe.errors import AdapterError
 
 
 def make_cfg(**extra) -> dict:
