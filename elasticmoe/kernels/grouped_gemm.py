@@ -90,7 +90,8 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
     rows then its up rows: the expert MLP's first projection and activation in one pass ([N, I]
     in x's dtype). None where the kernel does not fuse it (no AMX, dtypes, I % 16): the caller
     runs `grouped_gemm` and the activation."""
-    lib = _library() if (x.dtype, w13.dtype) in _SUPPORTED else None
+    # Only AMX builds fuse it: elsewhere decline before allocating anything (8 calls per decode step).
+    lib = _library() if (x.dtype, w13.dtype) in _SUPPORTED and computes_on_amx() else None
     if lib is None or w13.stride(-1) != 1 or offsets.dtype != torch.int64 or w13.shape[1] % 2:
         return None
     inter = w13.shape[1] // 2

@@ -98,6 +98,26 @@ def test_grouped_gemm_with_slot_rows_reads_each_groups_own_weight_row(isa, x_dty
         gg.grouped_gemm(x, offsets, pool, rows[:2])
 
 
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+def test_grouped_gemm_of_many_rows_per_slot_reads_each_groups_own_weight_row(isa, x_dtype, w_dtype):
+    """Groups of many rows (prefill; on AVX2 the packed-panel path, from 32 rows per slot): partial
+    panels (37 = 2 x 16 + 5 weight rows), a K tail, strided weights, pool rows out of order, and
+    the rows in between never read."""
+    torch.manual_seed(0)
+    n_out, k = 37, 67
+    pool = torch.full((6, n_out, k + 2), float("nan")).to(w_dtype)[:, :, 1 : k + 1]
+    rows = torch.tensor([4, 1, 2])
+    pool[rows] = torch.randn(3, n_out, k).to(w_dtype)
+    counts = [45, 0, 40]
+    x = torch.randn(sum(counts), k).to(x_dtype)
+    offsets = torch.tensor([0, 45, 45, 85])
+    want = torch.cat([x[:45].float() @ pool[4].float().T, x[45:].float() @ pool[2].float().T])
+    got = gg.grouped_gemm(x, offsets, pool, rows)
+    tol = 1e-5 if x_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert got.dtype == x_dtype
+
+
 def test_grouped_gemm_with_slot_rows_without_the_kernel(monkeypatch):
     monkeypatch.setattr(gg, "_kernel", lambda: None)
     x, offsets, pool, rows, want, tol = _slot_rows_case(torch.float32, torch.float32)

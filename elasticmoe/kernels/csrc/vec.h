@@ -108,6 +108,11 @@ inline __m256 hsum8v(const vec* v) {
   __m256 y47 = _mm256_add_ps(_mm256_shuffle_ps(x45, x67, 0x44), _mm256_shuffle_ps(x45, x67, 0xEE));
   return _mm256_add_ps(_mm256_permute2f128_ps(y03, y47, 0x20), _mm256_permute2f128_ps(y03, y47, 0x31));
 }
+// The 4 horizontal sums of v[0..3].
+inline __m128 hsum4v(const vec* v) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 #else
 #error "build with -DEMOE_AVX512 or -DEMOE_AVX2"
 #endif
@@ -145,6 +150,14 @@ inline void store8(uint16_t* p, __m256 v) {
   const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// Store 4 floats, rounded to nearest even for bf16.
+inline void store4(float* p, __m128 v) { _mm_storeu_ps(p, v); }
+inline void store4(uint16_t* p, __m128 v) {
+  alignas(16) float f[4];
+  _mm_store_ps(f, v);
+  for (int i = 0; i < 4; ++i) p[i] = f32_to_bf16(f[i]);
 }
 
 // 8 floats rounded to bf16 precision (nearest even), kept as fp32.

@@ -1,0 +1,127 @@
+// Outer-product GEMM tiles over a packed weight panel, for groups of many rows on AVX2.
+//
+// The dot kernel (grouped_gemm.cpp) multiplies along K, the checkpoint's layout, and reduces each
+// output horizontally: right for decode, where a few rows share each weight and reading the
+// weights once is what counts. With many rows per slot (prefill) it is bound by its FMAs and
+// reductions with AVX2's 16 registers. Here a task copies 16 weight rows into a panel transposed to
+// [K][16] fp32 (widened once, in a per-thread buffer of 16 * K floats: no persistent copy, the
+// weights stay where the caller has them), then every 6 rows of the group run against it: per k,
+// two panel vectors and six broadcast inputs feed 12 FMAs into 12 accumulators. Each output is one
+// fp32 FMA chain along k, as in a plain GEMM.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+
+#include "vec.h"
+
+#if defined(EMOE_AVX2)
+namespace emoe::panel {
+
+constexpr int NR = 16;  // weight rows (output columns) per panel: two vectors
+constexpr int MR = 6;   // input rows per tile: 12 accumulators + 2 panel vectors + 1 broadcast
+
+// A per-thread panel buffer, grown as needed and kept across calls.
+class PanelBuffer {
+ public:
+  ~PanelBuffer() { std::free(data_); }
+  float* get(int64_t K) {
+    const size_t num = static_cast<size_t>(K) * NR;
+    if (num > size_) {
+      std::free(data_);
+      data_ = static_cast<float*>(std::aligned_alloc(64, (num * 4 + 63) / 64 * 64));
+      size_ = data_ != nullptr ? num : 0;
+    }
+    return data_;
+  }
+
+ private:
+  float* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Transposes 8 vectors (rows) in place into 8 columns.
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// bp[k * NR + j] = w[j, k] as fp32 for j < nb (<= NR), 0 for nb <= j < NR.
+template <typename W>
+void pack(const W* w, int64_t ldw, int nb, int64_t K, float* bp) {
+  const int64_t k8 = K - K % 8;
+  for (int half = 0; half < 2; ++half) {
+    const int j0 = half * 8;
+    if (nb >= j0 + 8) {
+      for (int64_t k = 0; k < k8; k += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = vload(w + (j0 + j) * ldw + k);
+        transpose8(r);
+        for (int i = 0; i < 8; ++i) _mm256_store_ps(bp + (k + i) * NR + j0, r[i]);
+      }
+      for (int64_t k = k8; k < K; ++k)
+        for (int j = 0; j < 8; ++j) bp[k * NR + j0 + j] = scalar(w, (j0 + j) * ldw + k);
+    } else {
+      for (int64_t k = 0; k < K; ++k)
+        for (int j = 0; j < 8; ++j) bp[k * NR + j0 + j] = j0 + j < nb ? scalar(w, (j0 + j) * ldw + k) : 0.0f;
+    }
+  }
+}
+
+// dst[m, 0:nb] = x[m, 0:K] @ panel for M (<= MR) rows; dst in x's dtype (bf16 rounded to nearest even).
+template <typename X, int M>
+inline void tile(const X* x, int64_t ldx, const float* bp, int64_t K, X* dst, int64_t ldo, int nb) {
+  vec acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vec w0 = _mm256_load_ps(bp + k * NR), w1 = _mm256_load_ps(bp + k * NR + L);
+    for (int m = 0; m < M; ++m) {
+      const vec b = vset(scalar(x, m * ldx + k));
+      acc[m][0] = vfma(b, w0, acc[m][0]);
+      acc[m][1] = vfma(b, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    if (nb == NR) {
+      vstore_as(dst + m * ldo, acc[m][0]);
+      vstore_as(dst + m * ldo + L, acc[m][1]);
+    } else {
+      alignas(32) float row[NR];
+      _mm256_store_ps(row, acc[m][0]);
+      _mm256_store_ps(row + L, acc[m][1]);
+      for (int n = 0; n < nb; ++n) store(dst, m * ldo + n, row[n]);
+    }
+  }
+}
+
+// Rows [r0, r1) of x against one packed panel of nb weight rows -> out[r, 0:nb].
+template <typename X>
+void rows(const X* x, int64_t ldx, int64_t r0, int64_t r1, const float* bp, int nb, int64_t K, X* out, int64_t ldo) {
+  int64_t r = r0;
+  for (; r + MR <= r1; r += MR) tile<X, MR>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
+  switch (r1 - r) {
+    case 5: tile<X, 5>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
+    case 4: tile<X, 4>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
+    case 3: tile<X, 3>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
+    case 2: tile<X, 2>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
+    case 1: tile<X, 1>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
+    default: break;
+  }
+}
+
+}  // namespace emoe::panel
+#endif
