@@ -35,7 +35,8 @@ def _library() -> ctypes.CDLL | None:
     lib = load_kernel("grouped_gemm")
     if lib is None:
         return None
-    declare(lib, {"emoe_grouped_gemm": _ARGTYPES, "emoe_grouped_swiglu": _ARGTYPES})
+    declare(lib, {"emoe_grouped_gemm": _ARGTYPES, "emoe_grouped_swiglu": _ARGTYPES,
+                  "emoe_fuses_swiglu": [ctypes.c_int, ctypes.c_int]})
     granted = lib.emoe_amx_init()
     if granted == 0:
         logger.warning("kernels: the OS refused AMX tile state; the grouped GEMM runs on AVX-512")
@@ -84,15 +85,21 @@ def _one_group(num_rows: int) -> torch.Tensor:
     return torch.tensor([0, num_rows])
 
 
+@cache
+def _fuses_swiglu(lib: ctypes.CDLL, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """Whether this build fuses the SwiGLU for the pair (AMX: bf16 weights; AVX2: fp32 activations):
+    elsewhere the call declines before allocating anything."""
+    return bool(lib.emoe_fuses_swiglu(_DTYPE_CODE[x_dtype], _DTYPE_CODE[w_dtype]))
+
+
 def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
                    slot_rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """silu(x @ gate.T) * (x @ up.T) per group, with w13 [>= S, 2 * I, in] holding each slot's gate
     rows then its up rows: the expert MLP's first projection and activation in one pass ([N, I]
-    in x's dtype). None where the kernel does not fuse it (no AMX, dtypes, I % 16): the caller
-    runs `grouped_gemm` and the activation."""
-    # Only AMX builds fuse it: elsewhere decline before allocating anything (8 calls per decode step).
-    lib = _library() if (x.dtype, w13.dtype) in _SUPPORTED and computes_on_amx() else None
-    if lib is None or w13.stride(-1) != 1 or offsets.dtype != torch.int64 or w13.shape[1] % 2:
+    in x's dtype). None where the kernel does not fuse it (AMX builds fuse bf16 weights with
+    I % 16 == 0, AVX2 builds fp32 activations): the caller runs `grouped_gemm` and the activation."""
+    lib = _library() if (x.dtype, w13.dtype) in _SUPPORTED else None
+    if lib is None or not _fuses_swiglu(lib, x.dtype, w13.dtype) or w13.stride(-1) != 1 or offsets.dtype != torch.int64 or w13.shape[1] % 2:
         return None
     inter = w13.shape[1] // 2
     out = x.new_empty((x.shape[0], inter))

@@ -51,18 +51,23 @@ def test_grouped_gemm_equals_per_slot_matmul(isa, x_dtype, w_dtype, num_rows):
 
 @pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
 @pytest.mark.parametrize("num_rows", [1, 7, 40, 300])
-def test_grouped_swiglu_equals_silu_gate_times_up(isa, x_dtype, w_dtype, num_rows):
-    """The fused first projection + activation of the experts (AMX builds) equals the two steps
-    it replaces; elsewhere it declines and the caller runs them."""
+@pytest.mark.parametrize("inter", [32, 20])
+def test_grouped_swiglu_equals_silu_gate_times_up(isa, x_dtype, w_dtype, num_rows, inter):
+    """The fused first projection + activation of the experts (AMX builds: bf16 weights; AVX2
+    builds: fp32 activations, on the dot kernel or, from 32 rows per slot, packed panels; 20
+    columns leave partial blocks) equals the two steps it replaces; elsewhere it declines and the
+    caller runs them."""
     torch.manual_seed(0)
-    num_slots, inter, k = 5, 32, 70  # a K tail
+    num_slots, k = 5, 70  # a K tail
     w13 = torch.randn(num_slots + 1, 2 * inter, k + 2).to(w_dtype)[:, :, 1 : k + 1]  # strided view
     slots = torch.randint(0, num_slots, (num_rows,)).sort().values
     slots[slots == 2] = 3
     x = torch.randn(num_rows, k).to(x_dtype)
     offsets = gg.slot_offsets(slots, num_slots)
     got = gg.grouped_swiglu(x, offsets, w13)
-    if isa != "amx" or w_dtype != torch.bfloat16:
+    fused = (isa == "amx" and w_dtype == torch.bfloat16 and inter % 16 == 0) or (
+        isa == "avx2" and x_dtype == torch.float32)
+    if not fused:
         assert got is None
         return
     assert got is not None and got.dtype == x_dtype and got.shape == (num_rows, inter)

@@ -23,6 +23,7 @@
 
 #include <omp.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <type_traits>
 #include <utility>
@@ -215,6 +216,79 @@ bool panel_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const i
   runs.work(omp_get_thread_num(), run_task);
   return true;
 }
+
+// silu(g) * u for 8 values, as PyTorch's F.silu(g) * u: g * sigmoid(g), sigmoid from exp(-|g|).
+inline __m256 silu_mul(__m256 g, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = vexp_nonpos(_mm256_or_ps(g, _mm256_set1_ps(-0.0f)));  // exp(-|g|)
+  const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));  // g < 0: e / (1 + e)
+  return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
+}
+
+inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+thread_local std::vector<float> g_gate_up;  // a task's gate and up results, before the activation
+
+// silu(x @ gate^T) * (x @ up^T) per group, fp32 activations, w [E, 2 * inter, K] holding each slot's
+// gate rows then its up rows: a task computes one block of gate columns and the same block of up
+// columns for all the slot's rows (the dot kernel, or packed panels for many rows per slot, as the
+// grouped GEMM chooses) and writes only their product: no [N, 2 * inter] intermediate, no
+// separate activation passes.
+template <typename W>
+void avx2_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows,
+                         int num_slots, const W* w, int64_t w_stride_e, int64_t w_stride_n, float* out, int64_t ldo,
+                         int64_t inter, int64_t K) {
+  const std::vector<int> busy = busy_slots(offsets, num_slots);
+  const bool panels = offsets[num_slots] - offsets[0] >= PANEL_MIN_ROWS * static_cast<int64_t>(busy.size());
+  const int unit = panels ? panel::NR : NB;  // gate (and up) columns per task
+  const int64_t per_slot = (inter + unit - 1) / unit;
+  const int64_t num_tasks = static_cast<int64_t>(busy.size()) * per_slot;
+  const int nth = num_threads() > 0 ? num_threads() : 1;
+  TaskRuns runs(num_tasks, nth, [&](int64_t task) {
+    const int s = busy[task / per_slot];
+    return offsets[s + 1] - offsets[s] + 2 * TASK_COST_ROWS * unit / NB;
+  });
+  const auto run_task = [&](int64_t task) {
+    const int slot = busy[task / per_slot];
+    const int64_t j0 = (task % per_slot) * unit;
+    const int nb = static_cast<int>(inter - j0 < unit ? inter - j0 : unit);
+    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
+    const W* gate_w = w + row * w_stride_e + j0 * w_stride_n;
+    const W* up_w = gate_w + inter * w_stride_n;
+    const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
+    const float* xs = x + r0 * ldx;
+    g_gate_up.resize(static_cast<size_t>(2 * rows * unit));
+    float* gate = g_gate_up.data();
+    float* up = gate + rows * unit;
+    float* bp = panels ? g_panel.get(K) : nullptr;
+    if (bp != nullptr) {
+      panel::pack(gate_w, w_stride_n, nb, K, bp);
+      panel::rows(xs, ldx, 0, rows, bp, nb, K, gate, unit);
+      panel::pack(up_w, w_stride_n, nb, K, bp);
+      panel::rows(xs, ldx, 0, rows, bp, nb, K, up, unit);
+    } else {
+      for (int j = 0; j < nb; j += NB) {  // NB columns at a time (a panel's 16 when its buffer failed)
+        const int n = nb - j < NB ? nb - j : NB;
+        // Each pulls in its next block of the slot while it computes, as the grouped GEMM does.
+        const bool next = j0 + j + 2 * NB <= inter;
+        const W* gate_j = gate_w + j * w_stride_n;
+        const W* up_j = up_w + j * w_stride_n;
+        dot_rows(xs, ldx, 0, rows, gate_j, w_stride_n, n, K, gate + j, unit, next ? gate_j + NB * w_stride_n : nullptr);
+        dot_rows(xs, ldx, 0, rows, up_j, w_stride_n, n, K, up + j, unit, next ? up_j + NB * w_stride_n : nullptr);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + (r0 + r) * ldo + j0;
+      const float* g = gate + r * unit;
+      const float* u = up + r * unit;
+      int c = 0;
+      for (; c + 8 <= nb; c += 8) _mm256_storeu_ps(o + c, silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
+      for (; c < nb; ++c) o[c] = silu_mul(g[c], u[c]);
+    }
+  };
+#pragma omp parallel num_threads(nth)
+  runs.work(omp_get_thread_num(), run_task);
+}
 #endif
 
 template <typename X, typename W>
@@ -380,9 +454,23 @@ int emoe_amx_init() {
 #endif
 }
 
-// silu(x @ w[:, :inter]^T) * (x @ w[:, inter:]^T) per group (w: [E, 2 * inter, K], bf16) into
-// out [N, inter]. Returns 0, or -1 where not served (no AMX, dtypes, inter % 16): the caller
-// runs emoe_grouped_gemm and the activation itself.
+// Whether emoe_grouped_swiglu serves this dtype pair in this build (and process): AMX tiles for bf16
+// weights, AVX2 for fp32 activations.
+int emoe_fuses_swiglu(int x_dtype, int w_dtype) {
+#if defined(EMOE_AMX)
+  if (g_amx && w_dtype == kBF16) return 1;
+#endif
+#if defined(EMOE_AVX2)
+  if (x_dtype == kF32 && (w_dtype == kF32 || w_dtype == kBF16)) return 1;
+#endif
+  (void)x_dtype;
+  (void)w_dtype;
+  return 0;
+}
+
+// silu(x @ w[:, :inter]^T) * (x @ w[:, inter:]^T) per group (w: [E, 2 * inter, K]) into out
+// [N, inter]. Returns 0, or -1 where not served (see emoe_fuses_swiglu; on AMX also inter % 16):
+// the caller runs emoe_grouped_gemm and the activation itself.
 int emoe_grouped_swiglu(const void* x, int64_t ldx, int x_dtype, const int64_t* offsets, const int64_t* slot_rows,
                         int num_slots, const void* w, int64_t w_stride_e, int64_t w_stride_n, int w_dtype, void* out,
                         int64_t ldo, int64_t inter, int64_t K) {
@@ -395,6 +483,19 @@ int emoe_grouped_swiglu(const void* x, int64_t ldx, int x_dtype, const int64_t* 
     };
     if (x_dtype == kF32 && run(static_cast<float*>(out))) return 0;
     if (x_dtype == kBF16 && run(static_cast<uint16_t*>(out))) return 0;
+  }
+#endif
+#if defined(EMOE_AVX2)
+  if (x_dtype == kF32 && w_dtype == kF32) {
+    avx2_grouped_swiglu(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const float*>(w),
+                        w_stride_e, w_stride_n, static_cast<float*>(out), ldo, inter, K);
+    return 0;
+  }
+  if (x_dtype == kF32 && w_dtype == kBF16) {
+    avx2_grouped_swiglu(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots,
+                        static_cast<const uint16_t*>(w), w_stride_e, w_stride_n, static_cast<float*>(out), ldo, inter,
+                        K);
+    return 0;
   }
 #endif
   return -1;
