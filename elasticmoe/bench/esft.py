@@ -222,6 +222,7 @@ def bench_memory(
     return {
         "num_adapters": mem.num_adapters,
         "e_max": e_max,
+        "stored_dtype": str(dtype).removeprefix("torch."),  # the bytes below are of this dtype
         "base_bytes": mem.base_bytes,
         "needed_bytes": mem.needed_bytes,
         "ours_bytes": mem.ours_bytes,
@@ -425,7 +426,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 latency += bench_latency(engine, names, args)
             kv_per_token = kv_bytes_per_token(engine.kv_spec)
             if "memory" in args.phases:
-                row = bench_memory(model_cfg, dtype, adapters, e_max, engine.kv_spec, args)
+                # In the dtype the engine holds adapter slots in: a bf16 request is computed (and
+                # stored) in fp32 on a host without a fast bf16 GEMM (an AVX2-only CPU).
+                row = bench_memory(model_cfg, engine.compute_plan.compute_dtype, adapters, e_max, engine.kv_spec, args)
                 assert engine.adapters.esft is not None
                 # Cross-check: the engine's bytes of tuned experts = what the arithmetic calls needed.
                 row["engine_adapter_bytes"] = sum(engine.adapters.esft.nbytes_of.values())
