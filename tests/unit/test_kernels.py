@@ -107,14 +107,14 @@ def test_grouped_gemm_with_slot_rows_reads_each_groups_own_weight_row(isa, x_dty
 def test_grouped_gemm_of_many_rows_per_slot_reads_each_groups_own_weight_row(isa, x_dtype, w_dtype):
     """Groups of many rows (prefill; on AVX2 the packed-panel path, from 32 rows per slot): partial
     panels (37 = 2 x 16 + 5 weight rows), a K tail, strided weights, pool rows out of order, and
-    the rows in between never read."""
+    the rows in between never read, inputs whose rows are further apart than K."""
     torch.manual_seed(0)
     n_out, k = 37, 67
     pool = torch.full((6, n_out, k + 2), float("nan")).to(w_dtype)[:, :, 1 : k + 1]
     rows = torch.tensor([4, 1, 2])
     pool[rows] = torch.randn(3, n_out, k).to(w_dtype)
     counts = [45, 0, 40]
-    x = torch.randn(sum(counts), k).to(x_dtype)
+    x = torch.randn(sum(counts), k + 5).to(x_dtype)[:, 2 : k + 2]  # rows further apart than K
     offsets = torch.tensor([0, 45, 45, 85])
     want = torch.cat([x[:45].float() @ pool[4].float().T, x[45:].float() @ pool[2].float().T])
     got = gg.grouped_gemm(x, offsets, pool, rows)
