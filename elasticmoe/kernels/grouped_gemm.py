@@ -99,7 +99,9 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
     in x's dtype). None where the kernel does not fuse it (AMX builds fuse bf16 weights with
     I % 16 == 0, AVX2 builds fp32 activations): the caller runs `grouped_gemm` and the activation."""
     lib = _library() if (x.dtype, w13.dtype) in _SUPPORTED else None
-    if lib is None or not _fuses_swiglu(lib, x.dtype, w13.dtype) or w13.stride(-1) != 1 or offsets.dtype != torch.int64 or w13.shape[1] % 2:
+    if lib is None or not _fuses_swiglu(lib, x.dtype, w13.dtype):
+        return None
+    if w13.stride(-1) != 1 or offsets.dtype != torch.int64 or w13.shape[1] % 2:
         return None
     inter = w13.shape[1] // 2
     out = x.new_empty((x.shape[0], inter))
