@@ -36,7 +36,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     declare(lib, {"emoe_grouped_gemm": _ARGTYPES, "emoe_grouped_swiglu": _ARGTYPES,
-                  "emoe_fuses_swiglu": [ctypes.c_int, ctypes.c_int]})
+                  "emoe_fuses_swiglu": [ctypes.c_int, ctypes.c_int], "emoe_fast_fp32_bf16": []})
     granted = lib.emoe_amx_init()
     if granted == 0:
         logger.warning("kernels: the OS refused AMX tile state; the grouped GEMM runs on AVX-512")
@@ -52,6 +52,14 @@ def computes_on_amx() -> bool:
     fp32 activations times bf16 weights faster than widening the weights for an fp32 GEMM."""
     lib = _library()
     return lib is not None and _amx_builds.get(lib._name, False)
+
+
+def computes_fp32_with_bf16_weights() -> bool:
+    """Whether the kernel multiplies fp32 activations by bf16 weights faster than widening the
+    weights for oneDNN's fp32 GEMM (AMX tiles; the AVX2 build's dot kernel and packed panels), so
+    that bf16 weights computed in fp32 (a provider's shared memory) go to it at any size."""
+    lib = _library()
+    return lib is not None and bool(lib.emoe_fast_fp32_bf16())
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

@@ -10,8 +10,9 @@ While a decode step runs PyTorch on one thread (`ModelRunner`), projections of u
 
 A weight stored in another dtype than x (bf16 weights computed in float32: from a shared-memory
 provider on a host without a fast bf16 GEMM, `elasticmoe.utils.cpu_features`; or a bf16
-checkpoint's own weights on an AMX host) goes to the grouped kernel where it computes on AMX
-tiles (fp32 activations in three bf16 parts: fp32's accuracy), else is widened at use; bf16
+checkpoint's own weights on an AMX host) goes to the grouped kernel where that is faster than
+widening it (`computes_fp32_with_bf16_weights`: on AMX tiles, fp32 activations in three bf16
+parts, fp32's accuracy; in the AVX2 build, widened in registers), else is widened at use; bf16
 values are exact in float32.
 """
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.kernels.build import kernel_threads
-from elasticmoe.kernels.grouped_gemm import computes_on_amx, kernel_linear
+from elasticmoe.kernels.grouped_gemm import computes_fp32_with_bf16_weights, kernel_linear
 
 _mkldnn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _USE_ONEDNN_FP32 = _mkldnn_linear is not None and torch.backends.mkldnn.is_available()
@@ -34,7 +35,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = kernel_linear(x, weight)
         if out is not None:
             return out
-    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and computes_on_amx():
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and computes_fp32_with_bf16_weights():
         out = kernel_linear(x.reshape(-1, x.shape[-1]), weight)
         if out is not None:
             return out.view(*x.shape[:-1], weight.shape[0])

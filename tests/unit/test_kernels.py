@@ -152,6 +152,22 @@ def test_grouped_gemm_splits_work_among_any_number_of_threads(isa, num_threads, 
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_fp32_activations_times_bf16_weights_go_to_the_kernel_where_it_is_faster(isa, monkeypatch):
+    """A provider's bf16 weights computed in fp32 run in the kernel on AMX and AVX2 builds (any
+    size: here 300 rows, past the decode path) instead of being widened for oneDNN at every call,
+    and equal the widened product."""
+    from elasticmoe.layers import linear as lin
+
+    calls = []
+    monkeypatch.setattr(lin, "kernel_linear", lambda x, w: calls.append(x.shape) or gg.kernel_linear(x, w))
+    torch.manual_seed(0)
+    x, w = torch.randn(300, 64), torch.randn(48, 64).bfloat16()
+    got = lin.linear(x, w)
+    torch.testing.assert_close(got, x @ w.float().T, atol=1e-5, rtol=1e-5)
+    assert gg.computes_fp32_with_bf16_weights() == (isa == "avx2" or gg.computes_on_amx())
+    assert bool(calls) == gg.computes_fp32_with_bf16_weights()
+
+
 def test_grouped_gemm_never_reads_slots_without_rows(isa):
     w = torch.randn(4, 8, 32)
     w[1:3] = float("nan")  # stands for unmapped adapter rows
