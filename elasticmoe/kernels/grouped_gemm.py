@@ -59,7 +59,12 @@ def computes_fp32_with_bf16_weights() -> bool:
     weights for oneDNN's fp32 GEMM (AMX tiles; the AVX2 build's dot kernel and packed panels), so
     that bf16 weights computed in fp32 (a provider's shared memory) go to it at any size."""
     lib = _library()
-    return lib is not None and bool(lib.emoe_fast_fp32_bf16())
+    return lib is not None and _fast_fp32_bf16(lib)
+
+
+@cache
+def _fast_fp32_bf16(lib: ctypes.CDLL) -> bool:  # asked once per build, not at every projection
+    return bool(lib.emoe_fast_fp32_bf16())
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "aligned_buffer.h"
 #include "packed_panel.h"
 #include "task_runs.h"
 #include "vec.h"
@@ -173,12 +174,65 @@ inline std::vector<int> busy_slots(const int64_t* offsets, int num_slots) {
   return busy;
 }
 
+// Task t is the (t % tasks_per_slot)-th of busy slot t / tasks_per_slot; its balancing cost is its
+// slot's rows plus `stream_cost` (reading its weights). Shared among `nth` threads.
+inline TaskRuns slot_task_runs(const int64_t* offsets, const std::vector<int>& busy, int64_t tasks_per_slot,
+                               int64_t stream_cost, int nth) {
+  return TaskRuns(static_cast<int64_t>(busy.size()) * tasks_per_slot, nth, [&](int64_t t) {
+    const int s = busy[t / tasks_per_slot];
+    return offsets[s + 1] - offsets[s] + stream_cost;
+  });
+}
+
+// task(slot, j) for each busy slot and j < tasks_per_slot, on the kernel's threads.
+template <typename Task>
+void for_slot_tasks(const int64_t* offsets, const std::vector<int>& busy, int64_t tasks_per_slot, int64_t stream_cost,
+                    Task task) {
+  const int nth = num_threads() > 0 ? num_threads() : 1;
+  TaskRuns runs = slot_task_runs(offsets, busy, tasks_per_slot, stream_cost, nth);
+#pragma omp parallel num_threads(nth)
+  runs.work(omp_get_thread_num(), [&](int64_t t) { task(busy[t / tasks_per_slot], t % tasks_per_slot); });
+}
+
+// Rows [r0, r1) of x times `ncols` weight rows from w, NB at a time, into out[:, 0:ncols]. While a
+// block's first rows compute, the next NB weight rows are pulled in (contiguous): a block's rows
+// are short streams the hardware prefetchers barely start on (decode, weights from DRAM, one
+// thread: 1.25 -> 0.87 ms per layer at 8 rows per slot). Only within the `avail` weight rows of
+// the slot from w on: another slot's rows may be unmapped adapter memory.
+template <typename X, typename W>
+void dot_cols(const X* x, int64_t ldx, int64_t r0, int64_t r1, const W* w, int64_t ldw, int64_t ncols, int64_t avail,
+              int64_t K, X* out, int64_t ldo) {
+  for (int64_t j = 0; j < ncols; j += NB) {
+    const W* wj = w + j * ldw;
+    const W* pf = j + 2 * NB <= avail ? wj + NB * ldw : nullptr;
+    dot_rows(x, ldx, r0, r1, wj, ldw, static_cast<int>(ncols - j < NB ? ncols - j : NB), K, out + j, ldo, pf);
+  }
+}
+
 #if defined(EMOE_AVX2)
 // Rows per busy slot, on average, from which a call runs on packed panels (packed_panel.h) instead
 // of the dot kernel. Zen 3, 2 threads, 32 experts of 512 x 512, GFLOP/s dot vs panel: 12 rows
 // 122 / 99, 24 rows 125 / 124, 32 rows 120 / 129, 64 rows 120 / 151, 256 rows 123 / 173.
 constexpr int64_t PANEL_MIN_ROWS = 32;
-thread_local panel::PanelBuffer g_panel;
+thread_local AlignedBuffer<float> g_panel;  // a task's packed weight panel
+
+inline bool uses_panels(const int64_t* offsets, int num_slots, const std::vector<int>& busy) {
+  return offsets[num_slots] - offsets[0] >= PANEL_MIN_ROWS * static_cast<int64_t>(busy.size());
+}
+
+// Rows [r0, r1) of x times `ncols` (<= panel::NR) weight rows from w, on a packed panel, or on the
+// dot kernel when there is no memory for one.
+template <typename X, typename W>
+void panel_cols(const X* x, int64_t ldx, int64_t r0, int64_t r1, const W* w, int64_t ldw, int ncols, int64_t avail,
+                int64_t K, X* out, int64_t ldo) {
+  float* bp = g_panel.get(static_cast<size_t>(K) * panel::NR);
+  if (bp == nullptr) {
+    dot_cols(x, ldx, r0, r1, w, ldw, ncols, avail, K, out, ldo);
+    return;
+  }
+  panel::pack(w, ldw, ncols, K, bp);
+  panel::rows(x, ldx, r0, r1, bp, ncols, K, out, ldo);
+}
 
 // The grouped GEMM on packed panels: a task packs 16 weight rows of a slot and runs all the slot's
 // rows against them. Returns false (nothing done) for calls with too few rows per slot.
@@ -187,33 +241,13 @@ bool panel_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const i
                         const W* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out,
                         int64_t K) {
   const std::vector<int> busy = busy_slots(offsets, num_slots);
-  if (busy.empty() || offsets[num_slots] - offsets[0] < PANEL_MIN_ROWS * static_cast<int64_t>(busy.size()))
-    return false;
-  const int64_t panels_per_slot = (n_out + panel::NR - 1) / panel::NR;
-  const int64_t num_tasks = static_cast<int64_t>(busy.size()) * panels_per_slot;
-  const int nth = num_threads() > 0 ? num_threads() : 1;
-  TaskRuns runs(num_tasks, nth, [&](int64_t task) {
-    const int s = busy[task / panels_per_slot];
-    return offsets[s + 1] - offsets[s] + 2 * TASK_COST_ROWS;
-  });
-  const auto run_task = [&](int64_t task) {
-    const int slot = busy[task / panels_per_slot];
-    const int64_t n0 = (task % panels_per_slot) * panel::NR;
-    const int nb = static_cast<int>(n_out - n0 < panel::NR ? n_out - n0 : panel::NR);
+  if (busy.empty() || !uses_panels(offsets, num_slots, busy)) return false;
+  for_slot_tasks(offsets, busy, (n_out + panel::NR - 1) / panel::NR, 2 * TASK_COST_ROWS, [&](int slot, int64_t j) {
+    const int64_t n0 = j * panel::NR;
     const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
-    const W* wb = w + row * w_stride_e + n0 * w_stride_n;
-    float* bp = g_panel.get(K);
-    if (bp == nullptr) {  // no memory for the panel: the dot kernel, 8 weight rows at a time
-      for (int64_t j = 0; j < nb; j += NB)
-        dot_rows(x, ldx, offsets[slot], offsets[slot + 1], wb + j * w_stride_n, w_stride_n,
-                 static_cast<int>(nb - j < NB ? nb - j : NB), K, out + n0 + j, ldo, static_cast<const W*>(nullptr));
-      return;
-    }
-    panel::pack(wb, w_stride_n, nb, K, bp);
-    panel::rows(x, ldx, offsets[slot], offsets[slot + 1], bp, nb, K, out + n0, ldo);
-  };
-#pragma omp parallel num_threads(nth)
-  runs.work(omp_get_thread_num(), run_task);
+    panel_cols(x, ldx, offsets[slot], offsets[slot + 1], w + row * w_stride_e + n0 * w_stride_n, w_stride_n,
+               static_cast<int>(n_out - n0 < panel::NR ? n_out - n0 : panel::NR), n_out - n0, K, out + n0, ldo);
+  });
   return true;
 }
 
@@ -239,18 +273,10 @@ void avx2_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
                          int num_slots, const W* w, int64_t w_stride_e, int64_t w_stride_n, float* out, int64_t ldo,
                          int64_t inter, int64_t K) {
   const std::vector<int> busy = busy_slots(offsets, num_slots);
-  const bool panels = offsets[num_slots] - offsets[0] >= PANEL_MIN_ROWS * static_cast<int64_t>(busy.size());
+  const bool panels = uses_panels(offsets, num_slots, busy);
   const int unit = panels ? panel::NR : NB;  // gate (and up) columns per task
-  const int64_t per_slot = (inter + unit - 1) / unit;
-  const int64_t num_tasks = static_cast<int64_t>(busy.size()) * per_slot;
-  const int nth = num_threads() > 0 ? num_threads() : 1;
-  TaskRuns runs(num_tasks, nth, [&](int64_t task) {
-    const int s = busy[task / per_slot];
-    return offsets[s + 1] - offsets[s] + 2 * TASK_COST_ROWS * unit / NB;
-  });
-  const auto run_task = [&](int64_t task) {
-    const int slot = busy[task / per_slot];
-    const int64_t j0 = (task % per_slot) * unit;
+  for_slot_tasks(offsets, busy, (inter + unit - 1) / unit, 2 * TASK_COST_ROWS * unit / NB, [&](int slot, int64_t j) {
+    const int64_t j0 = j * unit;
     const int nb = static_cast<int>(inter - j0 < unit ? inter - j0 : unit);
     const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
     const W* gate_w = w + row * w_stride_e + j0 * w_stride_n;
@@ -260,22 +286,12 @@ void avx2_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
     g_gate_up.resize(static_cast<size_t>(2 * rows * unit));
     float* gate = g_gate_up.data();
     float* up = gate + rows * unit;
-    float* bp = panels ? g_panel.get(K) : nullptr;
-    if (bp != nullptr) {
-      panel::pack(gate_w, w_stride_n, nb, K, bp);
-      panel::rows(xs, ldx, 0, rows, bp, nb, K, gate, unit);
-      panel::pack(up_w, w_stride_n, nb, K, bp);
-      panel::rows(xs, ldx, 0, rows, bp, nb, K, up, unit);
+    if (panels) {
+      panel_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, unit);
+      panel_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, unit);
     } else {
-      for (int j = 0; j < nb; j += NB) {  // NB columns at a time (a panel's 16 when its buffer failed)
-        const int n = nb - j < NB ? nb - j : NB;
-        // Each pulls in its next block of the slot while it computes, as the grouped GEMM does.
-        const bool next = j0 + j + 2 * NB <= inter;
-        const W* gate_j = gate_w + j * w_stride_n;
-        const W* up_j = up_w + j * w_stride_n;
-        dot_rows(xs, ldx, 0, rows, gate_j, w_stride_n, n, K, gate + j, unit, next ? gate_j + NB * w_stride_n : nullptr);
-        dot_rows(xs, ldx, 0, rows, up_j, w_stride_n, n, K, up + j, unit, next ? up_j + NB * w_stride_n : nullptr);
-      }
+      dot_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, unit);
+      dot_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, unit);
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* o = out + (r0 + r) * ldo + j0;
@@ -285,9 +301,7 @@ void avx2_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
       for (; c + 8 <= nb; c += 8) _mm256_storeu_ps(o + c, silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
       for (; c < nb; ++c) o[c] = silu_mul(g[c], u[c]);
     }
-  };
-#pragma omp parallel num_threads(nth)
-  runs.work(omp_get_thread_num(), run_task);
+  });
 }
 #endif
 
@@ -298,53 +312,20 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t
   if (panel_grouped_gemm(x, ldx, offsets, slot_rows, num_slots, w, w_stride_e, w_stride_n, out, ldo, n_out, K)) return;
 #endif
   // Tasks: (slot, block of NB weight rows), only for slots with rows.
-  const int64_t blocks_per_slot = (n_out + NB - 1) / NB;
-  const std::vector<int> busy = busy_slots(offsets, num_slots);
-  const int64_t num_tasks = static_cast<int64_t>(busy.size()) * blocks_per_slot;
-  const int nth = num_threads() > 0 ? num_threads() : 1;
-  TaskRuns runs(num_tasks, nth, [&](int64_t task) {
-    const int s = busy[task / blocks_per_slot];
-    return offsets[s + 1] - offsets[s] + TASK_COST_ROWS;
-  });
-  const auto run_task = [&](int64_t task) {
-    const int slot = busy[task / blocks_per_slot];
-    const int64_t n0 = (task % blocks_per_slot) * NB;
-    const int nb = static_cast<int>(n_out - n0 < NB ? n_out - n0 : NB);
+  for_slot_tasks(offsets, busy_slots(offsets, num_slots), (n_out + NB - 1) / NB, TASK_COST_ROWS,
+                 [&](int slot, int64_t j) {
+    const int64_t n0 = j * NB;
     const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
-    const W* wb = w + row * w_stride_e + n0 * w_stride_n;
-    // While the first rows compute, pull in the next weight block of this slot (its next NB
-    // rows, contiguous): each task's NB rows are short streams the hardware prefetchers barely
-    // start on (decode, weights from DRAM, one thread: 1.25 -> 0.87 ms per layer at 8 rows per
-    // slot). Only within the slot: another slot's rows may be unmapped adapter memory.
-    const W* pf = n0 + 2 * NB <= n_out ? wb + NB * w_stride_n : nullptr;
-    dot_rows(x, ldx, offsets[slot], offsets[slot + 1], wb, w_stride_n, nb, K, out + n0, ldo, pf);
-  };
-#pragma omp parallel num_threads(nth)
-  runs.work(omp_get_thread_num(), run_task);
+    dot_cols(x, ldx, offsets[slot], offsets[slot + 1], w + row * w_stride_e + n0 * w_stride_n, w_stride_n,
+             n_out - n0 < NB ? n_out - n0 : NB, n_out - n0, K, out + n0, ldo);
+  });
 }
 
 #if defined(EMOE_AMX)
 bool g_amx = false;  // set by emoe_amx_init: the process may use AMX tiles
 
-// A per-thread buffer for the packed activations, grown as needed and kept (a prefill step
-// packs several MB per projection; allocating it anew each call would fault its pages in again).
-class Scratch {
- public:
-  ~Scratch() { std::free(data_); }
-  uint16_t* get(size_t num) {
-    if (num > size_) {
-      std::free(data_);
-      data_ = static_cast<uint16_t*>(std::aligned_alloc(64, (num * 2 + 63) / 64 * 64));
-      size_ = data_ != nullptr ? num : 0;
-    }
-    return data_;
-  }
-
- private:
-  uint16_t* data_ = nullptr;
-  size_t size_ = 0;
-};
-thread_local Scratch g_scratch;
+// The packed activations, per thread (a prefill step packs several MB per projection).
+thread_local AlignedBuffer<uint16_t> g_scratch;
 
 // The activations of a call's groups packed into AMX B tiles (amx_gemm.h), then `tasks_per_slot`
 // tasks per slot with rows: task(i, slot, j, packed) for the i-th busy slot, j < tasks_per_slot.
@@ -368,12 +349,8 @@ bool amx_run(const X* x, int64_t ldx, const int64_t* offsets, int num_slots, int
       const int64_t r = offsets[busy[i]] + (b - first_block[i]) * 16;
       block_rows[b] = {r, static_cast<int>(offsets[busy[i] + 1] - r < 16 ? offsets[busy[i] + 1] - r : 16)};
     }
-  const int64_t num_tasks = static_cast<int64_t>(busy.size()) * tasks_per_slot;
   const int nth = num_threads() > 0 ? num_threads() : 1;
-  TaskRuns runs(num_tasks, nth, [&](int64_t t) {
-    const int s = busy[t / tasks_per_slot];
-    return offsets[s + 1] - offsets[s] + task_cost;
-  });
+  TaskRuns runs = slot_task_runs(offsets, busy, tasks_per_slot, task_cost, nth);
 #pragma omp parallel num_threads(nth)
   {
 #pragma omp for schedule(static)

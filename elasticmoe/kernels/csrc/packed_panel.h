@@ -4,14 +4,13 @@
 // output horizontally: right for decode, where a few rows share each weight and reading the
 // weights once is what counts. With many rows per slot (prefill) it is bound by its FMAs and
 // reductions with AVX2's 16 registers. Here a task copies 16 weight rows into a panel transposed to
-// [K][16] fp32 (widened once, in a per-thread buffer of 16 * K floats: no persistent copy, the
+// [K][16] fp32 (widened once, in a per-thread AlignedBuffer of 16 * K floats: no persistent copy, the
 // weights stay where the caller has them), then every 6 rows of the group run against it: per k,
 // two panel vectors and six broadcast inputs feed 12 FMAs into 12 accumulators. Each output is one
 // fp32 FMA chain along k, as in a plain GEMM.
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "vec.h"
 
@@ -20,25 +19,6 @@ namespace emoe::panel {
 
 constexpr int NR = 16;  // weight rows (output columns) per panel: two vectors
 constexpr int MR = 6;   // input rows per tile: 12 accumulators + 2 panel vectors + 1 broadcast
-
-// A per-thread panel buffer, grown as needed and kept across calls.
-class PanelBuffer {
- public:
-  ~PanelBuffer() { std::free(data_); }
-  float* get(int64_t K) {
-    const size_t num = static_cast<size_t>(K) * NR;
-    if (num > size_) {
-      std::free(data_);
-      data_ = static_cast<float*>(std::aligned_alloc(64, (num * 4 + 63) / 64 * 64));
-      size_ = data_ != nullptr ? num : 0;
-    }
-    return data_;
-  }
-
- private:
-  float* data_ = nullptr;
-  size_t size_ = 0;
-};
 
 // Transposes 8 vectors (rows) in place into 8 columns.
 inline void transpose8(__m256 r[8]) {
