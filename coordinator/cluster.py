@@ -97,8 +97,9 @@ class ClusterManager:
         try:
             self.hmm = HMMController(use_ray=True, prefix=cfg.shm_prefix)
             self.home_node = ray.get_runtime_context().get_node_id()
-            for spec in self._offered_devices():
-                self.hmm.add_device(spec)
+            offered = self._offered_devices()
+            self.hmm.add_devices(offered)
+            for spec in offered:
                 self._next_device_id = spec.device_id + 1
                 self._node_index.setdefault(spec.ray_node_id, spec.node_id)
             self.load_model(cfg.dp)
@@ -170,8 +171,8 @@ class ClusterManager:
                     spec = DeviceSpec(self._next_device_id, node_index, self.config.device_memory_bytes,
                                       node.ray_node_id)
                     self._next_device_id += 1
-                    hmm.add_device(spec)
                     added.append(spec)
+            hmm.add_devices(added)
         if added:
             logger.info("coordinator: devices %s joined (nodes %s)", [s.device_id for s in added],
                         sorted({str(s.ray_node_id)[:8] for s in added}))

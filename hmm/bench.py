@@ -149,8 +149,7 @@ def measure_peak(model_dir: str, dtype: torch.dtype, devices: list[DeviceSpec], 
     (in-process workers, same-node fast path), old layout still mapped until commit."""
     hmm = HMMController(use_ray=False, p2p="fast", prefix=f"emoepeak{secrets.token_hex(4)}")
     try:
-        for spec in devices:
-            hmm.add_device(spec)
+        hmm.add_devices(devices)
         hmm.load(model_dir, dp=2, dtype=dtype, kv_bytes=kv)
         hmm.reset_peak()
         assert hmm.layout is not None

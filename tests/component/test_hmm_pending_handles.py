@@ -69,3 +69,12 @@ def test_abort_drops_the_pending_sets(ctl):
     with pytest.raises(RuntimeError, match="no plan is pending"):
         ctl.handle_set(1, pending=True)
     assert ctl.handle_set(0) == old and ctl.layout_placement().num_ranks == 1
+
+
+def test_devices_added_together_are_checked_before_any_starts(ctl):
+    with pytest.raises(ValueError, match=r"\[1, 3\]"):
+        ctl.add_devices([DeviceSpec(2, 0, BUDGET), DeviceSpec(1, 0, BUDGET), DeviceSpec(3, 0, BUDGET),
+                         DeviceSpec(3, 0, BUDGET)])
+    assert sorted(ctl.devices) == [0, 1]  # device 2 was not started either
+    ctl.add_devices([DeviceSpec(2, 0, BUDGET), DeviceSpec(3, 0, BUDGET)])
+    assert sorted(ctl.devices) == sorted(ctl.workers) == [0, 1, 2, 3]

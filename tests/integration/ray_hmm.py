@@ -22,8 +22,7 @@ def ray_hmm(model_dir: str, *, dp: int, budget: int, kv_bytes: int, page: int = 
     prefix = f"emoetest{secrets.token_hex(4)}"
     ctl = HMMController(use_ray=True, page_size=page, prefix=prefix)
     try:
-        for d in range(2):
-            ctl.add_device(DeviceSpec(d, 0, budget))
+        ctl.add_devices([DeviceSpec(d, 0, budget) for d in range(2)])
         ctl.load(model_dir, dp=dp, dtype=torch.float32, kv_bytes=kv_bytes)
         yield ctl
     finally:

@@ -95,7 +95,7 @@ def test_a_scale_waits_for_asked_devices_and_gives_up_naming_them(tiny_model_dir
     offered = [DeviceNode(A, "10.0.0.1", 1), DeviceNode(B, "10.0.0.2", 1)]
     monkeypatch.setattr(cluster_module, "discover", lambda: offered)
     added: list[DeviceSpec] = []
-    hmm.add_device = lambda spec: (added.append(spec), hmm.devices.__setitem__(spec.device_id, spec))
+    hmm.add_devices = lambda specs: [(added.append(s), hmm.devices.__setitem__(s.device_id, s)) for s in specs]
     cluster._next_device_id = 1
     asked: list[int] = []
     cluster.device_requests = DeviceRequests(lambda bundles: asked.append(len(bundles)))
