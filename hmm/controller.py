@@ -117,21 +117,52 @@ class HMMController:
         """Start the devices' workers side by side, then (with Ray) rebuild the p2p group once to
         include them all (D.6). One at a time, each worker's start (an interpreter importing
         torch, ~2 CPU-s) and each group rebuild came after the previous: 6 of a 3-device
-        server's 9 s start. Ids are checked before any worker starts."""
+        server's 9 s start. Ids are checked before any worker starts; if a worker fails to start
+        or to join the group, the batch's workers are stopped and unregistered (the devices
+        registered before stay, in a group of their own again) and the error is raised."""
         ids = [spec.device_id for spec in specs]
         taken = sorted({d for d in ids if d in self.devices} | {d for d in ids if ids.count(d) > 1})
         if taken:
             raise ValueError(f"devices {taken} are already registered (or given twice)")
-        for spec in specs:
-            worker: Any
-            if self.use_ray:
-                worker = DeviceWorkerActor.options(**on_node(spec.ray_node_id, device=True)).remote(
-                    spec, self.page_size, self.prefix)
-            else:
-                worker = DeviceWorker(spec, self.page_size, self.prefix)
-            self.devices[spec.device_id], self.workers[spec.device_id] = spec, worker
-        if specs and self.use_ray and self.p2p != "fast":
-            self._rebuild_group()
+        started: list[int] = []
+        try:
+            for spec in specs:
+                worker: Any
+                if self.use_ray:
+                    worker = DeviceWorkerActor.options(**on_node(spec.ray_node_id, device=True)).remote(
+                        spec, self.page_size, self.prefix)
+                else:
+                    worker = DeviceWorker(spec, self.page_size, self.prefix)
+                self.devices[spec.device_id], self.workers[spec.device_id] = spec, worker
+                started.append(spec.device_id)
+            if specs and self.use_ray and self.p2p != "fast":
+                self._rebuild_group()
+        except BaseException:
+            logger.exception("hmm: devices %s did not start; stopping them", ids)
+            self._drop_started(started)
+            raise
+
+    def _drop_started(self, device_ids: Sequence[int], timeout_s: float = 10.0) -> None:
+        """Stop and unregister workers of a batch that failed (best effort: one that cannot shut
+        down is killed; its files are reaped with the prefix's); the group again of the rest."""
+        for d in device_ids:
+            worker = self.workers.pop(d)
+            del self.devices[d]
+            try:
+                if self.use_ray:
+                    ray.get(worker.shutdown.remote(), timeout=timeout_s)
+                else:
+                    worker.shutdown()
+            except Exception:  # noqa: BLE001 - the worker may be what failed
+                logger.warning("hmm: device %d did not shut down cleanly", d, exc_info=True)
+            finally:
+                if self.use_ray:
+                    ray.kill(worker)
+        if device_ids and self.devices and self.use_ray and self.p2p != "fast":
+            try:
+                self._rebuild_group()
+            except Exception:  # noqa: BLE001 - the batch's error is the one raised
+                logger.exception("hmm: the p2p group of devices %s could not be formed again", list(self.devices))
 
     def remove_device(self, device_id: int) -> None:
         """Unregister a device the committed layout does not use (its node is drained or given
@@ -237,8 +268,10 @@ class HMMController:
 
     def _rebuild_group(self) -> None:
         ids = list(self.devices)
-        first = ids[0]
-        addr, port = self._gather([self._call(first, "node_address"), self._call(first, "free_port")])
+        # NOTE: every worker answers first: one that failed to start raises here, before the others
+        # wait in a group it never joins (the join's gloo timeout is 60 s).
+        addr = self._all(ids, "node_address")[0]
+        (port,) = self._gather([self._call(ids[0], "free_port")])
         epoch = self.group.epoch + 1 if self.group else 0
         self.group = GroupSpec(len(ids), addr, port, epoch)
         self._gather([self._call(d, "join_group", self.group, rank) for rank, d in enumerate(ids)])

@@ -92,3 +92,28 @@ def test_gloo_and_fast_path_then_add_device(prefix):
         ray.get([w.shutdown.remote() for w in workers])
         for w in workers:
             ray.kill(w)
+
+
+def test_a_device_batch_with_a_worker_that_fails_to_start_leaves_the_group_as_it_was(prefix, monkeypatch):
+    from hmm import controller
+    from hmm.worker import DeviceWorker
+
+    class FailsForDevice3(DeviceWorker):
+        def __init__(self, spec, *args):
+            if spec.device_id == 3:
+                raise OSError("no memory for device 3")
+            super().__init__(spec, *args)
+
+    ctl = controller.HMMController(use_ray=True, page_size=PAGE, prefix=prefix)
+    try:
+        ctl.add_devices([DeviceSpec(0, 0, 16 << 20), DeviceSpec(1, 0, 16 << 20)])
+        assert ctl.group is not None and (ctl.group.world_size, ctl.group.epoch) == (2, 0)
+        monkeypatch.setattr(controller, "DeviceWorkerActor", ray.remote(num_cpus=0)(FailsForDevice3))
+        with pytest.raises(ray.exceptions.RayActorError, match="device 3"):
+            ctl.add_devices([DeviceSpec(2, 0, 16 << 20), DeviceSpec(3, 0, 16 << 20)])
+        assert sorted(ctl.devices) == sorted(ctl.workers) == [0, 1]  # device 2's worker stopped too
+        assert (ctl.group.world_size, ctl.group.epoch) == (2, 1)  # the two formed a group again
+        ctl.add_devices([DeviceSpec(2, 0, 16 << 20)])  # and the next device joins them
+        assert (ctl.group.world_size, ctl.group.epoch) == (3, 2)
+    finally:
+        ctl.shutdown()
