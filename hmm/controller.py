@@ -127,15 +127,9 @@ class HMMController:
         started: list[int] = []
         try:
             for spec in specs:
-                worker: Any
-                if self.use_ray:
-                    worker = DeviceWorkerActor.options(**on_node(spec.ray_node_id, device=True)).remote(
-                        spec, self.page_size, self.prefix)
-                else:
-                    worker = DeviceWorker(spec, self.page_size, self.prefix)
-                self.devices[spec.device_id], self.workers[spec.device_id] = spec, worker
+                self.devices[spec.device_id], self.workers[spec.device_id] = spec, self._start_worker(spec)
                 started.append(spec.device_id)
-            if specs and self.use_ray and self.p2p != "fast":
+            if specs and self._uses_group:
                 self._rebuild_group()
         except BaseException:
             logger.exception("hmm: devices %s did not start; stopping them", ids)
@@ -146,23 +140,39 @@ class HMMController:
         """Stop and unregister workers of a batch that failed (best effort: one that cannot shut
         down is killed; its files are reaped with the prefix's); the group again of the rest."""
         for d in device_ids:
-            worker = self.workers.pop(d)
             del self.devices[d]
             try:
-                if self.use_ray:
-                    ray.get(worker.shutdown.remote(), timeout=timeout_s)
-                else:
-                    worker.shutdown()
+                self._stop_worker(self.workers.pop(d), timeout_s)
             except Exception:  # noqa: BLE001 - the worker may be what failed
                 logger.warning("hmm: device %d did not shut down cleanly", d, exc_info=True)
-            finally:
-                if self.use_ray:
-                    ray.kill(worker)
-        if device_ids and self.devices and self.use_ray and self.p2p != "fast":
+        if device_ids and self.devices and self._uses_group:
             try:
                 self._rebuild_group()
             except Exception:  # noqa: BLE001 - the batch's error is the one raised
                 logger.exception("hmm: the p2p group of devices %s could not be formed again", list(self.devices))
+
+    def _start_worker(self, spec: DeviceSpec) -> Any:
+        """The device's worker: a Ray actor on its node (its start runs on while this returns), or in process."""
+        if self.use_ray:
+            return DeviceWorkerActor.options(**on_node(spec.ray_node_id, device=True)).remote(
+                spec, self.page_size, self.prefix)
+        return DeviceWorker(spec, self.page_size, self.prefix)
+
+    @property
+    def _uses_group(self) -> bool:
+        """The workers copy between them over a gloo group (Ray workers, not the fast path only)."""
+        return self.use_ray and self.p2p != "fast"
+
+    def _stop_worker(self, worker: Any, timeout_s: float | None = None) -> None:
+        """The worker frees its memory and ends; a Ray actor is killed even if that fails."""
+        try:
+            if self.use_ray:
+                ray.get(worker.shutdown.remote(), timeout=timeout_s)
+            else:
+                worker.shutdown()
+        finally:
+            if self.use_ray:
+                ray.kill(worker)
 
     def remove_device(self, device_id: int) -> None:
         """Unregister a device the committed layout does not use (its node is drained or given
@@ -172,14 +182,9 @@ class HMMController:
             raise ValueError(f"hmm: device {device_id} is not registered")
         if self.pending is not None or (self.layout is not None and device_id in self.layout.device_ids):
             raise RuntimeError(f"hmm: device {device_id} holds (or is about to hold) the model; scale off it first")
-        worker = self.workers.pop(device_id)
         del self.devices[device_id]
-        try:
-            self._gather([self._call_on(worker, "shutdown")])
-        finally:
-            if self.use_ray:
-                ray.kill(worker)
-        if self.use_ray and self.p2p != "fast" and self.devices:
+        self._stop_worker(self.workers.pop(device_id))
+        if self._uses_group and self.devices:
             self._rebuild_group()
         logger.info("hmm: device %d removed", device_id)
 
@@ -202,7 +207,7 @@ class HMMController:
             worker = self.workers.pop(d)
             if self.use_ray:
                 ray.kill(worker)
-        if self.use_ray and self.p2p != "fast" and self.devices:
+        if self._uses_group and self.devices:
             self._rebuild_group()
         logger.warning("hmm: devices %s lost", gone)
 
@@ -226,16 +231,10 @@ class HMMController:
             except Exception:  # noqa: BLE001 - the dead worker cannot abort; the others did
                 logger.exception("hmm: aborting the pending plan before restoring device %d", device_id)
                 self.pending = None
-        old = self.workers[device_id]
         if self.use_ray:
-            ray.kill(old)  # it may be hung rather than dead: it must not free anything now
-            spec = self.devices[device_id]
-            worker: Any = DeviceWorkerActor.options(**on_node(spec.ray_node_id, device=True)).remote(
-                spec, self.page_size, self.prefix)
-        else:
-            worker = DeviceWorker(self.devices[device_id], self.page_size, self.prefix)
-        self.workers[device_id] = worker
-        if self.use_ray and self.p2p != "fast":
+            ray.kill(self.workers[device_id])  # it may be hung rather than dead: it must not free anything now
+        self.workers[device_id] = self._start_worker(self.devices[device_id])
+        if self._uses_group:
             self._rebuild_group()
         layout = self.layout
         if layout is None or device_id not in layout.device_ids:

@@ -234,21 +234,18 @@ void panel_cols(const X* x, int64_t ldx, int64_t r0, int64_t r1, const W* w, int
   panel::rows(x, ldx, r0, r1, bp, ncols, K, out, ldo);
 }
 
-// The grouped GEMM on packed panels: a task packs 16 weight rows of a slot and runs all the slot's
-// rows against them. Returns false (nothing done) for calls with too few rows per slot.
+// The grouped GEMM on packed panels (calls with many rows per slot, `uses_panels`): a task packs 16
+// weight rows of a busy slot and runs all the slot's rows against them.
 template <typename X, typename W>
-bool panel_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows, int num_slots,
-                        const W* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out,
-                        int64_t K) {
-  const std::vector<int> busy = busy_slots(offsets, num_slots);
-  if (busy.empty() || !uses_panels(offsets, num_slots, busy)) return false;
+void panel_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const std::vector<int>& busy,
+                        const int64_t* slot_rows, const W* w, int64_t w_stride_e, int64_t w_stride_n, X* out,
+                        int64_t ldo, int64_t n_out, int64_t K) {
   for_slot_tasks(offsets, busy, (n_out + panel::NR - 1) / panel::NR, 2 * TASK_COST_ROWS, [&](int slot, int64_t j) {
     const int64_t n0 = j * panel::NR;
     const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
     panel_cols(x, ldx, offsets[slot], offsets[slot + 1], w + row * w_stride_e + n0 * w_stride_n, w_stride_n,
                static_cast<int>(n_out - n0 < panel::NR ? n_out - n0 : panel::NR), n_out - n0, K, out + n0, ldo);
   });
-  return true;
 }
 
 // silu(g) * u for 8 values, as PyTorch's F.silu(g) * u: g * sigmoid(g), sigmoid from exp(-|g|).
@@ -308,12 +305,15 @@ void avx2_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
 template <typename X, typename W>
 void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows, int num_slots,
                   const W* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out, int64_t K) {
+  const std::vector<int> busy = busy_slots(offsets, num_slots);
 #if defined(EMOE_AVX2)
-  if (panel_grouped_gemm(x, ldx, offsets, slot_rows, num_slots, w, w_stride_e, w_stride_n, out, ldo, n_out, K)) return;
+  if (!busy.empty() && uses_panels(offsets, num_slots, busy)) {
+    panel_grouped_gemm(x, ldx, offsets, busy, slot_rows, w, w_stride_e, w_stride_n, out, ldo, n_out, K);
+    return;
+  }
 #endif
   // Tasks: (slot, block of NB weight rows), only for slots with rows.
-  for_slot_tasks(offsets, busy_slots(offsets, num_slots), (n_out + NB - 1) / NB, TASK_COST_ROWS,
-                 [&](int slot, int64_t j) {
+  for_slot_tasks(offsets, busy, (n_out + NB - 1) / NB, TASK_COST_ROWS, [&](int slot, int64_t j) {
     const int64_t n0 = j * NB;
     const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
     dot_cols(x, ldx, offsets[slot], offsets[slot + 1], w + row * w_stride_e + n0 * w_stride_n, w_stride_n,
