@@ -22,7 +22,7 @@ from elasticmoe.config import EngineOptions, ModelConfig
 from elasticmoe.entrypoints.serve_settings import ServeSettings
 from elasticmoe.utils.settings import GIB, cli
 from hmm.layout import ModelSizes
-from hmm.memory.shm import DEFAULT_PREFIX
+from hmm.memory.segments import DEFAULT_PREFIX
 from imm.vllm_support import vllm_problem
 
 _DEFAULT_DEVICE_MEMORY = 4 * GIB

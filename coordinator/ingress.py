@@ -47,9 +47,9 @@ from coordinator.observations import ObservationBuffer
 from coordinator.router import Router
 from coordinator.routing_follower import RoutingFollower
 from elasticmoe.entrypoints.openai.adapters_api import add_adapter_routes
-from elasticmoe.entrypoints.openai.api_server import add_openai_routes, install_guards
 from elasticmoe.entrypoints.openai.drain import Drainer, add_drain_route
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
+from elasticmoe.entrypoints.openai.routes import add_openai_routes, install_guards
 from elasticmoe.entrypoints.openai.serving import OpenAIServing, RequestStats, ServingObserver
 from elasticmoe.errors import describe_error
 from elasticmoe.tokenizer import Tokenizer

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hmm.controller import EsftEntry
 from hmm.layout import Layout
-from hmm.memory.shm import round_up
+from hmm.memory.segments import round_up
 
 # host_experts: the host tier of an offloading layout (held by the device's worker, not charged
 # to its budget); the others are charged to the device.

@@ -323,7 +323,7 @@ def _add_reap_shm(sub: argparse._SubParsersAction) -> None:
 
 def _run_reap_shm(args: argparse.Namespace) -> int:
     from hmm.memory.lease import reap, reap_all
-    from hmm.memory.shm import DEFAULT_PREFIX
+    from hmm.memory.segments import DEFAULT_PREFIX
 
     names = reap_all(args.dry_run) if args.all else reap(args.prefix or DEFAULT_PREFIX, dry_run=args.dry_run)
     for name in names:
@@ -389,8 +389,9 @@ _COMMANDS = {"make-model": (_add_make_model, _run_make_model),
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI's parser; with `command`, that subcommand's options only. Some subcommands' options
-    come from the serving configs, whose import costs ~2 CPU-s (torch): `drain-node` runs in a
-    pod's preStop hook, on a node that is still serving, and should not pay for `serve`'s."""
+    come from the serving configs (pydantic models, ~0.5 s to import; no torch, no Ray):
+    `drain-node` runs in a pod's preStop hook, on a node that is still serving, and should not pay
+    for `serve`'s."""
     parser = argparse.ArgumentParser(prog="elasticmoe", description="Elastic serving of MoE LLMs.")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -10,24 +10,30 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elasticmoe.adapter_policy.arranging import arranger
 from elasticmoe.adapter_policy.eviction import eviction_policy
 
+if TYPE_CHECKING:
+    import torch
+
 SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    # NOTE: torch is imported here, not with the module: the elastic server's ingress reads
+    # this module's configs and must not load PyTorch (`coordinator.ingress`).
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {list(DTYPE_NAMES)}, got {name!r}")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def parse_engine_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -190,7 +196,7 @@ class EngineConfig:
     # Weights and activations. None ("auto"): the checkpoint's dtype if this CPU computes it fast,
     # else float32. A 16-bit dtype without a fast GEMM here is computed in float32
     # (`elasticmoe.utils.cpu_features`); the engine's own config then says float32.
-    dtype: torch.dtype | None = torch.bfloat16
+    dtype: torch.dtype | None = field(default_factory=lambda: parse_dtype("bfloat16"))
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30
@@ -288,7 +294,7 @@ class EngineOptions:
     """What a server sets for every engine it builds; the rest of an `EngineConfig` (the model,
     the EP layout, the KV pool) comes from where the engine runs. None: the engine's default."""
 
-    dtype: torch.dtype | None = torch.float32  # None: "auto" (see EngineConfig.dtype)
+    dtype: torch.dtype | None = field(default_factory=lambda: parse_dtype("float32"))  # None: "auto" (EngineConfig)
     num_threads: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None

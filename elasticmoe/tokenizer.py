@@ -8,12 +8,16 @@ cached on disk as transformers built it (`$ELASTICMOE_TOKENIZER_CACHE`, default
 versions), so a process that only decodes (a rank, `encodes=False`) loads it without
 importing transformers: that import scans transformers' whole model registry, ~1.3 s of CPU
 at every rank start, on the path of a scale-up. A process that encodes loads transformers at
-construction, as before, so that its first request does not wait for it.
+construction, as before, so that its first request does not wait for it. With a cache entry it
+loads the tokenizer class `AutoTokenizer` chose when the entry was written, directly: resolving
+that class is what imports PyTorch (through transformers' model configs), and the elastic
+server's ingress, which encodes every prompt, runs without PyTorch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -68,14 +72,32 @@ def _decodes_with_backend(hf: Any) -> bool:
     return not cleanup or (is_bpe and not forced)
 
 
+def _transformers_class(name: Any) -> Any:
+    """The tokenizer class a cache entry names (`module:qualname`), or None: only transformers'
+    own classes are imported (an entry is a file in the user's cache, not code to run)."""
+    if not isinstance(name, str) or not name.startswith("transformers.") or ":" not in name:
+        return None
+    module, qualname = name.split(":", 1)
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as exc:  # another transformers layout: AutoTokenizer decides
+        logger.info("tokenizer class %s not found (%s); loading through AutoTokenizer", name, exc)
+        return None
+    return found if isinstance(found, type) and hasattr(found, "from_pretrained") else None
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path, *, encodes: bool = True) -> None:
         """`encodes=False`: the process only decodes (a rank), so transformers is not loaded when
         the cache has the backend (it still loads on a first `encode`, which is then slow)."""
         self.model_dir = Path(model_dir)
         self._backend: Any = None  # a `tokenizers.Tokenizer` that decodes as transformers does, or None
-        cached = None if encodes else self._read_cache()
-        if cached is not None:
+        cached = self._read_cache()
+        self._cached_class = cached.get("hf_class") if cached else None  # what `AutoTokenizer` chose
+        self._hf_class: Any = None  # that class, once `hf` resolved it
+        if cached is not None and not encodes:
             from tokenizers import Tokenizer as Backend
 
             self._backend = Backend.from_str(cached["backend"])
@@ -87,11 +109,16 @@ class Tokenizer:
         self.vocab_size = len(hf)
         if _decodes_with_backend(hf):
             self._backend = hf.backend_tokenizer
-            self._write_cache()
+            if cached is None or self._hf_class is None:
+                self._write_cache()
 
     @cached_property
     def hf(self) -> Any:
-        """The transformers tokenizer (imported and loaded on first use)."""
+        """The transformers tokenizer (imported and loaded on first use): through `AutoTokenizer`,
+        or the class it chose before (the cache's `hf_class`), which gives the same tokenizer."""
+        self._hf_class = _transformers_class(self._cached_class)
+        if self._hf_class is not None:
+            return self._hf_class.from_pretrained(str(self.model_dir))
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -122,8 +149,10 @@ class Tokenizer:
             return None
 
     def _write_cache(self) -> None:
+        cls = type(self.hf)
         entry = {"backend": self._backend.to_str(), "eos_token_ids": list(self.eos_token_ids),
-                 "vocab_size": self.vocab_size, "model_dir": str(self.model_dir)}
+                 "vocab_size": self.vocab_size, "model_dir": str(self.model_dir),
+                 "hf_class": f"{cls.__module__}:{cls.__qualname__}"}
         try:
             path = self._cache_path
             path.parent.mkdir(parents=True, exist_ok=True)

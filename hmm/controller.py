@@ -37,7 +37,7 @@ from hmm.device_memory import DEVICE_PAGE_SIZE, AdapterRow, Handle
 from hmm.layout import DeviceSpec, Layout, ModelSizes, TensorKey, layout_for
 from hmm.memory import MemoryUsage
 from hmm.memory.page_table import SlotPages
-from hmm.memory.shm import DEFAULT_PREFIX
+from hmm.memory.segments import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, Transfer
 from hmm.placement import on_node
 from hmm.planner import TargetConfig, load_plan, plan, restore_plan

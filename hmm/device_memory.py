@@ -45,7 +45,7 @@ from hmm.memory import (
     VirtualTensorHandle,
 )
 from hmm.memory.page_table import SlotPages
-from hmm.memory.shm import DEFAULT_PREFIX
+from hmm.memory.segments import DEFAULT_PREFIX
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions
 
 logger = logging.getLogger(__name__)

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from elasticmoe.models.weights import ParamSpec
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 
 if TYPE_CHECKING:
     from elasticmoe.config import ModelConfig
+    from elasticmoe.models.weights import ParamSpec
 
 TensorKind = Literal["dense", "expert", "kv", "cache"]
 KV_POOL = "kv_pool"

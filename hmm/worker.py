@@ -28,7 +28,7 @@ from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory import MemoryUsage
 from hmm.memory.lease import reap
 from hmm.memory.page_table import SlotPages
-from hmm.memory.shm import DEFAULT_PREFIX
+from hmm.memory.segments import DEFAULT_PREFIX
 from hmm.p2p import GroupSpec, HandleCopy, P2PGroup, Transfer, copy_from_handles
 from hmm.placement import node_address, ray_node_id
 from hmm.transition_options import DEFAULT_OPTIONS, TransitionOptions

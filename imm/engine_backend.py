@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from elasticmoe.config import EngineOptions
-from elasticmoe.engine.engine_request import EngineRequest
-from elasticmoe.engine.handover import RequestSnapshot
-from elasticmoe.outputs import RequestOutput
-from elasticmoe.parallel.expert_placement import ExpertPlacement
-from hmm.providers import Handle
+if TYPE_CHECKING:  # the rank's actor module imports this one, and the ingress loads that (imm.rank)
+    from elasticmoe.config import EngineOptions
+    from elasticmoe.engine.engine_request import EngineRequest
+    from elasticmoe.engine.handover import RequestSnapshot
+    from elasticmoe.outputs import RequestOutput
+    from elasticmoe.parallel.expert_placement import ExpertPlacement
+    from hmm.providers import Handle
 
 BackendName = Literal["native", "vllm"]
 BACKENDS: tuple[BackendName, ...] = ("native", "vllm")

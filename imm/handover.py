@@ -59,6 +59,15 @@ class RankPaused(RuntimeError):
         return (type(self), (self.request_id,))
 
 
+class HandedOver(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised in a consumer's stream when its request was exported at a pause
+    (`imm.lockstep_loop`); the rank ends the stream with a `HandedOverOutput`."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
+
+
 class HandoverAbandoned(EngineDeadError):
     """No rank continues a handed-over request: its stream is lost where it was, so the client's
     side continues it (an `EngineDeadError`: the engine client treats it as a rank failure)."""

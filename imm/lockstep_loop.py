@@ -65,19 +65,12 @@ from elasticmoe.engine.async_llm import (
 )
 from elasticmoe.engine.lora_lockstep import NO_ID
 from elasticmoe.outputs import RequestOutput
+from imm.handover import HandedOver
 
 logger = logging.getLogger(__name__)
 
 _RUN, _PAUSE, _STOP = 0, 1, 2
 _ADOPTED_TTL_S = 600.0  # an adopted stream nobody resumed for this long is forgotten
-
-
-class HandedOver(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """Raised in a consumer's stream when its request was exported at a pause."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(request_id)
-        self.request_id = request_id
 
 
 class _Pause(StopCommand):

@@ -45,30 +45,37 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import ray
-import torch.distributed as dist
 
 from elasticmoe.config import EngineOptions
 from elasticmoe.engine.async_llm import EngineDeadError
 from elasticmoe.engine.engine_request import EngineRequest
-from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.outputs import OutputDelta
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
 from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory.page_table import SlotPages
-from hmm.memory.shm import mapped_segments
-from hmm.p2p import GroupSpec, init_gloo
+from hmm.memory.segments import mapped_segments
 from hmm.placement import node_address, ray_node_id
-from hmm.providers import Handle
 from imm.engine_backend import AttachResult, BackendName, make_backend
-from imm.handover import HandedOverOutput, ImportReport, PendingRoutes, RankPaused
-from imm.lockstep_loop import HandedOver
-from imm.native_backend import NativeBackend
+from imm.handover import HandedOver, HandedOverOutput, ImportReport, PendingRoutes, RankPaused
 from imm.rank_streams import RankStreams
+
+# NOTE: nothing above loads PyTorch or the engine, and nothing here may: every process that
+# receives a rank's actor handle imports this module (Ray loads the actor's class to make the
+# handle), the ingress too, which holds one per rank and needs no tensors. The engine is
+# imported when a rank builds its backend (`make_backend`), and torch.distributed in the
+# methods that use it.
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from elasticmoe.engine.handover import RequestSnapshot
+    from hmm.p2p import GroupSpec
+    from hmm.providers import Handle
+    from imm.native_backend import NativeBackend
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +170,10 @@ class InstanceRank:
             raise ValueError(f"group has {spec.world_size} ranks, instance has dp={self.dp}")
         if self.dp == 1 or not self.backend.uses_ep_group:
             return  # ep_size 1: no collectives
+        import torch.distributed as dist
+
+        from hmm.p2p import init_gloo
+
         await asyncio.to_thread(init_gloo, spec, self.rank, node_address(), timeout_s)
         self.group = dist.group.WORLD
 
@@ -285,9 +296,9 @@ class InstanceRank:
     # ---- ESFT and LoRA adapters (native backend only; the coordinator drives every rank) ----
 
     def _native(self) -> NativeBackend:
-        if not isinstance(self.backend, NativeBackend):
+        if self.backend.name != "native":
             raise RuntimeError(f"adapters need the native backend; this rank runs {self.backend.name}")
-        return self.backend
+        return cast("NativeBackend", self.backend)
 
     async def load_esft_adapter(
         self, name: str, slot: int, experts: dict[int, tuple[int, ...]], pages: dict[str, list[SlotPages]] | None,
@@ -320,15 +331,13 @@ class InstanceRank:
         await self._native().finish_adapter_unload(name, rows)
 
     def served_adapters(self) -> tuple[str, ...]:
-        backend = self.backend
-        return backend.served_adapters() if isinstance(backend, NativeBackend) else ()
+        return self._native().served_adapters() if self.backend.name == "native" else ()
 
     # ---- expert load and offloading (native backend only) ----------------------------------
 
     def expert_load(self) -> np.ndarray | None:
         """Tokens this rank routed per (MoE layer, expert) (None: no native engine)."""
-        backend = self.backend
-        return backend.expert_load() if isinstance(backend, NativeBackend) else None
+        return self._native().expert_load() if self.backend.name == "native" else None
 
     async def warm_expert_cache(self, popularity: np.ndarray) -> int:
         """Fill this rank's expert cache with its most used experts by `popularity` (before it
@@ -461,8 +470,11 @@ class InstanceRank:
         """Stop the loop, drop the engine (unmaps the handles), leave the group and end the
         subscriptions (their subscribers learn at once). Idempotent."""
         await self.backend.shutdown()
-        if self.group is not None and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
         self.group = None
         self.streams.close()
         self.is_shut_down = True

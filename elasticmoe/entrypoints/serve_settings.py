@@ -11,9 +11,8 @@ the CLI exits 2 before anything starts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
 
 from elasticmoe.config import EngineOptions, parse_dtype
@@ -23,6 +22,9 @@ from elasticmoe.entrypoints.openai.access import (
     AccessPolicy,
 )
 from elasticmoe.utils.settings import GIB, cli, reveal
+
+if TYPE_CHECKING:
+    import torch
 
 API_KEY_ENV = "ELASTICMOE_API_KEY"
 ADMIN_KEY_ENV = "ELASTICMOE_ADMIN_KEY"

@@ -22,7 +22,7 @@ import torch
 from hmm.memory.accounting import MemoryAccount
 from hmm.memory.libc import PAGE_SIZE, punch_hole
 from hmm.memory.page_table import PageAllocator
-from hmm.memory.shm import DEFAULT_PREFIX, create_segment, unlink_segment
+from hmm.memory.segments import DEFAULT_PREFIX, create_segment, unlink_segment
 
 logger = logging.getLogger(__name__)
 

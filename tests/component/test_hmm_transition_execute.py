@@ -16,7 +16,7 @@ from elasticmoe.models.weights import SafetensorsWeightProvider
 from hmm.controller import HMMController
 from hmm.layout import KV_POOL, DeviceSpec, Layout, ModelSizes
 from hmm.memory import list_segments
-from hmm.memory.shm import round_up
+from hmm.memory.segments import round_up
 from hmm.planner import TargetConfig, plan, scale_target
 from hmm.providers import open_handle
 from hmm.scale_plan import Alloc, DiskLoad, Free, ScalePlan

@@ -18,8 +18,8 @@ from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
-from imm.handover import KVFence, assign_snapshots
-from imm.lockstep_loop import HandedOver, LockstepAsyncLLM
+from imm.handover import HandedOver, KVFence, assign_snapshots
+from imm.lockstep_loop import LockstepAsyncLLM
 
 REQUESTS = {
     "greedy": ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)),

@@ -4,7 +4,8 @@ Decoding through the backend must equal transformers' `decode` exactly (random i
 special tokens, both `skip_special_tokens`, one token at a time), for the three families'
 tiny tokenizers; a second process loads the cached backend without importing transformers;
 a tokenizer that encodes loads transformers at once (its first request must not wait for
-it); the cache follows the tokenizer's files; a torn cache file or an unwritable cache directory
+it), and with the cache filled loads the class `AutoTokenizer` chose, without PyTorch (the elastic
+server's ingress), encoding and rendering chats alike; the cache follows the tokenizer's files; a torn cache file or an unwritable cache directory
 costs the speed-up, never the output; and a tokenizer whose decode does more than its
 backend (space cleanup of a WordPiece model) keeps decoding through transformers.
 """
@@ -23,6 +24,7 @@ import pytest
 from conftest import ARCHS
 from transformers import AutoTokenizer
 
+from elasticmoe.errors import InvalidRequestError
 from elasticmoe.tokenizer import Tokenizer
 
 
@@ -81,6 +83,57 @@ def test_a_tokenizer_that_encodes_loads_transformers_at_construction(tiny_model_
     assert "hf" in ours.__dict__ and ours._backend is not None  # loaded, and decoding on the backend
     assert "hf" not in Tokenizer(tiny_model_dir, encodes=False).__dict__
     assert ours.encode("hello world") == AutoTokenizer.from_pretrained(tiny_model_dir).encode("hello world")
+
+
+TEXTS = ["hello world", "  leading spaces and\ttabs\n", "émoji 🙂 and ümlauts", "<|im_end|> as text", ""]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is an expert?"}]
+
+
+def _chat_ids(tokenizer: Tokenizer) -> list[int] | None:
+    try:
+        return tokenizer.apply_chat_template(CHAT)
+    except InvalidRequestError:  # the tiny tokenizer has no template
+        return None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_class_named_by_the_cache_encodes_as_autotokenizer_does(tiny_model_dirs, cache, arch):
+    first = Tokenizer(tiny_model_dirs[arch])  # through AutoTokenizer; the cache names its class
+    (entry,) = cache.glob("*.json")
+    assert json.loads(entry.read_text())["hf_class"] == f"{type(first.hf).__module__}:{type(first.hf).__qualname__}"
+    again = Tokenizer(tiny_model_dirs[arch])
+    assert again._hf_class is type(first.hf)
+    assert [again.encode(t) for t in TEXTS] == [first.encode(t) for t in TEXTS]
+    assert _chat_ids(again) == _chat_ids(first)
+    assert (again.eos_token_ids, again.vocab_size) == (first.eos_token_ids, first.vocab_size)
+
+
+def test_a_process_that_encodes_from_the_cache_loads_no_torch(tiny_model_dir, cache):
+    first = Tokenizer(tiny_model_dir)
+    script = (
+        "import json, sys\n"
+        "from elasticmoe.tokenizer import Tokenizer\n"
+        f"t = Tokenizer({tiny_model_dir!r})\n"
+        f"print(json.dumps({{'torch': 'torch' in sys.modules, 'ids': [t.encode(x) for x in {TEXTS!r}],"
+        f" 'chat': t.apply_chat_template({CHAT!r})}}))\n"
+    )
+    env = {**os.environ, "ELASTICMOE_TOKENIZER_CACHE": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["torch"] is False
+    assert doc["ids"] == [first.encode(t) for t in TEXTS] and doc["chat"] == first.apply_chat_template(CHAT)
+
+
+@pytest.mark.parametrize("named", ["os:system", "transformers.nope:Nope", "transformers:__version__", 7])
+def test_a_cache_naming_no_transformers_tokenizer_class_loads_through_autotokenizer(tiny_model_dir, cache, named):
+    Tokenizer(tiny_model_dir)
+    (entry,) = cache.glob("*.json")
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "hf_class": named}))
+    ours = Tokenizer(tiny_model_dir)
+    assert ours._hf_class is None
+    assert ours.encode("hello world") == AutoTokenizer.from_pretrained(tiny_model_dir).encode("hello world")
+    assert json.loads(entry.read_text())["hf_class"] != named  # written again, naming the real class
 
 
 def test_the_cache_follows_the_tokenizer_files(tiny_model_dir, cache, tmp_path):

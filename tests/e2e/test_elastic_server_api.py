@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -257,3 +258,15 @@ def test_schemathesis_over_every_route_gets_no_server_error(server):
             time.sleep(0.2)
         assert c.get("/ready").status_code == 200 and c.get("/health").json()["status"] == "ok"
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_the_ingress_served_every_route_above_without_loading_pytorch(server):
+    """The ingress holds connections and routes requests; the tensors are the ranks' and the HMM's.
+    After every route of this module went through it (schemathesis last), its process has not
+    mapped libtorch, while the coordinator's has (so the check can see it)."""
+    def maps_torch(pid: int | None) -> bool:
+        assert pid is not None, "the replica runs on another node"
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    assert not maps_torch(server.ingress_pid)
+    assert maps_torch(server.coordinator_pid)

@@ -23,7 +23,7 @@ from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.outputs import OutputAccumulator
 from elasticmoe.sampling_params import SamplingParams
-from hmm.memory.shm import mapped_segments
+from hmm.memory.segments import mapped_segments
 from imm.instance import Instance
 from imm.lifecycle import IllegalTransition, InstanceState
 from imm.manager import InstanceManager, instance_factory
