@@ -33,6 +33,7 @@ from hmm.memory.segments import DEFAULT_PREFIX, create_segment, round_up, unlink
 
 logger = logging.getLogger(__name__)
 
+
 def _view(mm: mmap.mmap | None, handle: TensorHandle) -> torch.Tensor:
     """A tensor over `mm` (which keeps the mapping alive as long as the tensor lives)."""
     dtype = dtype_from_str(handle.dtype)
