@@ -23,24 +23,21 @@ import ray
 from ray import serve
 
 from coordinator import cluster_status
-from coordinator.adapters import LOCK_WAIT_S
 from coordinator.autoscale_loop import AutoscaleLoop
 from coordinator.autoscaler import Autoscaler
-from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
-from coordinator.healer import Healer
-from coordinator.metrics import ClusterMetrics
-from coordinator.node_drain import NodeDrainer
 from coordinator.observations import Observations
 from coordinator.routing_state import RoutingState
 from coordinator.scale_events import ScaleEvent
 from coordinator.scale_runner import ScaleRunner
-from coordinator.scaler import Scaler
 from coordinator.slo import SloTracker
 from coordinator.strategies import DEFAULT_STRATEGY
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from hmm.lifeline import in_ray_actor, watch_parent
 
+# NOTE: what holds the HMM, the instances and the adapters (and imports PyTorch) is imported by
+# the replica's constructor, not with this module: the process that deploys the application
+# (`elasticmoe serve`, `coordinator.launch`) imports this class and needs none of it.
 
 # NOTE: a short graceful shutdown: what may be in flight at the end are the ingress's long polls
 # (cut short safely: the follower asks again) and admin reads; the cluster is shut down before.
@@ -55,7 +52,15 @@ class Coordinator:
     async def __init__(self, config: CoordinatorConfig) -> None:  # type: ignore[misc]
         if in_ray_actor():  # exit with the node's raylet (see hmm.lifeline)
             watch_parent()
+        from coordinator.adapters import LOCK_WAIT_S
+        from coordinator.cluster import ClusterManager
+        from coordinator.healer import Healer
+        from coordinator.metrics import ClusterMetrics
+        from coordinator.node_drain import NodeDrainer
+        from coordinator.scaler import Scaler
+
         self.config = config
+        self._lock_wait_s = LOCK_WAIT_S
         self.cluster = ClusterManager(config)
         await asyncio.to_thread(self.cluster.start)
         scaler = Scaler(self.cluster)
@@ -134,7 +139,7 @@ class Coordinator:
     async def start_scale(self, dp: int, strategy: str = DEFAULT_STRATEGY) -> dict[str, Any]:
         """A manual scale (raises `OpenAIError`); it pauses the autoscaler (an operator's decision
         wins until resumed)."""
-        event_id = await asyncio.to_thread(self.scales.start, dp, strategy, LOCK_WAIT_S)
+        event_id = await asyncio.to_thread(self.scales.start, dp, strategy, self._lock_wait_s)
         policy = self.autoscale.policy
         if policy.enabled:
             policy.pause(f"manual scale {event_id}; resume with POST /admin/autoscaler")

@@ -1,7 +1,8 @@
 """The CLI's light commands stay light: `drain-node` (a worker pod's preStop hook, on a node that
 is still serving) and `drain` import neither torch nor Ray, and `import elasticmoe` loads its
 public classes on first use only. `serve` validates its options (the elastic server's config)
-without torch or Ray; the elastic server's ingress and the rank's actor module import no torch;
+without torch or Ray; the elastic server's ingress, the rank's actor module and what deploys the
+server import no torch;
 and `hmm.memory` loads its names on first use."""
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def test_serve_validates_its_options_without_torch_or_ray(tiny_model_dir):
     assert not {"torch", "ray"} & loaded and "coordinator.config" in loaded
 
 
-def test_the_ingress_and_the_rank_actor_module_import_without_torch():
+def test_the_ingress_the_rank_actor_and_the_deploying_process_import_without_torch():
     # The ingress replica imports the first; Ray imports the second in every process that gets a
-    # rank's actor handle (the ingress holds one per rank). Checked at run time over HTTP in
+    # rank's actor handle (the ingress holds one per rank); `elasticmoe serve` imports the third
+    # to deploy the application. The ingress is checked at run time over HTTP in
     # tests/e2e/test_elastic_server_api.py.
-    loaded = _modules_after("import coordinator.ingress, imm.rank")
-    assert "torch" not in loaded and "imm.rank" in loaded
+    loaded = _modules_after("import coordinator.ingress, imm.rank, coordinator.launch")
+    assert "torch" not in loaded and {"imm.rank", "coordinator.controller"} <= loaded
 
 
 def test_hmm_memory_loads_each_name_from_its_module_on_first_use():
