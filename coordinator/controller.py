@@ -35,9 +35,6 @@ from coordinator.strategies import DEFAULT_STRATEGY
 from elasticmoe.entrypoints.openai.errors import OpenAIError
 from hmm.lifeline import in_ray_actor, watch_parent
 
-# NOTE: what holds the HMM, the instances and the adapters (and imports PyTorch) is imported by
-# the replica's constructor, not with this module: the process that deploys the application
-# (`elasticmoe serve`, `coordinator.launch`) imports this class and needs none of it.
 
 # NOTE: a short graceful shutdown: what may be in flight at the end are the ingress's long polls
 # (cut short safely: the follower asks again) and admin reads; the cluster is shut down before.
@@ -52,6 +49,9 @@ class Coordinator:
     async def __init__(self, config: CoordinatorConfig) -> None:  # type: ignore[misc]
         if in_ray_actor():  # exit with the node's raylet (see hmm.lifeline)
             watch_parent()
+        # NOTE: imported here, not with the module: they hold the HMM, the instances and the
+        # adapters (and import PyTorch), and the process that deploys the application
+        # (`elasticmoe serve`, `coordinator.launch`) imports this class but needs none of them.
         from coordinator.adapters import LOCK_WAIT_S
         from coordinator.cluster import ClusterManager
         from coordinator.healer import Healer

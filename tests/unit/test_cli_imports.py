@@ -2,8 +2,7 @@
 is still serving) and `drain` import neither torch nor Ray, and `import elasticmoe` loads its
 public classes on first use only. `serve` validates its options (the elastic server's config)
 without torch or Ray; the elastic server's ingress, the rank's actor module and what deploys the
-server import no torch;
-and `hmm.memory` loads its names on first use."""
+server import no torch; and `hmm.memory` loads its names on first use."""
 
 from __future__ import annotations
 
