@@ -295,10 +295,14 @@ class InstanceRank:
 
     # ---- ESFT and LoRA adapters (native backend only; the coordinator drives every rank) ----
 
+    def _native_or_none(self) -> NativeBackend | None:
+        return cast("NativeBackend", self.backend) if self.backend.name == "native" else None
+
     def _native(self) -> NativeBackend:
-        if self.backend.name != "native":
+        native = self._native_or_none()
+        if native is None:
             raise RuntimeError(f"adapters need the native backend; this rank runs {self.backend.name}")
-        return cast("NativeBackend", self.backend)
+        return native
 
     async def load_esft_adapter(
         self, name: str, slot: int, experts: dict[int, tuple[int, ...]], pages: dict[str, list[SlotPages]] | None,
@@ -331,13 +335,15 @@ class InstanceRank:
         await self._native().finish_adapter_unload(name, rows)
 
     def served_adapters(self) -> tuple[str, ...]:
-        return self._native().served_adapters() if self.backend.name == "native" else ()
+        native = self._native_or_none()
+        return native.served_adapters() if native is not None else ()
 
     # ---- expert load and offloading (native backend only) ----------------------------------
 
     def expert_load(self) -> np.ndarray | None:
         """Tokens this rank routed per (MoE layer, expert) (None: no native engine)."""
-        return self._native().expert_load() if self.backend.name == "native" else None
+        native = self._native_or_none()
+        return native.expert_load() if native is not None else None
 
     async def warm_expert_cache(self, popularity: np.ndarray) -> int:
         """Fill this rank's expert cache with its most used experts by `popularity` (before it

@@ -17,21 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from hmm.memory.accounting import MemoryAccount, MemoryUsage, OutOfDeviceMemory
-    from hmm.memory.handle import TensorHandle
-    from hmm.memory.page_pool import DEFAULT_PAGE_SIZE, PagePool
-    from hmm.memory.page_table import PageAllocator, PageTable, SlotLayout, SlotPages, pages_needed
-    from hmm.memory.segments import list_segments
-    from hmm.memory.shm import ShmBackend, open_tensor
-    from hmm.memory.vpage import (
-        VirtualTensor,
-        VirtualTensorHandle,
-        map_slot_pages,
-        open_virtual_tensor,
-        unmap_slot_pages,
-    )
-
+# name -> the submodule that defines it; `__all__` is these names
 _WHERE = {
     "MemoryAccount": "accounting", "MemoryUsage": "accounting", "OutOfDeviceMemory": "accounting",
     "TensorHandle": "handle",
@@ -43,28 +29,28 @@ _WHERE = {
     "VirtualTensor": "vpage", "VirtualTensorHandle": "vpage", "map_slot_pages": "vpage",
     "open_virtual_tensor": "vpage", "unmap_slot_pages": "vpage",
 }
+__all__ = sorted(_WHERE)
 
-__all__ = [
-    "DEFAULT_PAGE_SIZE",
-    "MemoryAccount",
-    "MemoryUsage",
-    "OutOfDeviceMemory",
-    "PageAllocator",
-    "PagePool",
-    "PageTable",
-    "ShmBackend",
-    "SlotLayout",
-    "SlotPages",
-    "TensorHandle",
-    "VirtualTensor",
-    "VirtualTensorHandle",
-    "list_segments",
-    "map_slot_pages",
-    "open_tensor",
-    "open_virtual_tensor",
-    "pages_needed",
-    "unmap_slot_pages",
-]
+if TYPE_CHECKING:  # what a type checker sees (the same names)
+    from hmm.memory.accounting import MemoryAccount as MemoryAccount
+    from hmm.memory.accounting import MemoryUsage as MemoryUsage
+    from hmm.memory.accounting import OutOfDeviceMemory as OutOfDeviceMemory
+    from hmm.memory.handle import TensorHandle as TensorHandle
+    from hmm.memory.page_pool import DEFAULT_PAGE_SIZE as DEFAULT_PAGE_SIZE
+    from hmm.memory.page_pool import PagePool as PagePool
+    from hmm.memory.page_table import PageAllocator as PageAllocator
+    from hmm.memory.page_table import PageTable as PageTable
+    from hmm.memory.page_table import SlotLayout as SlotLayout
+    from hmm.memory.page_table import SlotPages as SlotPages
+    from hmm.memory.page_table import pages_needed as pages_needed
+    from hmm.memory.segments import list_segments as list_segments
+    from hmm.memory.shm import ShmBackend as ShmBackend
+    from hmm.memory.shm import open_tensor as open_tensor
+    from hmm.memory.vpage import VirtualTensor as VirtualTensor
+    from hmm.memory.vpage import VirtualTensorHandle as VirtualTensorHandle
+    from hmm.memory.vpage import map_slot_pages as map_slot_pages
+    from hmm.memory.vpage import open_virtual_tensor as open_virtual_tensor
+    from hmm.memory.vpage import unmap_slot_pages as unmap_slot_pages
 
 
 def __getattr__(name: str) -> Any:
