@@ -7,13 +7,14 @@ to the published ranks). The ingress listens on host:port itself and Serve runs 
 returns once the coordinator has brought up the HMM and activated the first instance and the
 ingress follows it (Serve only routes to a replica whose constructor finished);
 `ElasticServer.shutdown` undoes everything it started, in order: instance + HMM memory
-(explicitly, so no /dev/shm file outlives the server), then Serve, then Ray if it started it,
-then whatever Ray left behind, then the /dev/shm files of any owner that died. Every step has a time bound. `serve_elastic` adds
-SIGTERM/SIGINT: drain (new requests 503, those in flight finish up to
-`shutdown_timeout_s`), then shut down. A process group SIGTERMed at once (systemd's
-default) ends the same way: Ray's raylet goes first, our actors see it and exit
-(device workers free their memory, `hmm.lifeline`), the drain notices the ingress is gone,
-and the shutdown ends the rest.
+(explicitly, so no /dev/shm file outlives the server), then Ray if it started it (which ends
+Serve with it; on a joined cluster: Serve), then whatever Ray left behind, then the /dev/shm
+files of any owner that died. Every step has a time bound. `serve_elastic` adds SIGTERM/SIGINT:
+drain (new requests 503, those in flight finish up to `shutdown_timeout_s`), then shut down. A
+process group SIGTERMed at once (systemd's default) drains the same way while Ray's raylet
+still runs (its own shutdown waits ~10 s on the GCS, which stops answering at once); the
+shutdown then finds the GCS silent and ends Ray's processes instead of calling into them, and
+frees what dead owners left.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from coordinator.process_tree import (
     call_with_timeout,
     child_running,
     end_children,
+    end_descendants,
     is_alive,
 )
 from elasticmoe.entrypoints.listen_address import AddressUnavailable, check_address_free
@@ -89,19 +91,28 @@ class ElasticServer:
 
     def drain(self, timeout_s: float | None = None) -> dict:
         """New `/v1/*` requests get 503, those in flight finish (up to `timeout_s`, default the
-        config's `shutdown_timeout_s`); the autoscaler stops. What happened, as a dict. Gives up at
-        once if the coordinator's process is gone."""
+        config's `shutdown_timeout_s`); the autoscaler stops. What happened, as a dict (empty if
+        the drain failed: logged). Gives up at once if the ingress's process or the raylet is gone."""
         wait = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
-        return self._result(self.handle.drain.remote(timeout_s), wait + 30, "drain", "ingress")
+        outcome: dict = {}
+
+        def drain() -> None:
+            outcome.update(self._result(self.handle.drain.remote(timeout_s), wait + 30, "drain", "ingress"))
+
+        # NOTE: on a thread, abandoned once the raylet is gone: a handle that never routed asks the
+        # GCS for its node first, without a timeout, and a signal to the whole process group may
+        # have taken the GCS down while the server started.
+        call_with_timeout(drain, wait + 60, "drain", give_up=self.raylet_gone)
+        return outcome
 
     def _replica_alive(self, which: str) -> bool:
         """False once the `which` replica's process is gone and Serve has not started another (a
         replica Serve restarted has a new pid, looked up here; only known on its node)."""
+        if self.raylet_gone():  # every process of this node went with it
+            return False
         pid = getattr(self, f"{which}_pid")
         if pid is None or is_alive(pid):
             return True
-        if self.raylet_gone():
-            return False
         pid = _local_pid(self.handle if which == "ingress" else self.coordinator, which, timeout_s=2.0)
         setattr(self, f"{which}_pid", pid)
         return pid is not None and is_alive(pid)
@@ -126,22 +137,45 @@ class ElasticServer:
         if self.is_shut_down:
             return True
         self.is_shut_down = True
+        if self.owns_ray and not self.cluster_answers():
+            # The whole process group was signalled (systemd's default): Ray's GCS and raylet are
+            # shutting down, so every call below would wait on them (the coordinator's for ~10 s,
+            # as long as the raylet's own shutdown waits on the GCS), and there is nothing left to
+            # do in order: the drain is over. Ray's processes end now; dead owners' files go below.
+            logger.warning("Ray's GCS no longer answers (its process group was signalled); ending Ray's processes")
+            end_descendants()
+            orderly = False
+        else:
+            orderly = self._shutdown_in_order(timeout_s)
+        # NOTE: a device worker that died (or was killed before freeing) leaves its files here.
+        reap(self.config.shm_prefix)
+        logger.info("elastic server stopped")
+        return orderly
+
+    def _shutdown_in_order(self, timeout_s: float) -> bool:
+        """The coordinator stops the instances and frees the devices, then Serve (a joined
+        cluster's) or Ray (our own) ends; False if Ray's raylet died meanwhile."""
         try:
             self._result(self.coordinator.shutdown_cluster.remote(), timeout_s, "coordinator shutdown",
                          "coordinator")
         except Exception as exc:  # noqa: BLE001 - the rest still runs
             logger.warning("coordinator shutdown failed (%s)", exc)
-        # NOTE: with the raylet gone none of Ray's calls returns; serve.shutdown is then abandoned
-        # on its thread, and Ray must not be shut down under it (that aborts the process).
-        orderly = call_with_timeout(serve.shutdown, 60, "serve.shutdown", give_up=self.raylet_gone)
-        if self.owns_ray:
-            if orderly:
-                ray.shutdown()  # NOTE: on this thread: Ray aborts when shut down from another one
-            end_children()  # what Ray left behind (its raylet died before its workers), or all of it
-        # NOTE: a device worker that died (or was killed before freeing) leaves its files here.
-        reap(self.config.shm_prefix)
-        logger.info("elastic server stopped")
+        if not self.owns_ray:
+            # NOTE: with the raylet gone none of Ray's calls returns; serve.shutdown is then abandoned
+            # on its thread, and Ray must not be shut down under it (that aborts the process).
+            return call_with_timeout(serve.shutdown, 60, "serve.shutdown", give_up=self.raylet_gone)
+        # NOTE: no serve.shutdown on our own cluster: ray.shutdown ends Serve's controller and
+        # replicas with it, while Serve's teardown takes ~4 s of its control loop's passes (0.5 s
+        # each here, `LOCAL_RAY_DEFAULTS`) to stop replicas that have nothing left to do.
+        orderly = not self.raylet_gone()
+        if orderly:
+            ray.shutdown()  # NOTE: on this thread: Ray aborts when shut down from another one
+        end_children()  # what Ray left behind (its raylet died before its workers), or all of it
         return orderly
+
+    def cluster_answers(self, timeout_s: float = 1.0) -> bool:
+        """This node's raylet lives and Ray's GCS answers within `timeout_s` (`gcs_answers`)."""
+        return not self.raylet_gone() and gcs_answers(timeout_s)
 
 
 def coordinator_app(config: CoordinatorConfig, http: HttpBinding | None = None) -> Any:
@@ -207,7 +241,9 @@ def start_elastic(
         raise
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     logger.info("elastic server ready at %s: %s, dp %d", url, config.model_name, config.dp)
-    coordinator = serve.get_deployment_handle("coordinator", APP_NAME)
+    # NOTE: neither checked with Serve's controller nor recorded as usage (a write to the GCS without
+    # a timeout): if a signal took the cluster down while the app started, either would hang.
+    coordinator = serve.get_deployment_handle("coordinator", APP_NAME, _check_exists=False, _record_telemetry=False)
     return ElasticServer(url, config, handle, coordinator, owns_ray, _local_pid(handle, "ingress"),
                          _local_pid(coordinator, "coordinator"), _RAYLET.pid if owns_ray else None)
 
@@ -239,8 +275,25 @@ def apply_local_ray_defaults(environ: MutableMapping[str, str]) -> None:
         environ.setdefault(name, value)
 
 
+def gcs_answers(timeout_s: float = 1.0) -> bool:
+    """Ray's GCS answers a call within `timeout_s`. A GCS that was SIGTERMed stops answering at
+    once (the call fails in milliseconds, or times out), while its process lives on."""
+    try:
+        client = ray._private.worker.global_worker.gcs_client  # type: ignore[attr-defined]
+    except AttributeError:  # Ray's internals moved: assume it answers (every wait has its bound anyway)
+        return True
+    try:
+        client.internal_kv_get(b"elasticmoe-probe", None, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - any failure to answer is the answer
+        logger.info("Ray's GCS did not answer (%s)", exc)
+        return False
+    return True
+
+
 def _local_pid(handle: Any, what: str, timeout_s: float = 10.0) -> int | None:
     """The pid of a replica's process when it runs on this node (only the shutdown's shortcuts need it)."""
+    if not gcs_answers():  # a signal took the cluster down while it started: the call would wait its bound
+        return None
     try:
         node, pid = handle.process.remote().result(timeout_s=timeout_s)
     except Exception as exc:  # noqa: BLE001

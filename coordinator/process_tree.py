@@ -112,6 +112,35 @@ def end_children(grace_s: float = 5.0) -> list[int]:
     return children
 
 
+def end_descendants(grace_s: float = 1.0, reap_s: float = 5.0) -> list[int]:
+    """SIGTERM every live Ray process below this one (the raylet's workers too, not only this
+    process's children), SIGKILL those alive after `grace_s`, and reap the ones that are (or
+    become, as their raylet dies) this process's children, for up to `reap_s`. Returns their pids.
+    For a cluster that cannot be shut down in order; `end_children` is the orderly shutdown's."""
+    pids = sorted(p for p in descendants(os.getpid()) if is_alive(p) and _is_ray_process(p))
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(is_alive(p) for p in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        if is_alive(pid):
+            _signal(pid, signal.SIGKILL)
+    waiting, deadline = set(pids), time.monotonic() + reap_s
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    waiting.discard(pid)
+            except ChildProcessError:  # not (yet) ours: dead once its zombie is gone from /proc
+                if not Path(f"/proc/{pid}").exists():
+                    waiting.discard(pid)
+        time.sleep(0.05)
+    if pids:
+        logger.warning("ended %d of Ray's processes: %s", len(pids), pids)
+    return pids
+
+
 def _signal(pid: int, sig: signal.Signals) -> None:
     try:
         os.kill(pid, sig)

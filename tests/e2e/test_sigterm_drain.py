@@ -4,9 +4,10 @@ Each server runs as a real subprocess (the elastic one with its own local Ray). 
 long stream is in flight when SIGTERM arrives: it must finish in full, a new request
 must get 503 meanwhile, the process must exit 0, and afterwards no process it
 started may be alive and (elastic) no shared-memory file of its HMM may remain.
-Also SIGTERM to the whole process group at once (systemd's default; Ray's raylet goes
-down with the rest): everything exits within 60 s (what systemd waits before SIGKILL),
-the server with 0, and no shared-memory file is left.
+Also SIGTERM to the whole process group at once (systemd's default; Ray's GCS and raylet
+go down with the rest): the shutdown ends Ray's processes instead of calling into them, everything
+exits within 60 s (what systemd waits before SIGKILL), the server with 0, and no
+shared-memory file is left.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def test_elastic_server_drains_on_sigterm_and_releases_everything(tiny_model_dir
         _check_stream(events, refused)
         out = _check_exit(proc, family, 180)
         assert "'drained': True" in out
+        assert "ending Ray's processes" not in out  # only the server was signalled: Ray ends in order
         assert list_segments(prefix) == [], "shared-memory files left behind"
     finally:
         if proc.poll() is None:
@@ -205,6 +207,9 @@ def test_elastic_server_exits_cleanly_when_its_whole_process_group_is_sigtermed(
             time.sleep(0.2)
         left = sorted(p for p in family if _alive(p))
         assert proc.poll() == 0 and not left, f"after 60 s: server {proc.poll()}, left {left}:\n{out[-3000:]}"
+        # the shutdown found Ray's GCS silent and ended Ray's processes (not ~10 s of calls into them
+        # while the raylet's own shutdown waits on the GCS, nor the collapse watchdog after that)
+        assert "ending Ray's processes" in out and "shutdown is stuck" not in out, out[-3000:]
         assert list_segments(prefix) == [], "shared-memory files left behind"
     finally:
         if proc.poll() is None or any(_alive(p) for p in descendants(proc.pid)):
