@@ -17,7 +17,8 @@ returns its pages to the pools.
 Scaling: the HMM carries every registered adapter into the target layout (pages kept
 where an expert stays on its device, read from the adapter's files where it moves);
 `prepare_instance` points the new instance's expert maps at them before it takes
-requests. Adapter changes and scale events exclude each other (409): a scale never
+requests, and loads the LoRA adapters most likely to be used into its slots first
+(`initial_load_order`). Adapter changes and scale events exclude each other (409): a scale never
 sees an adapter half-loaded, and an unloading adapter blocks scales until it is gone.
 """
 
@@ -92,6 +93,13 @@ class AdapterCluster(Protocol):
 
     @property
     def active(self) -> Instance | None: ...
+
+
+def initial_load_order(adapters: list[AdapterState]) -> list[AdapterState]:
+    """The order in which a new instance loads adapters into its free slots (CoServe §4.1:
+    descending usage probability until memory is full): the declared probabilities descending,
+    then the adapters without one, each group in registration order (`adapters`' order)."""
+    return sorted(adapters, key=lambda a: (a.usage_probability is None, -(a.usage_probability or 0.0)))
 
 
 def _check_backend(backend: str) -> None:
@@ -373,10 +381,13 @@ class ClusterAdapterHost:
     def prepare_instance(self, inst: Instance) -> None:
         """Point a new instance's expert maps at the registered adapters' rows (which the HMM
         layout it attached to already holds). Before it takes any request."""
-        # NOTE: in registration order: LoRA adapters take the new instance's slots as they did the old one's.
-        for a in list(self.adapters.values()):
+        # NOTE: the most probable LoRA adapters take the new instance's free slots (every rank loads
+        # in this order, so their slot tables stay equal); the rest wait in host memory.
+        for a in initial_load_order(list(self.adapters.values())):
             if a.kind == "lora":  # read from the adapter's files for this instance's placement
-                ray.get([rank.load_lora_adapter.remote(a.name, a.path, a.usage_probability) for rank in inst.ranks])
+                slots = ray.get([rank.load_lora_adapter.remote(a.name, a.path, a.usage_probability)
+                                 for rank in inst.ranks])
+                a.slot = slots[0]  # the slot it has in this instance (or None: host memory)
             elif a.slot is not None:  # resident ESFT: the HMM layout holds its rows
                 ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None, a.usage_probability)
                          for rank in inst.ranks])
