@@ -129,7 +129,8 @@ class ClusterManager:
         model = ModelConfig.from_pretrained(cfg.model_dir)
         cache = cfg.hmm_cache_bytes(ModelSizes.from_model(model, cfg.torch_dtype.itemsize), model.top_k)
         return hmm.load(cfg.model_dir, dp=dp, dtype=cfg.torch_dtype, kv_bytes=cfg.hmm_kv_bytes, esft_slots=cfg.esft_slots,
-                        replicated=not cfg.is_expert_parallel, cache_bytes=cache)
+                        replicated=not cfg.is_expert_parallel, cache_bytes=cache,
+                        host_experts=cfg.expert_tier == "host")
 
     def create_instance(self, dp: int, devices: Sequence[DeviceSpec], paced: bool = False) -> Instance:
         """A standby instance of `dp` (the configured backend) whose rank r runs on the node of

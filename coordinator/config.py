@@ -53,6 +53,12 @@ class CoordinatorConfig(ServeSettings):
         _DEFAULT_DEVICE_MEMORY, description="memory budget of each logical device in GiB: weights, KV cache and "
         "scaling headroom (with expert offloading: dense weights, KV cache and the expert cache; the experts "
         "themselves are the node's host tier)", json_schema_extra=cli("--device-memory-gb", metavar="G", unit=GIB))
+    expert_tier: Literal["host", "disk"] = Field(
+        "host", description="with expert offloading, where the experts a device's cache does not hold are read "
+        "from: host (each node keeps its devices' experts in shared memory, one copy per node; a load is a memory "
+        "copy) or disk (nowhere but the checkpoint, read through mmap and the OS page cache: for experts larger than "
+        "the nodes' memory; a scale then moves no expert; ESFT adapter slots cannot be used with it)",
+        json_schema_extra=cli(metavar="TIER"))
     max_queued: int = Field(256, description="requests waiting plus in flight; beyond N the server answers 503 "
                             "with Retry-After", json_schema_extra=cli(metavar="N"))
     max_hold_s: float = Field(30.0, description="longest a new request is held at the ingress while no instance "
@@ -137,6 +143,14 @@ class CoordinatorConfig(ServeSettings):
             if self.offloads_experts:  # a cache below top-k must stop here, not in a replica at start
                 model = ModelConfig.from_pretrained(self.model_dir)
                 self.hmm_cache_bytes(ModelSizes.from_model(model, self.torch_dtype.itemsize), model.top_k)
+            if self.expert_tier == "disk" and not self.offloads_experts:
+                raise ValueError("--expert-tier disk: the disk tier is where an expert cache reads from; give "
+                                 "--expert-cache-gb or --expert-cache-fraction")
+            if self.expert_tier == "disk" and self.esft_slots[0]:
+                # NOTE: an ESFT slot's tuned experts sit in the host tier's expert tensors, after the
+                # base experts, which the disk tier does not hold
+                raise ValueError("--expert-tier disk: ESFT adapters need the host tier (--expert-tier host); "
+                                 "--max-esft-adapters and --esft-adapter cannot be used with the disk tier")
             return
         if self.expert_parallel:
             raise ValueError("--expert-parallel: vLLM's CPU build cannot run expert parallelism across ranks (its "
@@ -182,15 +196,20 @@ class CoordinatorConfig(ServeSettings):
 
     @property
     def esft_slots(self) -> tuple[int, int]:
-        """(N, E_max) of the ESFT adapter slots; (0, 0) without any (always with vLLM)."""
-        return super().esft_slots if self.backend == "native" else (0, 0)
+        """(N, E_max) of the ESFT adapter slots; (0, 0) without any: always with vLLM, and with the
+        disk tier unless they were asked for (which `_check_backend` refuses)."""
+        asked = "max_esft_adapters" in self.model_fields_set or bool(self.esft_adapters)
+        if self.backend != "native" or (self.expert_tier == "disk" and not asked):
+            return (0, 0)
+        return super().esft_slots
 
     def engine_options(self) -> EngineOptions:
         """What every rank's `EngineConfig` gets (its KV pool is its device's, from the HMM)."""
         # NOTE: every rank keeps every registered LoRA adapter in host memory (--max-cpu-loras) and
         # the slots hold the hot set; under EP the ranks swap in lockstep (`engine.lora_lockstep`).
         kv = None if self.backend == "native" else self.kv_bytes_per_device  # vLLM sizes its own KV cache
-        return dataclasses.replace(super().engine_options(), kv_cache_bytes=kv, num_threads=self.num_threads or 1)
+        return dataclasses.replace(super().engine_options(), kv_cache_bytes=kv, num_threads=self.num_threads or 1,
+                                   expert_tier=self.expert_tier)
 
     @property
     def device_limit(self) -> int:

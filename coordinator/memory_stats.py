@@ -42,7 +42,8 @@ class AdapterSlotStats:
 def layout_memory(layout: Layout, adapters: Iterable[EsftEntry], page_size: int) -> dict[int, dict[str, int]]:
     """device -> kind -> bytes `layout` and the ESFT `adapters` hold there, rounded as the HMM
     charges them (dense tensors and pools to OS pages, expert rows to `page_size` pages). With
-    offloading the expert rows are `host_experts` and the device holds an `expert_cache`."""
+    offloading the expert rows are `host_experts` (0 with the disk tier) and the device holds an
+    `expert_cache`."""
     sizes = layout.sizes
     dense = sum(round_up(b) for _, b in sizes.dense)
     expert = sum(round_up(b, page_size) for _, _, b in sizes.expert_stacks)
@@ -50,8 +51,9 @@ def layout_memory(layout: Layout, adapters: Iterable[EsftEntry], page_size: int)
     for d, kv in zip(layout.device_ids, layout.kv_bytes, strict=True):
         experts = len(layout.local_experts(d)) * expert
         out[d] = {"weights": dense + (0 if layout.offloads else experts), "kv": round_up(kv), "adapters": 0}
-        if layout.offloads:
-            out[d].update(expert_cache=round_up(layout.cache_bytes_of(d)), host_experts=experts)
+        if layout.offloads:  # the disk tier holds no expert row anywhere
+            out[d].update(expert_cache=round_up(layout.cache_bytes_of(d)),
+                          host_experts=experts if layout.host_experts else 0)
     for entry in adapters:  # an adapter expert lives on the device of the base expert it replaces
         for layer, expert_ids in entry.experts.items():
             row = sum(round_up(b, page_size) for _, at, b in sizes.expert_stacks if at == layer)

@@ -235,6 +235,10 @@ class EngineConfig:
     # FineMoE's semantic embedding (§4.2.1): over the tokens each iteration feeds ("iteration") or
     # the prompt's at every iteration ("prompt"); `elasticmoe.offload.policy.SEMANTIC_SOURCES`.
     offload_semantic: str = "iteration"
+    # Where the experts the cache does not hold are read from: "host" (a provider's full stacks,
+    # the elastic server's node memory, when given; else the checkpoint) or "disk" (the checkpoint
+    # always: the provider's stacks then have no expert row mapped).
+    expert_tier: str = "host"
 
     def __post_init__(self) -> None:
         _check_offload(self)
@@ -281,6 +285,8 @@ def _check_offload(config: EngineConfig | EngineOptions) -> None:
     if config.offload_semantic not in SEMANTIC_SOURCES:
         raise ValueError(f"offload_semantic: unknown {config.offload_semantic!r}, "
                          f"choose one of {', '.join(SEMANTIC_SOURCES)}")
+    if config.expert_tier not in ("host", "disk"):
+        raise ValueError(f"expert_tier: unknown {config.expert_tier!r}, choose host or disk")
 
 
 def _check_policies(adapter_eviction: str, request_arranging: str) -> None:
@@ -314,6 +320,7 @@ class EngineOptions:
     offload_prefetch_distance: int = 1
     offload_store_capacity: int = 1000
     offload_semantic: str = "iteration"
+    expert_tier: str = "host"
 
     def __post_init__(self) -> None:
         _check_offload(self)

@@ -243,7 +243,8 @@ class HMMController:
         specs = self._specs(layout, device_id)
         rows = [r for entry in self.adapters.values() for r in self._adapter_rows(layout, entry).get(device_id, [])]
         kv, cache = layout.kv_bytes[layout.rank_of(device_id)], layout.cache_bytes_of(device_id)
-        staged = self._gather([self._call(device_id, "begin", specs, self.dtype, kv, DEFAULT_OPTIONS, rows, cache)])[0]
+        staged = self._gather([self._call(device_id, "begin", specs, self.dtype, kv, DEFAULT_OPTIONS, rows, cache,
+                                          layout.host_experts)])[0]
         disk = [s.key for s in p.steps if isinstance(s, DiskLoad)]
         expected = {s.key for s in p.steps if isinstance(s, DiskLoad | P2PCopy)}
         try:
@@ -292,11 +293,13 @@ class HMMController:
         esft_slots: tuple[int, int] = (0, 0),
         replicated: bool = False,
         cache_bytes: int | None = None,
+        host_experts: bool = True,
     ) -> dict[str, int]:
         """Initial layout of (dp, ep=dp) on the first `dp` devices (`replicated`: ep=1, every device
         holds every expert): each tensor read from disk once, the replicas filled by p2p; committed
         on success; bytes by source, as `execute` returns them. `cache_bytes` offloads the experts
-        (an expert cache of that size per device, the expert rows as host tier; `hmm.layout`).
+        (an expert cache of that size per device, the expert rows as host tier, or with
+        `host_experts=False` in the checkpoint only: the disk tier; `hmm.layout`).
         `esft_slots` = (N, E_max):
         every expert stack is a virtual weight tensor with N adapter slots of E_max rows
         (address space only). Adapters registered before (an `unload` + `load`) are mapped again."""
@@ -306,7 +309,7 @@ class HMMController:
         self.model_config = cfg = ModelConfig.from_pretrained(model_dir)
         sizes = ModelSizes.from_model(cfg, dtype.itemsize)
         layout = layout_for(None, sizes, list(self.devices.values()), dp, 1 if replicated else dp, kv_bytes=kv_bytes,
-                            cache_bytes=cache_bytes)
+                            cache_bytes=cache_bytes, host_experts=host_experts)
         moved = self.execute(load_plan(layout))
         self.commit()
         for entry in list(self.adapters.values()):
@@ -448,7 +451,8 @@ class HMMController:
             for d, rs in self._adapter_rows(tgt, entry, p.current).items():
                 rows[d] += rs
         filled = self._gather(
-            [self._call(d, "begin", specs[d], self.dtype, kv[d], p.options, rows.get(d, []), tgt.cache_bytes_of(d))
+            [self._call(d, "begin", specs[d], self.dtype, kv[d], p.options, rows.get(d, []), tgt.cache_bytes_of(d),
+                        tgt.host_experts)
              for d in ids]
         )
         expected: dict[int, set[TensorKey]] = defaultdict(set)

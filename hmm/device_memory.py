@@ -136,11 +136,13 @@ class DeviceMemory:
         options: TransitionOptions = DEFAULT_OPTIONS,
         adapter_rows: Sequence[AdapterRow] = (),
         cache_bytes: int = 0,
+        host_experts: bool = True,
     ) -> list[TensorKey]:
         """Stage the target tensors `specs` (+ a KV pool of `kv_bytes`) under `options`;
         return the keys that got fresh memory and must be filled (a fresh KV pool is
         never listed: it starts empty). `cache_bytes > 0` offloads the experts: their stacks are
-        host tier, and a new, empty expert cache pool of that size is staged. ESFT `adapter_rows` of the target are staged and
+        host tier (with `host_experts=False` the disk tier: the stacks are address space with no
+        expert row mapped), and a new, empty expert cache pool of that size is staged. ESFT `adapter_rows` of the target are staged and
         filled here: an expert this device already holds keeps its pages (zero-copy, when
         `options` allow), the others are read from their adapter's files. On error nothing
         is left staged."""
@@ -151,7 +153,8 @@ class DeviceMemory:
         try:
             for spec in specs:
                 if spec.is_stacked:
-                    to_fill += self._stage_experts(staged, spec, dtype, options, self._expert_pool(cache_bytes > 0))
+                    to_fill += self._stage_experts(staged, spec, dtype, options, self._expert_pool(cache_bytes > 0),
+                                                   with_rows=host_experts or cache_bytes == 0)
                     continue
                 cur = self.current.dense.get(spec.name) if options.zero_copy else None
                 if cur is not None and tuple(cur.shape) == spec.shape and cur.dtype == dtype:
@@ -181,8 +184,11 @@ class DeviceMemory:
         return self.host_pool
 
     def _stage_experts(
-        self, staged: DeviceState, spec: ParamSpec, dtype: torch.dtype, options: TransitionOptions, pool: PagePool
+        self, staged: DeviceState, spec: ParamSpec, dtype: torch.dtype, options: TransitionOptions, pool: PagePool,
+        with_rows: bool = True,
     ) -> list[TensorKey]:
+        """Stage `spec`'s virtual expert tensor; `with_rows=False` (the disk tier) maps none of its
+        expert rows (the engines read them from the checkpoint)."""
         assert spec.expert_ids is not None
         ids, row_shape = spec.expert_ids, spec.shape[1:]
         cur = self.current.experts.get(spec.name) if options.zero_copy else None
@@ -200,7 +206,7 @@ class DeviceMemory:
         vt = VirtualTensor(pool, num_slots, row_shape, dtype, align_slots=True)
         staged.experts[spec.name] = ExpertStack(vt, ids, layer)  # registered first: abort unmaps it
         to_fill: list[TensorKey] = []
-        for slot, e in enumerate(ids):
+        for slot, e in enumerate(ids if with_rows else ()):
             if cur is not None and same_geometry and e in cur.expert_ids:
                 vt.map_slot(slot, source=cur.vt.slot_pages(cur.slot(e)))  # same pages, new slot
             else:

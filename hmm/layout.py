@@ -17,6 +17,10 @@ device. Invariants, checked in `__post_init__`:
   by the device's worker (one copy per node under expert parallelism) but charged to host memory,
   not to the device's budget. Then dense + KV pool + expert cache fit the budget, however many
   experts the device holds: a scale-down to fewer devices offloads instead of being refused.
+  With the disk tier (`host_experts=False`, for experts larger than the node's memory) the expert
+  rows are held nowhere: the engines read them from the checkpoint, so the layout lists no expert
+  tensors and a scale moves none (the servers refuse ESFT adapter slots with it: their rows would
+  sit in the host tier's expert stacks).
 """
 
 from __future__ import annotations
@@ -204,6 +208,7 @@ class Layout:
     placement: ExpertPlacement
     kv_bytes: tuple[int, ...]  # KV pool bytes of devices[r]
     cache_bytes: tuple[int, ...] = ()  # expert cache pool bytes of devices[r]; () = no offloading
+    host_experts: bool = True  # offloading: the expert rows are the host tier (False: the disk tier)
 
     def __post_init__(self) -> None:
         ids = [d.device_id for d in self.devices]
@@ -221,6 +226,8 @@ class Layout:
             raise ValueError("layout: one KV pool size >= 0 per device")
         if self.cache_bytes and (len(self.cache_bytes) != len(self.devices) or min(self.cache_bytes) <= 0):
             raise ValueError("layout: with offloading, one expert cache size > 0 per device")
+        if not self.host_experts and not self.offloads:
+            raise ValueError("layout: the disk tier (host_experts=False) needs offloading (cache_bytes)")
         for rank, dev in enumerate(self.devices):
             if self.total_bytes(dev.device_id) > dev.budget_bytes:
                 held = (f"dense weights {self.sizes.dense_bytes} B + expert cache {self.cache_bytes[rank]} B"
@@ -240,7 +247,8 @@ class Layout:
 
     @property
     def offloads(self) -> bool:
-        """Experts are offloaded: the devices hold an expert cache, the expert rows are host tier."""
+        """Experts are offloaded: the devices hold an expert cache, the expert rows are host tier
+        (or, without `host_experts`, only in the checkpoint)."""
         return bool(self.cache_bytes)
 
     @property
@@ -277,7 +285,7 @@ class Layout:
         if device_id not in self.device_ids:
             return {}
         out = {TensorKey.dense(n): b for n, b in self.sizes.dense}
-        for e in self.local_experts(device_id):
+        for e in self.local_experts(device_id) if self.host_experts else ():
             out.update(self.sizes.expert_keys(e))
         out[TensorKey.kv()] = self.kv_bytes[self.rank_of(device_id)]
         if self.offloads:
@@ -304,8 +312,9 @@ class Layout:
         return sum(b for k, b in self.tensors(device_id).items() if self.charged(k))
 
     def host_bytes(self, device_id: int) -> int:
-        """Bytes of the device's expert rows held as the host tier (0 without offloading)."""
-        if not self.offloads or device_id not in self.device_ids:
+        """Bytes of the device's expert rows held as the host tier (0 without offloading, or with the
+        disk tier)."""
+        if not self.offloads or not self.host_experts or device_id not in self.device_ids:
             return 0
         return len(self.local_experts(device_id)) * self.sizes.expert_bytes
 
@@ -320,6 +329,7 @@ def layout_for(
     *,
     kv_bytes: int | None = None,
     cache_bytes: int | None = None,
+    host_experts: bool = True,
     dtype_bytes: int = 2,
 ) -> Layout:
     """The layout of (dp, ep) on `devices[:dp]`; ep = dp (expert parallel) or 1 (replicated experts).
@@ -329,7 +339,7 @@ def layout_for(
     defaults to `ExpertPlacement.balanced` over the ep ranks. `kv_bytes=None` gives each device a
     KV pool of its budget minus its weights; an int is the pool size everywhere. `cache_bytes`
     offloads the experts: each device gets an expert cache of that size and its expert rows are
-    the host tier (see the module docstring).
+    the host tier, or with `host_experts=False` held nowhere (the disk tier; the module docstring).
     Raises ValueError when the weights (plus a fixed KV pool) do not fit.
     """
     if ep not in (1, dp):
@@ -357,4 +367,4 @@ def layout_for(
             raise ValueError(f"device {dev.device_id}: {what} {weight} B exceed its budget {dev.budget_bytes} B")
         kv.append(dev.budget_bytes - weight if kv_bytes is None else kv_bytes)
     cache = () if cache_bytes is None else (cache_bytes,) * dp
-    return Layout(sizes, used, placement, tuple(kv), cache)
+    return Layout(sizes, used, placement, tuple(kv), cache, host_experts)

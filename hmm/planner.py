@@ -158,7 +158,7 @@ def target_layout(current: Layout, target: TargetConfig) -> Layout:
         else:
             kv.append(dev.budget_bytes - weight)
     try:
-        return Layout(current.sizes, target.devices, placement, tuple(kv), tuple(cache))
+        return Layout(current.sizes, target.devices, placement, tuple(kv), tuple(cache), current.host_experts)
     except ValueError as e:
         raise PlanError(str(e)) from e
 

@@ -113,9 +113,10 @@ class DeviceWorker:
         options: TransitionOptions = DEFAULT_OPTIONS,
         adapter_rows: Sequence[AdapterRow] = (),
         cache_bytes: int = 0,
+        host_experts: bool = True,
     ) -> list[TensorKey]:
         self._check("begin")
-        return self.memory.begin(specs, dtype, kv_bytes, options, adapter_rows, cache_bytes)
+        return self.memory.begin(specs, dtype, kv_bytes, options, adapter_rows, cache_bytes, host_experts)
 
     def map_adapter_rows(self, rows: Sequence[AdapterRow]) -> dict[str, list[SlotPages]]:
         self._check("map_adapter_rows")

@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-cache-fraction", type=float, default=None, metavar="F",
                    help="offload the experts: each device caches this fraction of its experts at the first dp "
                    "(the server's --expert-cache-fraction; default: every expert resident)")
+    p.add_argument("--expert-tier", default="host", choices=("host", "disk"),
+                   help="with --expert-cache-fraction: the experts a cache misses come from the nodes' memory (host) "
+                   "or from the checkpoint only (disk; the server's --expert-tier)")
     p.add_argument("--offload-policy", default="finemoe", choices=("finemoe", "lru", "lfu", "on_demand"),
                    help="the expert cache's policy with --expert-cache-fraction")
     p.add_argument("--transitions", default="2-3,3-2", metavar="A-B[,C-D]",
@@ -394,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes_per_device=int((args.kv_cache_gb or preset[2]) * _GIB),
         max_queued=256, shm_prefix=f"emoescaling{secrets.token_hex(4)}", backend=args.backend,
         expert_cache_fraction=args.expert_cache_fraction, offload_policy=args.offload_policy,
+        expert_tier=args.expert_tier,
     )
     address = cluster.address if cluster is not None else None
     _progress(f"starting the elastic server: {model_dir}, {devices} devices, dp {config.dp}, {args.dtype}")
@@ -412,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             "netns": args.netns,
             "expert_cache_fraction": args.expert_cache_fraction,
             "offload_policy": args.offload_policy if args.expert_cache_fraction is not None else None,
+            "expert_tier": args.expert_tier if args.expert_cache_fraction is not None else None,
             "device_memory_bytes": config.device_memory_bytes, "kv_bytes_per_device": config.kv_bytes_per_device,
             "strategy": args.strategy,
             "transitions": transitions, "ablation_transition": ablation, "rps": args.rps, "seed": args.seed,

@@ -83,8 +83,9 @@ def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: li
                          pool: torch.Tensor | None = None) -> tuple[ExpertOffload, dict[str, torch.Tensor]]:
     """The engine's `ExpertOffload` and the pool tensors to build the model's MoE blocks over
     (every layer's `w13` / `w2` name maps to the same pool). `weights` holds the expert stacks
-    when a provider gave them (the host tier); otherwise the experts are read from the checkpoint
-    (the disk tier). `pool`: the device's expert cache buffer (the HMM's), else private memory
+    when a provider gave them (the host tier); otherwise, or with `config.expert_tier == "disk"`
+    (the provider's stacks then have no expert row mapped), the experts are read from the
+    checkpoint (the disk tier). `pool`: the device's expert cache buffer (the HMM's), else private memory
     of the configured budget."""
     layers = expert_layer_specs(specs)
     w13_shape, w2_shape = layers[0].w13.shape[1:], layers[0].w2.shape[1:]
@@ -98,7 +99,7 @@ def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: li
         pool_w13 = torch.zeros((capacity, *w13_shape), dtype=dtype)
         pool_w2 = torch.zeros((capacity, *w2_shape), dtype=dtype)
     source: ExpertSource
-    if layers[0].w13.name in weights:
+    if config.expert_tier == "host" and layers[0].w13.name in weights:
         source = HostExperts([(weights[s.w13.name], weights[s.w2.name]) for s in layers])
     else:
         source = DiskExperts(config.model, layers)

@@ -5,7 +5,9 @@ Each device has 900,000 B: at dp 2 a device holds its 4 experts resident (dense 
 device has an expert cache of half its dp-2 experts (4 rows of one layer's expert, 98,304 B) and its
 expert rows are the host tier: the scale to dp 1 is planned and executed within the budget (the
 accounting of every allocation enforces it), an engine on the new handles computes in the
-device's cache and gives the resident engine's tokens, and a failed scale changes nothing."""
+device's cache and gives the resident engine's tokens, and a failed scale changes nothing.
+With the disk tier no expert is held in memory at all: the engines read them from the checkpoint,
+and a scale moves none."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from elasticmoe.sampling_params import SamplingParams
 from hmm.controller import HMMController
 from hmm.layout import DeviceSpec, ModelSizes, layout_for
 from hmm.planner import scale_target
+from hmm.scale_plan import DiskLoad, LocalCopy, P2PCopy
 from hmm.worker import InjectedFailure
 from imm.zero_copy import ZeroCopyLoader
 
@@ -37,10 +40,10 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
     return [o.output_token_ids for o in sorted((o for o in outs if o.finished), key=lambda o: int(o.request_id))]
 
 
-def _engine_on(ctl: HMMController, model_dir: str, rank: int, pending: bool) -> LLMEngine:
+def _engine_on(ctl: HMMController, model_dir: str, rank: int, pending: bool, tier: str = "host") -> LLMEngine:
     loader = ZeroCopyLoader(ctl.handle_set(rank, pending=pending))
     config = EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=16, expert_cache_fraction=0.5,
-                          offload_policy="lru", ep_size=1)
+                          offload_policy="lru", ep_size=1, expert_tier=tier)
     assert loader.expert_cache is not None
     return LLMEngine(config, loader.weights, loader.kv, ctl.layout_of(pending).placement, None, loader.expert_cache)
 
@@ -93,3 +96,50 @@ def test_a_scale_down_past_the_resident_limit_offloads_and_serves_exact_tokens(t
     finally:
         gc.collect()
         ctl.shutdown()
+
+
+def test_the_disk_tier_holds_no_expert_and_a_scale_moves_none(tiny_model_dir, shm_prefix):
+    model = ModelConfig.from_pretrained(tiny_model_dir)
+    sizes = ModelSizes.from_model(model, 4)
+    cache = sizes.cache_pool_bytes(4, fraction=0.5)
+    devices = [DeviceSpec(0, 0, BUDGET), DeviceSpec(1, 0, BUDGET)]
+    reference = _generate(LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_kv_blocks=16)))
+
+    ctl = HMMController(use_ray=False, page_size=PAGE, prefix=shm_prefix)
+    try:
+        for d in devices:
+            ctl.add_device(d)
+        ctl.load(tiny_model_dir, dp=2, dtype=torch.float32, kv_bytes=KV, cache_bytes=cache, host_experts=False)
+        assert not ctl.layout.host_experts and ctl.layout.host_bytes(0) == 0
+        assert [u.used for u in ctl.host_usage().values()] == [0, 0]  # no expert row anywhere in memory
+        assert all(u.used < sizes.dense_bytes + KV + cache + 64 * PAGE for u in ctl.usage().values())
+
+        p = ctl.plan(scale_target(ctl.layout, 1, kv_bytes=KV))
+        assert _moves(p) == []  # device 0 keeps its dense weights; no expert is held to move
+        ctl.execute(p)
+        engine = _engine_on(ctl, tiny_model_dir, 0, pending=True, tier="disk")
+        assert engine.offload is not None and engine.offload.cache.source.tier == "disk"
+        assert _generate(engine) == reference
+        stats = engine.offload.stats()
+        assert stats["on_demand_loads"] > 0 and stats["bytes_loaded_disk"] > 0
+        del engine
+        gc.collect()
+        ctl.commit()
+        assert [u.used for u in ctl.host_usage().values()] == [0, 0]
+
+        p = ctl.plan(scale_target(ctl.layout, 2, [devices[1]], kv_bytes=KV))
+        assert _moves(p) and all(key.kind == "dense" for key in _moves(p))  # the new device's dense weights
+        ctl.execute(p)
+        ctl.commit()
+        assert not ctl.layout.host_experts and [u.used for u in ctl.host_usage().values()] == [0, 0]
+        caches = [ZeroCopyLoader(ctl.handle_set(r)).expert_cache for r in range(2)]
+        assert [c.numel() if c is not None else 0 for c in caches] == [cache, cache]
+        del caches
+    finally:
+        gc.collect()
+        ctl.shutdown()
+
+
+def _moves(plan) -> list:
+    """The tensors a plan copies or reads."""
+    return [s.key for s in plan.steps if isinstance(s, P2PCopy | DiskLoad | LocalCopy)]

@@ -147,3 +147,22 @@ def test_other_process_sees_the_same_contiguous_tensor(pool):
             proc.kill()
         vt.close()
     assert proc.exitcode == 0
+
+
+def test_the_zero_copy_check_counts_a_stack_with_no_row_mapped_as_holding_nothing(pool):
+    """The disk tier's expert stacks map no expert row: their first row is reserved address space,
+    neither a copy nor HMM memory. A private tensor is still a copy."""
+    from imm.zero_copy import check_zero_copy
+
+    mapped = VirtualTensor(pool, 2, SLOT_SHAPE, torch.float32, align_slots=True)
+    mapped.map_slot(0)
+    empty = VirtualTensor(pool, 2, SLOT_SHAPE, torch.float32, align_slots=True)
+    kv = VirtualTensor(pool, 1, SLOT_SHAPE, torch.float32, align_slots=True)
+    kv.map_slot(0)
+    weights = {"held": mapped.tensor, "stack": empty.tensor}
+    report = check_zero_copy(weights, dict(weights), kv.tensor, 0.0)
+    assert report.is_zero_copy and (report.num_shared_mapped, report.num_reserved) == (1, 1)
+    private = {**weights, "copied": torch.zeros(4)}
+    assert not check_zero_copy(private, dict(weights), kv.tensor, 0.0).is_zero_copy
+    for vt in (mapped, empty, kv):
+        vt.close()

@@ -93,3 +93,18 @@ def test_load_and_restore_allocate_the_cache_and_never_read_it():
 def test_the_cache_budget_still_bounds_an_offloading_layout():
     with pytest.raises(ValueError, match=r"dense weights 11000 B \+ expert cache 49000 B"):
         layout_for(None, make_sizes(), make_devices(1, BUDGET), 1, 1, kv_bytes=KV, cache_bytes=BUDGET - D)
+
+
+def test_the_disk_tier_lists_no_expert_so_no_plan_moves_or_reads_one():
+    sizes, devices = make_sizes(), make_devices(2, BUDGET)
+    on_disk = layout_for(None, sizes, devices, 2, 2, kv_bytes=KV, cache_bytes=CACHE, host_experts=False)
+    assert on_disk.offloads and not on_disk.host_experts
+    assert all(key.kind != "expert" for key in on_disk.tensors(0)) and on_disk.host_bytes(0) == 0
+    assert on_disk.total_bytes(0) == D + KV + CACHE  # what the device is charged does not change
+    keys = {s.key.kind for s in load_plan(on_disk).steps if isinstance(s, DiskLoad | P2PCopy)}
+    assert keys == {"dense"}
+    down = plan(on_disk, scale_target(on_disk, 1, kv_bytes=KV))
+    assert down.target.host_experts is False  # the tier carries through a scale
+    assert all(s.key.kind != "expert" for s in down.steps if isinstance(s, DiskLoad | P2PCopy | Alloc | Free))
+    with pytest.raises(ValueError, match="disk tier"):  # without a cache, the experts must be held somewhere
+        layout_for(None, sizes, devices, 2, 2, kv_bytes=KV, host_experts=False)
