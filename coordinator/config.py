@@ -57,7 +57,7 @@ class CoordinatorConfig(ServeSettings):
         "host", description="with expert offloading, where the experts a device's cache does not hold are read "
         "from: host (each node keeps its devices' experts in shared memory, one copy per node; a load is a memory "
         "copy) or disk (nowhere but the checkpoint, read through mmap and the OS page cache: for experts larger than "
-        "the nodes' memory; a scale then moves no expert; ESFT adapter slots cannot be used with it)",
+        "the nodes' memory; a scale then moves no expert; ESFT adapters' rows stay in host memory)",
         json_schema_extra=cli(metavar="TIER"))
     max_queued: int = Field(256, description="requests waiting plus in flight; beyond N the server answers 503 "
                             "with Retry-After", json_schema_extra=cli(metavar="N"))
@@ -146,11 +146,6 @@ class CoordinatorConfig(ServeSettings):
             if self.expert_tier == "disk" and not self.offloads_experts:
                 raise ValueError("--expert-tier disk: the disk tier is where an expert cache reads from; give "
                                  "--expert-cache-gb or --expert-cache-fraction")
-            if self.expert_tier == "disk" and self.esft_slots[0]:
-                # NOTE: an ESFT slot's tuned experts sit in the host tier's expert tensors, after the
-                # base experts, which the disk tier does not hold
-                raise ValueError("--expert-tier disk: ESFT adapters need the host tier (--expert-tier host); "
-                                 "--max-esft-adapters and --esft-adapter cannot be used with the disk tier")
             return
         if self.expert_parallel:
             raise ValueError("--expert-parallel: vLLM's CPU build cannot run expert parallelism across ranks (its "
@@ -196,12 +191,8 @@ class CoordinatorConfig(ServeSettings):
 
     @property
     def esft_slots(self) -> tuple[int, int]:
-        """(N, E_max) of the ESFT adapter slots; (0, 0) without any: always with vLLM, and with the
-        disk tier unless they were asked for (which `_check_backend` refuses)."""
-        asked = "max_esft_adapters" in self.model_fields_set or bool(self.esft_adapters)
-        if self.backend != "native" or (self.expert_tier == "disk" and not asked):
-            return (0, 0)
-        return super().esft_slots
+        """(N, E_max) of the ESFT adapter slots; (0, 0) without any (always with vLLM)."""
+        return super().esft_slots if self.backend == "native" else (0, 0)
 
     def engine_options(self) -> EngineOptions:
         """What every rank's `EngineConfig` gets (its KV pool is its device's, from the HMM)."""

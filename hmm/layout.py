@@ -19,8 +19,8 @@ device. Invariants, checked in `__post_init__`:
   experts the device holds: a scale-down to fewer devices offloads instead of being refused.
   With the disk tier (`host_experts=False`, for experts larger than the node's memory) the expert
   rows are held nowhere: the engines read them from the checkpoint, so the layout lists no expert
-  tensors and a scale moves none (the servers refuse ESFT adapter slots with it: their rows would
-  sit in the host tier's expert stacks).
+  tensors and a scale moves none. The stacks are still virtual tensors in host memory with no
+  expert row mapped: ESFT adapter rows, past the experts, are mapped there as with the host tier.
 """
 
 from __future__ import annotations

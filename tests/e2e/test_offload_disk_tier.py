@@ -6,7 +6,8 @@ device's dp-2 experts).
 Streaming clients run back to back while the server scales 2 -> 1 -> 2: every completion equals a
 single-process engine's, the caches load from disk only, no device holds an expert row in host
 memory, and no scale moves one (a scale-down moves nothing; a scale-up moves the new device's dense
-weights)."""
+weights). Then two ESFT adapters through one slot each answer like their merged model, also after
+a scale 2 -> 1 -> 2: their rows are the only expert rows the host tier holds."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from elastic_server import running, tiny_config
-from streaming_clients import PROMPTS, client, client_loop, reference_outputs, scale, wait_event
+from streaming_clients import MAX_TOKENS, PROMPTS, client, client_loop, reference_outputs, scale, wait_event
 
 from elasticmoe.config import ModelConfig
+from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 from hmm.layout import ModelSizes
 
 pytestmark = pytest.mark.slow
@@ -26,29 +28,39 @@ BUDGET = 1_750_000
 EXPERT_ROW = 49_152  # bytes of one (layer, expert) of the tiny model in fp32: w13 + w2
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> list[tuple[str, int]]:
+    return reference_outputs(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    config = tiny_config(tiny_model_dir, dp=2, device_memory_bytes=BUDGET, kv_bytes_per_device=1 << 20,
+                         expert_cache_fraction=0.5, offload_policy="lru", expert_tier="disk",
+                         max_esft_adapters=1, max_esft_experts=2)
+    with running(config) as srv:
+        yield srv
+
+
 def _metric(metrics: str, prefix: str) -> list[float]:
     return [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix)]
 
 
-def test_a_disk_tier_server_scales_under_load_with_exact_tokens_and_no_expert_in_memory(tiny_model_dir):
-    reference = reference_outputs(tiny_model_dir)
-    config = tiny_config(tiny_model_dir, dp=2, device_memory_bytes=BUDGET, kv_bytes_per_device=1 << 20,
-                         expert_cache_fraction=0.5, offload_policy="lru", expert_tier="disk")
-    assert config.esft_slots == (0, 0)  # ESFT slots need the host tier
-    with running(config) as server:
-        stop = threading.Event()
-        with ThreadPoolExecutor(2) as pool:
-            loops = [pool.submit(client_loop, server, i, stop) for i in range(2)]
-            with client(server) as c:
-                down = wait_event(c, scale(c, 1))
-                assert down["state"] == "succeeded", down
-                up = wait_event(c, scale(c, 2))
-                assert up["state"] == "succeeded", up
-                stop.set()
-            results = [r for f in loops for r in f.result(timeout=300)]
+def test_a_disk_tier_server_scales_under_load_with_exact_tokens_and_no_expert_in_memory(server, reference,
+                                                                                        tiny_model_dir):
+    stop = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        loops = [pool.submit(client_loop, server, i, stop) for i in range(2)]
         with client(server) as c:
-            status = c.get("/admin/status").json()
-            metrics = c.get("/metrics").text
+            down = wait_event(c, scale(c, 1))
+            assert down["state"] == "succeeded", down
+            up = wait_event(c, scale(c, 2))
+            assert up["state"] == "succeeded", up
+            stop.set()
+        results = [r for f in loops for r in f.result(timeout=300)]
+    with client(server) as c:
+        status = c.get("/admin/status").json()
+        metrics = c.get("/metrics").text
     assert len(results) >= 2
     for i, got in results:
         assert got == reference[i], f"prompt {PROMPTS[i]} differs from the single-process engine"
@@ -61,7 +73,34 @@ def test_a_disk_tier_server_scales_under_load_with_exact_tokens_and_no_expert_in
         host = _metric(metrics, f'elasticmoe_device_memory_layout_bytes{{device="{device}",kind="host_experts"}}')
         assert sum(host) == 0, host
     # No scale moved an expert: nothing is held to move. The scale-down moves nothing at all; the
-    # scale-up copies the new device's dense tensors only (less than one device's worth of experts).
+    # scale-up copies the new device's dense tensors only.
     assert sum(down["bytes_moved"].values()) == 0, down
     dense = ModelSizes.from_model(ModelConfig.from_pretrained(tiny_model_dir), 4).dense_bytes
     assert sum(up["bytes_moved"].values()) == dense, up
+
+
+def test_esft_adapters_on_a_disk_tier_server_equal_their_merged_models(server, reference, tiny_model_dir, tmp_path):
+    adapters = {name: make_esft_adapter(tiny_model_dir, str(tmp_path / name), experts_per_layer=2, seed=seed,
+                                        noise=0.5) for seed, name in enumerate(("alpha", "beta"), start=1)}
+    want = {name: reference_outputs(str(write_merged_model(tiny_model_dir, path, str(tmp_path / f"{name}-m"))))
+            for name, path in adapters.items()}
+    assert all(w[:2] != reference[:2] for w in want.values())  # the adapters change the text
+    with client(server) as c:
+        assert c.get("/admin/status").json()["active_config"]["dp"] == 2
+        for name, path in adapters.items():
+            assert c.post("/admin/adapters", json={"name": name, "path": str(path)}).status_code == 201
+        for name in ("alpha", "beta", "alpha"):  # one slot: each request swaps its adapter in
+            for i in range(2):
+                r = c.post("/v1/completions", json={"model": name, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS,
+                                                    "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want[name][i]
+        for dp in (1, 2):  # the adapters' rows move with their experts; the base experts stay on disk
+            assert wait_event(c, scale(c, dp))["state"] == "succeeded"
+            r = c.post("/v1/completions", json={"model": "alpha", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                                                "temperature": 0, "ignore_eos": True})
+            assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want["alpha"][0]
+        metrics = c.get("/metrics").text
+    adapters_held = sum(_metric(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="adapters"}'))
+    assert adapters_held > 0  # the resident adapter's rows: what the host tier holds
+    assert sum(_metric(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) == 0

@@ -177,8 +177,6 @@ def test_a_profile_fills_the_memory_split_unless_given(tiny_model_dir, tmp_path)
         (["--backend", "vllm", "--max-loras", "1"], "--max-loras: LoRA adapters need --backend native"),
         (["--no-expert-parallel"], "--no-expert-parallel: the native backend always spreads its experts"),
         (["--expert-tier", "disk"], "--expert-tier disk: the disk tier is where an expert cache reads from"),
-        (["--expert-tier", "disk", "--expert-cache-fraction", "0.5", "--max-esft-adapters", "2"],
-         "--expert-tier disk: ESFT adapters need the host tier"),
         (["--backend", "vllm"], r"--backend vllm: vLLM's CPU attention supports head_dim .* the model has 16"),
     ],
 )
@@ -205,7 +203,7 @@ def test_the_vllm_backend_serves_replicas_of_a_model_it_can_run(tiny_model_dir, 
     assert native.expert_tier == "host" and native.engine_options().expert_tier == "host"
     on_disk = elastic_config(_serve_args("--model", tiny_model_dir, "--expert-tier", "disk",
                                          "--expert-cache-fraction", "0.5"))
-    assert on_disk.esft_slots == (0, 0) and on_disk.engine_options().expert_tier == "disk"
+    assert on_disk.esft_slots == (4, 16) and on_disk.engine_options().expert_tier == "disk"
 
 
 def test_a_description_may_say_percent():
