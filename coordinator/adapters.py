@@ -387,6 +387,8 @@ class ClusterAdapterHost:
             if a.kind == "lora":  # read from the adapter's files for this instance's placement
                 slots = ray.get([rank.load_lora_adapter.remote(a.name, a.path, a.usage_probability)
                                  for rank in inst.ranks])
+                if len(set(slots)) != 1:
+                    raise RuntimeError(f"adapter {a.name!r}: the new instance's ranks chose different slots {slots}")
                 a.slot = slots[0]  # the slot it has in this instance (or None: host memory)
             elif a.slot is not None:  # resident ESFT: the HMM layout holds its rows
                 ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None, a.usage_probability)

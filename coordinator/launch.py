@@ -291,14 +291,17 @@ def gcs_answers(timeout_s: float = 1.0) -> bool:
 
 
 def _local_pid(handle: Any, what: str, timeout_s: float = 10.0) -> int | None:
-    """The pid of a replica's process when it runs on this node (only the shutdown's shortcuts need it)."""
-    if not gcs_answers():  # a signal took the cluster down while it started: the call would wait its bound
+    """The pid of a replica's process when it runs on this node (only the shutdown's shortcuts need
+    it); None when unknown. A signal to the whole process group may take the cluster down while the
+    server starts: then the GCS stops answering, and a handle's first call asks it for its node
+    without a timeout, so the call runs on a thread, abandoned once our raylet is gone."""
+    if not gcs_answers():
         return None
-    try:
-        node, pid = handle.process.remote().result(timeout_s=timeout_s)
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("the %s's process is unknown (%s)", what, exc)
+    found: list[tuple[str, int]] = []
+    if not call_with_timeout(lambda: found.append(handle.process.remote().result(timeout_s=timeout_s)),
+                             timeout_s + 5, f"finding the {what}'s process", give_up=_RAYLET.gone):
         return None
+    node, pid = found[0]
     return int(pid) if node == ray.util.get_node_ip_address() else None
 
 
@@ -307,6 +310,9 @@ class _Raylet:
     """This node's raylet, once `ray.init` started it as our child (None: not ours, or unknown)."""
 
     pid: int | None = None
+
+    def gone(self) -> bool:
+        return self.pid is not None and not is_alive(self.pid)
 
 
 _RAYLET = _Raylet()

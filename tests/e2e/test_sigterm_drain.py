@@ -196,13 +196,30 @@ def test_elastic_server_exits_cleanly_when_its_whole_process_group_is_sigtermed(
     proc, _, prefix = _start_elastic(tiny_model_dir)
     try:
         assert list_segments(prefix), "the HMM made no shared-memory files (wrong prefix?)"
+        # NOTE: /ready answers before the server process has finished starting (Serve's deploy call
+        # returns after it); a signal then is served by the collapse watchdog, not the shutdown
+        # this test is about. So the signal waits for the process's own "ready" line.
+        lines: list[str] = []
+        started = threading.Event()
+
+        def read() -> None:  # NOTE: reads its output throughout (a full pipe would block it)
+            for line in proc.stdout:
+                lines.append(line)
+                if "elastic server ready" in line:
+                    started.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert started.wait(60), "".join(lines)[-3000:]
         family = descendants(proc.pid)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            out, _ = proc.communicate(timeout=60)  # NOTE: reads its output meanwhile (a full pipe blocks it)
-        except subprocess.TimeoutExpired as exc:
-            out = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        reader.join(10)
+        out = "".join(lines)
         while time.monotonic() - t0 < 60 and any(_alive(p) for p in family):
             time.sleep(0.2)
         left = sorted(p for p in family if _alive(p))
