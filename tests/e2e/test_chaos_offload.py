@@ -1,7 +1,8 @@
 """Chaos with expert offloading: kill -9 a device worker, and the old instance's rank in the
 middle of a scale, of an elastic server whose devices hold an expert cache and whose experts are
-the host tier (tiny Qwen3-MoE, 3 logical devices, float32, half of each device's experts
-cached). The restored device gets a new cache pool and reads its host tier from disk; the
+the host tier, or only in the checkpoint (`--expert-tier disk`) (tiny Qwen3-MoE, 3 logical
+devices, float32, half of each device's experts cached). The restored device gets a new cache
+pool and reads its host tier from disk (with the disk tier: nothing but its dense weights); the
 scale's new caches are warmed as usual. Zero failed requests, every stream identical to the
 undisturbed run, /ready 200 again and no /dev/shm file without a live owner. The harness is
 `coordinator.bench.chaos_faults` (as in `test_chaos.py`)."""
@@ -16,10 +17,10 @@ from elastic_server import running, tiny_config
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
+@pytest.fixture(scope="module", params=["host", "disk"], ids=["host-tier", "disk-tier"])
+def server(tiny_model_dir, request):
     config = tiny_config(tiny_model_dir, num_devices=3, dp=2, served_model_name=MODEL, expert_cache_fraction=0.5,
-                         offload_policy="lru")
+                         offload_policy="lru", expert_tier=request.param)
     with running(config) as srv:
         yield srv
 
