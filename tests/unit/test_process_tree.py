@@ -34,8 +34,16 @@ from coordinator.process_tree import become_subreaper, descendants, end_descenda
 assert become_subreaper()
 other = subprocess.Popen(["sleep", "60"])
 node = subprocess.Popen(["bash", "-c", "trap '' TERM; (exec -a ray::worker sleep 60) & exec -a ray::raylet sleep 60"])
+def rays():  # the stand-ins once both have exec'd into their names
+    out = []
+    for pid in descendants(os.getpid()):
+        try:
+            out += [pid] if open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"ray::") else []
+        except OSError:
+            pass
+    return out
 deadline = time.monotonic() + 10
-while len(descendants(os.getpid())) < 3 and time.monotonic() < deadline:
+while len(rays()) < 2 and time.monotonic() < deadline:
     time.sleep(0.05)
 worker = sorted(descendants(node.pid))
 ended = end_descendants(grace_s=0.3, reap_s=5)
