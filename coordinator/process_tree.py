@@ -94,14 +94,7 @@ def end_children(grace_s: float = 5.0) -> list[int]:
     """SIGTERM every live child of this process that is one of Ray's (a worker `ray::...` or a
     Ray binary), SIGKILL those alive after `grace_s`, reap them. Returns the pids it ended."""
     children = [p for p in _children(os.getpid()) if is_alive(p) and _is_ray_process(p)]
-    for pid in children:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(is_alive(p) for p in children):
-        time.sleep(0.1)
-    for pid in children:
-        if is_alive(pid):
-            _signal(pid, signal.SIGKILL)
+    _terminate(children, grace_s)
     for pid in children:
         try:
             os.waitpid(pid, 0)
@@ -118,14 +111,7 @@ def end_descendants(grace_s: float = 1.0, reap_s: float = 5.0) -> list[int]:
     become, as their raylet dies) this process's children, for up to `reap_s`. Returns their pids.
     For a cluster that cannot be shut down in order; `end_children` is the orderly shutdown's."""
     pids = sorted(p for p in descendants(os.getpid()) if is_alive(p) and _is_ray_process(p))
-    for pid in pids:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(is_alive(p) for p in pids):
-        time.sleep(0.05)
-    for pid in pids:
-        if is_alive(pid):
-            _signal(pid, signal.SIGKILL)
+    _terminate(pids, grace_s)
     waiting, deadline = set(pids), time.monotonic() + reap_s
     while waiting and time.monotonic() < deadline:
         for pid in list(waiting):
@@ -139,6 +125,18 @@ def end_descendants(grace_s: float = 1.0, reap_s: float = 5.0) -> list[int]:
     if pids:
         logger.warning("ended %d of Ray's processes: %s", len(pids), pids)
     return pids
+
+
+def _terminate(pids: list[int], grace_s: float) -> None:
+    """SIGTERM `pids`, and SIGKILL those still alive after `grace_s`."""
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(is_alive(p) for p in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        if is_alive(pid):
+            _signal(pid, signal.SIGKILL)
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -37,6 +37,11 @@ def reference_outputs(tiny_model_dir: str) -> list[tuple[str, int]]:
     return [(final[f"ref-{i}"].text, len(final[f"ref-{i}"].output_token_ids)) for i in range(len(PROMPTS))]
 
 
+def metric_values(metrics: str, prefix: str) -> list[float]:
+    """The values of the `/metrics` text's samples whose line starts with `prefix` (name{labels...)."""
+    return [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix)]
+
+
 def client(server: Served) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=120)
 

@@ -16,7 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from elastic_server import running, tiny_config
-from streaming_clients import MAX_TOKENS, PROMPTS, client, client_loop, reference_outputs, scale, wait_event
+from streaming_clients import (
+    MAX_TOKENS,
+    PROMPTS,
+    client,
+    client_loop,
+    metric_values,
+    reference_outputs,
+    scale,
+    wait_event,
+)
 
 from elasticmoe.config import ModelConfig
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
@@ -42,10 +51,6 @@ def server(tiny_model_dir):
         yield srv
 
 
-def _metric(metrics: str, prefix: str) -> list[float]:
-    return [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix)]
-
-
 def test_a_disk_tier_server_scales_under_load_with_exact_tokens_and_no_expert_in_memory(server, reference,
                                                                                         tiny_model_dir):
     stop = threading.Event()
@@ -67,10 +72,10 @@ def test_a_disk_tier_server_scales_under_load_with_exact_tokens_and_no_expert_in
     assert status["active_config"]["dp"] == 2
     assert [r["capacity_experts"] for r in status["expert_cache"]] == [4, 4]
     assert all(d["peak_bytes"] <= d["budget_bytes"] for d in status["devices"] if d["peak_bytes"] is not None)
-    assert sum(_metric(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="disk"}')) >= EXPERT_ROW
-    assert sum(_metric(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) == 0
+    assert sum(metric_values(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="disk"}')) >= EXPERT_ROW
+    assert sum(metric_values(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) == 0
     for device in (0, 1):
-        host = _metric(metrics, f'elasticmoe_device_memory_layout_bytes{{device="{device}",kind="host_experts"}}')
+        host = metric_values(metrics, f'elasticmoe_device_memory_layout_bytes{{device="{device}",kind="host_experts"}}')
         assert sum(host) == 0, host
     # No scale moved an expert: nothing is held to move. The scale-down moves nothing at all; the
     # scale-up copies the new device's dense tensors only.
@@ -101,6 +106,6 @@ def test_esft_adapters_on_a_disk_tier_server_equal_their_merged_models(server, r
                                                 "temperature": 0, "ignore_eos": True})
             assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want["alpha"][0]
         metrics = c.get("/metrics").text
-    adapters_held = sum(_metric(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="adapters"}'))
+    adapters_held = sum(metric_values(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="adapters"}'))
     assert adapters_held > 0  # the resident adapter's rows: what the host tier holds
-    assert sum(_metric(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) == 0
+    assert sum(metric_values(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) == 0

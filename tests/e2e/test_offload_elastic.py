@@ -22,7 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from elastic_server import running, tiny_config
-from streaming_clients import MAX_TOKENS, PROMPTS, client, client_loop, reference_outputs, scale, wait_event
+from streaming_clients import (
+    MAX_TOKENS,
+    PROMPTS,
+    client,
+    client_loop,
+    metric_values,
+    reference_outputs,
+    scale,
+    wait_event,
+)
 
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
@@ -46,10 +55,6 @@ def server(tiny_model_dir):
     with running(config) as srv:
         yield srv
     assert list_segments(config.shm_prefix) == [], "shared-memory files leaked"
-
-
-def _metric(metrics: str, prefix: str) -> list[float]:
-    return [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix)]
 
 
 def test_a_scale_down_that_needs_offloading_serves_exact_tokens_under_load(server, reference):
@@ -78,10 +83,10 @@ def test_a_scale_down_that_needs_offloading_serves_exact_tokens_under_load(serve
         metrics = c.get("/metrics").text
     assert status["active_config"]["dp"] == 2
     assert all(d["peak_bytes"] <= d["budget_bytes"] for d in status["devices"] if d["peak_bytes"] is not None)
-    assert sum(_metric(metrics, 'elasticmoe_expert_loads_total{kind="on_demand"}')) > 0
-    assert sum(_metric(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) > 0
-    assert len(_metric(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="host_experts"}')) == 1
-    assert _metric(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="expert_cache"}') == [98304.0]
+    assert sum(metric_values(metrics, 'elasticmoe_expert_loads_total{kind="on_demand"}')) > 0
+    assert sum(metric_values(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) > 0
+    assert len(metric_values(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="host_experts"}')) == 1
+    assert metric_values(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="expert_cache"}') == [98304.0]
 
 
 def test_lora_on_an_offloading_server_equals_its_merged_models(server, reference, tiny_model_dir, tmp_path):
