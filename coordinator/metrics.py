@@ -35,6 +35,8 @@ _LOADS_HELP = "Experts copied into the ranks' expert caches, by why."
 _BYTES_HELP = "Bytes copied into the ranks' expert caches, by the tier they came from."
 _ENGINE_COUNTERS: dict[str, tuple[str, str, float, dict[str, str]]] = {
     "num_lora_swaps_in": ("elasticmoe_lora_swaps_in", "LoRA adapters copied into a rank's slot.", 1.0, {}),
+    "num_lora_preloads": ("elasticmoe_lora_preloads", "LoRA adapters copied into a rank's slot ahead of any "
+                          "request, by usage probability (also in elasticmoe_lora_swaps_in).", 1.0, {}),
     "num_lora_evictions": ("elasticmoe_lora_evictions", "LoRA adapters evicted from a rank's slot.", 1.0, {}),
     "num_lora_hits": ("elasticmoe_lora_hits", "LoRA requests admitted with their adapter already in a slot.", 1.0,
                       {}),

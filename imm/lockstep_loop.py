@@ -63,7 +63,6 @@ from elasticmoe.engine.async_llm import (
     Stream,
     call_soon,
 )
-from elasticmoe.engine.lora_lockstep import NO_ID
 from elasticmoe.outputs import RequestOutput
 from imm.handover import HandedOver
 
@@ -284,8 +283,7 @@ class LockstepAsyncLLM(AsyncLLM):
     def _swap_lora_in_lockstep(self, wanted: list[int], used: list[int]) -> None:
         """Gather every rank's wants and apply the same swaps on each (`engine.lora_lockstep`)."""
         lockstep = self.engine.adapters.lockstep_lora  # type: ignore[attr-defined]
-        mine = torch.full((lockstep.num_slots,), NO_ID, dtype=torch.int64)
-        mine[: len(wanted)] = torch.tensor(wanted, dtype=torch.int64)
+        mine = torch.tensor(lockstep.row(wanted), dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, mine, group=self.group)
         slots = torch.zeros(2, lockstep.num_slots, dtype=torch.int64)  # [in use, queued] per slot
@@ -293,8 +291,8 @@ class LockstepAsyncLLM(AsyncLLM):
         slots[1, lockstep.queued_slots()] = 1
         dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
         in_use, in_queue = slots.tolist()
-        swapped = lockstep.apply({int(i) for t in everyone for i in t.tolist()},
-                                 {i for i, u in enumerate(in_use) if u}, {i for i, q in enumerate(in_queue) if q})
+        swapped = lockstep.apply_gathered([t.tolist() for t in everyone], {i for i, u in enumerate(in_use) if u},
+                                          {i for i, q in enumerate(in_queue) if q})
         if swapped:
             logger.info("lora: swapped in %s on every rank (round %d)", swapped, self.num_rounds)
 

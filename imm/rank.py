@@ -95,6 +95,7 @@ class RankStats:
     num_lora_slots: int = 0  # LoRA slots of this rank (0: LoRA off)
     num_lora_resident: int = 0  # LoRA adapters in a slot
     num_lora_swaps_in: int = 0  # LoRA adapters copied into a slot (host -> slot)
+    num_lora_preloads: int = 0  # ... of them ahead of any request (by usage probability)
     num_lora_evictions: int = 0
     num_lora_hits: int = 0  # requests admitted with their LoRA adapter in a slot
     num_lora_misses: int = 0  # requests that had to wait for a swap-in
@@ -435,6 +436,7 @@ class InstanceRank:
             num_lora_slots=c.lora.get("slots", 0),
             num_lora_resident=c.lora.get("resident", 0),
             num_lora_swaps_in=c.lora.get("swaps_in", 0),
+            num_lora_preloads=c.lora.get("preloads", 0),
             num_lora_evictions=c.lora.get("evictions", 0),
             num_lora_hits=c.lora.get("hits", 0),
             num_lora_misses=c.lora.get("misses", 0),

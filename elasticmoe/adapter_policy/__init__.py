@@ -5,6 +5,7 @@ as pure functions over statistics, with the baselines they are measured against.
 - `usage`: usage probabilities (profile, declared, observed-rate fallback) and their composition
   along dependencies;
 - `eviction`: two-stage eviction (§4.3), LRU and FIFO behind one interface;
+- `preload`: the initial loading by usage probability (§4.1) carried on while the server runs;
 - `arranging`: request arranging in the scheduling window (§4.2), FCFS;
 - `assigning`: request assigning across DP ranks with `K * n + B` and switch latency (§4.2),
   least-loaded ("parallel");

@@ -134,6 +134,7 @@ class LoraSlots:
         self.host: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # name -> path -> (A, sB)
         self.slot_of: dict[str, int] = {}  # resident adapters
         self.num_swaps_in = self.num_evictions = self.num_hits = self.num_misses = 0
+        self.num_preloads = 0  # swaps in made ahead of any request (counted in num_swaps_in too)
         self.swap_s = 0.0  # time spent copying factors into slots (CoServe Fig. 15: expert management)
         self.filling: dict[int, tuple[str, Future[None]]] = {}  # slot -> adapter copied in the background
         self._copier: ThreadPoolExecutor | None = None

@@ -15,7 +15,9 @@ The engine calls, on its thread:
   longest-waiting request needs); returns the requests whose adapter could not be read;
 - `wait_for_swap()`: nothing could be scheduled; wait for a copy in flight (one rank only);
 - `after_step()`: release the adapters whose unload was asked once no live request uses them
-  (one rank only; under EP the coordinator does it for every rank at once).
+  (one rank only; under EP the coordinator does it for every rank at once), and preload the most
+  probable LoRA adapter out of the slots where that displaces a less probable idle one (one rank;
+  under EP the lockstep loop does it for every rank alike).
 
 The server calls `load_esft` / `load_lora` / `load_router` / `unload` / `discard` /
 `finish_unload` / `in_use` / `stats`, through the engine's thread too. `served` is one tuple
@@ -88,7 +90,8 @@ class AdapterManager:
             # on its own: the lockstep loop swaps every rank alike at a round boundary.
             self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank,
                                        eviction=config.adapter_eviction, routers=lambda: self.routers,
-                                       profiled=profiled, lockstep=not self.is_single_rank)
+                                       profiled=profiled, lockstep=not self.is_single_rank,
+                                       unloading=lambda: self.unloading)
             if not self.is_single_rank:
                 self.lockstep_lora = LockstepLora(self.swapper)
         self.unloading: set[str] = set()
@@ -163,6 +166,8 @@ class AdapterManager:
     def after_step(self) -> None:
         if self.unloading and self.is_single_rank:
             self._finish_unloads()
+        if self.swapper is not None:
+            self.swapper.preload()  # one rank only; under EP the lockstep loop preloads
 
     # ---- loading and unloading ---------------------------------------------------------------
 
@@ -212,6 +217,8 @@ class AdapterManager:
         slot = self.lora.load(name, modules, weights, scaling, slot)
         self._declare(name, usage_probability)
         self._publish()
+        if slot is None and self.swapper is not None:
+            self.swapper.preload()  # a probable adapter registered while the slots are full
         return slot
 
     def load_router(self, name: str, router: LoraRouter, usage_probability: float | None = None) -> None:
@@ -287,7 +294,7 @@ class AdapterManager:
         if lora is None:
             return out
         return {**out, "slots": lora.max_loras, "resident": len(lora.slot_of), "loaded": len(lora.host),
-                "swaps_in": lora.num_swaps_in, "evictions": lora.num_evictions,
+                "swaps_in": lora.num_swaps_in, "preloads": lora.num_preloads, "evictions": lora.num_evictions,
                 "hits": lora.num_hits, "misses": lora.num_misses, "swap_us": int(lora.swap_s * 1e6)}
 
     def describe(self) -> list[dict[str, Any]]:

@@ -17,6 +17,14 @@ use); the loop gathers them over the instance's group; and every rank applies th
 - each rank then copies its own share of the factors (its experts') from host memory into the
   slot, at once, so the next step sees the same slots everywhere.
 
+Preloading (CoServe §4.1 while the server runs, `adapter_policy.preload`): a rank with nothing to
+wait for proposes the most probable adapter out of the slots (`preload_candidate`), beside its
+registry version (declarations and forgets so far). Only when every rank proposes the same adapter
+at the same version, so that each has loaded it and all know the same probabilities, does the
+plan copy it in, into a free slot or in place of a strictly less probable adapter no rank's live
+or waiting request needs. A proposal the gathered inputs decline is not made again for
+`PRELOAD_RETRY_ROUNDS` rounds (a preload costs no round of its own until then).
+
 The registry beyond the slots (`--max-cpu-loras`) is each rank's host memory: every rank loads
 every adapter (the coordinator loads them in the same order), so an id wanted anywhere is loaded
 everywhere (an adapter leaves only once no rank has a live request of it).
@@ -32,11 +40,18 @@ from elasticmoe.adapter_policy.usage import needed_probability, usage_probabilit
 from elasticmoe.engine.lora_swapper import LoraSwapper
 
 NO_ID = -1  # padding of a rank's wanted ids
+PRELOAD_RETRY_ROUNDS = 16  # rounds without a proposal after the group declined one
 
 
 def adapter_id(name: str) -> int:
     """The id every rank gives adapter `name` (a 31-bit hash: collisions are refused at load)."""
     return zlib.crc32(name.encode()) & 0x7FFF_FFFF
+
+
+def _proposal(ident: int) -> int:
+    """A preload proposal of adapter id `ident` among the wanted ids: negative, below `NO_ID`
+    (and its own inverse)."""
+    return NO_ID - 1 - ident
 
 
 class LockstepLora:
@@ -47,6 +62,14 @@ class LockstepLora:
         self.round = 0  # plans applied (the same count on every rank)
         self._loaded: dict[str, int] = {}  # adapter -> plan round it became resident
         self._used: dict[str, int] = {}  # adapter -> last plan round a live request used it
+        self._rounds = 0  # `wants` calls: one per round of the loop, on every rank
+        self._quiet_until = 0  # no preload proposal before this round (the group declined one)
+
+    @property
+    def gather_width(self) -> int:
+        """Entries of a rank's row in the gather: its wanted ids (padded with `NO_ID`), then its
+        registry version."""
+        return self.num_slots + 1
 
     @property
     def num_slots(self) -> int:
@@ -60,9 +83,10 @@ class LockstepLora:
             raise ValueError(f"name: adapter {name!r} collides with {other!r}; choose another name")
 
     def wants(self, live: Iterable[Collection[str]]) -> tuple[list[int], list[int]]:
-        """(ids of adapters this rank's scheduling window waits for, at most one per slot; slots the
-        adapters of `live` requests occupy)."""
+        """(ids of adapters this rank's scheduling window waits for, at most one per slot, or else
+        a preload proposal; slots the adapters of `live` requests occupy)."""
         swapper, lora = self.swapper, self.swapper.lora
+        self._rounds += 1
         wanted: list[int] = []
         for r in swapper.scheduler.window_requests():
             if not r.binding.is_waiting:
@@ -72,7 +96,26 @@ class LockstepLora:
                 if lora.index(name) is None and lora.is_loaded(name) and ident not in wanted:
                     wanted.append(ident)
         used = sorted({s for names in live for n in names if (s := lora.index(n)) is not None})
+        if not wanted and swapper.preloads and self._rounds >= self._quiet_until:
+            best = swapper.preload_candidate()
+            if best is not None:
+                wanted = [_proposal(adapter_id(best))]
         return wanted[: self.num_slots], used
+
+    def row(self, wanted: list[int]) -> list[int]:
+        """This rank's row of the gather (`gather_width` entries)."""
+        return (wanted + [NO_ID] * self.num_slots)[: self.num_slots] + [self.swapper.registry_version]
+
+    def apply_gathered(self, rows: list[list[int]], used_slots: Collection[int],
+                       queued_slots: Collection[int] = ()) -> list[str]:
+        """`apply` from every rank's `row`: the wanted ids of all, and a preload only where every
+        rank proposed the same adapter at the same registry version."""
+        wanted = {i for row in rows for i in row[:-1] if i > NO_ID}
+        proposals = {i for row in rows for i in row[:-1] if i < NO_ID}
+        unanimous = (len(proposals) == 1 and all(any(i < NO_ID for i in row[:-1]) for row in rows)
+                     and len({row[-1] for row in rows}) == 1)
+        preload = _proposal(proposals.pop()) if unanimous and not wanted else None
+        return self.apply(wanted, used_slots, queued_slots, preload)
 
     def queued_slots(self) -> list[int]:
         """Slots whose adapters this rank's waiting requests need (asked only in a round that plans
@@ -82,9 +125,10 @@ class LockstepLora:
                        if (s := lora.index(n)) is not None})
 
     def apply(self, wanted_ids: Iterable[int], used_slots: Collection[int],
-              queued_slots: Collection[int] = ()) -> list[str]:
+              queued_slots: Collection[int] = (), preload: int | None = None) -> list[str]:
         """Make the wanted adapters resident, the same way on every rank; returns those swapped in.
-        Waiting requests of a swapped-in adapter get its slot; those of a victim wait again."""
+        Waiting requests of a swapped-in adapter get its slot; those of a victim wait again.
+        `preload`: the id every rank proposed to preload (see the module docstring)."""
         swapper, lora = self.swapper, self.swapper.lora
         self.round += 1
         by_id = {adapter_id(n): n for n in lora.names}
@@ -118,10 +162,33 @@ class LockstepLora:
             self._loaded[name] = self._used[name] = self.round
             pinned.add(name)
             swapped.append(name)
+        if preload is not None and not swapped:
+            swapped = self._preload(by_id.get(preload), pinned, queued)
         for r in swapper.scheduler.waiting:
             if r.binding.is_waiting and set(swapped) & r.binding.lora_names:
                 swapper.assign(r)
         return swapped
+
+    def _preload(self, name: str | None, pinned: set[str], queued: set[str]) -> list[str]:
+        """Copy `name` in if the gathered inputs allow (`LoraSwapper.preload_decision` with the
+        residency in agreed rounds); else propose nothing for a while, on every rank alike."""
+        swapper, lora = self.swapper, self.swapper.lora
+        choice = None
+        if name is not None and lora.index(name) is None:
+            resident = {n: Residency(self._loaded.get(n, 0), max(self._loaded.get(n, 0), self._used.get(n, 0)))
+                        for n in lora.slot_of}
+            choice = swapper.preload_decision(name, resident, pinned, queued)
+        if choice is None:
+            self._quiet_until = self._rounds + PRELOAD_RETRY_ROUNDS
+            return []
+        name, victim = choice
+        slot = lora.free_slots()[0] if victim is None else lora.evict(victim)
+        if victim is not None:
+            self._loaded.pop(victim, None)
+        lora.swap_in(name, slot)
+        lora.num_preloads += 1
+        self._loaded[name] = self._used[name] = self.round
+        return [name]
 
     def _victim(self, pinned: set[str], queued: set[str]) -> str | None:
         swapper, lora = self.swapper, self.swapper.lora

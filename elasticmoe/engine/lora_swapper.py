@@ -20,7 +20,14 @@ mixes them), or one an older request in the window waits for is never evicted; a
 other waiting request needs go last (the scheduler starts ready requests from anywhere in the
 queue, so evicting a resident adapter with queued requests would send them back to wait).
 Copies run on a background thread where the engine allows it; the waiting requests get their
-slots once the copy is done. Under EP the swaps are the lockstep loop's, the same on every rank
+slots once the copy is done.
+
+With the coserve policy, when no swap is under way, `preload` also restores CoServe's initial
+order (§4.1) one adapter at a time: the most probable adapter out of the slots replaces a strictly
+less probable one that no request needs and that served none since its load (or any idle one, if
+the candidate is likelier than all other adapters out of the slots together;
+`adapter_policy.preload`), so an adapter registered while the slots were full does not wait for
+its first requests to come in. Under EP the swaps are the lockstep loop's, the same on every rank
 (`engine.lora_lockstep`).
 
 NOTE: in this engine routers live beside the model, always resident, so no LoRA adapter is ever
@@ -30,13 +37,14 @@ stranded and stage 1 picks nothing; it acts where a predecessor can leave the ti
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from elasticmoe.adapter_policy.eviction import Residency, TierView, eviction_policy, select_victims
 from elasticmoe.adapter_policy.graph import DependencyGraph, Node
+from elasticmoe.adapter_policy.preload import preload_choice
 from elasticmoe.adapter_policy.usage import (
     RateEstimator,
     check_probability,
@@ -57,17 +65,19 @@ def router_node(name: str) -> str:
 class LoraSwapper:
     def __init__(self, lora: LoraSlots, scheduler: Scheduler, can_swap_async: bool, eviction: str = "coserve",
                  routers: Callable[[], Mapping[str, Any]] = dict, profiled: Mapping[str, float] | None = None,
-                 lockstep: bool = False) -> None:
+                 lockstep: bool = False, unloading: Callable[[], Collection[str]] = frozenset) -> None:
         """`routers()`: the loaded learned routers by name (each with `.adapters`); `profiled`: usage
         probabilities from an offline profile, by adapter name (routers: `router_node(name)`).
         `lockstep`: the engine is one rank of an EP group, whose swaps the lockstep loop makes at
-        round boundaries for every rank alike (`engine.lora_lockstep`); this swapper only assigns."""
+        round boundaries for every rank alike (`engine.lora_lockstep`); this swapper only assigns.
+        `unloading()`: adapters on their way out (never preloaded)."""
         self.lora = lora
         self.scheduler = scheduler
         self.can_swap_async = can_swap_async
         self.lockstep = lockstep
         self.async_swaps = True  # copy adapters into slots on a background thread (when it can)
         self.policy = eviction_policy(eviction)
+        self.preloads = eviction == "coserve"  # CoServe §4.1; the baselines only swap on demand
         self.routers = routers
         self.profiled = {n: check_probability(p, f"profile usage_probability of {n!r}")
                          for n, p in (profiled or {}).items()}
@@ -77,6 +87,11 @@ class LoraSwapper:
         self._seq = 0  # one counter orders loads and uses (FIFO / LRU)
         self._loaded_seq: dict[str, int] = {}
         self._used_seq: dict[str, int] = {}
+        self.unloading = unloading
+        self._preload_order: list[str] | None = None  # pre-assessed usage keys, most probable first
+        self.registry_version = 0  # declarations and forgets so far (EP ranks compare it before a preload)
+        self._no_preload: tuple[Any, ...] | None = None  # the situation the last `preload` declined
+        self._finished_early: set[str] = set()  # copies `preload` found complete, for the next pass
 
     # ---- what the adapter manager tells it -----------------------------------------------------
 
@@ -91,11 +106,15 @@ class LoraSwapper:
             self.declared.pop(key, None)
         else:
             self.declared[key] = check_probability(probability)
+        self._preload_order = None
+        self.registry_version += 1
 
     def forget(self, key: str) -> None:
         """`key` was unloaded: drop what was known about it."""
         for table in (self.declared, self._arrivals, self._loaded_seq, self._used_seq):
             table.pop(key, None)
+        self._preload_order = None
+        self.registry_version += 1
 
     # ---- around a step -------------------------------------------------------------------------
 
@@ -109,6 +128,8 @@ class LoraSwapper:
                 binding.wait()
             else:
                 binding.per_token(torch.tensor(slots, dtype=torch.long))
+                for name in sorted(n for n in binding.routing.adapters if n is not None):
+                    self._mark_used(name)
             return
         assert binding.name is not None
         slot = lora.index(binding.name)
@@ -116,15 +137,21 @@ class LoraSwapper:
             binding.wait()
         else:
             binding.resident(slot)
+            # NOTE: used from the moment a request holds its slot, not only once a pass sees it
+            # running: a request may start and finish between two passes, and `preload` treats an
+            # adapter that served nothing since its load as free to displace.
+            self._mark_used(binding.name)
 
     def swap_in(self) -> None:
         """One pass between steps: assign arrived adapters, start the swaps the window needs."""
         lora = self.lora
         self.rates.update(self._arrivals, self._usage_keys())
         self._arrivals = {}
-        arrived = set(lora.finish_swaps())  # background copies that completed since the last step
-        for name in sorted(arrived):
+        finished = lora.finish_swaps()  # background copies that completed since the last step
+        for name in sorted(finished):
             self._mark_loaded(name)
+        arrived = set(finished) | self._finished_early
+        self._finished_early = set()
         self._note_residents()
         running = self.scheduler.running
         for r in running:
@@ -188,6 +215,95 @@ class LoraSwapper:
             for r in requests:
                 self.assign(r)
 
+    # ---- preloading (CoServe §4.1 while the server runs) ----------------------------------------
+
+    def preload(self) -> str | None:
+        """With one rank and nothing being copied in: start copying the most probable adapter out
+        of the slots into a free slot, or in place of a strictly less probable one that no live
+        or waiting request needs (`adapter_policy.preload`). Returns the adapter, or None.
+
+        Runs between steps and after a load. Cheap when it declines again for the same reason: the
+        full decision (usage probabilities over every loaded adapter, ~0.5 ms at 1,000) is made
+        only when the slots, the candidate, the adapters requests need or the declarations have
+        changed."""
+        lora = self.lora
+        if not self.preloads or self.lockstep:
+            return None
+        # NOTE: an idle engine makes no pass to collect finished copies, and one copy at a time
+        # would leave a registration burst's preloads waiting for the first request; their waiting
+        # requests (none, usually) get their slots at the next pass, before the next step.
+        finished = lora.finish_swaps()
+        for name in sorted(finished):
+            self._mark_loaded(name)
+        self._finished_early.update(finished)
+        if lora.filling:
+            return None
+        best = self.preload_candidate()
+        if best is None:
+            return None
+        free = lora.free_slots()
+        pinned = set().union(*(r.binding.lora_names for r in self.scheduler.running))
+        queued = set().union(*(r.binding.lora_names for r in self.scheduler.waiting))
+        evictable = frozenset(lora.slot_of.keys() - pinned - queued)
+        if not free and not evictable:
+            return None
+        situation = (best, tuple(sorted(lora.slot_of.items())), evictable, len(free), self.registry_version)
+        if situation == self._no_preload:
+            return None
+        self._note_residents()
+        resident = {n: Residency(self._loaded_seq[n], max(self._loaded_seq[n], self._used_seq.get(n, 0)))
+                    for n in lora.slot_of}
+        choice = self.preload_decision(best, resident, pinned, queued)
+        if choice is None:
+            self._no_preload = situation
+            return None
+        name, victim = choice
+        slot = free[0] if victim is None else lora.evict(victim)
+        if victim is not None:
+            self._loaded_seq.pop(victim, None)
+        lora.num_preloads += 1
+        if self.can_swap_async and self.async_swaps:
+            lora.swap_in_async(name, slot)  # resident once `finish_swaps` reports it
+        else:
+            lora.swap_in(name, slot)
+            self._mark_loaded(name)
+        return name
+
+    def preload_candidate(self) -> str | None:
+        """The loaded adapter with the highest pre-assessed usage probability (profile, else
+        declared; ties: the first name) that is out of the slots, not being copied in and not
+        being unloaded."""
+        if self._preload_order is None:
+            known = {**self.declared, **self.profiled}
+            self._preload_order = sorted(known, key=lambda n: (-known[n], n))
+        lora, unloading = self.lora, self.unloading()
+        for name in self._preload_order:
+            if lora.is_loaded(name) and lora.index(name) is None and not lora.is_filling(name) \
+                    and name not in unloading:
+                return name
+        return None
+
+    def preload_decision(self, best: str, resident: Mapping[str, Residency], pinned: Collection[str],
+                         queued: Collection[str]) -> tuple[str, str | None] | None:
+        """`preload_choice` for candidate `best` against the `resident` adapters (with their
+        residency in the caller's clock), from pre-assessed probabilities only: no observed rate, so
+        EP ranks deciding from the same inputs decide alike. The graph holds the residents, `best`
+        and the routers, which is every node whose needed probability the choice reads (a LoRA
+        adapter's predecessors are routers); the other adapters out of the slots count only as
+        their summed probability."""
+        lora = self.lora
+        routers = {router_node(k): r for k, r in self.routers().items()}
+        names = [*resident, best]
+        present = set(names)
+        graph = DependencyGraph.build([Node(n, "lora", 1) for n in names] + [Node(k, "router", 0) for k in routers],
+                                      [(k, a) for k, r in routers.items() for a in r.adapters if a in present])
+        usage = usage_probabilities([*lora.names, *routers], self.profiled, self.declared, {})
+        view = TierView(graph, {**resident, **dict.fromkeys(routers, Residency(0, 0))},
+                        needed_probability(graph, usage), frozenset(present & set(pinned)),
+                        frozenset(present & set(queued)))
+        outside = sum(usage[n] for n in lora.names if n not in present)
+        return preload_choice(self.policy, view, [best], len(lora.free_slots()), outside)
+
     # ---- the eviction decision -----------------------------------------------------------------
 
     def tier_view(self, pinned: Iterable[str] = (), queued: Iterable[str] = ()) -> TierView:
@@ -222,6 +338,8 @@ class LoraSwapper:
         self._loaded_seq[name] = self._used_seq[name] = self._tick()
 
     def _mark_used(self, name: str) -> None:
+        if name not in self._loaded_seq:
+            self._note_residents()  # a resident since its registration: loaded before this use
         self._used_seq[name] = self._tick()
 
     def _note_residents(self) -> None:

@@ -49,13 +49,58 @@ def resident(engine: LLMEngine) -> set[str]:
 
 def test_declared_probabilities_decide_the_victim_where_lru_uses_recency(tiny_model_dir, adapters):
     usage = {"x": 0.6, "y": 0.1, "z": 0.3}
-    for eviction, kept in (("coserve", {"x", "z"}), ("lru", {"y", "z"}), ("fifo", {"y", "z"})):
+    for eviction in ("lru", "fifo"):
         engine = make_engine(tiny_model_dir, adapters, usage, adapter_eviction=eviction)
         assert resident(engine) == {"x", "y"}  # loaded into the free slots, in order
         serve(engine, "y-0", "y")  # y is the most recently used
         serve(engine, "z-0", "z")
-        assert resident(engine) == kept, eviction
-        assert engine.adapters.stats()["evictions"] == 1
+        assert resident(engine) == {"y", "z"}, eviction
+        assert engine.adapters.stats()["evictions"] == 1 and engine.adapters.stats()["preloads"] == 0
+    # CoServe: z, registered with the slots full, is more probable than y: it is preloaded in y's
+    # place at once (§4.1 while the server runs). y's request then displaces z, the less probable
+    # resident, and once it finished z comes back.
+    engine = make_engine(tiny_model_dir, adapters, usage, adapter_eviction="coserve")
+    engine.adapters.lora.finish_swaps(block=True)
+    assert resident(engine) == {"x", "z"} and engine.adapters.stats()["preloads"] == 1
+    serve(engine, "y-0", "y")
+    assert resident(engine) == {"x", "z"}
+    assert {k: engine.adapters.stats()[k] for k in ("preloads", "evictions", "hits", "misses")} == {
+        "preloads": 2, "evictions": 3, "hits": 0, "misses": 1}
+
+
+def test_a_preloaded_adapter_serves_its_request_as_a_hit_with_its_own_weights(tiny_model_dir, adapters):
+    def logprobs(engine: LLMEngine, adapter: str) -> list[float]:
+        engine.add_request(f"{adapter}-0", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                                     logprobs=0), adapter)
+        out = []
+        while engine.has_unfinished_requests():
+            out += [lp.logprob for o in engine.step() for lp in o.new_logprobs or []]
+        return out
+
+    engine = make_engine(tiny_model_dir, adapters, {"x": 0.6, "y": 0.1, "z": 0.3})
+    engine.adapters.lora.finish_swaps(block=True)  # z preloaded in y's slot (slot 1) at its load
+    assert engine.adapters.lora.slot_of == {"x": 0, "z": 1}
+    preloaded = logprobs(engine, "z")
+    assert engine.adapters.stats()["hits"] == 1 and engine.adapters.stats()["misses"] == 0
+    alone = make_engine(tiny_model_dir, {"z": adapters["z"]}, {})  # z in slot 0 from its load
+    assert preloaded == pytest.approx(logprobs(alone, "z"), abs=1e-5)
+    assert preloaded != pytest.approx(logprobs(alone, None), abs=1e-5)  # the adapter changes them
+
+
+def test_registrations_on_an_idle_engine_preload_one_after_another(tiny_model_dir, adapters):
+    # One slot. Each registration finds the previous preload's copy done (no step ran to collect
+    # it) and replaces that adapter, unused since, with the likelier one just registered.
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_kv_blocks=64, num_threads=1,
+                                    max_loras=1, max_lora_rank=2, max_cpu_loras=3))
+    lora = engine.adapters.lora
+    for name, p in (("x", 0.1), ("y", 0.3), ("z", 0.6)):
+        a = adapters[name]
+        engine.adapters.load_lora(name, a.modules, a.weights, a.config.scaling, usage_probability=p)
+        lora.wait_for_a_swap()
+    lora.finish_swaps(block=True)
+    assert lora.slot_of == {"z": 0} and engine.adapters.stats()["preloads"] == 2
+    serve(engine, "z-0", "z")
+    assert engine.adapters.stats()["hits"] == 1 and engine.adapters.stats()["misses"] == 0
 
 
 def test_a_profile_outranks_the_declaration_and_declarations_are_checked(tiny_model_dir, adapters, tmp_path):

@@ -1,11 +1,14 @@
 """LoRA swaps under EP: two ranks (processes, gloo) with one LoRA slot and three adapters in host
 memory each; every rank asks for different adapters, the lockstep loop swaps them in on both ranks
 at once (`engine.lora_lockstep`), and every request's tokens equal an EP=1 engine holding every
-adapter resident (itself equal to the merged models: tests/component/test_lora_engine.py)."""
+adapter resident (itself equal to the merged models: tests/component/test_lora_engine.py). With
+usage probabilities declared, the loop also preloads the most probable adapter on both ranks alike,
+before the requests and again once they are done."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -34,22 +37,36 @@ def _engine(model_dir: str, rank: int = 0, world: int = 1, **kwargs) -> LLMEngin
                                   ep_rank=rank, ep_size=world, max_lora_rank=8, **kwargs))
 
 
-def _load_all(engine: LLMEngine, paths: dict[str, str], model_dir: str) -> None:
+def _load_all(engine: LLMEngine, paths: dict[str, str], model_dir: str, usage: dict[str, float] | None = None) -> None:
     cfg = ModelConfig.from_pretrained(model_dir)
     for name in NAMES:  # the same order on every rank, as the coordinator loads them
         a = LoraAdapter.open(name, paths[name], cfg)
-        engine.adapters.load_lora(name, a.modules, a.weights, a.config.scaling)
+        engine.adapters.load_lora(name, a.modules, a.weights, a.config.scaling,
+                                  usage_probability=(usage or {}).get(name))
 
 
-def _worker(rank: int, port: int, model_dir: str, paths: dict[str, str], queue) -> None:
+def _wait_until(condition, timeout_s: float = 20.0) -> bool:
+    """Poll `condition` (read from the loop thread's state: plain ints and dicts) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _worker(rank: int, port: int, model_dir: str, paths: dict[str, str], queue, usage=None) -> None:
     from imm.lockstep_loop import LockstepAsyncLLM
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         engine = _engine(model_dir, rank, 2, max_loras=1, max_cpu_loras=len(NAMES))
-        _load_all(engine, paths, model_dir)
+        _load_all(engine, paths, model_dir, usage)
+        lora = engine.adapters.lora
         llm = LockstepAsyncLLM(engine, dist.group.WORLD)
         llm.start()
+        if usage:  # the most probable adapter replaces the first one loaded before any request
+            assert _wait_until(lambda: lora.num_preloads == 1 and lora.slot_of == {"code": 0}), lora.slot_of
 
         async def one(rid: str, prompt: list[int], adapter: str | None) -> list[int]:
             tokens: list[int] = []
@@ -62,10 +79,12 @@ def _worker(rank: int, port: int, model_dir: str, paths: dict[str, str], queue) 
             return {r[0]: o for r, o in zip(RANK_REQUESTS[rank], outs, strict=True)}
 
         tokens = asyncio.run(main())
-        slots = dict(engine.adapters.lora.slot_of)
+        if usage:  # and comes back once the requests that displaced it are done
+            assert _wait_until(lambda: lora.slot_of == {"code": 0}), lora.slot_of
+        llm.shutdown()  # NOTE: the loop has stopped: the state read below no longer moves
+        slots = dict(lora.slot_of)
         stats = engine.adapters.stats()
-        llm.shutdown()
-        queue.put((rank, (tokens, slots, stats["swaps_in"])))
+        queue.put((rank, (tokens, slots, stats["swaps_in"], stats["preloads"])))
     except BaseException as e:  # report instead of leaving the parent waiting
         queue.put((rank, f"rank {rank} failed: {e!r}"))
         raise
@@ -73,14 +92,15 @@ def _worker(rank: int, port: int, model_dir: str, paths: dict[str, str], queue) 
         dist.destroy_process_group()
 
 
-def test_ranks_swap_the_same_adapters_into_the_same_slots(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("usage", [None, {"code": 0.5, "law": 0.1, "med": 0.2}], ids=["on-demand", "preloading"])
+def test_ranks_swap_the_same_adapters_into_the_same_slots(tiny_model_dir, tmp_path, usage):
     paths = {name: make_lora_adapter(tiny_model_dir, str(tmp_path / name), rank=4, seed=i,
                                      target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))
              for i, name in enumerate(NAMES)}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, tiny_model_dir, paths, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, tiny_model_dir, paths, queue, usage)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=300) for _ in procs)
@@ -97,6 +117,7 @@ def test_ranks_swap_the_same_adapters_into_the_same_slots(tiny_model_dir, tmp_pa
     while reference.has_unfinished_requests():
         want.update({o.request_id: o.output_token_ids for o in reference.step() if o.finished})
 
-    (tokens0, slots0, swaps0), (tokens1, slots1, swaps1) = results[0], results[1]
+    (tokens0, slots0, swaps0, preloads0), (tokens1, slots1, swaps1, preloads1) = results[0], results[1]
     assert {**tokens0, **tokens1} == want  # every adapter's tokens, as if it never left its slot
     assert slots0 == slots1 and swaps0 == swaps1 >= 3  # the same swaps on both ranks
+    assert preloads0 == preloads1 and (preloads0 == 0) == (usage is None)

@@ -10,7 +10,7 @@ import pytest
 
 from elasticmoe.adapters.lora_routing import VocabRouting
 from elasticmoe.engine.block_manager import BlockManager
-from elasticmoe.engine.lora_lockstep import LockstepLora, adapter_id
+from elasticmoe.engine.lora_lockstep import NO_ID, PRELOAD_RETRY_ROUNDS, LockstepLora, adapter_id
 from elasticmoe.engine.lora_swapper import LoraSwapper, router_node
 from elasticmoe.engine.request import AdapterBinding, Request
 from elasticmoe.engine.scheduler import Scheduler
@@ -25,6 +25,8 @@ class FakeSlots:
         self.host = dict.fromkeys(names)
         self.slot_of: dict[str, int] = {}
         self.evicted: list[str] = []
+        self.filling: dict[int, tuple[str, object]] = {}  # never: swaps here are synchronous
+        self.num_preloads = 0
         for name in names[:max_loras]:  # loaded into free slots first, in order (as `LoraSlots.load`)
             self.slot_of[name] = len(self.slot_of)
 
@@ -211,3 +213,106 @@ def test_nothing_is_evicted_under_running_requests_and_unloads_are_forgotten():
         make_swapper("mru")
     with pytest.raises(ValueError, match="usage_probability"):
         swapper.declare("b", 1.5)
+
+
+# ---- preloading (CoServe §4.1 while the server runs) -----------------------------------------
+
+
+def test_a_hot_adapter_a_cold_request_displaced_comes_back_before_its_next_request():
+    swapper = make_swapper(declared={"a": 0.5, "b": 0.4, "c": 0.05})
+    assert evicted_for(swapper, "c") == ["b"]  # the cold request's swap evicts the less probable hot one
+    assert swapper.preload() is None  # c's request still waits to run: c stays
+    run_once(swapper)  # nothing; c's request is still queued
+    swapper.scheduler.schedule()
+    (request,) = swapper.scheduler.running
+    assert swapper.preload() is None  # running: pinned
+    swapper.scheduler.finish(request)
+    assert swapper.preload() == "b"  # idle now: b (0.4) displaces c (0.05)
+    assert swapper.lora.slot_of == {"a": 0, "b": 1} and swapper.lora.evicted == ["b", "c"]
+    assert swapper.lora.num_preloads == 1
+    assert swapper.preload() is None  # c is less probable than both: nothing more to gain
+
+
+def test_preloading_is_coserve_s_and_needs_a_pre_assessed_probability():
+    swapper = make_swapper("lru", declared={"a": 0.1, "b": 0.1, "c": 0.8})
+    assert swapper.preload() is None  # the baselines swap on demand only
+    swapper = make_swapper()  # nothing declared: observed rates are no reason to copy ahead of requests
+    for _ in range(3):
+        run_once(swapper, "a")
+    assert swapper.preload() is None
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.1}, profiled={"c": 0.8})  # a profile counts
+    assert swapper.preload() == "c" and swapper.lora.evicted == ["a"]
+
+
+def test_preloading_leaves_adapters_waiting_requests_need_and_those_being_unloaded():
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.2, "c": 0.8}, max_num_seqs=0)
+    submit(swapper, make_request("queued-a", "a"))
+    submit(swapper, make_request("queued-b", "b"))
+    assert swapper.preload() is None  # both residents have a request waiting
+    unloading = {"c"}
+    swapper = make_swapper(declared={"a": 0.1, "b": 0.2, "c": 0.8})
+    swapper.unloading = lambda: unloading
+    assert swapper.preload() is None
+
+
+def test_a_declined_preload_is_not_decided_again_until_something_changes(monkeypatch):
+    swapper = make_swapper(declared={"a": 0.5, "b": 0.4, "c": 0.3})
+    calls = []
+    decide = swapper.preload_decision
+    monkeypatch.setattr(swapper, "preload_decision", lambda *args: calls.append(1) or decide(*args))
+    assert swapper.preload() is None and swapper.preload() is None
+    assert len(calls) == 1  # the same slots, candidate and idle adapters: the memo answers
+    swapper.declare("c", 0.45)  # now c is worth b's slot
+    assert swapper.preload() == "c" and len(calls) == 2
+
+
+def lockstep_pair(declared: dict[str, float]) -> list[LockstepLora]:
+    """Two ranks' lockstep swappers with the same adapters, slots and declarations."""
+    return [LockstepLora(make_swapper(declared=declared)) for _ in range(2)]
+
+
+def test_the_group_preloads_only_what_every_rank_proposes_at_one_registry_version():
+    ranks = lockstep_pair({"a": 0.1, "b": 0.2, "c": 0.8})
+    rows = [rank.row(rank.wants([])[0]) for rank in ranks]
+    assert rows[0] == rows[1] and rows[0][0] < NO_ID  # c proposed by both
+    for rank in ranks:
+        assert rank.apply_gathered(rows, used_slots=set()) == ["c"]
+        assert rank.swapper.lora.slot_of == {"b": 1, "c": 0} and rank.swapper.lora.num_preloads == 1
+    # A rank that has not declared c yet (its load is still on the way) makes the versions differ.
+    ranks = lockstep_pair({"a": 0.1, "b": 0.2, "c": 0.8})
+    ranks[1].swapper.declare("c", 0.8)
+    rows = [rank.row(rank.wants([])[0]) for rank in ranks]
+    assert all(rank.apply_gathered(rows, used_slots=set()) == [] for rank in ranks)
+    # A rank with a request waiting for an adapter proposes nothing: the demand goes first.
+    ranks = lockstep_pair({"a": 0.1, "b": 0.2, "c": 0.8})
+    submit(ranks[0].swapper, make_request("want-c", "c"))
+    rows = [rank.row(rank.wants([])[0]) for rank in ranks]
+    assert rows[0][0] == adapter_id("c") and rows[1][0] < NO_ID
+    assert all(rank.apply_gathered(rows, used_slots=set()) == ["c"] for rank in ranks)
+    assert all(rank.swapper.lora.num_preloads == 0 for rank in ranks)
+
+
+def test_a_preload_the_group_declines_is_not_proposed_again_for_a_while():
+    ranks = lockstep_pair({"a": 0.1, "b": 0.2, "c": 0.8})
+    rows = [rank.row(rank.wants([])[0]) for rank in ranks]
+    # Every slot is used by a live request on some rank: nothing may go.
+    assert all(rank.apply_gathered(rows, used_slots={0, 1}) == [] for rank in ranks)
+    for _ in range(PRELOAD_RETRY_ROUNDS - 1):
+        assert all(rank.wants([])[0] == [] for rank in ranks)
+    rows = [rank.row(rank.wants([])[0]) for rank in ranks]
+    assert all(row[0] < NO_ID for row in rows)
+    assert all(rank.apply_gathered(rows, used_slots={1}) == ["c"] for rank in ranks)
+    assert all(rank.swapper.lora.slot_of == {"b": 1, "c": 0} for rank in ranks)
+
+
+def test_a_hot_adapter_stays_out_while_the_adapters_outside_the_slots_are_likelier_together():
+    # Five adapters, two slots. c's request displaced b; b (0.3) is less likely to come next than
+    # c, d and e together (0.45): bringing it back would more often be undone than used.
+    swapper = make_swapper(names="abcde", declared={"a": 0.25, "b": 0.3, "c": 0.15, "d": 0.15, "e": 0.15})
+    assert swapper.preload() is None  # a and b, unused yet, are the likeliest: nothing to gain
+    run_once(swapper, "a")
+    run_once(swapper, "b")
+    assert evicted_for(swapper, "c") == ["a"]
+    swapper.scheduler.schedule()
+    swapper.scheduler.finish(swapper.scheduler.running[0])
+    assert swapper.preload() is None and swapper.lora.slot_of == {"b": 1, "c": 0}
