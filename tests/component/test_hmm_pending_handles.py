@@ -81,16 +81,16 @@ def test_devices_added_together_are_checked_before_any_starts(ctl):
 
 
 def test_a_batch_whose_worker_fails_to_start_leaves_nothing_of_itself(ctl, monkeypatch):
-    from hmm import controller
+    from hmm import device_workers
 
-    real = controller.DeviceWorker
+    real = device_workers.DeviceWorker
 
     def worker(spec, *args):
         if spec.device_id == 3:
             raise OSError("no memory for device 3")
         return real(spec, *args)
 
-    monkeypatch.setattr(controller, "DeviceWorker", worker)
+    monkeypatch.setattr(device_workers, "DeviceWorker", worker)
     with pytest.raises(OSError, match="device 3"):
         ctl.add_devices([DeviceSpec(2, 0, BUDGET), DeviceSpec(3, 0, BUDGET)])
     assert sorted(ctl.devices) == sorted(ctl.workers) == [0, 1]  # device 2's worker stopped, its files freed

@@ -95,7 +95,7 @@ def test_gloo_and_fast_path_then_add_device(prefix):
 
 
 def test_a_device_batch_with_a_worker_that_fails_to_start_leaves_the_group_as_it_was(prefix, monkeypatch):
-    from hmm import controller
+    from hmm import controller, device_workers
     from hmm.worker import DeviceWorker
 
     class FailsForDevice3(DeviceWorker):
@@ -108,7 +108,7 @@ def test_a_device_batch_with_a_worker_that_fails_to_start_leaves_the_group_as_it
     try:
         ctl.add_devices([DeviceSpec(0, 0, 16 << 20), DeviceSpec(1, 0, 16 << 20)])
         assert ctl.group is not None and (ctl.group.world_size, ctl.group.epoch) == (2, 0)
-        monkeypatch.setattr(controller, "DeviceWorkerActor", ray.remote(num_cpus=0)(FailsForDevice3))
+        monkeypatch.setattr(device_workers, "DeviceWorkerActor", ray.remote(num_cpus=0)(FailsForDevice3))
         with pytest.raises(ray.exceptions.RayActorError, match="device 3"):
             ctl.add_devices([DeviceSpec(2, 0, 16 << 20), DeviceSpec(3, 0, 16 << 20)])
         assert sorted(ctl.devices) == sorted(ctl.workers) == [0, 1]  # device 2's worker stopped too
