@@ -1,6 +1,7 @@
-"""Capacity that comes and goes (`coordinator.capacity`, the cluster's device bookkeeping), without Ray:
-node states and what they exclude, the devices asked of Ray's autoscaler, targets that leave a
-node's devices, giving idle nodes back, and waiting for asked devices (or timing out)."""
+"""Capacity that comes and goes (`coordinator.capacity`, the cluster's device bookkeeping in
+`coordinator.node_pool`), without Ray: node states and what they exclude, the devices asked of
+Ray's autoscaler, targets that leave a node's devices, giving idle nodes back, and waiting for
+asked devices (or timing out)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from elastic_server import tiny_config
 from hmm_factories import BUDGET, KV, make_sizes
 
 import coordinator.cluster as cluster_module
+import coordinator.node_pool as node_pool_module
 from coordinator.capacity import DeviceRequests, NodeBook, NodeState
 from coordinator.nodes import DeviceNode
 from hmm.layout import DeviceSpec, layout_for
@@ -93,7 +95,7 @@ def test_a_scale_waits_for_asked_devices_and_gives_up_naming_them(tiny_model_dir
     cluster, hmm, _ = _cluster(tiny_model_dir, monkeypatch, [A], [])
     cluster.nodes.mark(B, NodeState.RELEASED)
     offered = [DeviceNode(A, "10.0.0.1", 1), DeviceNode(B, "10.0.0.2", 1)]
-    monkeypatch.setattr(cluster_module, "discover", lambda: offered)
+    monkeypatch.setattr(node_pool_module, "discover", lambda: offered)
     added: list[DeviceSpec] = []
     hmm.add_devices = lambda specs: [(added.append(s), hmm.devices.__setitem__(s.device_id, s)) for s in specs]
     cluster._next_device_id = 1

@@ -9,6 +9,7 @@ from elastic_server import tiny_config
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import coordinator.cluster as cluster_module
+import coordinator.node_pool as node_pool_module
 from coordinator.nodes import DeviceNode, device_specs, discover
 from elasticmoe.cli import main
 from hmm.layout import DeviceSpec
@@ -45,11 +46,11 @@ def test_an_actor_is_pinned_to_its_node_and_a_device_worker_takes_a_device():
 
 
 def test_a_cluster_offering_fewer_devices_than_dp_is_refused_naming_the_resource(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(cluster_module, "discover", lambda: [DeviceNode("a" * 56, "10.0.0.1", 1)])
+    monkeypatch.setattr(node_pool_module, "discover", lambda: [DeviceNode("a" * 56, "10.0.0.1", 1)])
     cluster = cluster_module.ClusterManager(tiny_config(tiny_model_dir, num_devices=2, dp=2))
     with pytest.raises(RuntimeError, match=f"--dp: 2 ranks need 2 devices; .* offer 1 .*{DEVICE_RESOURCE}"):
         cluster._offered_devices()
-    monkeypatch.setattr(cluster_module, "discover", lambda: [DeviceNode("a" * 56, "10.0.0.1", 2)])
+    monkeypatch.setattr(node_pool_module, "discover", lambda: [DeviceNode("a" * 56, "10.0.0.1", 2)])
     assert [s.ray_node_id for s in cluster._offered_devices()] == ["a" * 56] * 2
 
 
