@@ -137,6 +137,7 @@ class LoraSlots:
         self.num_preloads = 0  # swaps in made ahead of any request (counted in num_swaps_in too)
         self.swap_s = 0.0  # time spent copying factors into slots (CoServe Fig. 15: expert management)
         self.filling: dict[int, tuple[str, Future[None]]] = {}  # slot -> adapter copied in the background
+        self.failed_swaps: dict[str, BaseException] = {}  # background copies that raised, until taken
         self._copier: ThreadPoolExecutor | None = None
 
     @property
@@ -236,16 +237,28 @@ class LoraSlots:
             wait([f for _, f in self.filling.values()], return_when=FIRST_COMPLETED)
 
     def finish_swaps(self, block: bool = False) -> list[str]:
-        """Adapters whose background copy completed (now resident); `block`: wait for every copy."""
+        """Adapters whose background copy completed (now resident); `block`: wait for every copy.
+        A copy that raised leaves its adapter in host memory and its slot free, and is kept in
+        `failed_swaps` for the swapper to fail the requests that waited for it."""
         done = []
         for slot, (name, future) in list(self.filling.items()):
             if block or future.done():
-                future.result()  # re-raises a failed copy
                 del self.filling[slot]
+                exc = future.exception()
+                if exc is not None:
+                    logger.error("lora: copying adapter %r into slot %d failed: %r", name, slot, exc)
+                    self.failed_swaps[name] = exc
+                    self._clear(slot)  # NOTE: a half-written slot must not serve the next adapter's tokens
+                    continue
                 self.slot_of[name] = slot
                 self.num_swaps_in += 1
                 done.append(name)
         return done
+
+    def take_failed_swaps(self) -> dict[str, BaseException]:
+        """The background copies that failed since the last call, by adapter."""
+        failed, self.failed_swaps = self.failed_swaps, {}
+        return failed
 
     def _write(self, name: str, slot: int) -> None:
         start = time.perf_counter()

@@ -30,6 +30,7 @@ request rate (`elasticmoe.adapter_policy.usage`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,6 +57,7 @@ from elasticmoe.errors import (
 from elasticmoe.models.common import CausalLM
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 
+logger = logging.getLogger(__name__)
 
 class AdapterManager:
     def __init__(
@@ -95,6 +97,7 @@ class AdapterManager:
             if not self.is_single_rank:
                 self.lockstep_lora = LockstepLora(self.swapper)
         self.unloading: set[str] = set()
+        self._swap_failures: list[tuple[Request, BaseException]] = []  # from `wait_for_swap`, for `before_step`
         self.served: tuple[str, ...] = ()  # loaded adapters that accept requests
 
     @property
@@ -143,14 +146,15 @@ class AdapterManager:
         if binding.routing is not None and self.swapper is not None:
             self.swapper.assign(request)
 
-    def before_step(self) -> list[tuple[Request, Exception]]:
+    def before_step(self) -> list[tuple[Request, BaseException]]:
         """Swap in what waiting requests need. Returns the requests whose ESFT adapter could not be
-        read from its files (the engine fails them alone)."""
-        failed: list[tuple[Request, Exception]] = []
+        read from its files, or whose LoRA adapter's copy into its slot failed (the engine fails
+        them alone)."""
+        failed, self._swap_failures = self._swap_failures, []
         if self.esft_disk is not None:
-            failed = self.esft_disk.swap_in(self.scheduler.waiting, self.scheduler.running)
+            failed += self.esft_disk.swap_in(self.scheduler.waiting, self.scheduler.running)
         if self.swapper is not None:
-            self.swapper.swap_in()
+            failed += self.swapper.swap_in()
         return failed
 
     def wait_for_swap(self) -> bool:
@@ -160,14 +164,23 @@ class AdapterManager:
         if swapper is None or not swapper.lora.filling or not self.is_single_rank:
             return False
         swapper.lora.wait_for_a_swap()
-        swapper.swap_in()
+        self._swap_failures += swapper.swap_in()  # failed at the next step's start
         return True
 
     def after_step(self) -> None:
         if self.unloading and self.is_single_rank:
             self._finish_unloads()
-        if self.swapper is not None:
-            self.swapper.preload()  # one rank only; under EP the lockstep loop preloads
+        self._preload()
+
+    def _preload(self) -> None:
+        """One rank: preload the most probable LoRA adapter out of the slots where the rule allows
+        (under EP the lockstep loop does it). Optional work: a fault is logged, never raised."""
+        if self.swapper is None:
+            return
+        try:
+            self.swapper.preload()
+        except Exception:  # noqa: BLE001
+            logger.exception("lora: preloading failed")
 
     # ---- loading and unloading ---------------------------------------------------------------
 
@@ -217,8 +230,8 @@ class AdapterManager:
         slot = self.lora.load(name, modules, weights, scaling, slot)
         self._declare(name, usage_probability)
         self._publish()
-        if slot is None and self.swapper is not None:
-            self.swapper.preload()  # a probable adapter registered while the slots are full
+        if slot is None:
+            self._preload()  # a probable adapter registered while the slots are full
         return slot
 
     def load_router(self, name: str, router: LoraRouter, usage_probability: float | None = None) -> None:

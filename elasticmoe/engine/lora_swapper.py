@@ -92,6 +92,7 @@ class LoraSwapper:
         self.registry_version = 0  # declarations and forgets so far (EP ranks compare it before a preload)
         self._no_preload: tuple[Any, ...] | None = None  # the situation the last `preload` declined
         self._finished_early: set[str] = set()  # copies `preload` found complete, for the next pass
+        self._copy_failed: set[str] = set()  # adapters whose last copy into a slot raised
 
     # ---- what the adapter manager tells it -----------------------------------------------------
 
@@ -113,6 +114,7 @@ class LoraSwapper:
         """`key` was unloaded: drop what was known about it."""
         for table in (self.declared, self._arrivals, self._loaded_seq, self._used_seq):
             table.pop(key, None)
+        self._copy_failed.discard(key)
         self._preload_order = None
         self.registry_version += 1
 
@@ -142,8 +144,10 @@ class LoraSwapper:
             # adapter that served nothing since its load as free to displace.
             self._mark_used(binding.name)
 
-    def swap_in(self) -> None:
-        """One pass between steps: assign arrived adapters, start the swaps the window needs."""
+    def swap_in(self) -> list[tuple[Request, BaseException]]:
+        """One pass between steps: assign arrived adapters, start the swaps the window needs.
+        Returns the waiting requests whose adapter's copy failed, with the error: the engine fails
+        them alone; the adapter stays in host memory (a later request tries it again)."""
         lora = self.lora
         self.rates.update(self._arrivals, self._usage_keys())
         self._arrivals = {}
@@ -152,6 +156,20 @@ class LoraSwapper:
             self._mark_loaded(name)
         arrived = set(finished) | self._finished_early
         self._finished_early = set()
+        copy_errors = lora.take_failed_swaps()
+        self._copy_failed.update(copy_errors)  # not preloaded again until a request's swap succeeds
+        failed: list[tuple[Request, BaseException]] = []
+        for r in self.scheduler.waiting if copy_errors else ():
+            broken = sorted(copy_errors.keys() & r.binding.lora_names)
+            if r.binding.is_waiting and broken:
+                failed.append((r, copy_errors[broken[0]]))
+        self._start_swaps(arrived, {id(r) for r, _ in failed})
+        return failed
+
+    def _start_swaps(self, arrived: set[str], failing: set[int]) -> None:
+        """The pass's work after the copies were collected: `failing` (request ids) are about to
+        be failed, so they start no swap."""
+        lora = self.lora
         self._note_residents()
         running = self.scheduler.running
         for r in running:
@@ -163,7 +181,7 @@ class LoraSwapper:
         in_window = {id(r) for r in window}
         pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
         for r in waiting:
-            if r.binding.is_waiting:
+            if r.binding.is_waiting and id(r) not in failing:
                 if arrived & r.binding.lora_names:
                     self.assign(r)
                     if not r.binding.is_waiting:
@@ -272,14 +290,14 @@ class LoraSwapper:
     def preload_candidate(self) -> str | None:
         """The loaded adapter with the highest pre-assessed usage probability (profile, else
         declared; ties: the first name) that is out of the slots, not being copied in and not
-        being unloaded."""
+        being unloaded, nor one whose last copy failed (a request's swap tries it again)."""
         if self._preload_order is None:
             known = {**self.declared, **self.profiled}
             self._preload_order = sorted(known, key=lambda n: (-known[n], n))
         lora, unloading = self.lora, self.unloading()
         for name in self._preload_order:
             if lora.is_loaded(name) and lora.index(name) is None and not lora.is_filling(name) \
-                    and name not in unloading:
+                    and name not in unloading and name not in self._copy_failed and name not in lora.failed_swaps:
                 return name
         return None
 
@@ -336,6 +354,7 @@ class LoraSwapper:
 
     def _mark_loaded(self, name: str) -> None:
         self._loaded_seq[name] = self._used_seq[name] = self._tick()
+        self._copy_failed.discard(name)
 
     def _mark_used(self, name: str) -> None:
         if name not in self._loaded_seq:

@@ -103,6 +103,53 @@ def test_registrations_on_an_idle_engine_preload_one_after_another(tiny_model_di
     assert engine.adapters.stats()["hits"] == 1 and engine.adapters.stats()["misses"] == 0
 
 
+def _break_copies_of(monkeypatch, engine: LLMEngine, broken: str) -> list[int]:
+    """Copies of adapter `broken` into a slot raise (host memory gone bad, a bug): `LoraSlots._write`.
+    Returns the slots its copies were tried into, as they are."""
+    lora = engine.adapters.lora
+    write, tried = lora._write, []
+
+    def write_or_fail(name: str, slot: int) -> None:
+        if name == broken:
+            tried.append(slot)
+            raise OSError(f"injected: copying {name} failed")
+        write(name, slot)
+
+    monkeypatch.setattr(lora, "_write", write_or_fail)
+    return tried
+
+
+def test_a_failed_copy_fails_only_the_requests_waiting_for_that_adapter(tiny_model_dir, adapters, monkeypatch):
+    engine = make_engine(tiny_model_dir, adapters, {})  # x and y in the slots, z in host memory
+    _break_copies_of(monkeypatch, engine, "z")
+    engine.add_request("z-0", [5, 6, 7], PARAMS, "z")
+    engine.add_request("x-0", [5, 6, 7], PARAMS, "x")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["z-0"].finish_reason == "error" and "injected" in finished["z-0"].error
+    assert finished["x-0"].finish_reason == "length"
+    lora = engine.adapters.lora
+    assert "z" not in lora.slot_of and not lora.filling and not lora.failed_swaps
+    monkeypatch.undo()
+    serve(engine, "z-1", "z")  # still registered: a later request swaps it in
+    assert "z" in lora.slot_of
+
+
+def test_a_failed_preload_is_logged_and_not_tried_again(tiny_model_dir, adapters, monkeypatch, caplog):
+    engine = make_engine(tiny_model_dir, {n: adapters[n] for n in ("x", "y")}, {"x": 0.1, "y": 0.2})
+    tried = _break_copies_of(monkeypatch, engine, "z")
+    z = adapters["z"]
+    engine.adapters.load_lora("z", z.modules, z.weights, z.config.scaling, usage_probability=0.6)
+    lora = engine.adapters.lora
+    lora.finish_swaps(block=True)  # the preload's copy, in x's slot, raised
+    assert "z" in lora.failed_swaps and lora.slot_of == {"y": 1}
+    serve(engine, "y-0", "y")  # y's request is unaffected; x is preloaded back into the free slot
+    assert lora.slot_of == {"x": 0, "y": 1} and engine.adapters.stats()["preloads"] == 2
+    assert tried == [0]  # z was not tried again
+    assert any("copying adapter 'z' into slot 0 failed" in r.getMessage() for r in caplog.records)
+
+
 def test_a_profile_outranks_the_declaration_and_declarations_are_checked(tiny_model_dir, adapters, tmp_path):
     profile = Profile("tiny", "cpu", {"base": KindProfile(4, 0.01, 0.01), "lora": KindProfile(4, 0.01, 0.01)},
                       kv_bytes_per_token=64, tokens_per_request=8, usage_probability={"x": 0.05},

@@ -27,6 +27,7 @@ class FakeSlots:
         self.evicted: list[str] = []
         self.filling: dict[int, tuple[str, object]] = {}  # never: swaps here are synchronous
         self.num_preloads = 0
+        self.failed_swaps: dict[str, BaseException] = {}
         for name in names[:max_loras]:  # loaded into free slots first, in order (as `LoraSlots.load`)
             self.slot_of[name] = len(self.slot_of)
 
@@ -48,6 +49,10 @@ class FakeSlots:
 
     def finish_swaps(self) -> list[str]:
         return []
+
+    def take_failed_swaps(self) -> dict[str, BaseException]:
+        failed, self.failed_swaps = self.failed_swaps, {}
+        return failed
 
     def evict(self, name: str) -> int:
         self.evicted.append(name)
