@@ -120,7 +120,6 @@ class ClusterAdapterHost:
         self.poll_s = 0.05
         config = cluster.config
         self.residency = EsftResidency(self, config.adapter_eviction, config.profile)
-        self._preloads: set[asyncio.Future[bool]] = set()  # ESFT preloads under way (`load_esft`)
 
     @property
     def max_adapters(self) -> int:
@@ -141,7 +140,7 @@ class ClusterAdapterHost:
         r = self.residency
         return {"eviction": r.policy.name, "esft_resident": sum(a.is_resident for a in esft),
                 "esft_on_disk": sum(not a.is_resident for a in esft), "esft_swaps_in": r.num_swaps_in,
-                "esft_evictions": r.num_evictions, "esft_preloads": r.num_preloads, "esft_swap_s": r.swap_s}
+                "esft_evictions": r.num_evictions, "esft_swap_s": r.swap_s}
 
     def busy_reason(self) -> str | None:
         """Why a scale may not start now (None: it may)."""
@@ -170,12 +169,7 @@ class ClusterAdapterHost:
 
     async def load_esft(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
         experts = await asyncio.to_thread(self.esft_experts, name, path)
-        info = await asyncio.to_thread(self.load_blocking, name, path, experts, usage_probability)
-        if info["slot"] is None:  # on disk: a likelier adapter than a resident one is preloaded
-            task = asyncio.ensure_future(self.residency.preload(name))
-            self._preloads.add(task)  # NOTE: a reference, or the loop may collect the task mid-swap
-            task.add_done_callback(self._preloads.discard)
-        return info
+        return await asyncio.to_thread(self.load_blocking, name, path, experts, usage_probability)
 
     def esft_experts(self, name: str, path: str) -> dict[int, tuple[int, ...]]:
         """The tuned experts per layer of the ESFT adapter at `path`, once its files are checked

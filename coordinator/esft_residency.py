@@ -24,12 +24,6 @@ A request that still reached a rank for an adapter swapped out meanwhile is refu
 before anything was streamed (`UnknownAdapterError`), and the ingress waits and sends it
 again. Scales exclude swaps both ways: a scale waits for the eviction in progress to finish,
 and no swap starts while a scale runs.
-
-With `coserve` eviction an adapter registered on disk is also preloaded (`preload`, CoServe §4.1
-carried on while the server runs, `elasticmoe.adapter_policy.preload`): it takes the slot of a
-strictly less probable resident adapter that no request has used since its load and none uses
-now (any idle one only if it is likelier than every other adapter on disk together), by
-pre-assessed probabilities (profile or declaration), through the same swap steps as a request's.
 """
 
 from __future__ import annotations
@@ -43,17 +37,8 @@ from typing import TYPE_CHECKING
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from elasticmoe.adapter_policy.eviction import (
-    Residency,
-    TierView,
-    eviction_order,
-    eviction_policy,
-    slot_tier_view,
-)
-from elasticmoe.adapter_policy.graph import DependencyGraph, Node
-from elasticmoe.adapter_policy.preload import preload_choice
+from elasticmoe.adapter_policy.eviction import TierView, eviction_order, eviction_policy, slot_tier_view
 from elasticmoe.adapter_policy.profile import load_profile
-from elasticmoe.adapter_policy.usage import usage_probabilities
 from elasticmoe.errors import UnknownAdapterError
 
 if TYPE_CHECKING:
@@ -82,7 +67,6 @@ class EsftResidency:
         self.resident_at: dict[str, float] = {}
         self.num_swaps_in = 0
         self.num_evictions = 0
-        self.num_preloads = 0  # swaps in ahead of any request (counted in num_swaps_in too)
         self.swap_s = 0.0  # time from a swap's start to its adapter resident (waits for running requests too)
 
     def note_used(self, names: dict[str, int]) -> None:
@@ -105,72 +89,16 @@ class EsftResidency:
         # NOTE: shielded: a waiter that gives up (its client left) must not leave a victim half evicted.
         await asyncio.shield(self._swap(name))
 
-    async def preload(self, name: str) -> bool:
-        """Swap `name` (registered on disk) in ahead of any request if the preload rule allows it
-        (see the module docstring); True if it did. Never raises: a preload is optional, and one that
-        fails leaves the adapter on disk for its requests to swap in."""
-        if self.policy.name != "coserve":
-            return False
-        try:
-            return await asyncio.shield(self._swap(name, preload=True))
-        except Exception:  # noqa: BLE001
-            logger.warning("adapter %r: preload failed; it stays on disk", name, exc_info=True)
-            return False
-
-    async def _swap(self, name: str, preload: bool = False) -> bool:
+    async def _swap(self, name: str) -> None:
         if self._swaps is None:
             self._swaps = asyncio.Lock()
         async with self._swaps:
-            if preload and not await asyncio.to_thread(self._start_preload, name):
-                return False
             start = time.monotonic()
             try:
                 while (wait_s := await asyncio.to_thread(self._step, name)) is not None:
                     await asyncio.sleep(wait_s)
             finally:
                 self.swap_s += time.monotonic() - start
-            if preload:
-                self.num_preloads += 1
-            return True
-
-    def _start_preload(self, name: str) -> bool:
-        """Whether `name` is worth preloading now; if it must displace an adapter, that one's
-        eviction starts here (the swap steps finish it). Under the adapter lock."""
-        host = self.host
-        if not host.lock.acquire(timeout=self.poll_s * 50):
-            return False  # a registration burst or a scale holds it: requests will swap it in
-        try:
-            entry = host.adapters.get(name)
-            if (entry is None or entry.kind != "esft" or entry.state != "loaded" or entry.slot is not None
-                    or host.cluster.scale_events.running is not None
-                    or any(a.evicting for a in host.adapters.values())):
-                return False
-            esft = [a for a in host.adapters.values() if a.kind == "esft" and a.state == "loaded"]
-            resident = [a for a in esft if a.slot is not None]
-            declared = {a.name: a.usage_probability for a in esft if a.usage_probability is not None}
-            if name not in declared and name not in self.profiled:
-                return False  # no pre-assessed probability: its requests decide
-            usage = usage_probabilities([a.name for a in esft], self.profiled, declared, {})
-            names = [a.name for a in resident] + [name]
-            seq = {n: Residency(self.loaded_seq.get(n, 0), max(self.loaded_seq.get(n, 0), self.used_seq.get(n, 0)))
-                   for n in names}
-            view = TierView(DependencyGraph.build(Node(n, "esft", 1) for n in names), seq, usage,
-                            pinned=frozenset([name]),
-                            queued=frozenset(a.name for a in resident if self._in_use(a.name)))
-            outside = sum(usage[a.name] for a in esft if a.slot is None and a.name != name)
-            choice = preload_choice(self.policy, view, [name], int(host.free_esft_slot() is not None), outside)
-            if choice is None:
-                return False
-            victim = choice[1]
-            if victim is not None:
-                host.adapters[victim].evicting = True
-                host.stop_admitting(victim)
-                self.num_evictions += 1
-                logger.info("adapter %r: swapping out of slot %s to preload %r", victim, host.adapters[victim].slot,
-                            name)
-            return True
-        finally:
-            host.lock.release()
 
     # ---- one step, under the adapter lock ---------------------------------------------------
 

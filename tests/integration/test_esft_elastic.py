@@ -211,37 +211,3 @@ def test_esft_adapters_beyond_the_slots_swap_in_on_demand(cluster, adapters, tmp
     assert hmm.adapters == {} and host.adapters == {}
     assert Scaler(cluster).scale(1).state is ScaleState.SUCCEEDED
     assert sum(u.used for u in hmm.usage().values()) == sum(used_before.values())  # every row's pages returned
-
-
-def test_an_esft_adapter_registered_on_disk_is_preloaded_in_place_of_a_less_probable_idle_one(cluster, adapters):
-    """CoServe §4.1 while the server runs: three rare adapters fill the three slots; a likelier
-    one registered on disk takes the slot of one of them before any request (the same swap steps
-    as a request's), serves its merged model's tokens, and the baseline policies do not preload."""
-    from elasticmoe.adapter_policy.eviction import eviction_policy
-
-    host, residency = cluster.adapters, cluster.adapters.residency
-    residency.min_resident_s = 0.0
-    for name in list(host.adapters):  # what the tests before left
-        assert host.unload_blocking(name, wait=True)
-    if cluster.active.dp != 1:
-        assert Scaler(cluster).scale(1).state is ScaleState.SUCCEEDED
-    for name in ("alpha", "beta"):
-        host.load_blocking(name, adapters[name][0], _experts(adapters[name][0]), usage_probability=0.05)
-    host.load_blocking("zeta", adapters["alpha"][0], _experts(adapters["alpha"][0]), usage_probability=0.01)
-    assert host.load_blocking("gamma", adapters["gamma"][0], _experts(adapters["gamma"][0]),
-                              usage_probability=0.6)["slot"] is None
-    residency.policy = eviction_policy("lru")
-    try:
-        assert not asyncio_run(residency.preload("gamma"))  # the baselines swap on demand only
-    finally:
-        residency.policy = eviction_policy("coserve")
-    assert not asyncio_run(residency.preload("nobody"))  # unknown: nothing happens, nothing raises
-    swaps = residency.num_swaps_in
-    assert asyncio_run(residency.preload("gamma"))
-    assert host.swapped_out == ("zeta",)  # the least probable went, to disk
-    assert residency.num_preloads == 1 and residency.num_swaps_in == swaps + 1
-    assert host.swap_stats()["esft_preloads"] == 1
-    assert _generate(cluster, "preloaded-gamma", "gamma") == adapters["gamma"][1]
-    assert not asyncio_run(residency.preload("zeta"))  # less probable than every resident
-    for name in ("alpha", "beta", "gamma", "zeta"):
-        assert host.unload_blocking(name, wait=True)
