@@ -286,13 +286,13 @@ class LockstepAsyncLLM(AsyncLLM):
         mine = torch.tensor(lockstep.row(wanted), dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, mine, group=self.group)
-        slots = torch.zeros(2, lockstep.num_slots, dtype=torch.int64)  # [in use, queued] per slot
+        slots = torch.zeros(3, lockstep.num_slots, dtype=torch.int64)  # [in use, queued, used since the plan]
         slots[0, used] = 1
         slots[1, lockstep.queued_slots()] = 1
+        slots[2, lockstep.used_since_plan()] = 1
         dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
-        in_use, in_queue = slots.tolist()
-        swapped = lockstep.apply_gathered([t.tolist() for t in everyone], {i for i, u in enumerate(in_use) if u},
-                                          {i for i, q in enumerate(in_queue) if q})
+        in_use, in_queue, used_since = ({i for i, flag in enumerate(row) if flag} for row in slots.tolist())
+        swapped = lockstep.apply_gathered([t.tolist() for t in everyone], in_use, in_queue, used_since)
         if swapped:
             logger.info("lora: swapped in %s on every rank (round %d)", swapped, self.num_rounds)
 

@@ -59,6 +59,7 @@ from elasticmoe.parallel.expert_placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
 
+
 class AdapterManager:
     def __init__(
         self,

@@ -22,7 +22,9 @@ wait for proposes the most probable adapter out of the slots (`preload_candidate
 registry version (declarations and forgets so far). Only when every rank proposes the same adapter
 at the same version, so that each has loaded it and all know the same probabilities, does the
 plan copy it in, into a free slot or in place of a strictly less probable adapter no rank's live
-or waiting request needs. A proposal the gathered inputs decline is not made again for
+or waiting request needs (and, unless the adapter is likelier than all others out of the slots
+together, that no rank used since its load: each rank reports the slots its live requests held in
+any round since the last plan). A proposal the gathered inputs decline is not made again for
 `PRELOAD_RETRY_ROUNDS` rounds (a preload costs no round of its own until then).
 
 The registry beyond the slots (`--max-cpu-loras`) is each rank's host memory: every rank loads
@@ -63,6 +65,7 @@ class LockstepLora:
         self._loaded: dict[str, int] = {}  # adapter -> plan round it became resident
         self._used: dict[str, int] = {}  # adapter -> last plan round a live request used it
         self._rounds = 0  # `wants` calls: one per round of the loop, on every rank
+        self._used_since_plan: set[int] = set()  # slots this rank's live requests used since the last plan
         self._quiet_until = 0  # no preload proposal before this round (the group declined one)
 
     @property
@@ -96,6 +99,7 @@ class LockstepLora:
                 if lora.index(name) is None and lora.is_loaded(name) and ident not in wanted:
                     wanted.append(ident)
         used = sorted({s for names in live for n in names if (s := lora.index(n)) is not None})
+        self._used_since_plan.update(used)
         if not wanted and swapper.preloads and self._rounds >= self._quiet_until:
             best = swapper.preload_candidate()
             if best is not None:
@@ -106,8 +110,14 @@ class LockstepLora:
         """This rank's row of the gather (`gather_width` entries)."""
         return (wanted + [NO_ID] * self.num_slots)[: self.num_slots] + [self.swapper.registry_version]
 
+    def used_since_plan(self) -> list[int]:
+        """Slots this rank's live requests used in any round since the last plan (slots change only
+        at plans, so each still holds the adapter that was used): a request that started and ended
+        between two plans counts, for the preload's rule on adapters unused since their load."""
+        return sorted(self._used_since_plan)
+
     def apply_gathered(self, rows: list[list[int]], used_slots: Collection[int],
-                       queued_slots: Collection[int] = ()) -> list[str]:
+                       queued_slots: Collection[int] = (), used_since_plan: Collection[int] = ()) -> list[str]:
         """`apply` from every rank's `row`: the wanted ids of all, and a preload only where every
         rank proposed the same adapter at the same registry version."""
         wanted = {i for row in rows for i in row[:-1] if i > NO_ID}
@@ -115,7 +125,7 @@ class LockstepLora:
         unanimous = (len(proposals) == 1 and all(any(i < NO_ID for i in row[:-1]) for row in rows)
                      and len({row[-1] for row in rows}) == 1)
         preload = _proposal(proposals.pop()) if unanimous and not wanted else None
-        return self.apply(wanted, used_slots, queued_slots, preload)
+        return self.apply(wanted, used_slots, queued_slots, preload, used_since_plan)
 
     def queued_slots(self) -> list[int]:
         """Slots whose adapters this rank's waiting requests need (asked only in a round that plans
@@ -125,15 +135,18 @@ class LockstepLora:
                        if (s := lora.index(n)) is not None})
 
     def apply(self, wanted_ids: Iterable[int], used_slots: Collection[int],
-              queued_slots: Collection[int] = (), preload: int | None = None) -> list[str]:
+              queued_slots: Collection[int] = (), preload: int | None = None,
+              used_since_plan: Collection[int] = ()) -> list[str]:
         """Make the wanted adapters resident, the same way on every rank; returns those swapped in.
         Waiting requests of a swapped-in adapter get its slot; those of a victim wait again.
-        `preload`: the id every rank proposed to preload (see the module docstring)."""
+        `preload`: the id every rank proposed to preload (see the module docstring);
+        `used_since_plan`: slots any rank's live requests used since the last plan."""
         swapper, lora = self.swapper, self.swapper.lora
         self.round += 1
+        self._used_since_plan = set()
         by_id = {adapter_id(n): n for n in lora.names}
         slot_names = {s: n for n, s in lora.slot_of.items()}
-        for slot in used_slots:
+        for slot in {*used_slots, *used_since_plan}:
             if slot in slot_names:
                 self._used[slot_names[slot]] = self.round
         for resident_name in lora.slot_of:

@@ -321,3 +321,24 @@ def test_a_hot_adapter_stays_out_while_the_adapters_outside_the_slots_are_likeli
     swapper.scheduler.schedule()
     swapper.scheduler.finish(swapper.scheduler.running[0])
     assert swapper.preload() is None and swapper.lora.slot_of == {"b": 1, "c": 0}
+
+
+def test_the_group_counts_an_adapter_used_between_two_plans_as_used():
+    # c (0.3) is not likelier than d and e together (0.3): it may only displace an adapter unused
+    # since its load. a was used by a request that lived only between two plans, on rank 0.
+    declared = {"a": 0.1, "b": 0.3, "c": 0.3, "d": 0.15, "e": 0.15}
+
+    def group() -> list[LockstepLora]:
+        return [LockstepLora(make_swapper(names="abcde", declared=declared)) for _ in range(2)]
+
+    ranks = group()
+    ranks[0].wants([{"a"}])  # a round in which rank 0's live request held a's slot
+    rows = [rank.row(rank.wants([])[0]) for rank in ranks]
+    used_since = set().union(*(rank.used_since_plan() for rank in ranks))
+    assert used_since == {0}
+    assert all(rank.apply_gathered(rows, set(), set(), used_since) == [] for rank in ranks)
+    assert all(rank.used_since_plan() == [] for rank in ranks)  # a plan starts the count again
+    ranks = group()  # the same without that request: a, unused since its load, makes way
+    rows = [rank.row(rank.wants([])[0]) for rank in ranks]
+    assert all(rank.apply_gathered(rows, set()) == ["c"] for rank in ranks)
+    assert all(rank.swapper.lora.slot_of == {"b": 1, "c": 0} for rank in ranks)
