@@ -260,25 +260,26 @@ class LoraSwapper:
         if best is None:
             return None
         free = lora.free_slots()
-        pinned = set().union(*(r.binding.lora_names for r in self.scheduler.running))
-        queued = set().union(*(r.binding.lora_names for r in self.scheduler.waiting))
-        evictable = frozenset(lora.slot_of.keys() - pinned - queued)
-        if not free and not evictable:
-            return None
-        situation = (best, tuple(sorted(lora.slot_of.items())), evictable, len(free), self.registry_version)
-        if situation == self._no_preload:
-            return None
-        self._note_residents()
-        resident = {n: Residency(self._loaded_seq[n], max(self._loaded_seq[n], self._used_seq.get(n, 0)))
-                    for n in lora.slot_of}
-        choice = self.preload_decision(best, resident, pinned, queued)
-        if choice is None:
-            self._no_preload = situation
-            return None
-        name, victim = choice
-        slot = free[0] if victim is None else lora.evict(victim)
-        if victim is not None:
-            self._loaded_seq.pop(victim, None)
+        if free:  # nothing to weigh: a demand swap would have taken it this pass if one needed it
+            name, slot = best, free[0]
+        else:
+            # NOTE: walks the queue (the swap pass does too); only with the slots full.
+            pinned = set().union(*(r.binding.lora_names for r in self.scheduler.running))
+            queued = set().union(*(r.binding.lora_names for r in self.scheduler.waiting))
+            evictable = frozenset(lora.slot_of.keys() - pinned - queued)
+            situation = (best, tuple(sorted(lora.slot_of.items())), evictable, self.registry_version)
+            if not evictable or situation == self._no_preload:
+                return None
+            self._note_residents()
+            resident = {n: Residency(self._loaded_seq[n], max(self._loaded_seq[n], self._used_seq.get(n, 0)))
+                        for n in lora.slot_of}
+            choice = self.preload_decision(best, resident, pinned, queued)
+            if choice is None or choice[1] is None:
+                self._no_preload = situation
+                return None
+            name, displaced = choice[0], choice[1]
+            slot = lora.evict(displaced)
+            self._loaded_seq.pop(displaced, None)
         lora.num_preloads += 1
         if self.can_swap_async and self.async_swaps:
             lora.swap_in_async(name, slot)  # resident once `finish_swaps` reports it
@@ -288,12 +289,12 @@ class LoraSwapper:
         return name
 
     def preload_candidate(self) -> str | None:
-        """The loaded adapter with the highest pre-assessed usage probability (profile, else
-        declared; ties: the first name) that is out of the slots, not being copied in and not
+        """The loaded adapter with the highest pre-assessed usage probability, above 0 (profile,
+        else declared; ties: the first name) that is out of the slots, not being copied in and not
         being unloaded, nor one whose last copy failed (a request's swap tries it again)."""
         if self._preload_order is None:
             known = {**self.declared, **self.profiled}
-            self._preload_order = sorted(known, key=lambda n: (-known[n], n))
+            self._preload_order = sorted((n for n in known if known[n] > 0), key=lambda n: (-known[n], n))
         lora, unloading = self.lora, self.unloading()
         for name in self._preload_order:
             if lora.is_loaded(name) and lora.index(name) is None and not lora.is_filling(name) \
