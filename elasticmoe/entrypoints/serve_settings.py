@@ -104,7 +104,8 @@ class ServeSettings(BaseModel):
         json_schema_extra=cli(metavar="C"))
     adapter_eviction: Literal["coserve", "lru", "fifo"] = Field(
         "coserve", description="which adapter leaves a full hot set: coserve (adapters stranded by their "
-        "dependencies first, then the least likely to be used: CoServe §4.3), lru, or fifo")
+        "dependencies first, then the least likely to be used: CoServe §4.3; LoRA adapters with a declared or "
+        "profiled usage probability are also preloaded into the slots, most probable first: §4.1), lru, or fifo")
     request_arranging: Literal["coserve", "fcfs"] = Field(
         "coserve", description="admission order inside the scheduling window: coserve (grouped by adapter, "
         "oldest group first, no starvation: CoServe §4.2) or fcfs")
