@@ -6,9 +6,13 @@ Each module that uses them defines the `reference` fixture as `reference_outputs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import torch
@@ -17,6 +21,7 @@ from coordinator.bench.local_nodes import Served
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 
 MODEL = "tiny-qwen3-moe"
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
@@ -79,6 +84,50 @@ def client_loop(server: Served, first: int, stop: threading.Event) -> list[tuple
         results.append((i, stream(server, PROMPTS[i])))
         i = (i + 1) % len(PROMPTS)
     return results
+
+
+@contextlib.contextmanager
+def clients_streaming(server: Served, num_clients: int) -> Iterator[list[tuple[int, tuple[str, int]]]]:
+    """`num_clients` clients stream back to back (`client_loop`) while the body runs; the list it
+    yields holds their (prompt index, result) once they have stopped, after the body."""
+    stop, results = threading.Event(), []
+    with ThreadPoolExecutor(num_clients) as pool:
+        loops = [pool.submit(client_loop, server, i, stop) for i in range(num_clients)]
+        try:
+            yield results
+        finally:
+            stop.set()
+        results.extend(r for f in loops for r in f.result(timeout=300))
+
+
+def greedy_completion(c: httpx.Client, model: str, prompt: list[int]) -> tuple[str, int]:
+    """(text, completion_tokens) of one non-streaming greedy completion, as `reference_outputs` gives."""
+    r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                        "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+
+
+def esft_adapters(tiny_model_dir: str, root: Path, names: tuple[str, ...] = ("alpha", "beta")
+                  ) -> tuple[dict[str, Path], dict[str, list[tuple[str, int]]]]:
+    """ESFT adapters of the tiny model written under `root` (2 tuned experts per layer), and each
+    one's merged model's `reference_outputs`."""
+    adapters = {name: make_esft_adapter(tiny_model_dir, str(root / name), experts_per_layer=2, seed=seed, noise=0.5)
+                for seed, name in enumerate(names, start=1)}
+    want = {name: reference_outputs(str(write_merged_model(tiny_model_dir, path, str(root / f"{name}-m"))))
+            for name, path in adapters.items()}
+    return adapters, want
+
+
+def check_esft_swaps(c: httpx.Client, adapters: dict[str, Path], want: dict[str, list[tuple[str, int]]]) -> None:
+    """Register `adapters` (more than the server's one slot), then ask for each in turn and back to
+    the first: each request swaps its adapter in, and its tokens equal its merged model's."""
+    for name, path in adapters.items():
+        assert c.post("/admin/adapters", json={"name": name, "path": str(path)}).status_code == 201
+    names = list(adapters)
+    for name in [*names, names[0]]:
+        for i in range(2):
+            assert greedy_completion(c, name, PROMPTS[i]) == want[name][i], name
 
 
 def scale(c: httpx.Client, dp: int) -> str:

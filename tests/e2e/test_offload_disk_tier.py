@@ -11,16 +11,15 @@ a scale 2 -> 1 -> 2: their rows are the only expert rows the host tier holds."""
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 from elastic_server import running, tiny_config
 from streaming_clients import (
-    MAX_TOKENS,
     PROMPTS,
+    check_esft_swaps,
     client,
-    client_loop,
+    clients_streaming,
+    esft_adapters,
+    greedy_completion,
     metric_values,
     reference_outputs,
     scale,
@@ -28,7 +27,6 @@ from streaming_clients import (
 )
 
 from elasticmoe.config import ModelConfig
-from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 from hmm.layout import ModelSizes
 
 pytestmark = pytest.mark.slow
@@ -53,16 +51,11 @@ def server(tiny_model_dir):
 
 def test_a_disk_tier_server_scales_under_load_with_exact_tokens_and_no_expert_in_memory(server, reference,
                                                                                         tiny_model_dir):
-    stop = threading.Event()
-    with ThreadPoolExecutor(2) as pool:
-        loops = [pool.submit(client_loop, server, i, stop) for i in range(2)]
-        with client(server) as c:
-            down = wait_event(c, scale(c, 1))
-            assert down["state"] == "succeeded", down
-            up = wait_event(c, scale(c, 2))
-            assert up["state"] == "succeeded", up
-            stop.set()
-        results = [r for f in loops for r in f.result(timeout=300)]
+    with clients_streaming(server, 2) as results, client(server) as c:
+        down = wait_event(c, scale(c, 1))
+        assert down["state"] == "succeeded", down
+        up = wait_event(c, scale(c, 2))
+        assert up["state"] == "succeeded", up
     with client(server) as c:
         status = c.get("/admin/status").json()
         metrics = c.get("/metrics").text
@@ -85,26 +78,14 @@ def test_a_disk_tier_server_scales_under_load_with_exact_tokens_and_no_expert_in
 
 
 def test_esft_adapters_on_a_disk_tier_server_equal_their_merged_models(server, reference, tiny_model_dir, tmp_path):
-    adapters = {name: make_esft_adapter(tiny_model_dir, str(tmp_path / name), experts_per_layer=2, seed=seed,
-                                        noise=0.5) for seed, name in enumerate(("alpha", "beta"), start=1)}
-    want = {name: reference_outputs(str(write_merged_model(tiny_model_dir, path, str(tmp_path / f"{name}-m"))))
-            for name, path in adapters.items()}
+    adapters, want = esft_adapters(tiny_model_dir, tmp_path)
     assert all(w[:2] != reference[:2] for w in want.values())  # the adapters change the text
     with client(server) as c:
         assert c.get("/admin/status").json()["active_config"]["dp"] == 2
-        for name, path in adapters.items():
-            assert c.post("/admin/adapters", json={"name": name, "path": str(path)}).status_code == 201
-        for name in ("alpha", "beta", "alpha"):  # one slot: each request swaps its adapter in
-            for i in range(2):
-                r = c.post("/v1/completions", json={"model": name, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS,
-                                                    "temperature": 0, "ignore_eos": True})
-                assert r.status_code == 200, r.text
-                assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want[name][i]
+        check_esft_swaps(c, adapters, want)  # one slot: each request swaps its adapter in
         for dp in (1, 2):  # the adapters' rows move with their experts; the base experts stay on disk
             assert wait_event(c, scale(c, dp))["state"] == "succeeded"
-            r = c.post("/v1/completions", json={"model": "alpha", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-                                                "temperature": 0, "ignore_eos": True})
-            assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want["alpha"][0]
+            assert greedy_completion(c, "alpha", PROMPTS[0]) == want["alpha"][0]
         metrics = c.get("/metrics").text
     adapters_held = sum(metric_values(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="adapters"}'))
     assert adapters_held > 0  # the resident adapter's rows: what the host tier holds

@@ -16,24 +16,23 @@ model, swapped in turn."""
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from elastic_server import running, tiny_config
 from streaming_clients import (
-    MAX_TOKENS,
     PROMPTS,
+    check_esft_swaps,
     client,
-    client_loop,
+    clients_streaming,
+    esft_adapters,
+    greedy_completion,
     metric_values,
     reference_outputs,
     scale,
     wait_event,
 )
 
-from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
 from hmm.memory import list_segments
 
@@ -58,23 +57,18 @@ def server(tiny_model_dir):
 
 
 def test_a_scale_down_that_needs_offloading_serves_exact_tokens_under_load(server, reference):
-    stop = threading.Event()
-    with ThreadPoolExecutor(2) as pool:
-        loops = [pool.submit(client_loop, server, i, stop) for i in range(2)]
-        with client(server) as c:
-            status = c.get("/admin/status").json()
-            assert [r["capacity_experts"] for r in status["expert_cache"]] == [4, 4]  # half of 2 layers x 4 experts
-            down = wait_event(c, scale(c, 1))
-            assert down["state"] == "succeeded", down
-            assert 1 <= down["expert_rows_warmed"] <= 4  # the old instance's most used experts first
-            status = c.get("/admin/status").json()
-            assert [r["capacity_experts"] for r in status["expert_cache"]] == [4]  # now of 2 layers x 8
-            up = wait_event(c, scale(c, 2))
-            assert up["state"] == "succeeded", up
-            assert 1 <= up["expert_rows_warmed"] <= 8
-            assert up["expert_load_imbalance"] >= 1.0  # the placement was balanced by the tokens routed
-            stop.set()
-        results = [r for f in loops for r in f.result(timeout=300)]
+    with clients_streaming(server, 2) as results, client(server) as c:
+        status = c.get("/admin/status").json()
+        assert [r["capacity_experts"] for r in status["expert_cache"]] == [4, 4]  # half of 2 layers x 4 experts
+        down = wait_event(c, scale(c, 1))
+        assert down["state"] == "succeeded", down
+        assert 1 <= down["expert_rows_warmed"] <= 4  # the old instance's most used experts first
+        status = c.get("/admin/status").json()
+        assert [r["capacity_experts"] for r in status["expert_cache"]] == [4]  # now of 2 layers x 8
+        up = wait_event(c, scale(c, 2))
+        assert up["state"] == "succeeded", up
+        assert 1 <= up["expert_rows_warmed"] <= 8
+        assert up["expert_load_imbalance"] >= 1.0  # the placement was balanced by the tokens routed
     assert len(results) >= 2
     for i, got in results:
         assert got == reference[i], f"prompt {PROMPTS[i]} differs from the single-process engine"
@@ -103,10 +97,7 @@ def test_lora_on_an_offloading_server_equals_its_merged_models(server, reference
             r = c.post("/admin/adapters", json={"name": name, "path": str(path)})
             assert r.status_code == 201, r.text
             for i in range(2):
-                r = c.post("/v1/completions", json={"model": name, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS,
-                                                    "temperature": 0, "ignore_eos": True})
-                assert r.status_code == 200, r.text
-                assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want[name][i], name
+                assert greedy_completion(c, name, PROMPTS[i]) == want[name][i], name
             assert c.delete(f"/admin/adapters/{name}").status_code in (200, 202)
             deadline = time.monotonic() + 30  # released on every rank in the background
             while any(a["name"] == name for a in c.get("/admin/adapters").json()["adapters"]):
@@ -115,18 +106,8 @@ def test_lora_on_an_offloading_server_equals_its_merged_models(server, reference
 
 
 def test_esft_adapters_on_an_offloading_server_equal_their_merged_models(server, reference, tiny_model_dir, tmp_path):
-    adapters = {name: make_esft_adapter(tiny_model_dir, str(tmp_path / name), experts_per_layer=2, seed=seed,
-                                        noise=0.5) for seed, name in enumerate(("alpha", "beta"), start=1)}
-    want = {name: reference_outputs(str(write_merged_model(tiny_model_dir, path, str(tmp_path / f"{name}-m"))))
-            for name, path in adapters.items()}
+    adapters, want = esft_adapters(tiny_model_dir, tmp_path)
     assert all(w[:2] != reference[:2] for w in want.values())  # the adapters change the text
     with client(server) as c:
         assert c.get("/admin/status").json()["active_config"]["dp"] == 2  # EP 2: each rank holds its experts' rows
-        for name, path in adapters.items():
-            assert c.post("/admin/adapters", json={"name": name, "path": str(path)}).status_code == 201
-        for name in ("alpha", "beta", "alpha"):  # one slot: each request swaps its adapter in
-            for i in range(2):
-                r = c.post("/v1/completions", json={"model": name, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS,
-                                                    "temperature": 0, "ignore_eos": True})
-                assert r.status_code == 200, r.text
-                assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == want[name][i]
+        check_esft_swaps(c, adapters, want)  # one slot: each request swaps its adapter in
