@@ -188,9 +188,7 @@ class LockstepLora:
         swapper, lora = self.swapper, self.swapper.lora
         choice = None
         if name is not None and lora.index(name) is None:
-            resident = {n: Residency(self._loaded.get(n, 0), max(self._loaded.get(n, 0), self._used.get(n, 0)))
-                        for n in lora.slot_of}
-            choice = swapper.preload_decision(name, resident, pinned, queued)
+            choice = swapper.preload_decision(name, self._residency(), pinned, queued)
         if choice is None:
             self._quiet_until = self._rounds + PRELOAD_RETRY_ROUNDS
             return []
@@ -203,13 +201,17 @@ class LockstepLora:
         self._loaded[name] = self._used[name] = self.round
         return [name]
 
+    def _residency(self) -> dict[str, Residency]:
+        """Each resident adapter's load and last use, in plan rounds (the same on every rank)."""
+        return {n: Residency(self._loaded.get(n, 0), max(self._loaded.get(n, 0), self._used.get(n, 0)))
+                for n in self.swapper.lora.slot_of}
+
     def _victim(self, pinned: set[str], queued: set[str]) -> str | None:
         swapper, lora = self.swapper, self.swapper.lora
         base = swapper.tier_view(pinned, queued)
         # NOTE: only what every rank knows alike: no observed rates, times in agreed rounds.
         usage = usage_probabilities(base.graph.nodes, swapper.profiled, swapper.declared, {})
-        resident = {n: Residency(self._loaded.get(n, 0), max(self._loaded.get(n, 0), self._used.get(n, 0)))
-                    for n in lora.slot_of}
+        resident = self._residency()
         resident.update({n: r for n, r in base.resident.items() if n not in lora.host})  # routers
         view = TierView(base.graph, resident, needed_probability(base.graph, usage), base.pinned, base.queued)
         victims = select_victims(swapper.policy, view, need=1)

@@ -151,10 +151,7 @@ class LoraSwapper:
         lora = self.lora
         self.rates.update(self._arrivals, self._usage_keys())
         self._arrivals = {}
-        finished = lora.finish_swaps()  # background copies that completed since the last step
-        for name in sorted(finished):
-            self._mark_loaded(name)
-        arrived = set(finished) | self._finished_early
+        arrived = set(self._collect_copies()) | self._finished_early  # completed since the last step
         self._finished_early = set()
         copy_errors = lora.take_failed_swaps()
         self._copy_failed.update(copy_errors)  # not preloaded again until a request's swap succeeds
@@ -250,10 +247,7 @@ class LoraSwapper:
         # NOTE: an idle engine makes no pass to collect finished copies, and one copy at a time
         # would leave a registration burst's preloads waiting for the first request; their waiting
         # requests (none, usually) get their slots at the next pass, before the next step.
-        finished = lora.finish_swaps()
-        for name in sorted(finished):
-            self._mark_loaded(name)
-        self._finished_early.update(finished)
+        self._finished_early.update(self._collect_copies())
         if lora.filling:
             return None
         best = self.preload_candidate()
@@ -270,10 +264,7 @@ class LoraSwapper:
             situation = (best, tuple(sorted(lora.slot_of.items())), evictable, self.registry_version)
             if not evictable or situation == self._no_preload:
                 return None
-            self._note_residents()
-            resident = {n: Residency(self._loaded_seq[n], max(self._loaded_seq[n], self._used_seq.get(n, 0)))
-                        for n in lora.slot_of}
-            choice = self.preload_decision(best, resident, pinned, queued)
+            choice = self.preload_decision(best, self._residency(), pinned, queued)
             if choice is None or choice[1] is None:
                 self._no_preload = situation
                 return None
@@ -330,13 +321,11 @@ class LoraSwapper:
         slot, every learned router a resident node (it lives beside the model) with edges to its
         adapters; the needed probability of each (see the module docstring)."""
         lora = self.lora
-        self._note_residents()
+        resident = self._residency()
         routers = {router_node(k): r for k, r in self.routers().items()}
         nodes = [Node(n, "lora", 1) for n in lora.names] + [Node(k, "router", 0) for k in routers]
         edges = [(k, a) for k, r in routers.items() for a in r.adapters if lora.is_loaded(a)]
         graph = DependencyGraph.build(nodes, edges)
-        resident = {n: Residency(self._loaded_seq[n], max(self._loaded_seq[n], self._used_seq.get(n, 0)))
-                    for n in lora.slot_of}
         resident.update(dict.fromkeys(routers, Residency(0, 0)))
         usage = usage_probabilities(graph.nodes, self.profiled, self.declared, self.rates.rate)
         return TierView(graph, resident, needed_probability(graph, usage),
@@ -345,6 +334,20 @@ class LoraSwapper:
     def _victim(self, pinned: set[str], queued: set[str]) -> str | None:
         victims = select_victims(self.policy, self.tier_view(pinned, queued), need=1)
         return victims[0] if victims else None
+
+    def _residency(self) -> dict[str, Residency]:
+        """Each resident adapter's load and last use, in this swapper's clock."""
+        self._note_residents()
+        return {n: Residency(self._loaded_seq[n], max(self._loaded_seq[n], self._used_seq.get(n, 0)))
+                for n in self.lora.slot_of}
+
+    def _collect_copies(self) -> list[str]:
+        """The background copies that completed since the last collection: resident now, loaded
+        as of now."""
+        finished = self.lora.finish_swaps()
+        for name in sorted(finished):
+            self._mark_loaded(name)
+        return finished
 
     def _usage_keys(self) -> list[str]:
         return self.lora.names + [router_node(k) for k in self.routers()]
