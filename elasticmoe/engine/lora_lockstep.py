@@ -37,8 +37,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Collection, Iterable
 
-from elasticmoe.adapter_policy.eviction import Residency, TierView, select_victims
-from elasticmoe.adapter_policy.usage import needed_probability, usage_probabilities
+from elasticmoe.adapter_policy.eviction import Residency, select_victims
 from elasticmoe.engine.lora_swapper import LoraSwapper
 
 NO_ID = -1  # padding of a rank's wanted ids
@@ -207,12 +206,7 @@ class LockstepLora:
                 for n in self.swapper.lora.slot_of}
 
     def _victim(self, pinned: set[str], queued: set[str]) -> str | None:
-        swapper, lora = self.swapper, self.swapper.lora
-        base = swapper.tier_view(pinned, queued)
         # NOTE: only what every rank knows alike: no observed rates, times in agreed rounds.
-        usage = usage_probabilities(base.graph.nodes, swapper.profiled, swapper.declared, {})
-        resident = self._residency()
-        resident.update({n: r for n, r in base.resident.items() if n not in lora.host})  # routers
-        view = TierView(base.graph, resident, needed_probability(base.graph, usage), base.pinned, base.queued)
-        victims = select_victims(swapper.policy, view, need=1)
+        view = self.swapper.tier_view(pinned, queued, residency=self._residency(), observed_rates=False)
+        victims = select_victims(self.swapper.policy, view, need=1)
         return victims[0] if victims else None

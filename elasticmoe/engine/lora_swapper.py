@@ -316,18 +316,22 @@ class LoraSwapper:
 
     # ---- the eviction decision -----------------------------------------------------------------
 
-    def tier_view(self, pinned: Iterable[str] = (), queued: Iterable[str] = ()) -> TierView:
+    def tier_view(self, pinned: Iterable[str] = (), queued: Iterable[str] = (),
+                  residency: dict[str, Residency] | None = None, observed_rates: bool = True) -> TierView:
         """The LoRA slots as the eviction policies see them: every loaded adapter a node of one
         slot, every learned router a resident node (it lives beside the model) with edges to its
-        adapters; the needed probability of each (see the module docstring)."""
+        adapters; the needed probability of each (see the module docstring).
+        `residency` (default: this swapper's clock) and `observed_rates=False` (profiled and
+        declared probabilities only) are for a plan that every EP rank must make alike."""
         lora = self.lora
-        resident = self._residency()
+        resident = self._residency() if residency is None else dict(residency)
         routers = {router_node(k): r for k, r in self.routers().items()}
         nodes = [Node(n, "lora", 1) for n in lora.names] + [Node(k, "router", 0) for k in routers]
         edges = [(k, a) for k, r in routers.items() for a in r.adapters if lora.is_loaded(a)]
         graph = DependencyGraph.build(nodes, edges)
         resident.update(dict.fromkeys(routers, Residency(0, 0)))
-        usage = usage_probabilities(graph.nodes, self.profiled, self.declared, self.rates.rate)
+        usage = usage_probabilities(graph.nodes, self.profiled, self.declared,
+                                    self.rates.rate if observed_rates else {})
         return TierView(graph, resident, needed_probability(graph, usage),
                         frozenset(n for n in pinned if n in graph), frozenset(n for n in queued if n in graph))
 
