@@ -179,7 +179,9 @@ class LoraSwapper:
         pending: dict[str, list[Request]] = {}  # non-resident adapter -> waiting requests needing it
         for r in waiting:
             if r.binding.is_waiting and id(r) not in failing:
-                if arrived & r.binding.lora_names:
+                # NOTE: a window request is assigned again whatever made its adapters resident: one
+                # left waiting for a resident adapter would wait forever (no pass copies it in).
+                if arrived & r.binding.lora_names or id(r) in in_window:
                     self.assign(r)
                     if not r.binding.is_waiting:
                         continue
@@ -227,8 +229,7 @@ class LoraSwapper:
                 continue
             lora.swap_in(name, slot)
             self._mark_loaded(name)
-            for r in requests:
-                self.assign(r)
+            self._assign_waiting_for(name)
 
     # ---- preloading (CoServe §4.1 while the server runs) ----------------------------------------
 
@@ -277,7 +278,18 @@ class LoraSwapper:
         else:
             lora.swap_in(name, slot)
             self._mark_loaded(name)
+            self._assign_waiting_for(name)
         return name
+
+    def _assign_waiting_for(self, name: str) -> None:
+        """`name` was just copied in on this thread: every waiting request that needs it gets its
+        slots now, not only those of the window it was copied for. A request behind the window
+        whose adapter a swap evicted waits for it (`binding.wait`), and one that found its adapter
+        resident when it reached the window would never be assigned: no pass copies a resident
+        adapter, and only a background copy's arrival re-assigns the queue (`swap_in`)."""
+        for r in self.scheduler.waiting:
+            if r.binding.is_waiting and name in r.binding.lora_names:
+                self.assign(r)
 
     def preload_candidate(self) -> str | None:
         """The loaded adapter with the highest pre-assessed usage probability, above 0 (profile,

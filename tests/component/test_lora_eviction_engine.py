@@ -28,9 +28,9 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, LoraAdapter]:
 
 
 def make_engine(model_dir: str, adapters: dict[str, LoraAdapter], usage: dict[str, float | None],
-                **options) -> LLMEngine:
+                max_loras: int = 2, **options) -> LLMEngine:
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=64, num_threads=1,
-                                    max_loras=2, max_lora_rank=2, max_cpu_loras=3, **options))
+                                    max_loras=max_loras, max_lora_rank=2, max_cpu_loras=3, **options))
     for name, a in adapters.items():
         engine.adapters.load_lora(name, a.modules, a.weights, a.config.scaling, usage_probability=usage.get(name))
     return engine
@@ -148,6 +148,28 @@ def test_a_failed_preload_is_logged_and_not_tried_again(tiny_model_dir, adapters
     assert lora.slot_of == {"x": 0, "y": 1} and engine.adapters.stats()["preloads"] == 2
     assert tried == [0]  # z was not tried again
     assert any("copying adapter 'z' into slot 0 failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("eviction", ["coserve", "lru", "fifo"])
+@pytest.mark.parametrize("background_copies", [True, False])
+def test_a_queue_behind_the_window_over_more_adapters_than_slots_drains(tiny_model_dir, adapters, eviction,
+                                                                        background_copies):
+    # One slot, a window of one, one request running at a time: each swap evicts an adapter that
+    # requests behind the window wait for, and brings it back later for the first of them. Every
+    # request must finish. (With copies on the engine thread the engine stalled: a request that
+    # found its adapter resident when it reached the window was never given its slot.)
+    engine = make_engine(tiny_model_dir, adapters, {"x": 0.5, "y": 0.3, "z": 0.2}, max_loras=1,
+                         adapter_eviction=eviction, scheduling_window=1, max_num_seqs=1)
+    engine.adapters.swapper.async_swaps = background_copies
+    order = "yxxzxyyzxx"
+    for i, adapter in enumerate(order):
+        engine.add_request(f"{adapter}-{i}", [5, 6, 7], PARAMS, adapter)
+    finished = set()
+    for _ in range(200):
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if not engine.has_unfinished_requests():
+            break
+    assert finished == {f"{a}-{i}" for i, a in enumerate(order)}, engine.adapters.stats()
 
 
 def test_a_profile_outranks_the_declaration_and_declarations_are_checked(tiny_model_dir, adapters, tmp_path):

@@ -165,6 +165,26 @@ def test_an_adapter_with_requests_queued_behind_the_window_goes_last():
     assert swapper.lora.evicted == ["b"] and want.is_ready and queued.is_ready
 
 
+@pytest.mark.parametrize("eviction", ["coserve", "lru", "fifo"])
+def test_a_request_whose_adapter_came_back_for_another_request_gets_its_slot(eviction):
+    # One slot, a window of one, nothing starts. b's swap evicts a, and both of a's requests
+    # wait. a comes back (a synchronous copy) for the first of them when it reaches the window;
+    # the second, behind the window then, must get the slot too once it is resident. (It did not:
+    # only the requests the copy was made for got their slots, and the other waited forever for
+    # a copy that would never be made, since its adapter was resident: a stuck engine.)
+    swapper = make_swapper(eviction, names="ab", slots=1, max_num_seqs=0, window=1)
+    want_b = submit(swapper, make_request("want-b", "b"))
+    first_a, second_a = (submit(swapper, make_request(f"a-{i}", "a")) for i in range(2))
+    swapper.swap_in()
+    assert want_b.is_ready and not first_a.is_ready and not second_a.is_ready
+    swapper.scheduler.finish(want_b)
+    swapper.swap_in()
+    assert first_a.is_ready and swapper.lora.index("a") is not None
+    swapper.scheduler.finish(first_a)
+    swapper.swap_in()
+    assert second_a.is_ready
+
+
 def test_the_lockstep_plan_evicts_an_adapter_with_queued_requests_last():
     # Under EP every rank applies the same plan from gathered inputs: the slots some rank's waiting
     # requests need (here a's, slot 0) go last, though a is the least probable.
