@@ -122,6 +122,7 @@ def server_counters(metrics: Mapping[str, float], status: Mapping[str, Any], dp:
     m = metrics.get
     return {
         "lora_swaps_in": m("elasticmoe_lora_swaps_in_total", 0.0) / dp,
+        "lora_preloads": m("elasticmoe_lora_preloads_total", 0.0) / dp,  # swaps-in no request waited for
         "lora_hits": m("elasticmoe_lora_hits_total", 0.0),
         "lora_misses": m("elasticmoe_lora_misses_total", 0.0),
         "lora_swap_s": m("elasticmoe_lora_swap_seconds_total", 0.0) / dp,

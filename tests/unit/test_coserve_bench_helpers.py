@@ -67,6 +67,7 @@ def test_percentiles_and_summary():
 
 def test_server_counters_switches_and_hit_rate():
     metrics = parse_metrics("# HELP x\nelasticmoe_lora_swaps_in_total 10.0\nelasticmoe_lora_hits_total 30.0\n"
+                            "elasticmoe_lora_preloads_total 4.0\n"
                             "elasticmoe_lora_misses_total 10.0\nelasticmoe_lora_swap_seconds_total 0.5\n"
                             'elasticmoe_kv_cache_usage_ratio{rank="0"} 0.1\n'
                             "elasticmoe_request_arranging_seconds_total 0.002\n")
@@ -75,6 +76,7 @@ def test_server_counters_switches_and_hit_rate():
               "requests": {"swap_waits": 4, "assigning_s": 0.01}}
     after = server_counters(metrics, status, dp=2)
     assert after["lora_swaps_in"] == 5 and after["lora_swap_s"] == 0.25  # lockstep: each switch on both ranks
+    assert after["lora_preloads"] == 2
     assert after["esft_swaps_in"] == 3 and after["assigning_s"] == 0.01 and after["arranging_s"] == 0.002
     delta = counter_delta(after, {**after, "lora_hits": 10.0})
     assert delta["lora_hits"] == 20 and delta["lora_swaps_in"] == 0
@@ -92,16 +94,16 @@ def test_args_and_tables():
     assert set(CONFIGS) == {"coserve", "lru_fcfs", "fifo", "parallel"}
     lat = {"p50": 0.01, "p99": 0.02, "mean": 0.01}
     run = {"dp": 1, "config": "coserve", "throughput_tok_s": 10.0, "ttft_s": lat, "tpot_s": lat, "hot_ttft_s": lat,
-           "switches": 3.0, "hit_rate": 0.5, "failed": 0, "register_s": 1.0,
+           "switches": 3.0, "counters": {"lora_preloads": 1.0}, "hit_rate": 0.5, "failed": 0, "register_s": 1.0,
            "breakdown_s": {"management": 1.0, "management_lora": 0.1, "management_esft": 0.9, "arranging": 0.001,
                            "assigning": 0.002}}
     ref = {**run, "config": "reference", "hot_ttft_s": {**lat, "p99": 0.01}, "breakdown_s": None}
-    resident = {**run, "config": "resident", "hot_ttft_s": {**lat, "p99": 0.016}, "switches": 0.0}
+    resident = {**run, "config": "resident", "hot_ttft_s": {**lat, "p99": 0.016}, "switches": 0.0, "counters": None}
     doc = {"config": {"max_loras": 2, "max_esft_adapters": 1, "alpha": 0.3, "rps": 2.0, "duration_s": 5.0},
            "num_adapters": {"lora": 6, "esft": 3}, "num_requests": 10, "runs": [run, resident, ref]}
     text = format_tables(doc)
-    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 0.500 | 20 | 1.25x | 2.00x | 0 | 1.0 |" in text
-    assert "| 1 | resident | 10.0 | 10 | 20 | 10 | 20 | 0 | 0.500 | 16 | 1.00x | 1.60x | 0 | 1.0 |" in text
+    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 1 | 0.500 | 20 | 1.25x | 2.00x | 0 | 1.0 |" in text
+    assert "| 1 | resident | 10.0 | 10 | 20 | 10 | 20 | 0 | - | 0.500 | 16 | 1.00x | 1.60x | 0 | 1.0 |" in text
     doc["runs"] = [run]  # neither baseline ran
-    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 0.500 | 20 | - | - | 0 | 1.0 |" in format_tables(doc)
+    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 1 | 0.500 | 20 | - | - | 0 | 1.0 |" in format_tables(doc)
     assert "Fig. 15" in text and "| 1 | coserve | 0.100 | 0.90 | 1.0 | 2.0 |" in text
