@@ -22,12 +22,12 @@ queue, so evicting a resident adapter with queued requests would send them back 
 Copies run on a background thread where the engine allows it; the waiting requests get their
 slots once the copy is done.
 
-With the coserve policy, when no swap is under way, `preload` also restores CoServe's initial
-order (§4.1) one adapter at a time: the most probable adapter out of the slots replaces a strictly
-less probable one that no request needs and that served none since its load (or any idle one, if
-the candidate is likelier than all other adapters out of the slots together;
-`adapter_policy.preload`), so an adapter registered while the slots were full does not wait for
-its first requests to come in. Under EP the swaps are the lockstep loop's, the same on every rank
+With the coserve policy, when no swap is under way and no request of the window waits for an
+adapter (demand first), `preload` also restores CoServe's initial order (§4.1) one adapter at a
+time: the most probable adapter out of the slots replaces a strictly less probable one that no
+request needs and that served none since its load (or any idle one, if the candidate is likelier
+than all other adapters out of the slots together; `adapter_policy.preload`), so an adapter
+registered while the slots were full does not wait for its first requests to come in. Under EP the swaps are the lockstep loop's, the same on every rank
 (`engine.lora_lockstep`).
 
 NOTE: in this engine routers live beside the model, always resident, so no LoRA adapter is ever
@@ -234,7 +234,8 @@ class LoraSwapper:
     # ---- preloading (CoServe §4.1 while the server runs) ----------------------------------------
 
     def preload(self) -> str | None:
-        """With one rank and nothing being copied in: start copying the most probable adapter out
+        """With one rank, nothing being copied in and no request of the scheduling window waiting for
+        an adapter: start copying the most probable adapter out
         of the slots into a free slot, or in place of a strictly less probable one that no live
         or waiting request needs (`adapter_policy.preload`). Returns the adapter, or None.
 
@@ -250,6 +251,12 @@ class LoraSwapper:
         # requests (none, usually) get their slots at the next pass, before the next step.
         self._finished_early.update(self._collect_copies())
         if lora.filling:
+            return None
+        # NOTE: demand first. While a window request waits for an adapter out of the slots, the next
+        # pass copies it in; a preload now would take a slot that demand then takes back. Under a
+        # backlog over many adapters the likeliest adapter went back and forth, a preload and an
+        # eviction per cold request (the lockstep plan proposes only with an empty window too).
+        if any(r.binding.is_waiting for r in self.scheduler.window_requests()):
             return None
         best = self.preload_candidate()
         if best is None:

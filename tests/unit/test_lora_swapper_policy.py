@@ -4,6 +4,8 @@ real scheduler."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -62,15 +64,47 @@ class FakeSlots:
         self.slot_of[name] = slot
 
 
+class BackgroundFakeSlots(FakeSlots):
+    """`FakeSlots` whose copies run in the background: a copy started is resident once a later
+    `finish_swaps` reports it, which `done_after` (calls) decides."""
+
+    def __init__(self, max_loras: int, names: list[str], done_after: Callable[[], int]) -> None:
+        super().__init__(max_loras, names)
+        self.done_after = done_after
+        self.filling: dict[int, tuple[str, list[int]]] = {}  # slot -> (adapter, [finish_swaps calls left])
+
+    def is_filling(self, name: str) -> bool:
+        return any(n == name for n, _ in self.filling.values())
+
+    def free_slots(self) -> list[int]:
+        return sorted(set(super().free_slots()) - set(self.filling))
+
+    def swap_in_async(self, name: str, slot: int) -> None:
+        self.filling[slot] = (name, [self.done_after()])
+
+    def finish_swaps(self, block: bool = False) -> list[str]:
+        done = []
+        for slot, (name, left) in list(self.filling.items()):
+            left[0] -= 1
+            if block or left[0] <= 0:
+                del self.filling[slot]
+                self.slot_of[name] = slot
+                done.append(name)
+        return done
+
+
 def make_request(request_id: str, adapter: str | None = None, routing: VocabRouting | None = None) -> Request:
     return Request(request_id, [5, 6], 2, SamplingParams(), 10_000, binding=AdapterBinding(adapter, routing=routing))
 
 
 def make_swapper(eviction: str = "coserve", names: str = "abc", slots: int = 2, routers=None, profiled=None,
-                 declared: dict[str, float] | None = None, max_num_seqs: int = 8, window: int = 8) -> LoraSwapper:
-    """`max_num_seqs=0`: nothing starts, every request stays in the queue."""
+                 declared: dict[str, float] | None = None, max_num_seqs: int = 8, window: int = 8,
+                 background: Callable[[], int] | None = None) -> LoraSwapper:
+    """`max_num_seqs=0`: nothing starts, every request stays in the queue. `background`: copies in
+    the background, each done after that many `finish_swaps` calls."""
     sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=1000, max_num_seqs=max_num_seqs, window=window)
-    swapper = LoraSwapper(FakeSlots(slots, list(names)), sched, can_swap_async=False, eviction=eviction,
+    lora = FakeSlots(slots, list(names)) if background is None else BackgroundFakeSlots(slots, list(names), background)
+    swapper = LoraSwapper(lora, sched, can_swap_async=background is not None, eviction=eviction,
                           routers=lambda: routers or {}, profiled=profiled)
     for name, p in (declared or {}).items():
         swapper.declare(name, p)
@@ -185,6 +219,38 @@ def test_a_request_whose_adapter_came_back_for_another_request_gets_its_slot(evi
     assert second_a.is_ready
 
 
+@pytest.mark.parametrize("eviction", ["coserve", "lru", "fifo"])
+@pytest.mark.parametrize("background", [False, True])
+def test_every_request_is_served_whatever_the_order_of_events(eviction, background):
+    # Liveness over random arrivals, passes, admissions, finishes, preloads and copy times: more
+    # adapters than slots, small windows and batches. Every request must be served, and a request
+    # admitted only with its adapter in its slot.
+    rng = random.Random(f"{eviction}-{background}")
+    for trial in range(40):
+        names = "abcdef"
+        swapper = make_swapper(eviction, names=names, slots=rng.randint(1, 3), max_num_seqs=rng.randint(1, 4),
+                               window=rng.randint(1, 4), declared={n: rng.random() for n in names if rng.random() < 0.7},
+                               background=(lambda: rng.randint(1, 3)) if background else None)
+        arrivals = [make_request(f"{trial}-{i}", rng.choice(names)) for i in range(rng.randint(5, 25))]
+        arrivals.reverse()
+        for _ in range(400):
+            if arrivals and rng.random() < 0.6:
+                submit(swapper, arrivals.pop())
+            assert swapper.swap_in() == []
+            swapper.scheduler.schedule()
+            for r in list(swapper.scheduler.running):
+                assert swapper.lora.index(r.binding.name) == r.binding.lora_slot
+                if rng.random() < 0.4:
+                    swapper.scheduler.finish(r)
+            if rng.random() < 0.5:
+                swapper.preload()
+            if not arrivals and not swapper.scheduler.has_unfinished():
+                break
+        else:
+            pytest.fail(f"trial {trial}: {len(swapper.scheduler.waiting)} requests never served; slots "
+                        f"{swapper.lora.slot_of}, waiting for {[r.binding.name for r in swapper.scheduler.waiting]}")
+
+
 def test_the_lockstep_plan_evicts_an_adapter_with_queued_requests_last():
     # Under EP every rank applies the same plan from gathered inputs: the slots some rank's waiting
     # requests need (here a's, slot 0) go last, though a is the least probable.
@@ -282,6 +348,16 @@ def test_preloading_leaves_adapters_waiting_requests_need_and_those_being_unload
     assert swapper.preload() is None
 
 
+def test_no_preload_while_a_window_request_waits_for_an_adapter():
+    # c (0.6) would displace an idle, unused adapter, but d's request waits for a copy: demand first.
+    swapper = make_swapper(names="abcd", declared={"a": 0.1, "b": 0.1, "c": 0.6, "d": 0.2}, max_num_seqs=0)
+    want = submit(swapper, make_request("want-d", "d"))
+    assert swapper.preload() is None and swapper.lora.evicted == []
+    swapper.swap_in()  # d in, in place of a
+    assert want.is_ready and swapper.lora.evicted == ["a"]
+    assert swapper.preload() == "c" and swapper.lora.slot_of == {"d": 0, "c": 1}  # b was unused since its load
+
+
 def test_a_declined_preload_is_not_decided_again_until_something_changes(monkeypatch):
     swapper = make_swapper(declared={"a": 0.5, "b": 0.4, "c": 0.3})
     calls = []
@@ -317,6 +393,55 @@ def test_the_group_preloads_only_what_every_rank_proposes_at_one_registry_versio
     assert rows[0][0] == adapter_id("c") and rows[1][0] < NO_ID
     assert all(rank.apply_gathered(rows, used_slots=set()) == ["c"] for rank in ranks)
     assert all(rank.swapper.lora.num_preloads == 0 for rank in ranks)
+
+
+@pytest.mark.parametrize("eviction", ["coserve", "lru", "fifo"])
+def test_every_rank_of_the_group_serves_every_request_with_the_same_slots(eviction):
+    # Liveness of the lockstep plan (what `imm.lockstep_loop` does each round, without the
+    # collectives): two ranks, each with its own queue, random arrivals, admissions and finishes.
+    # After every round both ranks hold the same adapters in the same slots (their experts'
+    # factors must match), and every request is served.
+    rng = random.Random(eviction)
+    for trial in range(40):
+        names = "abcdef"
+        declared = {n: rng.random() for n in names if rng.random() < 0.3}  # the others: rates differ by rank
+        slots, seqs, window = rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4)
+        ranks = [LockstepLora(make_swapper(eviction, names=names, slots=slots, declared=declared, max_num_seqs=seqs,
+                                           window=window)) for _ in range(2)]
+        for rank in ranks:
+            rank.swapper.lockstep = True
+        arrivals = [[make_request(f"{trial}-{k}-{i}", rng.choice(names)) for i in range(rng.randint(3, 12))]
+                    for k in range(2)]
+        for queue in arrivals:
+            queue.reverse()
+        for _ in range(400):
+            for rank, queue in zip(ranks, arrivals, strict=True):
+                if queue and rng.random() < 0.6:
+                    submit(rank.swapper, queue.pop())
+            wants = [rank.wants([r.binding.lora_names for r in (*rank.swapper.scheduler.running,
+                                                                 *rank.swapper.scheduler.waiting)])
+                     for rank in ranks]
+            if any(wanted for wanted, _ in wants):
+                rows = [rank.row(wanted) for rank, (wanted, _) in zip(ranks, wants, strict=True)]
+                in_use = set().union(*(used for _, used in wants))
+                queued = set().union(*(rank.queued_slots() for rank in ranks))
+                used_since = set().union(*(rank.used_since_plan() for rank in ranks))
+                for rank in ranks:
+                    rank.apply_gathered(rows, in_use, queued, used_since)
+            assert ranks[0].swapper.lora.slot_of == ranks[1].swapper.lora.slot_of
+            for rank in ranks:
+                rank.swapper.swap_in()  # the rank's own pass: assigns only, under lockstep
+                sched = rank.swapper.scheduler
+                sched.schedule()
+                for r in list(sched.running):
+                    assert rank.swapper.lora.index(r.binding.name) == r.binding.lora_slot
+                    if rng.random() < 0.4:
+                        sched.finish(r)
+            if not any(arrivals) and not any(rank.swapper.scheduler.has_unfinished() for rank in ranks):
+                break
+        else:
+            pytest.fail(f"trial {trial}: requests never served; slots {ranks[0].swapper.lora.slot_of}, waiting for "
+                        f"{[[r.binding.name for r in rank.swapper.scheduler.waiting] for rank in ranks]}")
 
 
 def test_a_preload_the_group_declines_is_not_proposed_again_for_a_while():
