@@ -27,8 +27,8 @@ adapter (demand first), `preload` also restores CoServe's initial order (§4.1) 
 time: the most probable adapter out of the slots replaces a strictly less probable one that no
 request needs and that served none since its load (or any idle one, if the candidate is likelier
 than all other adapters out of the slots together; `adapter_policy.preload`), so an adapter
-registered while the slots were full does not wait for its first requests to come in. Under EP the swaps are the lockstep loop's, the same on every rank
-(`engine.lora_lockstep`).
+registered while the slots were full does not wait for its first requests to come in. Under EP
+the swaps are the lockstep loop's, the same on every rank (`engine.lora_lockstep`).
 
 NOTE: in this engine routers live beside the model, always resident, so no LoRA adapter is ever
 stranded and stage 1 picks nothing; it acts where a predecessor can leave the tier (see
@@ -235,9 +235,9 @@ class LoraSwapper:
 
     def preload(self) -> str | None:
         """With one rank, nothing being copied in and no request of the scheduling window waiting for
-        an adapter: start copying the most probable adapter out
-        of the slots into a free slot, or in place of a strictly less probable one that no live
-        or waiting request needs (`adapter_policy.preload`). Returns the adapter, or None.
+        an adapter: start copying the most probable adapter out of the slots into a free slot, or in
+        place of a strictly less probable one that no live or waiting request needs
+        (`adapter_policy.preload`). Returns the adapter, or None.
 
         Runs between steps and after a load. Cheap when it declines again for the same reason: the
         full decision (usage probabilities over every loaded adapter, ~0.5 ms at 1,000) is made

@@ -228,8 +228,9 @@ def test_every_request_is_served_whatever_the_order_of_events(eviction, backgrou
     rng = random.Random(f"{eviction}-{background}")
     for trial in range(40):
         names = "abcdef"
+        declared = {n: rng.random() for n in names if rng.random() < 0.7}
         swapper = make_swapper(eviction, names=names, slots=rng.randint(1, 3), max_num_seqs=rng.randint(1, 4),
-                               window=rng.randint(1, 4), declared={n: rng.random() for n in names if rng.random() < 0.7},
+                               window=rng.randint(1, 4), declared=declared,
                                background=(lambda: rng.randint(1, 3)) if background else None)
         arrivals = [make_request(f"{trial}-{i}", rng.choice(names)) for i in range(rng.randint(5, 25))]
         arrivals.reverse()
