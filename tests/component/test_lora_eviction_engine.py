@@ -4,6 +4,8 @@ engine, tiny Qwen3-MoE, three adapters over two slots."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -28,8 +30,8 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, LoraAdapter]:
 
 
 def make_engine(model_dir: str, adapters: dict[str, LoraAdapter], usage: dict[str, float | None],
-                max_loras: int = 2, **options) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=64, num_threads=1,
+                max_loras: int = 2, num_kv_blocks: int = 64, **options) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=num_kv_blocks, num_threads=1,
                                     max_loras=max_loras, max_lora_rank=2, max_cpu_loras=3, **options))
     for name, a in adapters.items():
         engine.adapters.load_lora(name, a.modules, a.weights, a.config.scaling, usage_probability=usage.get(name))
@@ -170,6 +172,48 @@ def test_a_queue_behind_the_window_over_more_adapters_than_slots_drains(tiny_mod
         if not engine.has_unfinished_requests():
             break
     assert finished == {f"{a}-{i}" for i, a in enumerate(order)}, engine.adapters.stats()
+
+
+@pytest.mark.parametrize("eviction", ["coserve", "lru", "fifo"])
+@pytest.mark.parametrize("background_copies", [True, False])
+def test_random_arrivals_aborts_and_preemptions_over_few_slots_never_stall_the_engine(
+        tiny_model_dir, adapters, eviction, background_copies):
+    # Requests for the base model and three adapters over one or two slots arrive between steps,
+    # some are aborted (waiting, running, or waiting for a copy), and a small KV pool preempts.
+    # Every request that was not aborted finishes with all of its tokens, an aborted one reports
+    # nothing more, and the engine ends idle with no copy left in flight.
+    rng = random.Random(f"{eviction}-{background_copies}")
+    for trial in range(3):
+        engine = make_engine(tiny_model_dir, adapters, {"x": 0.5, "y": 0.3, "z": 0.2}, max_loras=rng.randint(1, 2),
+                             adapter_eviction=eviction, scheduling_window=rng.randint(1, 4),
+                             max_num_seqs=rng.randint(2, 6), num_kv_blocks=4, block_size=4)
+        engine.adapters.swapper.async_swaps = background_copies
+        arrivals = [(f"{trial}-{i}", rng.choice([None, "x", "y", "z"]), rng.randint(1, 6)) for i in range(24)]
+        arrivals.reverse()
+        live: dict[str, int] = {}  # request id -> tokens it must produce
+        done: dict[str, list[int]] = {}
+        aborted: set[str] = set()
+        for _ in range(1000):
+            if arrivals and rng.random() < 0.5:
+                rid, adapter, max_tokens = arrivals.pop()
+                engine.add_request(rid, [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                     ignore_eos=True), adapter)
+                live[rid] = max_tokens
+            if live and rng.random() < 0.05:
+                rid = rng.choice(sorted(live))
+                engine.abort(rid)
+                aborted.add(rid)
+                del live[rid]
+            for o in engine.step():
+                assert o.request_id not in aborted, o
+                if o.finished:
+                    assert o.finish_reason == "length" and len(o.output_token_ids) == live.pop(o.request_id), o
+                    done[o.request_id] = o.output_token_ids
+            if not arrivals and not engine.has_unfinished_requests():
+                break
+        assert not arrivals and not live and not engine.has_unfinished_requests(), engine.adapters.stats()
+        engine.adapters.lora.finish_swaps(block=True)
+        assert not engine.adapters.lora.filling and len(done) + len(aborted) == 24
 
 
 def test_a_profile_outranks_the_declaration_and_declarations_are_checked(tiny_model_dir, adapters, tmp_path):
