@@ -1,5 +1,5 @@
 """Liveness of the one-rank engine's ESFT disk tier (`engine.esft_disk_tier`): whatever the order of
-arrivals, passes, admissions and finishes, every request is served, and a running request always
+arrivals, passes, admissions, preemptions and finishes, every request is served, and a running request always
 holds its adapter's slot. A stand-in for the slots (names and slots only), the real scheduler and
 tier, random events over more adapters than slots."""
 
@@ -16,6 +16,7 @@ from elasticmoe.engine.scheduler import Scheduler
 from elasticmoe.sampling_params import SamplingParams
 
 EXPERTS = {0: (1,)}
+MAX_LEN = 8  # tokens of a request, prompt and output
 
 
 class FakeEsftSlots:
@@ -64,13 +65,16 @@ def bind(tier: EsftDiskTier, request: Request) -> None:
 @pytest.mark.parametrize("eviction", ["coserve", "lru", "fifo"])
 def test_every_esft_request_is_served_whatever_the_order_of_events(eviction):
     rng = random.Random(eviction)
+    preemptions = 0
     for trial in range(60):
         names = "abcde"
         declared = {n: rng.random() for n in names if rng.random() < 0.7}
         tier = EsftDiskTier(FakeEsftSlots(rng.randint(1, 3)), eviction, {}, declared)
         for n in names:
             tier.register(n, EXPERTS, Files())
-        sched = Scheduler(BlockManager(256, 4), max_num_batched_tokens=1000, max_num_seqs=rng.randint(1, 4),
+        # A pool of 8 two-token blocks: requests that grow preempt each other (back to the queue,
+        # still bound to their slots).
+        sched = Scheduler(BlockManager(8, 2), max_num_batched_tokens=1000, max_num_seqs=rng.randint(1, 4),
                           window=rng.randint(1, 4))
         arrivals = [Request(f"{trial}-{i}", [5, 6], 2, SamplingParams(), 10_000,
                             binding=AdapterBinding(rng.choice(names), is_esft=True))
@@ -82,16 +86,19 @@ def test_every_esft_request_is_served_whatever_the_order_of_events(eviction):
                 bind(tier, request)
                 sched.add(request)
             assert tier.swap_in(sched.waiting, sched.running) == []
-            sched.schedule()
+            for r, n in sched.schedule().scheduled:  # the step: its tokens computed, one sampled
+                r.num_computed_tokens += n
+                r.token_ids.append(7)
+                if r.num_tokens == MAX_LEN:  # its last token: done (the pool holds two such requests)
+                    sched.finish(r)
             for r in list(sched.running):
                 assert tier.slots.index(r.binding.name) == r.binding.esft_slot and not r.binding.is_waiting
-                if rng.random() < 0.4:
+                if rng.random() < 0.3:
                     sched.finish(r)
-                elif rng.random() < 0.05:  # preempted: back to the queue, still bound to its slot
-                    sched.running.remove(r)
-                    sched._preempt(r)
             if not arrivals and not sched.has_unfinished():
+                preemptions += sched.num_preemptions
                 break
         else:
             pytest.fail(f"trial {trial}: {len(sched.waiting)} requests never served; slots {tier.slots.slot_of}, "
                         f"evicting {tier.evicting}, waiting for {[r.binding.name for r in sched.waiting]}")
+    assert preemptions > 0  # the pool is small enough to preempt
