@@ -15,9 +15,19 @@ of the pool they sit in differs. Under expert parallelism each rank caches its o
 `run_experts` runs on the rank that owns them (after the all-to-all), `observe` sees the
 rank's own tokens.
 
-A policy that raises in `begin_step`, `observe` or `end_step` is logged and ignored for the
-rest of the iteration (no prefetching then); loads on demand still run, so no request fails
-for a policy's fault.
+The policy's work runs on a thread beside the forward (`policy_worker`), in order: the
+iteration's begin (its search and first plan) while the forward embeds and runs layer 0's
+attention; each layer's observation and plan once that layer's experts are ensured, while the
+forward runs their GEMM and the next layer's attention (both release the GIL); the iteration's
+end. The forward never waits for it: a lookup takes whatever the cache holds when it comes, and
+the cache's lock keeps the two consistent. On the trained small model at batch 1 the forward's
+time in the policy's hooks fell from ~1.5 ms per output token to ~0.1 ms, and TPOT by less (the
+two threads still share the GIL): docs/offload.md, "The policy beside the forward".
+`EngineConfig.offload_policy_thread=False` runs the same jobs on the forward thread, each
+layer's before its experts are ensured (the order of the paper's loop in `policy`).
+
+A policy that raises in any of its calls is logged and ignored for the rest of the iteration
+(no prefetching then); loads on demand still run, so no request fails for a policy's fault.
 
 A cache whose budget holds every expert of the rank runs no policy and queues no prefetch: it
 never evicts, so there is nothing to plan or choose (each expert loads on its first use, or
@@ -30,11 +40,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Sequence
+from functools import partial
 
 import numpy as np
 import torch
 
 from elasticmoe.engine.expert_cache import ExpertCache
+from elasticmoe.engine.policy_worker import Job, PolicyWorker
 from elasticmoe.engine.request import Request
 from elasticmoe.layers.experts import grouped_experts_at_rows, grouped_experts_sorted
 from elasticmoe.models.common import ExpertsHook
@@ -48,8 +60,10 @@ class ExpertOffload:
     """The hooks of one engine's MoE blocks into its expert cache."""
 
     def __init__(self, cache: ExpertCache, routers: Sequence[torch.Tensor], local_expert_ids: Sequence[int],
-                 semantic: str = "iteration") -> None:
-        """`semantic`: one of `SEMANTIC_SOURCES` (`EngineConfig.offload_semantic`, checked there)."""
+                 semantic: str = "iteration", policy_thread: bool = True) -> None:
+        """`semantic`: one of `SEMANTIC_SOURCES` (`EngineConfig.offload_semantic`, checked there);
+        `policy_thread`: the policy's jobs run on a thread beside the forward (see the module
+        docstring), else on the forward thread before each layer's experts."""
         self.cache = cache
         self.policy = cache.policy
         self.routers = [r.float() for r in routers]  # [E, H] per MoE layer: the next layer's gate on this input (lru)
@@ -58,9 +72,13 @@ class ExpertOffload:
         # request -> its prompt's mean embedding ("prompt"), or None ("iteration": computed per step);
         # the keys are the requests begun and not yet ended
         self._embeddings: dict[str, torch.Tensor | None] = {}
-        self._observing = False  # the policy takes this iteration's layers
+        self._observing = False  # an iteration is open: its layers go to the policy (the forward's flag)
+        self._policy_ok = False  # the policy has not failed this iteration (the jobs' flag)
         self._policy_runs = not cache.holds_every_expert  # see the module docstring
-        self.policy_s = 0.0  # time in the policy on the forward thread (searches, plans): FineMoE Fig. 17
+        self.policy_s = 0.0  # time in the policy's calls (searches, plans), on whichever thread: FineMoE Fig. 17
+        # Where the policy's jobs run: a thread beside the forward, or (None) the forward itself.
+        self._worker = PolicyWorker() if policy_thread and self._policy_runs else None
+        self._deferred: Job | None = None  # a layer's job, held until that layer's experts are ensured
 
     # ---- the iteration ----------------------------------------------------------------
 
@@ -71,13 +89,13 @@ class ExpertOffload:
         request, or over its prompt: `RequestContext`)."""
         if not self._policy_runs:
             return
+        # The contexts are made here: the requests change once the step is over.
         contexts = [RequestContext(request.request_id, n, self._embedding(request, n, embed),
                                    is_prefill=request.num_computed_tokens < request.num_prompt_tokens)
                     for request, n in scheduled]
         self._observing = bool(contexts)  # an empty step (an idle EP rank) is not an iteration
         if self._observing:
-            self._call_policy(lambda: self.policy.begin_iteration(contexts))
-            self.cache.replan()
+            self._submit(lambda: self._begin_iteration(contexts))
 
     def observe(self, layer: int, x: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """MoE layer `layer` routed `x` [T, H] with the gate's probabilities `probs` [T, E] (the
@@ -87,9 +105,14 @@ class ExpertOffload:
         next_probs = None
         if self.policy.needs_next_layer_gate and layer + 1 < len(self.routers):
             next_probs = torch.softmax(x.float() @ self.routers[layer + 1].T, dim=-1)
-        self._call_policy(lambda: self.policy.observe_layer(layer, probs, topk_ids, next_probs))
-        if self._observing:
-            self.cache.replan(routed=(layer, routed_experts(topk_ids)))
+        job = partial(self._observe_layer, layer, probs, topk_ids, next_probs)
+        if self._worker is None:
+            job()
+            return
+        # Held until this layer's `ensure` (`run_experts`) has taken what it needs: the job's plan is
+        # for later layers, and started now it would hold the cache's lock against that `ensure`.
+        self._release_deferred()
+        self._deferred = job
 
     def end_step(self, live_request_ids: Collection[str]) -> None:
         """After the step: requests no longer live are forgotten (LFU keeps their matrices)."""
@@ -98,9 +121,47 @@ class ExpertOffload:
         finished = [r for r in self._embeddings if r not in live_request_ids]
         for request_id in finished:
             del self._embeddings[request_id]
-        self._observing = True  # end every iteration that began, even one a policy error cut short
-        self._call_policy(lambda: self.policy.end_iteration(finished))
+        self._release_deferred()
+        self._submit(lambda: self._end_iteration(finished))
         self._observing = False
+
+    def drain(self) -> None:
+        """Run the policy's jobs so far, the last layer's held one too, and wait for them (the
+        forward thread, between steps: tests, benchmarks)."""
+        self._release_deferred()
+        if self._worker is not None:
+            self._worker.drain()
+
+    # ---- the policy's jobs (on the worker, or inline) -------------------------------------
+
+    def _submit(self, job: Job) -> None:
+        if self._worker is None:
+            job()
+        else:
+            self._worker.submit(job)
+
+    def _release_deferred(self) -> None:
+        if self._deferred is not None:
+            job, self._deferred = self._deferred, None
+            self._submit(job)
+
+    def _begin_iteration(self, contexts: list[RequestContext]) -> None:
+        self._policy_ok = True
+        if self._call_policy(lambda: self.policy.begin_iteration(contexts)):
+            self.cache.replan()
+
+    def _observe_layer(self, layer: int, probs: torch.Tensor, topk_ids: torch.Tensor,
+                       next_probs: torch.Tensor | None) -> None:
+        if self._call_policy(lambda: self.policy.observe_layer(layer, probs, topk_ids, next_probs)):
+            # On the forward thread this runs before the layer's `ensure`: its experts are no
+            # prefetch's victims from now on. On the worker that `ensure` came first and protects
+            # what the layer computes with (under EP not the rank's own tokens' experts).
+            self.cache.replan(routed=None if self._worker is not None else (layer, routed_experts(topk_ids)))
+
+    def _end_iteration(self, finished: list[str]) -> None:
+        self._policy_ok = True  # end every iteration that began, even one a policy error cut short
+        self._call_policy(lambda: self.policy.end_iteration(finished))
+        self._policy_ok = False
 
     def _embedding(self, request: Request, num_tokens: int, embed: torch.Tensor) -> torch.Tensor:
         if self._semantic == "iteration":
@@ -112,16 +173,20 @@ class ExpertOffload:
             emb = self._embeddings[request.request_id] = _mean_embedding(embed, request.prompt_token_ids)
         return emb
 
-    def _call_policy(self, call) -> None:
-        if not self._observing:
-            return
+    def _call_policy(self, call) -> bool:
+        """Run one policy call under the cache's lock; False (and no more of this iteration) if it
+        raised or an earlier call of the iteration did."""
+        if not self._policy_ok:
+            return False
         started = time.perf_counter()
         try:
             with self.cache.locked():
                 call()
+            return True
         except Exception:  # noqa: BLE001 - see the module docstring
             logger.exception("offload policy %s failed; no prefetching until the next iteration", self.policy.name)
-            self._observing = False
+            self._policy_ok = False
+            return False
         finally:
             self.policy_s += time.perf_counter() - started
 
@@ -138,10 +203,11 @@ class ExpertOffload:
         # NumPy for the bookkeeping: it runs per MoE layer of every step on a few values, where
         # torch's per-op dispatch costs more than the work.
         slots = sorted_local_slots.numpy()
-        starts = np.flatnonzero(np.diff(slots, prepend=-1))  # first row of each expert's group
-        local_ids = slots[starts]
+        boundary = np.ones(slots.size + 1, dtype=np.bool_)  # row i starts a group; the last: the end
+        np.not_equal(slots[1:], slots[:-1], out=boundary[1:-1])
+        bounds = np.flatnonzero(boundary)  # [G + 1] group offsets
+        local_ids = slots[bounds[:-1]]
         experts = self._local_expert_ids[local_ids].tolist()
-        bounds = np.append(starts, slots.size)  # [G + 1] group offsets
         capacity = self.cache.capacity
         if len(experts) <= capacity:
             return self._wave(layer, xs, sorted_local_slots, bounds, local_ids, experts, lora)
@@ -160,6 +226,7 @@ class ExpertOffload:
         """Groups of `xs` (`offsets` [G + 1]: local experts `local_ids`, global `experts`), at most
         the cache's capacity of them, made resident and computed from their pool rows."""
         rows = self.cache.ensure(layer, experts)
+        self._release_deferred()  # the policy's job of this layer runs beside the GEMM below
         if lora is None:
             return self._compute(xs, offsets, rows)
         slot_rows = torch.zeros(len(self._local_expert_ids), dtype=torch.long)  # the others have no rows here
@@ -181,10 +248,17 @@ class ExpertOffload:
         return torch.empty_like(xs).index_copy_(0, order, ys)
 
     def close(self) -> None:
-        """Stop the cache's copier (after the copy in progress, if any)."""
+        """Stop the policy's thread (after its jobs) and the cache's copier (after the copy in
+        progress, if any)."""
+        self._deferred = None
+        if self._worker is not None:
+            self._worker.close()
         self.cache.close()
 
     def stats(self) -> dict[str, float | int | str]:
+        """The cache's counters once the policy's jobs submitted so far have run (any thread)."""
+        if self._worker is not None:
+            self._worker.drain()
         return {**self.cache.stats(), "policy_s": round(self.policy_s, 6)}
 
 

@@ -111,7 +111,8 @@ def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: li
     routers = [weights[s.w13.name.rsplit(".", 1)[0] + ".router"] for s in layers]
     logger.info("expert offloading: %s, cache of %d of %d experts (%.1f MiB), experts from %s",
                 policy.name, capacity, num_rank_experts, capacity * expert_bytes / (1 << 20), source.tier)
-    offload = ExpertOffload(cache, routers, local_expert_ids, semantic=config.offload_semantic)
+    offload = ExpertOffload(cache, routers, local_expert_ids, semantic=config.offload_semantic,
+                            policy_thread=config.offload_policy_thread)
     pools = {name: pool for s in layers for name, pool in ((s.w13.name, pool_w13), (s.w2.name, pool_w2))}
     return offload, pools
 

@@ -5,6 +5,9 @@ only the requests that needed the expert."""
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,6 +75,79 @@ def test_every_policy_gives_the_resident_outputs(policy, tiny_model_dirs, reside
         engine.offload.close()
 
 
+@pytest.mark.parametrize("policy_thread", [True, False], ids=["beside", "inline"])
+def test_the_policy_runs_beside_the_forward_or_on_it_in_layer_order(policy_thread, tiny_model_dir, resident,
+                                                                     caplog):
+    """On its thread (the default) or on the forward's, the policy sees every iteration's layers in
+    order, once each (FineMoE's `observe_layer` refuses any other order, which would be logged)."""
+    engine = _engine(tiny_model_dir, expert_cache_fraction=0.25, offload_policy="finemoe",
+                     offload_policy_thread=policy_thread)
+    policy = engine.offload.policy
+    threads: set[str] = set()
+    observe = policy.observe_layer
+
+    def recording(layer, *args):
+        threads.add(threading.current_thread().name)
+        return observe(layer, *args)
+
+    policy.observe_layer = recording
+    # A plan made beside the forward keeps what the last `ensure` protects (the experts the layer's
+    # GEMM is computing with; under EP not the router's own): it passes no router's experts.
+    cache = engine.offload.cache
+    replan, routed_args = cache.replan, []
+
+    def recording_replan(routed=None):
+        routed_args.append(routed)
+        replan(routed)
+
+    cache.replan = recording_replan
+    try:
+        with caplog.at_level(logging.ERROR):
+            _assert_same(_run(engine), resident["qwen3_moe"])
+            _assert_same(_run(engine), resident["qwen3_moe"])  # with the store's maps
+            engine.offload.drain()
+        assert threads == ({"expert-policy"} if policy_thread else {threading.current_thread().name})
+        given = {routed is None for routed in routed_args}
+        assert given == ({True} if policy_thread else {True, False})  # inline: None at a begin only
+        assert "failed" not in caplog.text
+        stats = engine.offload.stats()
+        assert stats["policy_s"] > 0 and stats["lookups"] > 0
+        engine.offload.cache.check_integrity()
+    finally:
+        engine.offload.close()
+
+
+@pytest.mark.parametrize("policy_thread", [True, False], ids=["beside", "inline"])
+@pytest.mark.parametrize("method", ["begin_iteration", "observe_layer", "prefetch_plan", "end_iteration"])
+def test_a_policy_that_raises_costs_prefetching_never_a_request(method, policy_thread, tiny_model_dir, resident,
+                                                                 caplog):
+    engine = _engine(tiny_model_dir, expert_cache_fraction=0.25, offload_policy="finemoe",
+                     offload_policy_thread=policy_thread)
+    policy = engine.offload.policy
+    calls = 0
+    original = getattr(policy, method)
+
+    def sometimes_raising(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls % 3 == 0:
+            raise RuntimeError(f"{method} broke")
+        return original(*args, **kwargs)
+
+    setattr(policy, method, sometimes_raising)
+    try:
+        with caplog.at_level(logging.ERROR):
+            _assert_same(_run(engine), resident["qwen3_moe"])
+            engine.offload.drain()
+        assert f"{method} broke" in caplog.text
+        assert engine.step() == [] and not engine.has_unfinished_requests()  # the engine goes on
+        engine.offload.cache.check_integrity()
+    finally:
+        engine.offload.close()
+    # Closed: the policy's thread is gone; its jobs would run inline, none is left.
+    assert engine.offload._worker is None or not engine.offload._worker.busy
+
+
 def test_the_pytorch_path_without_the_grouped_kernel_gives_the_resident_outputs(tiny_model_dirs, resident,
                                                                                 monkeypatch):
     # Where the grouped kernel does not serve a call (no compiler, ELASTICMOE_KERNELS=0), rows go
@@ -114,6 +190,7 @@ def test_finemoe_is_given_each_iterations_semantic_embedding(semantic, tiny_mode
     try:
         prompt = [5, 6, 7, 8, 9, 10]
         tokens, _ = _run(engine, [prompt])
+        engine.offload.drain()  # the policy's last calls may still run beside the forward
         embed = engine.model.embed.float()
         prompt_mean = embed[prompt].mean(dim=0)
         fed = [embed[t] for t in tokens["0"][:-1]]  # the last token is sampled, never fed
