@@ -219,6 +219,17 @@ def test_a_request_whose_adapter_came_back_for_another_request_gets_its_slot(evi
     assert second_a.is_ready
 
 
+def admit_check_and_finish_some(swapper, rng: random.Random) -> None:
+    """One step of the randomised liveness tests: admit what may start; every running request must
+    hold its adapter's slot; some of them finish."""
+    sched = swapper.scheduler
+    sched.schedule()
+    for r in list(sched.running):
+        assert swapper.lora.index(r.binding.name) == r.binding.lora_slot
+        if rng.random() < 0.4:
+            sched.finish(r)
+
+
 @pytest.mark.parametrize("eviction", ["coserve", "lru", "fifo"])
 @pytest.mark.parametrize("background", [False, True])
 def test_every_request_is_served_whatever_the_order_of_events(eviction, background):
@@ -238,11 +249,7 @@ def test_every_request_is_served_whatever_the_order_of_events(eviction, backgrou
             if arrivals and rng.random() < 0.6:
                 submit(swapper, arrivals.pop())
             assert swapper.swap_in() == []
-            swapper.scheduler.schedule()
-            for r in list(swapper.scheduler.running):
-                assert swapper.lora.index(r.binding.name) == r.binding.lora_slot
-                if rng.random() < 0.4:
-                    swapper.scheduler.finish(r)
+            admit_check_and_finish_some(swapper, rng)
             if rng.random() < 0.5:
                 swapper.preload()
             if not arrivals and not swapper.scheduler.has_unfinished():
@@ -432,12 +439,7 @@ def test_every_rank_of_the_group_serves_every_request_with_the_same_slots(evicti
             assert ranks[0].swapper.lora.slot_of == ranks[1].swapper.lora.slot_of
             for rank in ranks:
                 rank.swapper.swap_in()  # the rank's own pass: assigns only, under lockstep
-                sched = rank.swapper.scheduler
-                sched.schedule()
-                for r in list(sched.running):
-                    assert rank.swapper.lora.index(r.binding.name) == r.binding.lora_slot
-                    if rng.random() < 0.4:
-                        sched.finish(r)
+                admit_check_and_finish_some(rank.swapper, rng)
             if not any(arrivals) and not any(rank.swapper.scheduler.has_unfinished() for rank in ranks):
                 break
         else:
