@@ -127,7 +127,7 @@ class ServeSettings(BaseModel):
     offload_policy: Literal["finemoe", "lru", "lfu", "on_demand"] = Field(
         "finemoe", description="what the expert cache prefetches and evicts: finemoe (expert maps, semantic and "
         "trajectory search), lru (Mixtral-Offloading: next-layer speculation), lfu (MoE-Infinity: request-level "
-        "activation matrices) or on_demand (no prefetching)")
+        "activation matrices) or on_demand (no prefetching); docs/operations.md says which to pick")
     offload_prefetch_distance: int = Field(
         1, description="how many layers ahead finemoe and lfu predict and prefetch (FineMoE's d)",
         json_schema_extra=cli(metavar="D"))
