@@ -110,7 +110,8 @@ class ExpertOffload:
             job()
             return
         # Held until this layer's `ensure` (`run_experts`) has taken what it needs: the job's plan is
-        # for later layers, and started now it would hold the cache's lock against that `ensure`.
+        # for later layers, and started now it would hold the cache's lock against that `ensure`. A
+        # rank that computes no row of the layer (EP) releases it at the next router or step end.
         self._release_deferred()
         self._deferred = job
 
