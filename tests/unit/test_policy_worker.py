@@ -4,7 +4,11 @@ logged and passed over, nothing lost at close or after it."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 from elasticmoe.engine.policy_worker import PolicyWorker
 
@@ -63,3 +67,21 @@ def test_jobs_left_by_a_dead_thread_run_on_the_caller_at_drain():
     worker._submitted += 1
     worker.drain()
     assert ran == ["left"] and not worker.busy
+
+
+def test_an_interpreter_exits_with_jobs_queued_and_one_running():
+    # A daemon thread: a process that ends (the engine never closed) neither hangs on it nor fails.
+    script = textwrap.dedent("""
+        import time
+        from elasticmoe.engine.policy_worker import PolicyWorker
+        worker = PolicyWorker()
+        worker.submit(lambda: time.sleep(30))
+        for _ in range(100):
+            worker.submit(lambda: None)
+        time.sleep(0.1)
+        print("exiting", flush=True)
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exiting" and time.monotonic() - started < 30
