@@ -31,6 +31,7 @@ falls back to visit counts (LFU), which is what `1 / (p * freq)` does with `p` e
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -46,18 +47,38 @@ from elasticmoe.offload.selection import eviction_priority, minimum_expert_sets,
 
 
 class SearchLog:
-    """Similarity scores of the searches made (the paper's Fig. 16a reports their means)."""
+    """Similarity scores of the searches made (the paper's Fig. 16a reports their means): the means
+    over every search, and the most recent `keep` scores of each kind. Bounded: a serving engine
+    searches once per MoE layer and request of every iteration, for as long as it runs (a list of
+    every score grew by ~0.3 KB per output token, gigabytes a day)."""
 
-    def __init__(self) -> None:
-        self.semantic: list[float] = []
-        self.trajectory: list[float] = []
+    KEEP = 4096
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.semantic: deque[float] = deque(maxlen=keep)
+        self.trajectory: deque[float] = deque(maxlen=keep)
+        self._sums = {"semantic": 0.0, "trajectory": 0.0}
+        self._counts = {"semantic": 0, "trajectory": 0}
+
+    def add_semantic(self, scores: np.ndarray) -> None:
+        self._add("semantic", self.semantic, scores)
+
+    def add_trajectory(self, scores: np.ndarray) -> None:
+        self._add("trajectory", self.trajectory, scores)
+
+    def _add(self, kind: str, recent: deque[float], scores: np.ndarray) -> None:
+        values = scores.tolist()
+        recent.extend(values)
+        self._sums[kind] += sum(values)
+        self._counts[kind] += len(values)
 
     def summary(self) -> dict[str, float | None]:
-        def mean(values: list[float]) -> float | None:
-            return sum(values) / len(values) if values else None
+        def mean(kind: str) -> float | None:
+            return self._sums[kind] / self._counts[kind] if self._counts[kind] else None
 
-        return {"mean_semantic_score": mean(self.semantic), "mean_trajectory_score": mean(self.trajectory),
-                "num_semantic_searches": len(self.semantic), "num_trajectory_searches": len(self.trajectory)}
+        return {"mean_semantic_score": mean("semantic"), "mean_trajectory_score": mean("trajectory"),
+                "num_semantic_searches": self._counts["semantic"],
+                "num_trajectory_searches": self._counts["trajectory"]}
 
 
 class FineMoEPolicy:
@@ -102,7 +123,7 @@ class FineMoEPolicy:
         self._trajectory = self.store.trajectory_search(len(requests))
         index, scores = self.store.best_semantic(np.stack([r.embedding.float().numpy() for r in requests]))
         self.store.mark_matched(index)
-        self.search_log.semantic += scores.tolist()
+        self.search_log.add_semantic(scores)
         self._planner = self._trajectory.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
                                                  self._planned_probs, self._guide)
         first_layers = range(min(cfg.prefetch_distance, cfg.num_layers))
@@ -131,14 +152,14 @@ class FineMoEPolicy:
             index, best = self._planner.observe(target)
             if target is not None:
                 self.store.mark_matched(index)
-            self.search_log.trajectory += best.tolist()
+            self.search_log.add_trajectory(best)
             return
         self._trajectory.add(self._observed[:, layer])
         if target is None:
             return
         index, best = self._trajectory.best()
         self.store.mark_matched(index)
-        self.search_log.trajectory += best.tolist()
+        self.search_log.add_trajectory(best)
         maps = self._trajectory.layers_from(index, target)  # [L - target, B, E]
         self._plan_layer(target, maps[0], best)
         self._guide[target:] = maps.max(axis=1)

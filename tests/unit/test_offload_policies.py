@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from elasticmoe.offload import POLICIES, CacheState, PolicyConfig, RequestContext, make_policy
-from elasticmoe.offload.finemoe import FineMoEPolicy
+from elasticmoe.offload.finemoe import FineMoEPolicy, SearchLog
 from elasticmoe.offload.lfu import LFUPolicy, count_activations
 from elasticmoe.offload.lru import LRUPolicy, OnDemandPolicy, speculative_guess
 from elasticmoe.offload.routing_map import RoutingMapRecord
@@ -216,3 +217,16 @@ def test_config_and_context_validation():
         RequestContext("r", 0, torch.ones(2))
     with pytest.raises(ValueError, match="embedding"):
         RequestContext("r", 1, torch.ones(2, 2))
+
+
+def test_the_search_log_keeps_its_means_over_every_search_and_only_the_latest_scores():
+    # A server searches per layer and request for days: the log must not grow with them.
+    log = SearchLog(keep=5)
+    for i in range(1000):
+        log.add_trajectory(np.array([i % 2, 1.0], dtype=np.float32))
+    log.add_semantic(np.array([0.25], dtype=np.float32))
+    assert list(log.trajectory) == [1.0, 0.0, 1.0, 1.0, 1.0] and list(log.semantic) == [0.25]
+    summary = log.summary()
+    assert summary["num_trajectory_searches"] == 2000 and summary["mean_trajectory_score"] == pytest.approx(0.75)
+    assert summary["num_semantic_searches"] == 1 and summary["mean_semantic_score"] == pytest.approx(0.25)
+    assert SearchLog().summary()["mean_trajectory_score"] is None
