@@ -52,7 +52,7 @@ class SearchLog:
     searches once per MoE layer and request of every iteration, for as long as it runs (a list of
     every score grew by ~0.3 KB per output token, gigabytes a day)."""
 
-    KEEP = 4096
+    KEEP = 1024
 
     def __init__(self, keep: int = KEEP) -> None:
         self.semantic: deque[float] = deque(maxlen=keep)
