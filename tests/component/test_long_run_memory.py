@@ -16,11 +16,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from elasticmoe.config import EngineConfig
+from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.async_llm import AsyncLLM
 from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.tools.make_lora_adapter import make_lora_adapter
 
 STRETCH = 160  # requests per measured stretch: ~1,300 output tokens
 # Left behind by a stretch that leaks nothing: the tensors and arrays alive at the snapshot (the
@@ -71,6 +73,33 @@ def test_an_engine_serving_request_after_request_does_not_grow(offload, tiny_mod
     finally:
         if engine.offload is not None:
             engine.offload.close()
+    assert growth < ALLOWED_GROWTH, "\n".join(top)
+
+
+def test_an_engine_swapping_lora_adapters_does_not_grow(tiny_model_dir, tmp_path):
+    # Four adapters over two slots, requests for each and for the base model in turn: nearly every
+    # batch swaps, evicts and counts usage.
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_threads=1, max_loras=2,
+                                    max_lora_rank=2, max_cpu_loras=4))
+    names = [f"lora-{k}" for k in range(4)]
+    for k, name in enumerate(names):
+        adapter = LoraAdapter.open(name, make_lora_adapter(tiny_model_dir, str(tmp_path / name), rank=2,
+                                                           target_modules=("q_proj", "v_proj"), seed=k + 1), cfg)
+        engine.adapters.load_lora(name, adapter.modules, adapter.weights, adapter.config.scaling)
+    counter = iter(range(10**9))
+
+    def run_stretch(count: int) -> None:
+        for _ in range(count // 4):
+            for _ in range(4):
+                i = next(counter)
+                adapter = None if i % 5 == 4 else names[(i // 3) % 4]
+                engine.add_request(f"r{i}", [5 + i % 50, 6, 7], _params(i), adapter)
+            while engine.has_unfinished_requests():
+                engine.step()
+
+    growth, top = _growth(run_stretch)
+    assert engine.adapters.stats()["evictions"] > STRETCH // 4  # it did swap
     assert growth < ALLOWED_GROWTH, "\n".join(top)
 
 
