@@ -347,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             1000 * ondemand_bytes / (args.link_gbps * 1e9) / max(row["output_tokens"], 1), 3)
     report = {
         "bench": "offload", "model": args.model, "batch": args.batch, "max_tokens": args.max_tokens,
-        "semantic": args.semantic, "policy_thread": not args.policy_inline, "warmup": args.warmup, "requests": args.requests, "threads": args.threads,
-        "rounds": args.rounds,
+        "semantic": args.semantic, "policy_thread": not args.policy_inline, "warmup": args.warmup,
+        "requests": args.requests, "threads": args.threads, "rounds": args.rounds,
         "resident_tpot_p50_ms": resident_tpot, "transfers": transfers, "runs": rows,
     }
     if args.plot:
