@@ -18,6 +18,23 @@ def complete_step(sched_out) -> None:
             request.token_ids.append(1)
 
 
+def test_the_blocks_freed_last_are_handed_out_first():
+    # A pool's pages take memory on first touch: one request after another must reuse the same
+    # blocks, not walk through the whole pool (the server's memory grew with every request).
+    bm = BlockManager(num_blocks=64, block_size=4)
+    first = make_request("first", 8)
+    assert bm.allocate_slots(first, 8) and first.block_ids == [0, 1]  # a fresh pool: from block 0
+    touched = set(first.block_ids)
+    bm.free(first)
+    for i in range(100):
+        r = make_request(f"r{i}", 5 + i % 4)
+        assert bm.allocate_slots(r, r.num_tokens)
+        touched.update(r.block_ids)
+        bm.free(r)
+    assert touched == {0, 1}
+    bm.check_integrity([])
+
+
 def test_block_manager_allocates_and_frees_exactly():
     bm = BlockManager(num_blocks=4, block_size=4)
     r = make_request("a", 5)
