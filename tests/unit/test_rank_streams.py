@@ -207,3 +207,13 @@ def test_one_channel_per_rank_while_it_is_in_use():
         assert list(channels._channels) == [other]
 
     run(main())
+
+
+def test_the_calls_made_once_per_request_record_no_ray_task_events():
+    # The GCS keeps every task's events (up to 100,000): one per request grew its memory by ~3 KB
+    # a request served. The long-lived stream and the periodic calls keep theirs.
+    from imm.rank import InstanceRank
+
+    for name in ("submit", "resume_into", "abort", "generate", "resume"):
+        assert getattr(InstanceRank, name).__ray_enable_task_events__ is False, name
+    assert not hasattr(InstanceRank.outputs, "__ray_enable_task_events__")
