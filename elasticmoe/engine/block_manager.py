@@ -21,7 +21,7 @@ class BlockManager:
     fresh pool). A pool's pages take memory on first touch (`kv_cache.LocalKVProvider`, the HMM's
     mappings), so reusing the blocks just freed keeps a server's resident memory at the KV it
     has used at once. Handed out oldest-freed first, the blocks cycled through the whole pool:
-    the server's memory grew with every request (~15-30 KB each on the tiny model) until the
+    the server's memory grew with every request (~10-20 KB each on the tiny model) until the
     whole KV budget was resident, which looks like a leak. Recent blocks are also still in cache.
     """
 
