@@ -19,8 +19,9 @@ The policy's work runs on a thread beside the forward (`policy_worker`), in orde
 iteration's begin (its search and first plan) while the forward embeds and runs layer 0's
 attention; each layer's observation and plan once that layer's experts are ensured, while the
 forward runs their GEMM and the next layer's attention (both release the GIL); the iteration's
-end. The forward never waits for it: a lookup takes whatever the cache holds when it comes, and
-the cache's lock keeps the two consistent. On the trained small model at batch 1 the forward's
+end. The forward never waits for its plans: a lookup takes whatever the cache holds when it
+comes, and the cache's lock keeps the two consistent (a lookup may wait on it for a job in
+progress). On the trained small model at batch 1 the forward's
 time in the policy's hooks fell from ~1.5 ms per output token to ~0.1 ms, and TPOT by less (the
 two threads still share the GIL): docs/offload.md, "The policy beside the forward".
 `EngineConfig.offload_policy_thread=False` runs the same jobs on the forward thread, each
