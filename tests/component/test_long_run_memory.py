@@ -24,10 +24,10 @@ from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter
 
-STRETCH = 160  # requests per measured stretch: ~1,300 output tokens
+STRETCH = 128  # requests per measured stretch: ~1,000 output tokens
 # Left behind by a stretch that leaks nothing: the tensors and arrays alive at the snapshot (the
 # last step's, the allocator's caches) differ by 17-34 KiB between two snapshots. The search log's
-# leak left 117 KiB per stretch here.
+# leak left 117 KiB per stretch of 160 requests here (~94 KiB per 128).
 ALLOWED_GROWTH = 64 << 10
 
 
@@ -54,7 +54,7 @@ def _params(i: int) -> SamplingParams:
                           logprobs=2 if i % 3 == 0 else None, seed=i)
 
 
-@pytest.mark.parametrize("offload", [None, "finemoe"])
+@pytest.mark.parametrize("offload", ["finemoe"])  # resident: the async loop test below
 def test_an_engine_serving_request_after_request_does_not_grow(offload, tiny_model_dir):
     extra = {} if offload is None else {"expert_cache_fraction": 0.25, "offload_policy": offload}
     engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32, num_threads=1, **extra))
