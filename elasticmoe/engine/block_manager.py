@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 from elasticmoe.engine.request import Request
 
 
@@ -28,7 +26,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
+        self.free_block_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes block 0 first
         self.ref_counts = [0] * num_blocks
 
     @property
@@ -61,7 +59,7 @@ class BlockManager:
         wanted = set(block_ids)
         if len(wanted) != len(block_ids) or any(self.ref_counts[b] for b in wanted):
             raise ValueError("claim: blocks must be distinct and free")
-        self.free_block_ids = deque(b for b in self.free_block_ids if b not in wanted)
+        self.free_block_ids = [b for b in self.free_block_ids if b not in wanted]
         for b in block_ids:
             self.ref_counts[b] = 1
 
