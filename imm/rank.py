@@ -260,9 +260,7 @@ class InstanceRank:
 
     # ---- serving: batched, one stream per subscriber ------------------------------------
 
-    # NOTE: the calls made once per request record no Ray task events: the GCS keeps up to 100,000
-    # of them (~3 KB each here), so they grew its memory with every request served (~5 MB per
-    # 1,600 requests) and told an operator nothing the server's own metrics do not.
+    # NOTE: per-request calls record no Ray task events: the GCS kept them (docs/resilience.md).
     @ray.method(enable_task_events=False)  # type: ignore[call-arg]
     async def submit(self, request: EngineRequest, subscriber: str) -> None:
         """Start `request`; its items go to `subscriber`'s stream (`outputs`). Raises `RankPaused`
