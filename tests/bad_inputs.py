@@ -74,6 +74,11 @@ CASES: list[Case] = [
     _c("n-0", {"n": 0}, param="n"),
     _c("n-2^70", {"n": BIG}, param="n"),
     _c("echo", {"echo": True}, param="echo"),
+    # ---- parameters this server does not implement: refused by name, never silently ignored
+    _c("logit_bias", {"logit_bias": {"5": 100}}, param="logit_bias"),
+    _c("presence_penalty", {"presence_penalty": 1.5}, param="presence_penalty"),
+    _c("best_of-3", {"best_of": 3}, param="best_of"),
+    _c("prompt-two-token-lists", {"prompt": [[5, 6], [7]]}, param="prompt"),
     # ---- stop conditions
     _c("stop-five", {"stop": ["a", "b", "c", "d", "e"]}, param="stop"),
     _c("stop-empty", {"stop": ""}, param="stop"),
@@ -99,7 +104,7 @@ CASES: list[Case] = [
     _c("prompt-surrogate-in-list", _raw(f'{{"model": "{MODEL}", "prompt": ["\\udfff"]}}'), param="prompt"),
     _c("prompt-number", {"prompt": 123}, param="prompt"),
     _c("prompt-object", {"prompt": {"a": 1}}, param="prompt"),
-    _c("prompt-nested-list", {"prompt": [[1, 2]]}, param="prompt"),
+    _c("prompt-nested-list", {"prompt": [[1, [2]]]}, param="prompt"),
     _c("prompt-past-context", {"prompt": [5] * (CONTEXT + 10)}, param="prompt"),
     _c("prompt-text-past-context", {"prompt": "word " * 4000}, param="prompt"),
     _c("prompt-3.9MB", {"prompt": "expert " * 557_000}, param="prompt"),  # refused before tokenizing
@@ -157,6 +162,9 @@ CASES: list[Case] = [
     _chat("chat-max_completion_tokens-2^40", {"max_completion_tokens": 2**40}, param="max_completion_tokens"),
     _chat("chat-max_tokens-0", {"max_tokens": 0}, param="max_tokens"),
     _chat("chat-n-3", {"n": 3}, param="n"),
+    _chat("chat-response_format-json", {"response_format": {"type": "json_object"}}, param="response_format"),
+    _chat("chat-tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, param="tools"),
+    _chat("chat-frequency_penalty", {"frequency_penalty": 0.5}, param="frequency_penalty"),
     _chat("chat-seed-2^64", {"seed": 2**64}, param="seed"),
     _chat("chat-top_k-2^70", {"top_k": BIG}, param="top_k"),
     _chat("chat-model-unknown", {"model": "gpt-nope"}, status=404, param="model"),

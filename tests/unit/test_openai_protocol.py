@@ -35,7 +35,7 @@ MODEL = "fake"
 
 @pytest.mark.parametrize(
     "prompt,expected",
-    [("hi there", "hi there"), (["hi there"], "hi there"), ([5, 6, 7], [5, 6, 7])],
+    [("hi there", "hi there"), (["hi there"], "hi there"), ([5, 6, 7], [5, 6, 7]), ([[5, 6, 7]], [5, 6, 7])],
 )
 def test_prompt_forms(prompt, expected):
     assert CompletionRequest(model=MODEL, prompt=prompt).engine_prompt == expected
@@ -47,6 +47,9 @@ def test_prompt_forms(prompt, expected):
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [[1, -2]]}, "prompt"),
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "temperature": 2.5}, "temperature"),
@@ -125,8 +128,59 @@ def test_chat_to_sampling_params():
 
 
 def test_unknown_fields_are_ignored():
-    req = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "presence_penalty": 0, "foo": 1})
+    req = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "foo": 1, "metadata": {"a": "b"}})
     assert req.prompt == "x"
+
+
+@pytest.mark.parametrize("request_class,body", [
+    (CompletionRequest, {"prompt": "x"}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+])
+@pytest.mark.parametrize("field,value", [
+    ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
+    ("min_tokens", 3), ("min_p", 0.1), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
+    ("include_stop_str_in_output", True), ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
+    ("structured_outputs", {"regex": "a+"}),
+])
+def test_unimplemented_parameters_are_refused_by_name_unless_neutral(request_class, body, field, value):
+    """An output-changing parameter the server does not implement is a 400 naming it, never ignored
+    (the answer would silently lack what was asked for); null or a neutral value is accepted."""
+    with pytest.raises(ValidationError) as info:
+        request_class.model_validate({"model": MODEL, **body, field: value})
+    err = _as_http_error(info.value)
+    assert (err.status_code, err.param) == (400, field)
+    assert "not supported" in str(err.message)
+    request_class.model_validate({"model": MODEL, **body, field: None})
+
+
+@pytest.mark.parametrize("request_class,body,field,value", [
+    (CompletionRequest, {"prompt": "x"}, "best_of", 2),
+    (CompletionRequest, {"prompt": "x"}, "suffix", "tail"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "response_format", {"type": "json_object"}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "tools",
+     [{"type": "function", "function": {"name": "f"}}]),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "tool_choice", "required"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "functions", [{"name": "f"}]),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "function_call", {"name": "f"}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "modalities", ["text", "audio"]),
+])
+def test_unimplemented_parameters_of_one_endpoint_are_refused_by_name(request_class, body, field, value):
+    with pytest.raises(ValidationError) as info:
+        request_class.model_validate({"model": MODEL, **body, field: value})
+    assert _as_http_error(info.value).param == field
+
+
+@pytest.mark.parametrize("extra", [
+    {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+     "min_p": 0, "bad_words": [], "include_stop_str_in_output": False, "best_of": 1, "suffix": ""},
+])
+def test_neutral_values_of_unimplemented_parameters_are_accepted(extra):
+    """What SDKs send by default (e.g. a penalty of 0) asks for nothing, so it is served."""
+    CompletionRequest.model_validate({"model": MODEL, "prompt": "x", **extra})
+    chat = {k: v for k, v in extra.items() if k not in ("best_of", "suffix")}
+    ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "x"}], **chat,
+                                          "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                                          "function_call": "auto", "modalities": ["text"]})
 
 
 # ---------------------------------------------------------------- errors and SSE

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from elasticmoe.entrypoints.openai import not_implemented
 from elasticmoe.sampling_params import (
     MAX_INT32,
     MAX_LOGPROBS,
@@ -68,7 +69,8 @@ def first_unencodable_field(body: Any) -> str | None:
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored (as vLLM does) so that SDKs sending newer options keep working.
+    # Unknown fields are ignored (as vLLM does) so that SDKs sending newer options keep working;
+    # known ones this server does not implement are refused (`not_implemented`).
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -126,6 +128,12 @@ class _SamplingFields(_Request):
         default=None, max_length=MAX_NAME_CHARS, description="End-user identifier (accepted, not used)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        not_implemented.refuse(data, not_implemented.SHARED)
+        return data
+
     @field_validator("n", mode="before")
     @classmethod
     def _only_one_choice(cls, v: Any) -> Any:
@@ -173,7 +181,8 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[Annotated[int, Field(ge=0, le=MAX_INT32)]] = Field(
         max_length=MAX_PROMPT_TOKEN_IDS,
-        description="The prompt: a string, a list holding exactly one string, or a list of token ids.",
+        description="The prompt: a string, a list holding exactly one string, a list of token ids, or a list "
+        "holding exactly one list of token ids.",
     )
     max_tokens: int | None = Field(
         default=16, ge=1, le=MAX_INT32, description="Maximum number of tokens to generate."
@@ -188,10 +197,20 @@ class CompletionRequest(_SamplingFields):
         default=False, strict=True, description="Echo the prompt in the completion; not supported (must be false)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented_here(cls, data: Any) -> Any:
+        not_implemented.refuse(data, not_implemented.COMPLETIONS)
+        return data
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _token_ids_in_range(cls, v: Any) -> Any:
         # Before the union's own checks, whose first error would be "should be a valid string".
+        if isinstance(v, list) and v and all(isinstance(p, list) for p in v):  # a batch of token-id prompts
+            if len(v) != 1:
+                raise SamplingParamError("prompt", f"only one prompt per request is supported, got {len(v)}")
+            v = v[0]  # OpenAI's form of one token-id prompt as a batch of one
         if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             if not all(0 <= t <= MAX_INT32 for t in v):
                 raise SamplingParamError("prompt", f"token ids must be integers in [0, {MAX_INT32}]")
@@ -279,6 +298,12 @@ class ChatCompletionRequest(_SamplingFields):
         le=MAX_LOGPROBS,
         description="Number of most likely alternatives per position (needs logprobs).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented_here(cls, data: Any) -> Any:
+        not_implemented.refuse(data, not_implemented.CHAT)
+        return data
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -1,0 +1,60 @@
+"""Parameters of the OpenAI API (and of vLLM's extensions to it) that change what a request returns
+and that this server does not implement.
+
+Each comes with the values that ask for nothing besides null (a penalty of 0, `best_of` 1, no
+tools). Any other value is refused with a 400 naming the field. Ignored, a request for a penalty,
+a bias, a JSON format or a tool call would get an answer made without it, and its client could
+not tell. Fields the API does not know at all are still ignored (`protocol._Request`): an SDK
+that sends a newer option keeps working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elasticmoe.sampling_params import SamplingParamError
+
+# Both endpoints.
+SHARED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_tokens": (0,),
+    "min_p": (0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "include_stop_str_in_output": (False,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+}
+# /v1/completions only.
+COMPLETIONS: dict[str, tuple[Any, ...]] = {"best_of": (1,), "suffix": ("",)}
+# /v1/chat/completions only.
+CHAT: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # with no tools, both mean: answer in text
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "modalities": (["text"],),
+    "audio": (),
+}
+
+
+def refuse(data: Any, table: dict[str, tuple[Any, ...]]) -> None:
+    """Raise `SamplingParamError` for the first parameter of `table` that the raw request body
+    `data` sets to anything but null or one of its neutral values."""
+    if not isinstance(data, dict):
+        return
+    for name, neutral in table.items():
+        value = data.get(name)
+        if value is not None and value not in neutral:  # `in` compares by equality: 0 and 0.0 alike
+            allowed = " or ".join(["null", *(repr(n) for n in neutral)])
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise SamplingParamError(name, f"is not supported by this server: omit it or send {allowed} "
+                                           f"(got {shown})")
