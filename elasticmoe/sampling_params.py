@@ -17,6 +17,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator takes
 MAX_LOGPROBS = 20
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|: OpenAI's range
+MAX_LOGIT_BIAS = 100.0  # |bias| of one token: OpenAI's range (100 bans or forces a token)
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def _is_int(x: object) -> bool:
@@ -39,6 +42,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per sampled token
     skip_special_tokens: bool = True
+    # OpenAI's penalties on the output so far: each token's logit loses `frequency_penalty` per time
+    # it was generated, and `presence_penalty` once if it was.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,7 +79,25 @@ class SamplingParams:
                                          f"got {t!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingParamError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise SamplingParamError(name, f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        self.logit_bias = dict(self.logit_bias or {})
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise SamplingParamError("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or not 0 <= token <= MAX_INT32:
+                raise SamplingParamError("logit_bias", f"keys must be token ids in [0, {MAX_INT32}], got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise SamplingParamError("logit_bias", f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                         f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """The sampler changes this request's logits before choosing (penalties, bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)

@@ -47,7 +47,7 @@ def vllm_params(request: Request, eos_token_ids: tuple[int, ...]) -> VllmSamplin
     stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
     return VllmSamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=max(1, remaining),
-        stop_token_ids=stops, ignore_eos=True, logprobs=p.logprobs, detokenize=False,
+        stop_token_ids=stops, ignore_eos=True, logprobs=p.logprobs, logit_bias=p.logit_bias or None, detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -115,6 +115,14 @@ class VllmEngineCore:
             raise InvalidRequestError("resume", f"{len(output_ids)} output tokens already reach max_tokens")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"token ids must be < vocab size {self.vocab_size}")
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise InvalidRequestError("logit_bias", f"token ids must be < vocab size {self.vocab_size}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            # vLLM counts a request's output from where it was handed to it: after a handover or a
+            # resume the tokens before would escape the penalty, and the answer would change.
+            if getattr(params, name):
+                raise InvalidRequestError(name, "is not supported by the vLLM backend (a handover would change "
+                                          "what it counts); use the native backend")
         limit = self._max_model_len
         if len(token_ids) >= limit:
             raise InvalidRequestError("prompt", f"prompt has {len(token_ids)} tokens; the maximum context "

@@ -1,8 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling: penalties and logit bias, greedy, temperature, top-k, top-p, per-request
+seeds, logprobs.
 
-Rows are processed together; only seeded rows draw from their own generator.
-Logprobs are those of the model's distribution (before temperature/top-k/top-p),
-as the OpenAI API reports them.
+Rows are processed together; only seeded rows draw from their own generator. A row with
+penalties or a bias chooses from its adjusted logits (OpenAI's rule, as vLLM applies it: the
+penalties count the tokens generated so far, not the prompt's), greedy rows too.
+Logprobs are those of the model's distribution (before penalties, bias, temperature, top-k and
+top-p), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -34,6 +37,28 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
 
 
+def _adjusted_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """`logits` [N, V], or a copy with each adjusting row's penalties and bias applied:
+    `logit[t] - frequency_penalty * count[t] - presence_penalty * (count[t] > 0) + bias[t]`, where
+    `count[t]` is how often the request has generated token t (a resumed request's output included)."""
+    rows = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
+    if not rows:
+        return logits
+    adjusted = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        params, row = requests[i].params, adjusted[i]
+        if params.presence_penalty or params.frequency_penalty:
+            output = requests[i].output_token_ids
+            if output:
+                counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype))
+    return adjusted
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -49,13 +74,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         num_rows = logits.shape[0]
-        token_ids = logits.argmax(dim=-1)
+        chosen_from = _adjusted_logits(logits, requests)
+        token_ids = chosen_from.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows)
             params = [requests[i].params for i in random_rows]
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
-            scaled = logits[rows] / temps
+            scaled = chosen_from[rows] / temps
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
                 scaled = _apply_top_k_top_p(
                     scaled, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params])

@@ -2,7 +2,8 @@
 
 The oracle is the undisturbed run of the same request: the resumed engine recomputes the
 KV of the prompt + received tokens and must then stream the same tokens and the same text,
-nothing twice and nothing skipped, greedy or seeded (the seeded generator is replayed).
+nothing twice and nothing skipped, greedy or seeded (the seeded generator is replayed), with
+penalties too (they count the received tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ PARAMS = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
     "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True),
     "stop-string": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zzqq"]),
+    # the penalties count the output the client already has: a resumed request must count it too
+    "penalties": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.7,
+                                frequency_penalty=0.4, logit_bias={7: 2.0}),
+    "seeded-penalties": SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True, frequency_penalty=1.5),
 }
 
 

@@ -78,6 +78,29 @@ def test_completion_and_chat_with_usage(server):
     assert 1 <= body["usage"]["completion_tokens"] <= 6
 
 
+def test_penalties_and_logit_bias_reach_the_rank(server, tiny_model_dir):
+    """Through the ingress, the coordinator and the rank: a bias of 100 forces its token, and greedy
+    tokens under penalties equal an in-process engine's with the same parameters."""
+    from elasticmoe.llm import LLM
+    from elasticmoe.sampling_params import SamplingParams
+
+    llm = LLM(tiny_model_dir, dtype="float32")
+    forced = _post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0.7,
+                                               "logit_bias": {"42": 100}, "ignore_eos": True})
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["choices"][0]["text"] == llm.engine.tokenizer.decode([42] * 5)
+
+    prompt = [11, 22, 33, 44]
+    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                          "presence_penalty": 0.9, "frequency_penalty": 0.7, "logit_bias": {"9": 2.5}})
+    assert r.status_code == 200, r.text
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, presence_penalty=0.9,
+                            frequency_penalty=0.7, logit_bias={9: 2.5})
+    [expected] = llm.generate([prompt], params)
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert r.json()["choices"][0]["text"] == expected.text != plain.text
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_stream_equals_greedy_non_stream(server, path):
     base = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}

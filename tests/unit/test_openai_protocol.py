@@ -115,6 +115,25 @@ def test_completion_to_sampling_params():
     assert CompletionRequest(model=MODEL, prompt="x").to_sampling_params().max_tokens == 16  # OpenAI default
 
 
+def test_penalties_and_logit_bias_reach_the_sampling_params():
+    req = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "presence_penalty": 0.5,
+                                            "frequency_penalty": -1, "logit_bias": {"5": 10, "17": -100}})
+    p = req.to_sampling_params()
+    assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.5, -1.0, {5: 10.0, 17: -100.0})
+    assert p.adjusts_logits
+    assert not CompletionRequest(model=MODEL, prompt="x").to_sampling_params().adjusts_logits
+
+
+@pytest.mark.parametrize("bias,param", [
+    ({"x": 1}, "logit_bias"), ({"-3": 1}, "logit_bias"), ({"1.5": 1}, "logit_bias"), ({"\u0663": 1}, "logit_bias"),
+    ({"5": 100.5}, "logit_bias"), ({"5": -101}, "logit_bias"), ({"99999999999": 1}, "logit_bias"),
+])
+def test_bad_logit_bias_names_the_field(bias, param):
+    with pytest.raises(SamplingParamError) as info:
+        CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "logit_bias": bias}).to_sampling_params()
+    assert info.value.param == param
+
+
 def test_chat_to_sampling_params():
     msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     req = ChatCompletionRequest(model=MODEL, messages=msgs, max_tokens=5, max_completion_tokens=9)
@@ -137,7 +156,7 @@ def test_unknown_fields_are_ignored():
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
 ])
 @pytest.mark.parametrize("field,value", [
-    ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
+    ("repetition_penalty", 1.2),
     ("min_tokens", 3), ("min_p", 0.1), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
     ("include_stop_str_in_output", True), ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
     ("structured_outputs", {"regex": "a+"}),
@@ -171,7 +190,7 @@ def test_unimplemented_parameters_of_one_endpoint_are_refused_by_name(request_cl
 
 
 @pytest.mark.parametrize("extra", [
-    {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+    {"repetition_penalty": 1.0, "min_tokens": 0,
      "min_p": 0, "bad_words": [], "include_stop_str_in_output": False, "best_of": 1, "suffix": ""},
 ])
 def test_neutral_values_of_unimplemented_parameters_are_accepted(extra):

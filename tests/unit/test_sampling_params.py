@@ -16,6 +16,15 @@ from elasticmoe.sampling_params import SamplingParamError, SamplingParams
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(logprobs=21), "logprobs"),
         (dict(seed="x"), "seed"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(frequency_penalty=True), "frequency_penalty"),
+        (dict(logit_bias={5: 100.5}), "logit_bias"),
+        (dict(logit_bias={5: float("inf")}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, param):

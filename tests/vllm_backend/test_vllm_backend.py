@@ -121,6 +121,26 @@ def test_greedy_outputs_equal_vllm_run_directly(baseline, direct):
     assert all(len(t) == MAX_TOKENS and text for t, text in baseline)
 
 
+def test_logit_bias_reaches_vllm_through_the_backend(cluster, baseline):
+    """A bias of 100 forces its token and one of -100 bans the token vLLM chose first."""
+    banned = baseline[0][0][0]
+
+    async def body(client: RouterEngineClient) -> tuple[list[int], list[int]]:
+        async def tokens(bias: dict[int, float]) -> list[int]:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias=bias)
+            out = None
+            async for item in client.generate(EngineRequest(uuid.uuid4().hex, PROMPTS[0], params)):
+                out = item
+            assert out is not None and out.finished, out
+            return out.output_token_ids
+
+        return await tokens({42: 100.0}), await tokens({banned: -100.0})
+
+    forced, without_first = asyncio.run(_with_ingress(cluster, body))
+    assert forced == [42] * 6
+    assert banned not in without_first
+
+
 def test_the_vllm_head_sizes_we_check_are_vllms():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

@@ -134,6 +134,15 @@ def test_stop_strings_are_ours_and_stop_vllm(tokenizer):
     assert core.engine.aborted == ["r"] and not core.engine.live  # vLLM would have gone on
 
 
+def test_logit_bias_reaches_vllm(tokenizer):
+    from imm.vllm_core import vllm_params
+
+    core = make_core(tokenizer)
+    core.add(EngineRequest("r", [5], SamplingParams(temperature=0.0, max_tokens=8, logit_bias={7: -100.0})))
+    assert vllm_params(core.requests["r"], (EOS,)).logit_bias == {7: -100.0}
+    assert vllm_params(core.requests["r"], (EOS,)).presence_penalty == 0.0
+
+
 def test_eos_and_stop_token_ids_reach_vllm(tokenizer):
     core = make_core(tokenizer)
     core.add(EngineRequest("r", [5], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[7])))
@@ -151,6 +160,10 @@ def test_eos_and_stop_token_ids_reach_vllm(tokenizer):
         (EngineRequest("d", list(range(3, 3 + MAX_LEN)), PARAMS), "prompt"),
         (EngineRequest("e", [5] * 240, PARAMS), "max_tokens"),
         (EngineRequest("f", [5], PARAMS, adapter=AdapterRef("esft-a")), "model"),
+        (EngineRequest("g", [5], SamplingParams(max_tokens=4, logit_bias={VOCAB: 1.0})), "logit_bias"),
+        # vLLM would count the output only from where it got the request: a handover would change it
+        (EngineRequest("h", [5], SamplingParams(max_tokens=4, presence_penalty=0.5)), "presence_penalty"),
+        (EngineRequest("i", [5], SamplingParams(max_tokens=4, frequency_penalty=-0.5)), "frequency_penalty"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_field(tokenizer, request_, param):

@@ -1,11 +1,11 @@
 """Parameters of the OpenAI API (and of vLLM's extensions to it) that change what a request returns
 and that this server does not implement.
 
-Each comes with the values that ask for nothing besides null (a penalty of 0, `best_of` 1, no
-tools). Any other value is refused with a 400 naming the field. Ignored, a request for a penalty,
-a bias, a JSON format or a tool call would get an answer made without it, and its client could
-not tell. Fields the API does not know at all are still ignored (`protocol._Request`): an SDK
-that sends a newer option keeps working.
+Each comes with the values that ask for nothing besides null (a repetition penalty of 1,
+`best_of` 1, no tools). Any other value is refused with a 400 naming the field. Ignored, a
+request for a repetition penalty, a JSON format or a tool call would get an answer made without
+it, and its client could not tell. Fields the API does not know at all are still ignored
+(`protocol._Request`): an SDK that sends a newer option keeps working.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from elasticmoe.sampling_params import SamplingParamError
 
 # Both endpoints.
 SHARED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "repetition_penalty": (1,),
     "min_tokens": (0,),
     "min_p": (0,),

@@ -21,7 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from elasticmoe.entrypoints.openai import not_implemented
 from elasticmoe.sampling_params import (
     MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
+    MAX_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
     SEED_MAX,
@@ -127,6 +130,19 @@ class _SamplingFields(_Request):
     user: str | None = Field(
         default=None, max_length=MAX_NAME_CHARS, description="End-user identifier (accepted, not used)."
     )
+    presence_penalty: float = Field(
+        default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        description="Subtracted once from the logit of every token the output holds so far.",
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        description="Subtracted from a token's logit once per time the output holds it so far.",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS_TOKENS,
+        description=f"Token id (as a string) -> a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] added to its "
+        "logit before sampling.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -173,7 +189,20 @@ class _SamplingFields(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=_token_biases(self.logit_bias),
         )
+
+
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's `logit_bias` (JSON keys are strings) with its keys as token ids."""
+    biases = {}
+    for key, bias in (logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise SamplingParamError("logit_bias", f"keys must be token ids (decimal integers), got {key[:20]!r}")
+        biases[int(key)] = bias
+    return biases
 
 
 class CompletionRequest(_SamplingFields):
