@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.coordinator_client import CoordinatorClient
 from coordinator.engine_client import RouterEngineClient
@@ -30,6 +30,10 @@ from elasticmoe.entrypoints.openai.drain import Drainer
 
 
 class AutoscalerUpdate(BaseModel):
+    # An admin request refuses fields it does not know: a typo, or a setting sent here that only a
+    # restart changes, must not look applied.
+    model_config = ConfigDict(extra="forbid")
+
     enabled: bool = Field(strict=True, description="true: (re)start deciding; false: stop.")
 
 

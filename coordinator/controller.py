@@ -148,7 +148,7 @@ class Coordinator:
     async def scale_event(self, event_id: str) -> dict[str, Any]:
         event = self.cluster.scale_events.get(event_id)
         if event is None:
-            raise OpenAIError(f"No scale event {event_id!r}.", status_code=404, param="event_id")
+            raise OpenAIError(f"No scale event {event_id[:64]!r}.", status_code=404, param="event_id")
         return event.to_dict()
 
     async def autoscaler(self) -> dict[str, Any]:

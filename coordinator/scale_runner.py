@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.scale_events import ScaleConflict
 from coordinator.strategies import DEFAULT_STRATEGY, STRATEGIES
@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # the ingress imports `ScaleRequest` from here: it need not l
 
 
 class ScaleRequest(BaseModel):
+    # An admin request refuses fields it does not know: a typo, or a setting sent here that only a
+    # restart changes, must not look applied.
+    model_config = ConfigDict(extra="forbid")
+
     dp: int = Field(strict=True, ge=1, le=MAX_INT32,
                     description="Target data-/expert-parallel degree (ranks, one per device).")
     strategy: str = Field(

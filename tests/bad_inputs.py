@@ -200,6 +200,8 @@ CASES: list[Case] = [
     ("adapter-usage-string", "POST", "/admin/adapters", {"name": "a", "path": "/tmp", "usage_probability": "hi"},
      400, "usage_probability"),
     ("adapter-unload-unknown", "DELETE", "/admin/adapters/nope", None, 404, "name"),
+    ("adapter-unknown-field", "POST", "/admin/adapters", {"name": "a", "path": "/tmp", "usage_probabilty": 0.5},
+     400, "usage_probabilty"),
 ]
 
 # Only the elastic server has these routes.
@@ -212,6 +214,9 @@ ELASTIC_CASES: list[Case] = [
     ("scale-strategy-unknown", "POST", "/admin/scale", {"dp": 1, "strategy": "nope"}, 400, "strategy"),
     ("scale-event-unknown", "GET", "/admin/scale/nope", None, 404, "event_id"),
     ("autoscaler-enabled-string", "POST", "/admin/autoscaler", {"enabled": "yes"}, 400, "enabled"),
+    # settings only a restart changes must not look applied
+    ("autoscaler-min_dp", "POST", "/admin/autoscaler", {"enabled": True, "min_dp": 2}, 400, "min_dp"),
+    ("scale-field-misspelt", "POST", "/admin/scale", {"dp": 1, "stratgy": "cold_restart"}, 400, "stratgy"),
 ]
 
 

@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from elasticmoe.adapters.kinds import adapter_kind
 from elasticmoe.entrypoints.openai.errors import OpenAIError
@@ -44,6 +44,10 @@ MAX_PATH_COMPONENT_BYTES = 255  # NAME_MAX
 
 
 class LoadAdapterRequest(BaseModel):
+    # An admin request refuses fields it does not know: a typo, or a setting sent here that only a
+    # restart changes, must not look applied.
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(min_length=1, max_length=128, pattern=_NAME_PATTERN,
                       description="Model id clients pass as `model` to use the adapter.")
     path: str = Field(min_length=1, max_length=MAX_PATH_CHARS,
@@ -116,7 +120,7 @@ def add_adapter_routes(app: FastAPI, host: AdapterHost, base_name: str) -> None:
         try:
             done = await host.unload(name)
         except UnknownAdapterError as exc:
-            raise OpenAIError(f"No adapter {name!r} is loaded.", status_code=HTTPStatus.NOT_FOUND,
+            raise OpenAIError(f"No adapter {name[:128]!r} is loaded.", status_code=HTTPStatus.NOT_FOUND,
                               param="name") from exc
         except AdapterConflictError as exc:  # others depend on it (learned routers over it)
             raise OpenAIError(str(unwrap_remote(exc)), status_code=HTTPStatus.CONFLICT, param="name") from exc
