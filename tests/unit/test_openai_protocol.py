@@ -88,6 +88,16 @@ def test_invalid_chat_requests_name_the_field(body, param):
     assert _as_http_error(info.value).param == param
 
 
+def test_a_non_text_content_part_is_named_as_such():
+    """Not pydantic's "Input should be a valid string" (the union's first member)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "image_url", "image_url": {}}]}]}
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    err = _as_http_error(info.value)
+    assert err.param == "messages" and "only text content parts" in str(err.message) and "image_url" in str(err.message)
+
+
 def _as_http_error(exc: ValidationError) -> OpenAIError:
     from fastapi.exceptions import RequestValidationError
 

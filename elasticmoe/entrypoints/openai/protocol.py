@@ -289,6 +289,18 @@ class ChatMessage(_Request):
         default=None, max_length=MAX_NAME_CHARS, description="Optional participant name (not used by the template)."
     )
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        # Before the union's own checks, whose first error would be "should be a valid string".
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise SamplingParamError("messages", f"only text content parts are supported, got a part of "
+                                             f"type {kind[:40]!r}")
+        return v
+
     @field_validator("content")
     @classmethod
     def _bounded_parts(cls, v: str | list[TextContentPart] | None) -> str | list[TextContentPart] | None:
