@@ -182,6 +182,19 @@ def test_unimplemented_parameters_are_refused_by_name_unless_neutral(request_cla
     request_class.model_validate({"model": MODEL, **body, field: None})
 
 
+def test_a_refused_value_is_shown_bounded_however_large_or_deep():
+    deep: list = []
+    inner = deep
+    for _ in range(5000):  # deeper than the interpreter's recursion limit
+        inner.append([])
+        inner = inner[0]
+    for value in (deep, list(range(100_000)), {"schema": "x" * 10_000}):
+        with pytest.raises(ValidationError) as info:
+            CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "guided_json": value})
+        err = _as_http_error(info.value)
+        assert err.param == "guided_json" and len(str(err.message)) < 300
+
+
 @pytest.mark.parametrize("request_class,body,field,value", [
     (CompletionRequest, {"prompt": "x"}, "best_of", 2),
     (CompletionRequest, {"prompt": "x"}, "suffix", "tail"),

@@ -10,9 +10,14 @@ it, and its client could not tell. Fields the API does not know at all are still
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 from elasticmoe.sampling_params import SamplingParamError
+
+# The refused value as the error shows it: bounded in length and depth (a body may nest deeply).
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 3, 60, 60, 8, 8
 
 # Both endpoints.
 SHARED: dict[str, tuple[Any, ...]] = {
@@ -52,6 +57,5 @@ def refuse(data: Any, table: dict[str, tuple[Any, ...]]) -> None:
         value = data.get(name)
         if value is not None and value not in neutral:  # `in` compares by equality: 0 and 0.0 alike
             allowed = " or ".join(["null", *(repr(n) for n in neutral)])
-            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise SamplingParamError(name, f"is not supported by this server: omit it or send {allowed} "
-                                           f"(got {shown})")
+                                           f"(got {_SHORT.repr(value)})")
