@@ -20,6 +20,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|: OpenAI's range
 MAX_LOGIT_BIAS = 100.0  # |bias| of one token: OpenAI's range (100 bans or forces a token)
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _is_int(x: object) -> bool:
@@ -47,6 +48,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # vLLM's and transformers' multiplicative penalty on every token of the prompt and output so far:
+    # a positive logit is divided by it, a negative one multiplied (1: off).
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +87,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise SamplingParamError(name, f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp <= MAX_REPETITION_PENALTY:
+            raise SamplingParamError("repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY:g}], "
+                                     f"got {rp!r}")
         self.logit_bias = dict(self.logit_bias or {})
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise SamplingParamError("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
@@ -100,4 +108,5 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """The sampler changes this request's logits before choosing (penalties, bias)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)

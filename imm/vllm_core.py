@@ -47,7 +47,8 @@ def vllm_params(request: Request, eos_token_ids: tuple[int, ...]) -> VllmSamplin
     stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
     return VllmSamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=max(1, remaining),
-        stop_token_ids=stops, ignore_eos=True, logprobs=p.logprobs, logit_bias=p.logit_bias or None, detokenize=False,
+        stop_token_ids=stops, ignore_eos=True, logprobs=p.logprobs, logit_bias=p.logit_bias or None,
+        repetition_penalty=p.repetition_penalty, detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -84,7 +84,8 @@ CASES: list[Case] = [
     _c("logit_bias-key-negative", {"logit_bias": {"-5": 1}}, param="logit_bias"),
     _c("logit_bias-2000-tokens", {"logit_bias": {str(i): 1 for i in range(2000)}}, param="logit_bias"),
     # ---- parameters this server does not implement: refused by name, never silently ignored
-    _c("repetition_penalty", {"repetition_penalty": 1.2}, param="repetition_penalty"),
+    _c("repetition_penalty-0", {"repetition_penalty": 0}, param="repetition_penalty"),
+    _c("min_p", {"min_p": 0.1}, param="min_p"),
     _c("best_of-3", {"best_of": 3}, param="best_of"),
     _c("prompt-two-token-lists", {"prompt": [[5, 6], [7]]}, param="prompt"),
     # ---- stop conditions

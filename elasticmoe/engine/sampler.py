@@ -2,8 +2,9 @@
 seeds, logprobs.
 
 Rows are processed together; only seeded rows draw from their own generator. A row with
-penalties or a bias chooses from its adjusted logits (OpenAI's rule, as vLLM applies it: the
-penalties count the tokens generated so far, not the prompt's), greedy rows too.
+penalties or a bias chooses from its adjusted logits, greedy rows too (OpenAI's presence and
+frequency penalties count the tokens generated so far, not the prompt's; vLLM's and transformers'
+repetition penalty every token of both).
 Logprobs are those of the model's distribution (before penalties, bias, temperature, top-k and
 top-p), as vLLM reports them by default.
 """
@@ -38,24 +39,32 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 def _adjusted_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """`logits` [N, V], or a copy with each adjusting row's penalties and bias applied:
-    `logit[t] - frequency_penalty * count[t] - presence_penalty * (count[t] > 0) + bias[t]`, where
-    `count[t]` is how often the request has generated token t (a resumed request's output included)."""
+    """`logits` [N, V], or a copy with each adjusting row's bias and penalties applied, in vLLM's
+    order: `logit[t] += bias[t]`; then for every token t of the prompt and the output so far,
+    `logit[t] /= repetition_penalty` if positive, else `*=`; then `logit[t] -= frequency_penalty *
+    count[t] + presence_penalty * (count[t] > 0)`, where `count[t]` is how often the request has
+    generated t (a resumed request's output included)."""
     rows = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
     if not rows:
         return logits
     adjusted = logits.clone()
     vocab = logits.shape[-1]
     for i in rows:
-        params, row = requests[i].params, adjusted[i]
-        if params.presence_penalty or params.frequency_penalty:
-            output = requests[i].output_token_ids
-            if output:
-                counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
-                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+        request, row = requests[i], adjusted[i]
+        params = request.params
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype))
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long)
+            values = row.index_select(0, seen)
+            row.index_copy_(0, seen, torch.where(values > 0, values / params.repetition_penalty,
+                                                 values * params.repetition_penalty))
+        if params.presence_penalty or params.frequency_penalty:
+            output = request.output_token_ids
+            if output:
+                counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
     return adjusted
 
 

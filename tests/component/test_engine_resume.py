@@ -24,7 +24,7 @@ PARAMS = {
     "stop-string": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zzqq"]),
     # the penalties count the output the client already has: a resumed request must count it too
     "penalties": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.7,
-                                frequency_penalty=0.4, logit_bias={7: 2.0}),
+                                frequency_penalty=0.4, logit_bias={7: 2.0}, repetition_penalty=1.2),
     "seeded-penalties": SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True, frequency_penalty=1.5),
 }
 

@@ -1,7 +1,7 @@
 """Oracle: greedy generation with OpenAI's presence and frequency penalties and a logit bias equals
 transformers' `generate` with the same rule as a logits processor (counts over the generated tokens
 only, as OpenAI and vLLM define them), for the three families; in the same batch a request without
-them is unchanged."""
+them is unchanged. The repetition penalty equals transformers' own `repetition_penalty`."""
 
 from __future__ import annotations
 
@@ -45,6 +45,29 @@ def _reference(hf, prompt: list[int], **adjustments) -> list[int]:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                           do_sample=False, logits_processor=processors)
     return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_repetition_penalty_matches_transformers_own(arch, tiny_model_dirs):
+    """transformers' `repetition_penalty` is the same rule over the prompt and the output."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dirs[arch]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32))
+    for i, (prompt, penalty) in enumerate(zip(PROMPTS, (1.3, 0.8), strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                          repetition_penalty=penalty))
+    ours: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ours[out.request_id] = out.output_token_ids
+    for i, (prompt, penalty) in enumerate(zip(PROMPTS, (1.3, 0.8), strict=True)):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                              do_sample=False, repetition_penalty=penalty)
+        assert ours[str(i)] == ref[0, len(prompt) :].tolist(), f"{arch}: prompt {i}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,7 +1,8 @@
-"""The sampler's penalties and logit bias against values computed by hand (OpenAI's rule:
-`logit[t] - frequency * count[t] - presence * (count[t] > 0) + bias[t]`, counts over the output
-generated so far, never the prompt's), and what they leave alone: other rows, the caller's
-logits, and the reported logprobs (the model's own distribution)."""
+"""The sampler's penalties and logit bias against values computed by hand, and what they leave
+alone: other rows, the caller's logits, and the reported logprobs (the model's own distribution).
+OpenAI's rule: `logit[t] - frequency * count[t] - presence * (count[t] > 0) + bias[t]`, counts over
+the output generated so far, never the prompt's. vLLM's order with its repetition penalty: the
+bias, then the repetition penalty on every token of the prompt and the output, then the two others."""
 
 from __future__ import annotations
 
@@ -57,3 +58,12 @@ def test_a_forced_token_wins_under_sampling_too():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     forced = Request("r", [0], 1, SamplingParams(temperature=1.0, logit_bias={0: 100.0}), 10_000)
     assert {sampler(logits, [forced]).token_ids[0] for _ in range(50)} == {0}
+
+
+def test_repetition_penalty_covers_prompt_and_output_after_the_bias():
+    logits = torch.tensor([[2.0, -2.0, 3.0, 1.0, -1.0, 0.5]])
+    # prompt holds 0 and 1, output holds 2 (twice) and 5; 3 and 4 are unseen
+    req = _request([0, 1], [2, 5, 2], repetition_penalty=2.0, frequency_penalty=0.5, logit_bias={5: -1.0, 3: 1.0})
+    got = _adjusted_logits(logits, [req])[0].tolist()
+    want = [2.0 / 2, -2.0 * 2, 3.0 / 2 - 2 * 0.5, 1.0 + 1.0, -1.0, (0.5 - 1.0) * 2 - 0.5]
+    assert all(math.isclose(g, w, abs_tol=1e-6) for g, w in zip(got, want, strict=True)), (got, want)

@@ -25,6 +25,10 @@ from elasticmoe.sampling_params import SamplingParamError, SamplingParams
         (dict(logit_bias={-1: 1.0}), "logit_bias"),
         (dict(logit_bias={"5": 1.0}), "logit_bias"),
         (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+        (dict(repetition_penalty=101.0), "repetition_penalty"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, param):

@@ -134,13 +134,16 @@ def test_stop_strings_are_ours_and_stop_vllm(tokenizer):
     assert core.engine.aborted == ["r"] and not core.engine.live  # vLLM would have gone on
 
 
-def test_logit_bias_reaches_vllm(tokenizer):
+def test_logit_bias_and_repetition_penalty_reach_vllm(tokenizer):
+    """Both mean the same after a handover: the bias has no state, and the repetition penalty covers
+    the prompt and the output, which vLLM then holds as its prompt."""
     from imm.vllm_core import vllm_params
 
     core = make_core(tokenizer)
-    core.add(EngineRequest("r", [5], SamplingParams(temperature=0.0, max_tokens=8, logit_bias={7: -100.0})))
-    assert vllm_params(core.requests["r"], (EOS,)).logit_bias == {7: -100.0}
-    assert vllm_params(core.requests["r"], (EOS,)).presence_penalty == 0.0
+    core.add(EngineRequest("r", [5], SamplingParams(temperature=0.0, max_tokens=8, logit_bias={7: -100.0},
+                                                    repetition_penalty=1.3)))
+    params = vllm_params(core.requests["r"], (EOS,))
+    assert (params.logit_bias, params.repetition_penalty, params.presence_penalty) == ({7: -100.0}, 1.3, 0.0)
 
 
 def test_eos_and_stop_token_ids_reach_vllm(tokenizer):

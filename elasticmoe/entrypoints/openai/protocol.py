@@ -25,6 +25,7 @@ from elasticmoe.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
     SEED_MAX,
@@ -138,6 +139,11 @@ class _SamplingFields(_Request):
         default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY,
         description="Subtracted from a token's logit once per time the output holds it so far.",
     )
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY,
+        description="Extension (vLLM, transformers): every token of the prompt and the output so far has a "
+        "positive logit divided by this, a negative one multiplied; 1 is off.",
+    )
     logit_bias: dict[str, float] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS_TOKENS,
         description=f"Token id (as a string) -> a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] added to its "
@@ -192,6 +198,7 @@ class _SamplingFields(_Request):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=_token_biases(self.logit_bias),
+            repetition_penalty=self.repetition_penalty,
         )
 
 
