@@ -101,6 +101,24 @@ def test_penalties_and_logit_bias_reach_the_rank(server, tiny_model_dir):
     assert r.json()["choices"][0]["text"] == expected.text != plain.text
 
 
+def test_n_choices_through_the_ingress(server):
+    """Each choice is a request of its own through the router: greedy choices equal the one-choice
+    answer, seeded ones its seed + i, and a stream carries both by index."""
+    base = {"prompt": [11, 22, 33], "max_tokens": 6, "ignore_eos": True}
+    one = _post(server, "/v1/completions", {**base, "temperature": 0}).json()["choices"][0]["text"]
+    two = _post(server, "/v1/completions", {**base, "temperature": 0, "n": 2}).json()
+    assert [c["text"] for c in two["choices"]] == [one, one] and two["usage"]["completion_tokens"] == 12
+    seeded = {**base, "temperature": 1.0, "seed": 3}
+    texts = [c["text"] for c in _post(server, "/v1/completions", {**seeded, "n": 2}).json()["choices"]]
+    assert texts == [_post(server, "/v1/completions", {**seeded, "seed": 3 + i}).json()["choices"][0]["text"]
+                     for i in range(2)]
+    chunks = _sse(_post(server, "/v1/completions", {**seeded, "n": 2, "stream": True}))
+    streamed = ["", ""]
+    for chunk in chunks:
+        streamed[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert streamed == texts
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_stream_equals_greedy_non_stream(server, path):
     base = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -155,7 +173,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": ["eos"]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "logprobs": 1000}, 400, "logprobs"),

@@ -213,7 +213,7 @@ def test_models_health_ready_metrics(server):
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "expert " * 3000}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "expert " * 3000}]},
@@ -254,6 +254,24 @@ def test_disconnect_mid_stream_aborts_the_request(server):
     # The connection is closed with ~1500 tokens still to go.
     server.wait_idle()
     assert request_id in server.aborted_ids
+
+
+def test_disconnect_mid_stream_aborts_every_choice(server):
+    body = {"model": MODEL, "prompt": "the stream", "stream": True, "n": 3, **LONG}
+    before = len(server.aborted_ids)
+    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen: set[int] = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: ") :])
+                seen.add(chunk["choices"][0]["index"])
+            if seen == {0, 1, 2}:
+                break
+    # The connection is closed with ~1500 tokens per choice still to go.
+    server.wait_idle()
+    request_id = chunk["id"]
+    assert sorted(server.aborted_ids[before:]) == [f"{request_id}-{i}" for i in range(3)]
 
 
 def test_disconnect_while_waiting_non_streaming_aborts_the_request(server):

@@ -50,7 +50,7 @@ def test_prompt_forms(prompt, expected):
         ({"prompt": [[1, 2], [3]]}, "prompt"),
         ({"prompt": [[]]}, "prompt"),
         ({"prompt": [[1, -2]]}, "prompt"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "temperature": 2.5}, "temperature"),
         ({"prompt": "x", "temperature": "hot"}, "temperature"),

@@ -39,6 +39,7 @@ MAX_NAME_CHARS = 256  # model, user, message names
 MAX_PROMPT_TOKEN_IDS = 1 << 20  # the engine then checks the model's context length
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256
+MAX_CHOICES = 16  # `n`: each choice is an engine request of its own, so n multiplies a request's cost
 
 
 def random_id(prefix: str) -> str:
@@ -114,7 +115,8 @@ class _SamplingFields(_Request):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = Field(
         default=None, max_length=MAX_STOP_TOKEN_IDS, description="Extension: token ids that end generation."
     )
-    n: int = Field(default=1, ge=1, le=1, description="Number of choices; only 1 is supported.")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description=f"Number of choices, 1 to {MAX_CHOICES}: each is "
+                   "sampled on its own (with a seed, choice i uses seed + i).")
     stream: bool = Field(default=False, strict=True, description="Stream partial results as server-sent events.")
     stream_options: StreamOptions | None = Field(
         default=None, description="Streaming options; only with stream=true."
@@ -155,13 +157,6 @@ class _SamplingFields(_Request):
     def _refuse_unimplemented(cls, data: Any) -> Any:
         not_implemented.refuse(data, not_implemented.SHARED)
         return data
-
-    @field_validator("n", mode="before")
-    @classmethod
-    def _only_one_choice(cls, v: Any) -> Any:
-        if isinstance(v, int) and v != 1:
-            raise SamplingParamError("n", f"only n=1 is supported, got {v}")
-        return v
 
     @field_validator("stop")
     @classmethod

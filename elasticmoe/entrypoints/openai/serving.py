@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
+from elasticmoe.entrypoints.openai.choices import Started, all_or_none, merged, start_choices
 from elasticmoe.entrypoints.openai.errors import OpenAIError, internal_error, model_not_found, to_openai_error
 from elasticmoe.entrypoints.openai.prompts import PromptRenderer
 from elasticmoe.entrypoints.openai.protocol import (
@@ -97,38 +98,19 @@ class ServingObserver(Protocol):
 
 
 class SSEStream:
-    """Server-sent events for one request; `aclose()` also aborts the engine request."""
+    """Server-sent events for one request; `aclose()` also aborts its engine requests (one per choice)."""
 
-    def __init__(
-        self, events: AsyncGenerator[str, None], source: AsyncGenerator[RequestOutput, None]
-    ) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], started: Sequence[Started]) -> None:
         self._events = events
-        self._source = source
+        self._sources = [choice.source for choice in started]
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._events
 
     async def aclose(self) -> None:
         await self._events.aclose()
-        await self._source.aclose()
-
-
-@dataclass(slots=True)
-class _Started:
-    """A request the engine accepted, with its first output already received."""
-
-    request_id: str
-    created: int
-    start: float
-    first: RequestOutput
-    ttft_s: float
-    source: AsyncGenerator[RequestOutput, None]
-
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        yield self.first
-        if not self.first.finished:
-            async for out in self.source:
-                yield out
+        for source in self._sources:
+            await source.aclose()
 
 
 class OpenAIServing:
@@ -169,40 +151,47 @@ class OpenAIServing:
         adapter = self.check_model(request.model)
         params = request.to_sampling_params()
         prompt_ids = await self.prompts.completion(request.engine_prompt)
-        started = await self._start("cmpl", prompt_ids, params, {}, AdapterRef(adapter, request.lora_routing))
+        response_id = random_id("cmpl")
+        started = await self._start(response_id, prompt_ids, params, {}, AdapterRef(adapter, request.lora_routing),
+                                    request.n)
         if request.stream:
-            return SSEStream(self._completion_events(request, started), started.source)
-        last, logprobs = await self._collect(started, "completions")
-        choice = CompletionChoice(
-            text=last.text,
-            logprobs=_completion_logprobs(logprobs, 0) if request.logprobs is not None else None,
-            finish_reason=last.finish_reason,
-            stop_reason=last.stop_reason,
-        )
+            return SSEStream(self._completion_events(request, response_id, started), started)
+        results = await all_or_none([self._collect(choice, "completions") for choice in started])
+        choices = [
+            CompletionChoice(
+                index=index,
+                text=last.text,
+                logprobs=_completion_logprobs(logprobs, 0) if request.logprobs is not None else None,
+                finish_reason=last.finish_reason,
+                stop_reason=last.stop_reason,
+            )
+            for index, (last, logprobs) in enumerate(results)
+        ]
         return CompletionResponse(
-            id=started.request_id,
-            created=started.created,
+            id=response_id,
+            created=started[0].created,
             model=request.model,
-            choices=[choice],
-            usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
+            choices=choices,
+            usage=_usage([last for last, _ in results]),
         )
 
     async def _completion_events(
-        self, request: CompletionRequest, started: _Started
+        self, request: CompletionRequest, response_id: str, started: list[Started]
     ) -> AsyncGenerator[str, None]:
         def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(
                 CompletionStreamResponse(
-                    id=started.request_id,
-                    created=started.created,
+                    id=response_id,
+                    created=started[0].created,
                     model=request.model,
                     choices=choices,
                     usage=usage,
                 )
             )
 
-        text_offset = 0
-        async for out in self._stream_outputs(started, "completions"):
+        text_offsets = [0] * len(started)
+        lasts: dict[int, RequestOutput] = {}
+        async for index, out in merged(started, lambda choice: self._stream_outputs(choice, "completions")):
             if isinstance(out, str):  # an error event
                 yield out
                 break
@@ -212,19 +201,20 @@ class OpenAIServing:
             if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished):
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = _completion_logprobs(out.new_logprobs or [], text_offset)
-                    text_offset += sum(len(t.token) for t in out.new_logprobs or [])
-                yield chunk([CompletionStreamChoice(text=out.new_text, logprobs=logprobs)])
+                    logprobs = _completion_logprobs(out.new_logprobs or [], text_offsets[index])
+                    text_offsets[index] += sum(len(t.token) for t in out.new_logprobs or [])
+                yield chunk([CompletionStreamChoice(index=index, text=out.new_text, logprobs=logprobs)])
             if out.finished:
+                lasts[index] = out
                 yield chunk(
                     [
                         CompletionStreamChoice(
-                            text="", finish_reason=out.finish_reason, stop_reason=out.stop_reason
+                            index=index, text="", finish_reason=out.finish_reason, stop_reason=out.stop_reason
                         )
                     ]
                 )
-                if request.include_usage_chunk:
-                    yield chunk([], UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens))
+                if request.include_usage_chunk and len(lasts) == len(started):
+                    yield chunk([], _usage(list(lasts.values())))
         yield SSE_DONE
 
     # ------------------------------------------------------------ chat
@@ -243,41 +233,48 @@ class OpenAIServing:
             raise OpenAIError(
                 "messages: could not be rendered with the model's chat template", param="messages"
             ) from exc
-        started = await self._start("chatcmpl", prompt_ids, params, {"prompt": "messages"},
-                                    AdapterRef(adapter, request.lora_routing))
+        response_id = random_id("chatcmpl")
+        started = await self._start(response_id, prompt_ids, params, {"prompt": "messages"},
+                                    AdapterRef(adapter, request.lora_routing), request.n)
         if request.stream:
-            return SSEStream(self._chat_events(request, started), started.source)
-        last, logprobs = await self._collect(started, "chat_completions")
-        choice = ChatCompletionChoice(
-            message=ChatResponseMessage(content=last.text),
-            logprobs=ChatChoiceLogprobs(content=_chat_logprobs(logprobs)) if request.logprobs else None,
-            finish_reason=last.finish_reason,
-            stop_reason=last.stop_reason,
-        )
+            return SSEStream(self._chat_events(request, response_id, started), started)
+        results = await all_or_none([self._collect(choice, "chat_completions") for choice in started])
+        choices = [
+            ChatCompletionChoice(
+                index=index,
+                message=ChatResponseMessage(content=last.text),
+                logprobs=ChatChoiceLogprobs(content=_chat_logprobs(logprobs)) if request.logprobs else None,
+                finish_reason=last.finish_reason,
+                stop_reason=last.stop_reason,
+            )
+            for index, (last, logprobs) in enumerate(results)
+        ]
         return ChatCompletionResponse(
-            id=started.request_id,
-            created=started.created,
+            id=response_id,
+            created=started[0].created,
             model=request.model,
-            choices=[choice],
-            usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
+            choices=choices,
+            usage=_usage([last for last, _ in results]),
         )
 
     async def _chat_events(
-        self, request: ChatCompletionRequest, started: _Started
+        self, request: ChatCompletionRequest, response_id: str, started: list[Started]
     ) -> AsyncGenerator[str, None]:
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(
                 ChatCompletionStreamResponse(
-                    id=started.request_id,
-                    created=started.created,
+                    id=response_id,
+                    created=started[0].created,
                     model=request.model,
                     choices=choices,
                     usage=usage,
                 )
             )
 
-        yield chunk([ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
-        async for out in self._stream_outputs(started, "chat_completions"):
+        for index in range(len(started)):
+            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        lasts: dict[int, RequestOutput] = {}
+        async for index, out in merged(started, lambda choice: self._stream_outputs(choice, "chat_completions")):
             if isinstance(out, str):
                 yield out
                 break
@@ -287,51 +284,46 @@ class OpenAIServing:
                     if request.logprobs
                     else None
                 )
-                yield chunk(
-                    [ChatCompletionStreamChoice(delta=DeltaMessage(content=out.new_text), logprobs=logprobs)]
-                )
+                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=out.new_text),
+                                                        logprobs=logprobs)])
             if out.finished:
+                lasts[index] = out
                 yield chunk(
                     [
                         ChatCompletionStreamChoice(
-                            delta=DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason
+                            index=index, delta=DeltaMessage(), finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
                         )
                     ]
                 )
-                if request.include_usage_chunk:
-                    yield chunk([], UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens))
+                if request.include_usage_chunk and len(lasts) == len(started):
+                    yield chunk([], _usage(list(lasts.values())))
         yield SSE_DONE
 
     # ------------------------------------------------------------ shared
 
     async def _start(
         self,
-        prefix: str,
+        response_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         param_renames: dict[str, str],
         adapter: AdapterRef,
-    ) -> _Started:
-        """Submit the request and wait for its first output, so input errors become 400s here
-        (an adapter unloaded since `check_model`: 404)."""
-        request_id = random_id(prefix)
-        start = time.perf_counter()
-        source = self.engine.generate(EngineRequest(request_id, prompt_ids, params, adapter))
+        n: int = 1,
+    ) -> list[Started]:
+        """Submit the request's `n` choices and wait for their first outputs, so input errors become
+        400s here (an adapter unloaded since `check_model`: 404)."""
         try:
-            first = await anext(source)
-        except StopAsyncIteration:
-            raise internal_error() from None
-        except BaseException as exc:
-            await source.aclose()
+            return await start_choices(self.engine, response_id, prompt_ids, params, adapter, n)
+        except ValueError as exc:
             param = getattr(exc, "param", None)
-            if isinstance(exc, ValueError) and param in param_renames:
+            if param in param_renames:
                 raise OpenAIError(
                     str(exc).replace(param, param_renames[param], 1), param=param_renames[param]
                 ) from exc
             raise
-        return _Started(request_id, now(), start, first, time.perf_counter() - start, source)
 
-    async def _collect(self, started: _Started, endpoint: str) -> tuple[RequestOutput, list[TokenLogprob]]:
+    async def _collect(self, started: Started, endpoint: str) -> tuple[RequestOutput, list[TokenLogprob]]:
         """Run a request to completion; returns the last output and all token logprobs."""
         logprobs: list[TokenLogprob] = []
         last = started.first
@@ -347,7 +339,7 @@ class OpenAIServing:
         self._report(started, last, endpoint)
         return last, logprobs
 
-    async def _stream_outputs(self, started: _Started, endpoint: str) -> AsyncIterator[RequestOutput | str]:
+    async def _stream_outputs(self, started: Started, endpoint: str) -> AsyncIterator[RequestOutput | str]:
         """Engine outputs for a stream; an engine failure becomes one final error event (a str)."""
         try:
             async for out in started.outputs():
@@ -364,7 +356,7 @@ class OpenAIServing:
                 logger.exception("request %s failed while streaming", started.request_id)
             yield sse_event(err.to_response())
 
-    def _report(self, started: _Started, last: RequestOutput, endpoint: str) -> None:
+    def _report(self, started: Started, last: RequestOutput, endpoint: str) -> None:
         if self.observer is None:
             return
         ttft = started.ttft_s if last.num_output_tokens else None
@@ -380,6 +372,11 @@ class OpenAIServing:
             self.observer.on_request_finished(stats)
         except Exception:  # metrics must never fail a request
             logger.exception("observer failed")
+
+
+def _usage(lasts: list[RequestOutput]) -> UsageInfo:
+    """One request's usage over its choices' last outputs: the prompt once, every choice's output."""
+    return UsageInfo.of(lasts[0].num_prompt_tokens, sum(last.num_output_tokens for last in lasts))
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:

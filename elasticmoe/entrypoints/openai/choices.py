@@ -1,0 +1,142 @@
+"""The `n` choices of one OpenAI request: n engine requests started together, then collected
+together or streamed as one merged stream.
+
+Each choice is an engine request of its own (`{id}-{i}` when n > 1), so everything a request
+gets holds for each choice: its place in the batch, a handover or a resume on the elastic
+server, an abort. With a seed, choice i samples with `seed + i` (as vLLM does), so the choices
+differ and each is reproducible; greedy choices are equal, as OpenAI's are.
+
+Failure rules:
+- a choice refused at its start (a bad input, a full queue) refuses the request: the choices
+  already started are aborted before the error is raised;
+- a choice that fails later ends the request (an error event in a stream, a 500 otherwise) and
+  the other choices are aborted;
+- the client going away aborts every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
+from elasticmoe.entrypoints.openai.errors import internal_error
+from elasticmoe.entrypoints.openai.protocol import now
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.sampling_params import SEED_MAX, SamplingParams
+
+T = TypeVar("T")
+
+
+class Generates(Protocol):
+    def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]: ...
+
+
+@dataclass(slots=True)
+class Started:
+    """One choice's engine request, accepted, with its first output already received."""
+
+    request_id: str
+    created: int
+    start: float
+    first: RequestOutput
+    ttft_s: float
+    source: AsyncGenerator[RequestOutput, None]
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        yield self.first
+        if not self.first.finished:
+            async for out in self.source:
+                yield out
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s parameters: its own seed (`seed + index`, wrapped into the 64 bits a seed
+    takes) when one is given, else `params` itself."""
+    if params.seed is None or index == 0:
+        return params
+    seed = params.seed + index
+    return dataclasses.replace(params, seed=seed - 2**64 if seed > SEED_MAX else seed)
+
+
+async def start_choices(engine: Generates, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                        adapter: AdapterRef, n: int) -> list[Started]:
+    """Submit the request's `n` choices at once and wait for each one's first output, so input
+    errors surface here (raised as the engine raised them). Nothing stays running on an error."""
+    ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+    start = time.perf_counter()
+    sources = [engine.generate(EngineRequest(rid, prompt_ids, choice_params(params, i), adapter))
+               for i, rid in enumerate(ids)]
+    try:
+        if n == 1:
+            firsts = [await _first(sources[0])]
+        else:
+            firsts = await all_or_none([_first(s) for s in sources])
+    except BaseException:
+        for source in sources:
+            await source.aclose()
+        raise
+    created = now()
+    return [Started(rid, created, start, first, time.perf_counter() - start, source)
+            for rid, first, source in zip(ids, firsts, sources, strict=True)]
+
+
+async def _first(source: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    try:
+        return await anext(source)
+    except StopAsyncIteration:
+        raise internal_error() from None
+
+
+async def all_or_none(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """Await all concurrently; if one raises, cancel the others, wait for them, and raise its error
+    (not an exception group: the caller's handlers map single errors to HTTP answers)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def merged(started: Sequence[Started], stream: Callable[[Started], AsyncIterator[Any]]
+                 ) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, item) as each choice's `stream` yields them, in arrival order. A str item (an
+    error event) is the last: the other choices are aborted. Closing this aborts every choice."""
+    if len(started) == 1:  # no task or queue on the common path
+        async for item in stream(started[0]):
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, choice: Started) -> None:
+        try:
+            async for item in stream(choice):
+                queue.put_nowait((index, item))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(pump(i, choice)) for i, choice in enumerate(started)]
+    try:
+        left = len(tasks)
+        while left:
+            index, item = await queue.get()
+            if item is done:
+                left -= 1
+                continue
+            yield index, item
+            if isinstance(item, str):
+                return
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for choice in started:
+            await choice.source.aclose()
