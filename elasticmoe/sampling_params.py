@@ -51,6 +51,8 @@ class SamplingParams:
     # vLLM's and transformers' multiplicative penalty on every token of the prompt and output so far:
     # a positive logit is divided by it, a negative one multiplied (1: off).
     repetition_penalty: float = 1.0
+    # vLLM's: no EOS, stop token or stop string ends the request before this many output tokens.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +93,11 @@ class SamplingParams:
         if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp <= MAX_REPETITION_PENALTY:
             raise SamplingParamError("repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY:g}], "
                                      f"got {rp!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
+            raise SamplingParamError("min_tokens", f"must be an integer in [0, {MAX_INT32}], got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamError("min_tokens", f"must be at most max_tokens ({self.max_tokens}), "
+                                     f"got {self.min_tokens}")
         self.logit_bias = dict(self.logit_bias or {})
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise SamplingParamError("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
@@ -109,4 +116,4 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """The sampler changes this request's logits before choosing (penalties, bias)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.min_tokens)

@@ -44,11 +44,14 @@ def vllm_params(request: Request, eos_token_ids: tuple[int, ...]) -> VllmSamplin
     remaining = request.max_total_tokens - request.num_tokens
     if p.max_tokens is not None:
         remaining = min(remaining, p.max_tokens - request.num_output_tokens)
+    remaining = max(1, remaining)
     stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+    # vLLM counts from where it got the request: what the output already holds counts towards both
+    min_left = min(max(0, p.min_tokens - request.num_output_tokens), remaining)
     return VllmSamplingParams(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=max(1, remaining),
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=remaining,
         stop_token_ids=stops, ignore_eos=True, logprobs=p.logprobs, logit_bias=p.logit_bias or None,
-        repetition_penalty=p.repetition_penalty, detokenize=False,
+        repetition_penalty=p.repetition_penalty, min_tokens=min_left, detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -86,6 +86,8 @@ CASES: list[Case] = [
     # ---- parameters this server does not implement: refused by name, never silently ignored
     _c("repetition_penalty-0", {"repetition_penalty": 0}, param="repetition_penalty"),
     _c("min_p", {"min_p": 0.1}, param="min_p"),
+    _c("min_tokens-above-max_tokens", {"max_tokens": 4, "min_tokens": 5}, param="min_tokens"),
+    _c("min_tokens-negative", {"min_tokens": -1}, param="min_tokens"),
     _c("best_of-3", {"best_of": 3}, param="best_of"),
     _c("prompt-two-token-lists", {"prompt": [[5, 6], [7]]}, param="prompt"),
     # ---- stop conditions

@@ -129,8 +129,8 @@ class LLMEngine:
                                        live=lambda: self.requests.values())
         self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, lora_topk=self.adapters.lora_topk,
                                   offload=self.offload)
-        self.sampler = Sampler(config.seed)
         eos_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
+        self.sampler = Sampler(config.seed, eos_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids)
         logger.info(
             "engine ready: %s, %s, %d KV blocks x %d tokens, max_model_len %d, ep %d/%d",

@@ -71,13 +71,15 @@ class OutputProcessor:
                 TokenLogprob(token_id, text_of(token_id), chosen, [(t, text_of(t), lp) for t, lp in top])
             )
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        checked = len(state.text)  # a stop string must end after this: what came before was checked
         if not is_eos:
             state.text += state.detokenizer.add(token_id)
+        may_stop = request.num_output_tokens > params.min_tokens  # the sampler held stop tokens back
         if is_eos:
             state.finish_reason, state.stop_reason = "stop", None
         elif token_id in params.stop_token_ids:
             state.finish_reason, state.stop_reason = "stop", token_id
-        elif params.stop and self._truncate_at_stop(state, params.stop):
+        elif params.stop and may_stop and self._truncate_at_stop(state, params.stop, checked):
             state.finish_reason = "stop"
         elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             state.finish_reason = "length"
@@ -86,10 +88,11 @@ class OutputProcessor:
         return state.finish_reason is not None
 
     @staticmethod
-    def _truncate_at_stop(state: RequestTextState, stops: list[str]) -> bool:
-        # Only the tail can contain a new match: earlier text was already checked.
-        search_from = max(0, state.num_emitted_chars - max(len(s) for s in stops))
-        hits = [(state.text.find(s, search_from), s) for s in stops]
+    def _truncate_at_stop(state: RequestTextState, stops: list[str], checked: int) -> bool:
+        """Cut the text at the first stop string that ends after `checked` characters (the text
+        before was checked already, or, under `min_tokens`, could not stop); the stream holds back
+        `max_stop_len - 1` characters, so such a match never starts in text already sent."""
+        hits = [(state.text.find(s, max(0, checked - len(s) + 1)), s) for s in stops]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False

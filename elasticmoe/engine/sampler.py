@@ -38,9 +38,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _adjusted_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _adjusted_logits(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...] = ()
+                     ) -> torch.Tensor:
     """`logits` [N, V], or a copy with each adjusting row's bias and penalties applied, in vLLM's
-    order: `logit[t] += bias[t]`; then for every token t of the prompt and the output so far,
+    order: `logit[t] += bias[t]`, and -inf for the stop tokens (`eos_token_ids` unless the request
+    ignores EOS, and its `stop_token_ids`) while it has fewer than `min_tokens` output tokens;
+    then for every token t of the prompt and the output so far,
     `logit[t] /= repetition_penalty` if positive, else `*=`; then `logit[t] -= frequency_penalty *
     count[t] + presence_penalty * (count[t] > 0)`, where `count[t]` is how often the request has
     generated t (a resumed request's output included)."""
@@ -55,6 +58,10 @@ def _adjusted_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype))
+        if request.num_output_tokens < params.min_tokens:
+            stops = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
+            if stops:
+                row[torch.tensor(stops, dtype=torch.long)] = float("-inf")
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long)
             values = row.index_select(0, seen)
@@ -69,8 +76,10 @@ def _adjusted_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+        """`eos_token_ids`: what `min_tokens` holds back besides a request's stop tokens."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = tuple(eos_token_ids)
 
     @staticmethod
     def replay(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
@@ -83,7 +92,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         num_rows = logits.shape[0]
-        chosen_from = _adjusted_logits(logits, requests)
+        chosen_from = _adjusted_logits(logits, requests, self.eos_token_ids)
         token_ids = chosen_from.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if random_rows:

@@ -25,6 +25,9 @@ PARAMS = {
     # the penalties count the output the client already has: a resumed request must count it too
     "penalties": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.7,
                                 frequency_penalty=0.4, logit_bias={7: 2.0}, repetition_penalty=1.2),
+    # a stop token the bias makes likely, held back for 12 tokens: the resumed request counts what it had
+    "min-tokens": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[7],
+                                 logit_bias={7: 100.0}, min_tokens=12),
     "seeded-penalties": SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True, frequency_penalty=1.5),
 }
 

@@ -128,8 +128,9 @@ def test_completion_to_sampling_params():
 def test_penalties_and_logit_bias_reach_the_sampling_params():
     req = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "presence_penalty": 0.5,
                                             "frequency_penalty": -1, "logit_bias": {"5": 10, "17": -100},
-                                            "repetition_penalty": 1.1})
+                                            "repetition_penalty": 1.1, "min_tokens": 3})
     p = req.to_sampling_params()
+    assert p.min_tokens == 3
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.5, -1.0, {5: 10.0, 17: -100.0})
     assert p.repetition_penalty == 1.1
     assert p.adjusts_logits
@@ -168,7 +169,7 @@ def test_unknown_fields_are_ignored():
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
 ])
 @pytest.mark.parametrize("field,value", [
-    ("min_tokens", 3), ("min_p", 0.1), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
+    ("min_p", 0.1), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
     ("include_stop_str_in_output", True), ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
     ("structured_outputs", {"regex": "a+"}),
 ])

@@ -29,6 +29,9 @@ from elasticmoe.sampling_params import SamplingParamError, SamplingParams
         (dict(repetition_penalty=-1.0), "repetition_penalty"),
         (dict(repetition_penalty=float("nan")), "repetition_penalty"),
         (dict(repetition_penalty=101.0), "repetition_penalty"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=1.5), "min_tokens"),
+        (dict(max_tokens=4, min_tokens=5), "min_tokens"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, param):

@@ -146,6 +146,20 @@ def test_logit_bias_and_repetition_penalty_reach_vllm(tokenizer):
     assert (params.logit_bias, params.repetition_penalty, params.presence_penalty) == ({7: -100.0}, 1.3, 0.0)
 
 
+def test_min_tokens_left_reach_vllm_after_a_resume(tokenizer):
+    """vLLM counts from where it got the request: a resumed request asks it for what is left."""
+    from imm.vllm_core import vllm_params
+
+    core = make_core(tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=8)
+    core.add(EngineRequest("r", [5], params))
+    assert vllm_params(core.requests["r"], (EOS,)).min_tokens == 8
+    core.add(EngineRequest("s", [5], params).resumed([9, 10, 11], 3))
+    assert vllm_params(core.requests["s"], (EOS,)).min_tokens == 5
+    core.add(EngineRequest("t", [5], params).resumed(list(range(3, 13)), 10))
+    assert vllm_params(core.requests["t"], (EOS,)).min_tokens == 0
+
+
 def test_eos_and_stop_token_ids_reach_vllm(tokenizer):
     core = make_core(tokenizer)
     core.add(EngineRequest("r", [5], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[7])))

@@ -3,8 +3,8 @@ and that this server does not implement.
 
 Each comes with the values that ask for nothing besides null (a `min_p` of 0, `best_of` 1, no
 tools). Any other value is refused with a 400 naming the field. Ignored, a request for a JSON
-format, a tool call or a minimum length would get an answer made without it, and its client
-could not tell. Fields the API does not know at all are still ignored
+format, a tool call or banned words would get an answer made without them, and its client could
+not tell. Fields the API does not know at all are still ignored
 (`protocol._Request`): an SDK that sends a newer option keeps working.
 """
 
@@ -21,7 +21,6 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 
 # Both endpoints.
 SHARED: dict[str, tuple[Any, ...]] = {
-    "min_tokens": (0,),
     "min_p": (0,),
     "allowed_token_ids": (),
     "bad_words": ([],),

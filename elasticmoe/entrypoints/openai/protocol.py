@@ -146,6 +146,11 @@ class _SamplingFields(_Request):
         description="Extension (vLLM, transformers): every token of the prompt and the output so far has a "
         "positive logit divided by this, a negative one multiplied; 1 is off.",
     )
+    min_tokens: int = Field(
+        default=0, ge=0, le=MAX_INT32,
+        description="Extension (vLLM): no end-of-sequence token, stop token or stop string ends the answer "
+        "before this many tokens.",
+    )
     logit_bias: dict[str, float] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS_TOKENS,
         description=f"Token id (as a string) -> a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] added to its "
@@ -194,6 +199,7 @@ class _SamplingFields(_Request):
             frequency_penalty=self.frequency_penalty,
             logit_bias=_token_biases(self.logit_bias),
             repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
         )
 
 
