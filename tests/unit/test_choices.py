@@ -120,3 +120,38 @@ def test_a_reader_that_leaves_aborts_every_choice():
 
     asyncio.run(main())
     assert sorted(engine.closed_early) == ["c-0", "c-1"]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_closing_a_stream_between_chunks_aborts_every_choice(n):
+    """The server closes a stream whose client went away while the stream waits at a chunk (a
+    failed write): every choice's engine request is aborted, none runs on."""
+    import time
+
+    from fake_engine import FakeEngine
+
+    from elasticmoe.engine.async_llm import AsyncLLM
+    from elasticmoe.entrypoints.openai.protocol import CompletionRequest
+    from elasticmoe.entrypoints.openai.serving import OpenAIServing
+
+    engine = FakeEngine(max_model_len=100_000, step_delay_s=0.001)
+    llm = AsyncLLM(engine)
+    llm.start()
+    try:
+        serving = OpenAIServing(llm, "fake")
+
+        async def main() -> None:
+            stream = await serving.create_completion(
+                CompletionRequest(model="fake", prompt="a b", max_tokens=50_000, n=n, stream=True))
+            chunks = aiter(stream)
+            for _ in range(4):
+                await anext(chunks)
+            await stream.aclose()
+
+        asyncio.run(main())
+        deadline = time.monotonic() + 10
+        while engine.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.requests, f"choices still running: {list(engine.requests)}"
+    finally:
+        llm.shutdown()

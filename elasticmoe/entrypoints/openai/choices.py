@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -105,21 +106,25 @@ async def all_or_none(awaitables: Sequence[Awaitable[T]]) -> list[T]:
         raise
 
 
-async def merged(started: Sequence[Started], stream: Callable[[Started], AsyncIterator[Any]]
-                 ) -> AsyncIterator[tuple[int, Any]]:
+async def merged(started: Sequence[Started], stream: Callable[[Started], AsyncGenerator[Any, None]]
+                 ) -> AsyncGenerator[tuple[int, Any], None]:
     """(choice index, item) as each choice's `stream` yields them, in arrival order. A str item (an
-    error event) is the last: the other choices are aborted. Closing this aborts every choice."""
+    error event) is the last: the other choices are aborted. Closing this aborts every choice, so a
+    consumer must close it (`contextlib.aclosing`): left to the garbage collector, the choices'
+    tasks would run on, and their engine streams could not be closed under them."""
     if len(started) == 1:  # no task or queue on the common path
-        async for item in stream(started[0]):
-            yield 0, item
+        async with aclosing(stream(started[0])) as items:
+            async for item in items:
+                yield 0, item
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
     async def pump(index: int, choice: Started) -> None:
         try:
-            async for item in stream(choice):
-                queue.put_nowait((index, item))
+            async with aclosing(stream(choice)) as items:
+                async for item in items:
+                    queue.put_nowait((index, item))
         finally:
             queue.put_nowait((index, done))
 

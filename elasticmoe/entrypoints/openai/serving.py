@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -191,30 +192,32 @@ class OpenAIServing:
 
         text_offsets = [0] * len(started)
         lasts: dict[int, RequestOutput] = {}
-        async for index, out in merged(started, lambda choice: self._stream_outputs(choice, "completions")):
-            if isinstance(out, str):  # an error event
-                yield out
-                break
-            # NOTE: a chunk per step that made tokens, even while their text is held back (a partial
-            # UTF-8 sequence, a possible stop string): clients time tokens by chunks (as with vLLM).
-            # The last step's empty text rides on the finish chunk.
-            if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished):
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = _completion_logprobs(out.new_logprobs or [], text_offsets[index])
-                    text_offsets[index] += sum(len(t.token) for t in out.new_logprobs or [])
-                yield chunk([CompletionStreamChoice(index=index, text=out.new_text, logprobs=logprobs)])
-            if out.finished:
-                lasts[index] = out
-                yield chunk(
-                    [
-                        CompletionStreamChoice(
-                            index=index, text="", finish_reason=out.finish_reason, stop_reason=out.stop_reason
-                        )
-                    ]
-                )
-                if request.include_usage_chunk and len(lasts) == len(started):
-                    yield chunk([], _usage(list(lasts.values())))
+        # closed here, not left to the garbage collector: that aborts every choice (see `merged`)
+        async with aclosing(merged(started, lambda choice: self._stream_outputs(choice, "completions"))) as outputs:
+            async for index, out in outputs:
+                if isinstance(out, str):  # an error event
+                    yield out
+                    break
+                # NOTE: a chunk per step that made tokens, even while their text is held back (a partial
+                # UTF-8 sequence, a possible stop string): clients time tokens by chunks (as with vLLM).
+                # The last step's empty text rides on the finish chunk.
+                if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished):
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = _completion_logprobs(out.new_logprobs or [], text_offsets[index])
+                        text_offsets[index] += sum(len(t.token) for t in out.new_logprobs or [])
+                    yield chunk([CompletionStreamChoice(index=index, text=out.new_text, logprobs=logprobs)])
+                if out.finished:
+                    lasts[index] = out
+                    yield chunk(
+                        [
+                            CompletionStreamChoice(
+                                index=index, text="", finish_reason=out.finish_reason, stop_reason=out.stop_reason
+                            )
+                        ]
+                    )
+                    if request.include_usage_chunk and len(lasts) == len(started):
+                        yield chunk([], _usage(list(lasts.values())))
         yield SSE_DONE
 
     # ------------------------------------------------------------ chat
@@ -274,30 +277,32 @@ class OpenAIServing:
         for index in range(len(started)):
             yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         lasts: dict[int, RequestOutput] = {}
-        async for index, out in merged(started, lambda choice: self._stream_outputs(choice, "chat_completions")):
-            if isinstance(out, str):
-                yield out
-                break
-            if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished):  # as above
-                logprobs = (
-                    ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or []))
-                    if request.logprobs
-                    else None
-                )
-                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=out.new_text),
-                                                        logprobs=logprobs)])
-            if out.finished:
-                lasts[index] = out
-                yield chunk(
-                    [
-                        ChatCompletionStreamChoice(
-                            index=index, delta=DeltaMessage(), finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason,
-                        )
-                    ]
-                )
-                if request.include_usage_chunk and len(lasts) == len(started):
-                    yield chunk([], _usage(list(lasts.values())))
+        # closed here, not left to the garbage collector: that aborts every choice (see `merged`)
+        async with aclosing(merged(started, lambda choice: self._stream_outputs(choice, "chat_completions"))) as outputs:
+            async for index, out in outputs:
+                if isinstance(out, str):
+                    yield out
+                    break
+                if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished):  # as above
+                    logprobs = (
+                        ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or []))
+                        if request.logprobs
+                        else None
+                    )
+                    yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=out.new_text),
+                                                            logprobs=logprobs)])
+                if out.finished:
+                    lasts[index] = out
+                    yield chunk(
+                        [
+                            ChatCompletionStreamChoice(
+                                index=index, delta=DeltaMessage(), finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason,
+                            )
+                        ]
+                    )
+                    if request.include_usage_chunk and len(lasts) == len(started):
+                        yield chunk([], _usage(list(lasts.values())))
         yield SSE_DONE
 
     # ------------------------------------------------------------ shared
@@ -339,7 +344,7 @@ class OpenAIServing:
         self._report(started, last, endpoint)
         return last, logprobs
 
-    async def _stream_outputs(self, started: Started, endpoint: str) -> AsyncIterator[RequestOutput | str]:
+    async def _stream_outputs(self, started: Started, endpoint: str) -> AsyncGenerator[RequestOutput | str, None]:
         """Engine outputs for a stream; an engine failure becomes one final error event (a str)."""
         try:
             async for out in started.outputs():
