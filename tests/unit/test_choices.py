@@ -155,3 +155,30 @@ def test_closing_a_stream_between_chunks_aborts_every_choice(n):
         assert not engine.requests, f"choices still running: {list(engine.requests)}"
     finally:
         llm.shutdown()
+
+
+def test_all_or_none_cancels_the_others_when_one_fails():
+    from elasticmoe.entrypoints.openai.choices import all_or_none
+
+    cancelled = []
+
+    async def slow(i: int) -> int:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+        return i
+
+    async def fails() -> int:
+        await asyncio.sleep(0.01)
+        raise KeyError("boom")
+
+    async def main() -> None:
+        assert await all_or_none([asyncio.sleep(0, result=1), asyncio.sleep(0, result=2)]) == [1, 2]
+        assert await all_or_none([asyncio.sleep(0, result=3)]) == [3]
+        with pytest.raises(KeyError):
+            await all_or_none([slow(0), fails(), slow(2)])
+
+    asyncio.run(main())
+    assert sorted(cancelled) == [0, 2]

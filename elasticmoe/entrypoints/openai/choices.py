@@ -96,6 +96,8 @@ async def _first(source: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
 async def all_or_none(awaitables: Sequence[Awaitable[T]]) -> list[T]:
     """Await all concurrently; if one raises, cancel the others, wait for them, and raise its error
     (not an exception group: the caller's handlers map single errors to HTTP answers)."""
+    if len(awaitables) == 1:  # no task on the common path
+        return [await awaitables[0]]
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         return list(await asyncio.gather(*tasks))
