@@ -55,6 +55,7 @@ def test_choices_start_together_with_ids_per_choice():
     engine = StubEngine()
     started = asyncio.run(start_choices(engine, "cmpl-a", [1], SamplingParams(seed=3), BASE_MODEL, 3))
     assert [s.request_id for s in started] == ["cmpl-a-0", "cmpl-a-1", "cmpl-a-2"]
+    assert all(0 < s.ttft_s < 1 for s in started)  # each its own, from the common start
     assert [r.params.seed for r in engine.submitted] == [3, 4, 5]
     single = asyncio.run(start_choices(StubEngine(), "cmpl-b", [1], SamplingParams(), BASE_MODEL, 1))
     assert [s.request_id for s in single] == ["cmpl-b"]  # one choice keeps the request's id

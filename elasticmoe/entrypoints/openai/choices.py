@@ -73,22 +73,20 @@ async def start_choices(engine: Generates, request_id: str, prompt_ids: list[int
     sources = [engine.generate(EngineRequest(rid, prompt_ids, choice_params(params, i), adapter))
                for i, rid in enumerate(ids)]
     try:
-        if n == 1:
-            firsts = [await _first(sources[0])]
-        else:
-            firsts = await all_or_none([_first(s) for s in sources])
+        firsts = await all_or_none([_first(s) for s in sources])
     except BaseException:
         for source in sources:
             await source.aclose()
         raise
     created = now()
-    return [Started(rid, created, start, first, time.perf_counter() - start, source)
-            for rid, first, source in zip(ids, firsts, sources, strict=True)]
+    return [Started(rid, created, start, first, arrived - start, source)
+            for rid, (first, arrived), source in zip(ids, firsts, sources, strict=True)]
 
 
-async def _first(source: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+async def _first(source: AsyncGenerator[RequestOutput, None]) -> tuple[RequestOutput, float]:
+    """A choice's first output and when it came (its own time to first token)."""
     try:
-        return await anext(source)
+        return await anext(source), time.perf_counter()
     except StopAsyncIteration:
         raise internal_error() from None
 
