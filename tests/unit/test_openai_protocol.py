@@ -17,10 +17,9 @@ from pydantic import ValidationError
 from elasticmoe.engine.async_llm import AsyncLLM
 from elasticmoe.entrypoints.openai.api_server import build_app
 from elasticmoe.entrypoints.openai.errors import OpenAIError, to_openai_error
-from elasticmoe.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
+from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from elasticmoe.entrypoints.openai.responses import (
     ChatCompletionStreamResponse,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
 )

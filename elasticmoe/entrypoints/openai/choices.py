@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.entrypoints.openai.errors import internal_error
-from elasticmoe.entrypoints.openai.protocol import now
+from elasticmoe.entrypoints.openai.responses import now
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SEED_MAX, SamplingParams
 

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from elasticmoe.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from elasticmoe.entrypoints.openai.responses import ErrorInfo, ErrorResponse
 from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError, unwrap_remote
 
 logger = logging.getLogger(__name__)

@@ -1,22 +1,17 @@
-"""OpenAI-compatible request and response models (pydantic v2).
+"""OpenAI-compatible request models (pydantic v2); the responses are in `responses`.
 
 Requests validate everything they can on their own: an invalid field fails
 validation with the field's name in the error location, which the error
 handlers turn into a 400 whose `param` is that field. Cross-field checks raise
 `SamplingParamError` so they, too, name the field. `to_sampling_params()` is the
 only place an HTTP request becomes engine `SamplingParams`.
-
-Responses mirror the shapes of the OpenAI API (`cmpl-`/`chatcmpl-` ids,
-`object`, `created`, `usage`); extensions are marked as such in their description.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from elasticmoe.entrypoints.openai import not_implemented
 from elasticmoe.sampling_params import (
@@ -40,15 +35,6 @@ MAX_PROMPT_TOKEN_IDS = 1 << 20  # the engine then checks the model's context len
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256
 MAX_CHOICES = 16  # `n`: each choice is an engine request of its own, so n multiplies a request's cost
-
-
-def random_id(prefix: str) -> str:
-    """An OpenAI-style id such as `cmpl-3f2a...` (32 hex chars after the prefix)."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
 
 
 def first_unencodable_field(body: Any) -> str | None:
@@ -368,167 +354,3 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
-
-
-# ---------------------------------------------------------------- responses
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per output token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = Field(
-        default=None, description="Extension: the stop string or token id that matched."
-    )
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class CompletionStreamChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int = 0
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = Field(
-        default=None, description="Extension: the stop string or token id that matched."
-    )
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    """A streamed message delta; unset fields are omitted (`{}` in the final chunk)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "elasticmoe"
-    root: str | None = Field(default=None, description="Extension: the base model this id serves.")
-    parent: str | None = Field(default=None, description="Extension: for an adapter, the base model's id.")
-    adapter_type: str | None = Field(default=None, description="Extension: 'esft' for an ESFT adapter.")
-    max_model_len: int | None = Field(default=None, description="Extension: context length in tokens.")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

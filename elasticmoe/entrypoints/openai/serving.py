@@ -30,10 +30,10 @@ from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.entrypoints.openai.choices import Started, all_or_none, merged, start_choices
 from elasticmoe.entrypoints.openai.errors import OpenAIError, internal_error, model_not_found, to_openai_error
 from elasticmoe.entrypoints.openai.prompts import PromptRenderer
-from elasticmoe.entrypoints.openai.protocol import (
+from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from elasticmoe.entrypoints.openai.responses import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
@@ -41,7 +41,6 @@ from elasticmoe.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
