@@ -1,8 +1,8 @@
 """The autoscaler on the elastic server under a generated ramp-then-drop load (tiny model).
 
 One server (2 devices, dp 1, one request per rank at a time so that a burst queues),
-API and admin keys on. The load: 0.5 rps, a step to 2.5x what one rank serves, then 0.5 rps
-again. The step's rate is measured first with a few sequential requests: hosts of this kind
+API and admin keys on. The load: 0.5 rps, a step to STEP (3.5x) what one rank serves, then 0.5
+rps again. The step's rate is measured first with a few sequential requests: hosts of this kind
 differ ~5x, and a fixed rate either did not saturate a fast host or left a backlog of minutes
 (and a base load near capacity, which scaled up before the step) on a slow one. The
 autoscaler must scale up while attainment is below target, see attainment recover, scale
@@ -38,14 +38,18 @@ AUTOSCALE = AutoscaleConfig(
     cooldown_s=6, min_samples=5,
 )
 OUTPUT_LEN = 16
-HIGH = (9.0, 14.0)  # the step: 2.5x what one rank serves (measured first), then its backlog drains
+HIGH = (9.0, 14.0)  # the step: STEP x what one rank serves (measured first), then its backlog drains
+# 3.5, not 2.5: measured while the other test worker loads the CPU, one rank's rate can read low
+# enough that 2.5x of it never queued once the CPU was free (a clean clone's run: attainment stayed
+# high and nothing scaled).
+STEP = 3.5
 DURATION = 30.0  # the scale-down comes after the backlog drains; the checks wait for it beyond the load
 BASE_RPS = 0.5  # before and after the step: the ranks idle most of the time
 
 
 def load_for(rank_rps: float) -> Ramp:
     """The ramp-then-drop load relative to what one rank serves on this host (hosts differ ~5x)."""
-    high = 2.5 * rank_rps
+    high = STEP * rank_rps
     return Ramp(((0.0, BASE_RPS), (HIGH[0] - 1, BASE_RPS), (HIGH[0], high), (HIGH[1] - 1, high),
                  (HIGH[1], BASE_RPS), (DURATION, BASE_RPS)))
 
@@ -95,7 +99,7 @@ def _rank_rps(server) -> float:
 def test_ramp_then_drop_scales_up_recovers_and_scales_down(server):
     _wait_idle(server)
     rank_rps = _rank_rps(server)
-    assert 2.5 * rank_rps > 2 * BASE_RPS, f"one rank serves only {rank_rps:.2f} rps"
+    assert STEP * rank_rps > 2 * BASE_RPS, f"one rank serves only {rank_rps:.2f} rps"
     # The measuring requests are in the SLO estimator's window (the first after the start may miss
     # the TTFT target on a busy host): with the base load's few samples they made it scale up
     # before the step. The load starts once they left the window.
@@ -107,7 +111,7 @@ def test_ramp_then_drop_scales_up_recovers_and_scales_down(server):
     records = result.records
     failed = [r for r in records if not r.is_ok]
     assert not failed, f"{len(failed)} failed, e.g. {failed[0].status} {failed[0].error}"
-    assert len(records) > 8 * rank_rps, (len(records), rank_rps)  # the step alone brings ~12.5x (Poisson)
+    assert len(records) > 8 * rank_rps, (len(records), rank_rps)  # the step alone brings ~17.5x (Poisson)
 
     # The backlog of the step drains at its own pace (on 2 cores a second rank adds little
     # decode throughput to the tiny model): give the scale-down time to come.
