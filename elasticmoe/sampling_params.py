@@ -108,6 +108,14 @@ class SamplingParams:
                 raise SamplingParamError("logit_bias", f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, "
                                          f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token}")
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The token ids these parameters name (stop tokens, biased tokens) exist in a vocabulary of
+        `vocab_size`; `SamplingParamError` naming the field otherwise. Every engine backend checks
+        this when it takes a request (the bounds above hold for any model)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            if any(t >= vocab_size for t in ids):
+                raise SamplingParamError(name, f"token ids must be < vocab size {vocab_size}")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS

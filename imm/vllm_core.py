@@ -117,10 +117,7 @@ class VllmEngineCore:
         output_ids = self._token_ids(list(request.resume.output_token_ids), "resume") if request.resume else []
         if params.max_tokens is not None and output_ids and len(output_ids) >= params.max_tokens:
             raise InvalidRequestError("resume", f"{len(output_ids)} output tokens already reach max_tokens")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", f"token ids must be < vocab size {self.vocab_size}")
-        if any(t >= self.vocab_size for t in params.logit_bias):
-            raise InvalidRequestError("logit_bias", f"token ids must be < vocab size {self.vocab_size}")
+        params.check_vocabulary(self.vocab_size)
         for name in ("presence_penalty", "frequency_penalty"):
             # vLLM counts a request's output from where it was handed to it: after a handover or a
             # resume the tokens before would escape the penalty, and the answer would change.

@@ -198,10 +198,7 @@ class LLMEngine:
         token_ids = self._prompt_token_ids(request.prompt)
         output_ids = self._resumed_output_ids(request)
         vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", f"token ids must be < vocab size {vocab}")
-        if any(t >= vocab for t in params.logit_bias):
-            raise InvalidRequestError("logit_bias", f"token ids must be < vocab size {vocab}")
+        params.check_vocabulary(vocab)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"prompt has {len(token_ids)} tokens; the maximum context length is {self.max_model_len}"

@@ -22,11 +22,10 @@ BODY = {"model": MODEL, "prompt": "the expert model", "max_tokens": 8, "ignore_e
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32))
-    llm = AsyncLLM(engine)
+def app(tiny_model_dir):
+    llm = AsyncLLM(LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32)))
     llm.start()
-    yield build_app(llm, MODEL), engine
+    yield build_app(llm, MODEL)
     llm.shutdown()
 
 
@@ -38,8 +37,7 @@ def _post(app, path: str, body: dict) -> httpx.Response:
     return asyncio.run(main())
 
 
-def test_greedy_choices_equal_the_single_answer_and_usage_counts_each(served):
-    app, _ = served
+def test_greedy_choices_equal_the_single_answer_and_usage_counts_each(app):
     one = _post(app, "/v1/completions", {**BODY, "temperature": 0}).json()
     three = _post(app, "/v1/completions", {**BODY, "temperature": 0, "n": 3}).json()
     assert [c["index"] for c in three["choices"]] == [0, 1, 2]
@@ -48,8 +46,7 @@ def test_greedy_choices_equal_the_single_answer_and_usage_counts_each(served):
     assert three["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"] == 24
 
 
-def test_seeded_choice_i_equals_a_single_request_with_seed_plus_i(served):
-    app, _ = served
+def test_seeded_choice_i_equals_a_single_request_with_seed_plus_i(app):
     body = {**BODY, "temperature": 1.0, "seed": 41}
     texts = [c["text"] for c in _post(app, "/v1/completions",
                                       {**body, "n": 3}).json()["choices"]]
@@ -58,8 +55,7 @@ def test_seeded_choice_i_equals_a_single_request_with_seed_plus_i(served):
     assert len(set(texts)) > 1  # the choices are samples of their own
 
 
-def test_a_chat_stream_carries_every_choice_by_index_and_the_usage_of_all(served):
-    app, _ = served
+def test_a_chat_stream_carries_every_choice_by_index_and_the_usage_of_all(app):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True,
             "temperature": 1.0, "seed": 5, "n": 2}
     full = _post(app, "/v1/chat/completions", body).json()
