@@ -54,7 +54,7 @@ def served(tiny_model_dir, reference, paced_engines):
                       "--device-memory-gb", str(64 / 1024), "--kv-cache-gb", str(8 / 1024),
                       "--shm-prefix", prefix, "--no-standby-pool") as srv:
             yield srv, nodes, prefix
-        assert _actor_processes(nodes.temp_dir) == [], "a device worker or rank outlived the server"
+        assert _actor_processes_after(nodes.temp_dir, 20.0) == [], "a device worker or rank outlived the server"
     assert list_segments(prefix) == [], "shared-memory files leaked"
 
 
@@ -68,6 +68,16 @@ def _actor_processes(temp_dir: str) -> list[str]:
     another cluster on this machine, e.g. another test worker's, has its own)."""
     out = subprocess.run(["pgrep", "-af", "ray::DeviceWorker|ray::InstanceRank"], capture_output=True, text=True)
     return [line for line in out.stdout.splitlines() if _stdout_of(int(line.split()[0])).startswith(temp_dir)]
+
+
+def _actor_processes_after(temp_dir: str, timeout_s: float) -> list[str]:
+    """`_actor_processes` once they are gone, or what is left after `timeout_s`: the raylet kills a
+    finished job's actors on its own time, and under a loaded CI host one was seen still exiting
+    the moment the server had stopped. A leaked process stays; one still exiting goes."""
+    deadline = time.monotonic() + timeout_s
+    while (left := _actor_processes(temp_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def _stdout_of(pid: int) -> str:
