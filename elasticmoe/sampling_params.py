@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elasticmoe.errors import InvalidRequestError
+from elasticmoe.structured_outputs import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
 
@@ -53,6 +54,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # vLLM's: no EOS, stop token or stop string ends the request before this many output tokens.
     min_tokens: int = 0
+    # The answer must match a JSON schema, a regex, a choice or a grammar (checked when built).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +101,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamError("min_tokens", f"must be at most max_tokens ({self.max_tokens}), "
                                      f"got {self.min_tokens}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise SamplingParamError("structured_outputs", f"must be a StructuredOutputs, got "
+                                     f"{type(self.structured_outputs).__name__}")
         self.logit_bias = dict(self.logit_bias or {})
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise SamplingParamError("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")

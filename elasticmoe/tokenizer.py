@@ -171,6 +171,15 @@ class Tokenizer:
             return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as JSON (what llguidance builds its token trie from);
+        `InvalidRequestError` for a slow (Python) tokenizer, which has none."""
+        backend = self._backend if self._backend is not None else getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            raise InvalidRequestError("structured_outputs", "structured outputs need a fast (`tokenizers`) "
+                                      "tokenizer; this model's is a slow one")
+        return str(backend.to_str())
+
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 

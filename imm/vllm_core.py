@@ -124,6 +124,11 @@ class VllmEngineCore:
             if getattr(params, name):
                 raise InvalidRequestError(name, "is not supported by the vLLM backend (a handover would change "
                                           "what it counts); use the native backend")
+        if params.structured_outputs is not None:
+            # Its grammar is ours (vLLM runs without a tokenizer here) and a resumed request's would
+            # start over in vLLM: refused by the field it came in.
+            raise InvalidRequestError(params.structured_outputs.field, "structured outputs are not supported by "
+                                      "the vLLM backend; use the native backend")
         limit = self._max_model_len
         if len(token_ids) >= limit:
             raise InvalidRequestError("prompt", f"prompt has {len(token_ids)} tokens; the maximum context "

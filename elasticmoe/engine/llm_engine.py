@@ -30,6 +30,7 @@ from elasticmoe.engine.output_processor import OutputProcessor
 from elasticmoe.engine.request import Request, RequestStatus
 from elasticmoe.engine.sampler import Sampler
 from elasticmoe.engine.scheduler import Scheduler, SchedulerOutput
+from elasticmoe.engine.structured_output import GrammarMatchers
 from elasticmoe.errors import InvalidRequestError
 from elasticmoe.kernels.grouped_gemm import computes_on_amx, has_grouped_gemm
 from elasticmoe.models.registry import model_family
@@ -130,7 +131,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_pool, config.block_size, lora_topk=self.adapters.lora_topk,
                                   offload=self.offload)
         eos_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
-        self.sampler = Sampler(config.seed, eos_ids)
+        self.grammars = GrammarMatchers(self.tokenizer, self.model_config.vocab_size, eos_ids)
+        self.sampler = Sampler(config.seed, eos_ids, self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids)
         logger.info(
             "engine ready: %s, %s, %d KV blocks x %d tokens, max_model_len %d, ep %d/%d",
@@ -212,6 +214,7 @@ class LLMEngine:
         state = Request(request_id, token_ids + output_ids, len(token_ids), params, self.max_model_len)
         if state.generator is not None and not params.is_greedy:
             Sampler.replay(state.generator, len(output_ids), vocab)
+        self.grammars.attach(state)
         self.adapters.bind(state, request.adapter)  # last check: raises before anything is kept
         self.requests[request_id] = state
         self.output_processor.add(state)
@@ -277,6 +280,7 @@ class LLMEngine:
             if snap.request_id in self.requests:
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
             request = restore(snap, keep_kv=kv_is_shared)
+            self.grammars.attach(request)
             self.adapters.rebind(request)
             if request.block_ids and not request.is_ready:
                 # Its adapter is not resident here (another took the slot): it waits for the swap-in
@@ -366,9 +370,10 @@ class LLMEngine:
             token_id, logprob = sampled
             request.token_ids.append(token_id)
             try:
-                finished = self.output_processor.append_token(request, token_id, logprob)
+                complete = self.grammars.advance(request, token_id)
+                finished = self.output_processor.append_token(request, token_id, logprob, complete)
                 output = self.output_processor.make_output(request, finished)
-            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer error on this request's text
+            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer or grammar error of this request
                 outputs.append(self._fail(request, exc))
                 continue
             outputs.append(output)

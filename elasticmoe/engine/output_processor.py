@@ -60,8 +60,9 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def append_token(self, request: Request, token_id: int, logprob) -> bool:
-        """Record a sampled token (already appended to `request.token_ids`); True if the request is finished."""
+    def append_token(self, request: Request, token_id: int, logprob, grammar_complete: bool = False) -> bool:
+        """Record a sampled token (already appended to `request.token_ids`); True if the request is
+        finished. `grammar_complete`: the request's structured output is whole with this token."""
         state = self.states[request.request_id]
         params = request.params
         if logprob is not None:
@@ -81,6 +82,8 @@ class OutputProcessor:
             state.finish_reason, state.stop_reason = "stop", token_id
         elif params.stop and may_stop and self._truncate_at_stop(state, params.stop, checked):
             state.finish_reason = "stop"
+        elif grammar_complete:
+            state.finish_reason, state.stop_reason = "stop", None
         elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             state.finish_reason = "length"
         elif request.num_tokens >= request.max_total_tokens:

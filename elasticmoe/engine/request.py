@@ -80,6 +80,9 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     binding: AdapterBinding = field(default_factory=AdapterBinding)
+    # An `llguidance.LLMatcher` while its answer is constrained (`engine.structured_output`); this
+    # engine's only: never in a snapshot, rebuilt from the output where the request goes.
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # shared by every output, never copied

@@ -1,12 +1,13 @@
-"""Token sampling: penalties and logit bias, greedy, temperature, top-k, top-p, per-request
-seeds, logprobs.
+"""Token sampling: penalties and logit bias, structured outputs' masks, greedy, temperature,
+top-k, top-p, per-request seeds, logprobs.
 
 Rows are processed together; only seeded rows draw from their own generator. A row with
 penalties or a bias chooses from its adjusted logits, greedy rows too (OpenAI's presence and
 frequency penalties count the tokens generated so far, not the prompt's; vLLM's and transformers'
 repetition penalty every token of both).
-Logprobs are those of the model's distribution (before penalties, bias, temperature, top-k and
-top-p), as vLLM reports them by default.
+A constrained row (structured outputs) then chooses only among the tokens its grammar allows.
+Logprobs are those of the model's distribution (before penalties, bias, masks, temperature, top-k
+and top-p), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from elasticmoe.engine.request import Request
+from elasticmoe.engine.structured_output import GrammarMatchers
 
 
 @dataclass
@@ -76,10 +78,13 @@ def _adjusted_logits(logits: torch.Tensor, requests: list[Request], eos_token_id
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
-        """`eos_token_ids`: what `min_tokens` holds back besides a request's stop tokens."""
+    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 grammars: GrammarMatchers | None = None) -> None:
+        """`eos_token_ids`: what `min_tokens` holds back besides a request's stop tokens; `grammars`:
+        masks of constrained requests (None: no request may be constrained)."""
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = grammars
 
     @staticmethod
     def replay(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
@@ -93,6 +98,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         num_rows = logits.shape[0]
         chosen_from = _adjusted_logits(logits, requests, self.eos_token_ids)
+        if self.grammars is not None:
+            chosen_from = self.grammars.constrain(chosen_from, logits, requests)
         token_ids = chosen_from.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if random_rows:

@@ -11,23 +11,16 @@ import json
 
 import httpx
 import pytest
-import torch
 from bad_inputs import CASES, MODEL, check_error
-
-from elasticmoe.config import EngineConfig
-from elasticmoe.engine.async_llm import AsyncLLM
-from elasticmoe.engine.llm_engine import LLMEngine
-from elasticmoe.entrypoints.openai.api_server import build_app
+from in_process_server import serving
 
 GREEDY = {"model": MODEL, "prompt": "the expert model", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def app(tiny_model_dir):
-    llm = AsyncLLM(LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32)))
-    llm.start()
-    yield build_app(llm, MODEL)
-    llm.shutdown()
+    with serving(tiny_model_dir, MODEL) as app:
+        yield app
 
 
 async def _send(client: httpx.AsyncClient, method: str, path: str, body) -> httpx.Response:

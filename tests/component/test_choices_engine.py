@@ -5,17 +5,10 @@ in tests/e2e/test_single_server.py; httpx's in-process transport reads the whole
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import pytest
-import torch
-
-from elasticmoe.config import EngineConfig
-from elasticmoe.engine.async_llm import AsyncLLM
-from elasticmoe.engine.llm_engine import LLMEngine
-from elasticmoe.entrypoints.openai.api_server import build_app
+from in_process_server import post, serving
 
 MODEL = "tiny"
 BODY = {"model": MODEL, "prompt": "the expert model", "max_tokens": 8, "ignore_eos": True}
@@ -23,23 +16,13 @@ BODY = {"model": MODEL, "prompt": "the expert model", "max_tokens": 8, "ignore_e
 
 @pytest.fixture(scope="module")
 def app(tiny_model_dir):
-    llm = AsyncLLM(LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32)))
-    llm.start()
-    yield build_app(llm, MODEL)
-    llm.shutdown()
-
-
-def _post(app, path: str, body: dict) -> httpx.Response:
-    async def main() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-            return await c.post(path, json=body)
-
-    return asyncio.run(main())
+    with serving(tiny_model_dir, MODEL) as app:
+        yield app
 
 
 def test_greedy_choices_equal_the_single_answer_and_usage_counts_each(app):
-    one = _post(app, "/v1/completions", {**BODY, "temperature": 0}).json()
-    three = _post(app, "/v1/completions", {**BODY, "temperature": 0, "n": 3}).json()
+    one = post(app, "/v1/completions", {**BODY, "temperature": 0}).json()
+    three = post(app, "/v1/completions", {**BODY, "temperature": 0, "n": 3}).json()
     assert [c["index"] for c in three["choices"]] == [0, 1, 2]
     assert {c["text"] for c in three["choices"]} == {one["choices"][0]["text"]}
     assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
@@ -48,9 +31,9 @@ def test_greedy_choices_equal_the_single_answer_and_usage_counts_each(app):
 
 def test_seeded_choice_i_equals_a_single_request_with_seed_plus_i(app):
     body = {**BODY, "temperature": 1.0, "seed": 41}
-    texts = [c["text"] for c in _post(app, "/v1/completions",
+    texts = [c["text"] for c in post(app, "/v1/completions",
                                       {**body, "n": 3}).json()["choices"]]
-    singles = [_post(app, "/v1/completions", {**body, "seed": 41 + i}).json()["choices"][0]["text"] for i in range(3)]
+    singles = [post(app, "/v1/completions", {**body, "seed": 41 + i}).json()["choices"][0]["text"] for i in range(3)]
     assert texts == singles
     assert len(set(texts)) > 1  # the choices are samples of their own
 
@@ -58,8 +41,8 @@ def test_seeded_choice_i_equals_a_single_request_with_seed_plus_i(app):
 def test_a_chat_stream_carries_every_choice_by_index_and_the_usage_of_all(app):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True,
             "temperature": 1.0, "seed": 5, "n": 2}
-    full = _post(app, "/v1/chat/completions", body).json()
-    r = _post(app, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    full = post(app, "/v1/chat/completions", body).json()
+    r = post(app, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     events = [e[len("data: "):] for e in r.text.split("\n\n") if e]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]

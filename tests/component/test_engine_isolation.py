@@ -67,10 +67,10 @@ def _poison_forward(engine: LLMEngine) -> None:
 def _poison_detokenizer(engine: LLMEngine) -> None:
     append = engine.output_processor.append_token
 
-    def append_token(request, token_id, logprob):
+    def append_token(request, token_id, logprob, *rest):
         if request.request_id == "bad" and request.num_output_tokens >= 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return append(request, token_id, logprob)
+        return append(request, token_id, logprob, *rest)
 
     engine.output_processor.append_token = append_token  # type: ignore[method-assign]
 

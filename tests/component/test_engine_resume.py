@@ -3,7 +3,7 @@
 The oracle is the undisturbed run of the same request: the resumed engine recomputes the
 KV of the prompt + received tokens and must then stream the same tokens and the same text,
 nothing twice and nothing skipped, greedy or seeded (the seeded generator is replayed), with
-penalties too (they count the received tokens).
+penalties too (they count the received tokens) and under a grammar (its matcher replays them).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.errors import InvalidRequestError
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.structured_outputs import StructuredOutputs
 
 PROMPT = [11, 22, 33, 44, 55]
 PARAMS = {
@@ -29,6 +30,9 @@ PARAMS = {
     "min-tokens": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[7],
                                  logit_bias={7: 100.0}, min_tokens=12),
     "seeded-penalties": SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True, frequency_penalty=1.5),
+    # the resumed engine's matcher consumes the output the client has: the grammar goes on from there
+    "structured": SamplingParams(temperature=0.9, seed=3, max_tokens=24, structured_outputs=StructuredOutputs.text(
+        "regex", "[a-z]{4,8}( [a-z]{4,8}){2,9}", "guided_regex")),
 }
 
 

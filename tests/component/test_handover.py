@@ -10,13 +10,17 @@ from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.kv_cache import KVCacheSpec
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.structured_outputs import StructuredOutputs
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter
 
-PROMPTS = [[5, 6, 7, 8] * 5, list(range(30, 70)), [9, 9, 9]]
+PROMPTS = [[5, 6, 7, 8] * 5, list(range(30, 70)), [9, 9, 9], [40, 41, 42]]
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
     SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2),
+    # the importing engine's matcher replays the output so far: the answer still matches the grammar
+    SamplingParams(temperature=0.9, seed=4, max_tokens=20, structured_outputs=StructuredOutputs.text(
+        "regex", "[a-z]{4,8}( [a-z]{4,8}){2,9}", "guided_regex")),
 ]
 
 
@@ -63,7 +67,7 @@ def test_handover_continues_streams_exactly(tiny_model_dir, kv_is_shared):
         for out in old.step():
             streams.setdefault(out.request_id, []).append(out)
     snaps = old.export_requests(hand_over_kv=kv_is_shared)
-    assert not old.has_unfinished_requests() and len(snaps) == 3
+    assert not old.has_unfinished_requests() and len(snaps) == len(PARAMS)
     assert any(s.was_running and s.num_computed_tokens > 0 for s in snaps)
 
     new = make_engine(tiny_model_dir, kv=shared if kv_is_shared else None)

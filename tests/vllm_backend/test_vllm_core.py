@@ -16,6 +16,7 @@ from elasticmoe.engine.engine_request import AdapterRef, EngineRequest  # noqa: 
 from elasticmoe.errors import InvalidRequestError, UnknownAdapterError  # noqa: E402
 from elasticmoe.outputs import RequestOutput  # noqa: E402
 from elasticmoe.sampling_params import SamplingParams  # noqa: E402
+from elasticmoe.structured_outputs import StructuredOutputs  # noqa: E402
 from elasticmoe.tokenizer import Tokenizer  # noqa: E402
 from imm.vllm_core import VllmEngineCore  # noqa: E402
 
@@ -181,6 +182,9 @@ def test_eos_and_stop_token_ids_reach_vllm(tokenizer):
         # vLLM would count the output only from where it got the request: a handover would change it
         (EngineRequest("h", [5], SamplingParams(max_tokens=4, presence_penalty=0.5)), "presence_penalty"),
         (EngineRequest("i", [5], SamplingParams(max_tokens=4, frequency_penalty=-0.5)), "frequency_penalty"),
+        # refused by the field it came in
+        (EngineRequest("j", [5], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(
+            "json_object", field="response_format"))), "response_format"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_field(tokenizer, request_, param):

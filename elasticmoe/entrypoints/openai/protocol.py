@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from elasticmoe.entrypoints.openai import not_implemented
+from elasticmoe.entrypoints.openai import not_implemented, structured
 from elasticmoe.sampling_params import (
     MAX_INT32,
     MAX_LOGIT_BIAS,
@@ -28,6 +28,8 @@ from elasticmoe.sampling_params import (
     SamplingParamError,
     SamplingParams,
 )
+from elasticmoe.structured_outputs import MAX_CHOICES as MAX_STRUCTURED_CHOICES
+from elasticmoe.structured_outputs import MAX_SPEC_CHARS
 
 # Bounds of the HTTP schema (the OpenAPI document states them, so a fuzzer knows where they are).
 MAX_NAME_CHARS = 256  # model, user, message names
@@ -137,6 +139,31 @@ class _SamplingFields(_Request):
         description="Extension (vLLM): no end-of-sequence token, stop token or stop string ends the answer "
         "before this many tokens.",
     )
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        description='{"type": "text"} (the default), {"type": "json_object"} (the answer is a JSON object) or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} (it matches the schema).',
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        default=None,
+        description='Extension (vLLM): the answer matches {"json": schema}, {"regex": ...}, {"choice": [strings]}, '
+        '{"grammar": a Lark or GBNF grammar} or {"json_object": true}.',
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        default=None, description="Extension (vLLM, older): the answer matches this JSON schema."
+    )
+    guided_regex: str | None = Field(
+        default=None, max_length=MAX_SPEC_CHARS,
+        description="Extension (vLLM, older): the answer matches this regular expression.",
+    )
+    guided_choice: list[str] | None = Field(
+        default=None, max_length=MAX_STRUCTURED_CHOICES,
+        description="Extension (vLLM, older): the answer is one of these strings.",
+    )
+    guided_grammar: str | None = Field(
+        default=None, max_length=MAX_SPEC_CHARS,
+        description="Extension (vLLM, older): the answer matches this grammar (Lark or GBNF).",
+    )
     logit_bias: dict[str, float] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS_TOKENS,
         description=f"Token id (as a string) -> a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] added to its "
@@ -186,6 +213,11 @@ class _SamplingFields(_Request):
             logit_bias=_token_biases(self.logit_bias),
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
+            structured_outputs=structured.structured_outputs({
+                "response_format": self.response_format, "structured_outputs": self.structured_outputs,
+                "guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
+            }),
         )
 
 

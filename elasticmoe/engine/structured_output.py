@@ -1,0 +1,111 @@
+"""The engine's side of structured outputs (`elasticmoe.structured_outputs`): one llguidance
+matcher per constrained request, which masks the tokens its grammar forbids before sampling and
+advances with every token sampled.
+
+The matcher is state of this engine only (`Request.matcher`): a request that comes here resumed or
+handed over gets a new one, which consumes the output tokens so far, so it continues where the
+grammar was. Logprobs stay the model's (as vLLM reports them); the mask only chooses.
+
+A request ends ("stop") as soon as its grammar is complete (a JSON object closed, a choice
+spelled out), as vLLM does, with no EOS token needed. Where a request's own adjustments forbid
+every token the grammar allows (`min_tokens` holding back the EOS a complete JSON value can only
+be followed by), the grammar wins: the row samples from the grammar's tokens unadjusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+import llguidance
+import numpy as np
+import torch
+
+from elasticmoe.engine.request import Request
+from elasticmoe.errors import InvalidRequestError
+from elasticmoe.structured_outputs import parser_limits
+from elasticmoe.tokenizer import Tokenizer
+
+
+class StructuredOutputError(RuntimeError):
+    """A constrained request's matcher refused a token or failed: that request fails, the engine goes on."""
+
+
+class GrammarMatchers:
+    """Builds and drives the matchers of one engine's constrained requests."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+
+    @cached_property
+    def _lltokenizer(self) -> llguidance.LLTokenizer:
+        """The model's tokenizer as llguidance reads it (built on the first constrained request:
+        ~10 ms for a 4k vocabulary, ~1 s for 150k)."""
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_str(self.tokenizer.backend_json())
+        backend.no_padding()
+        backend.no_truncation()
+        n_vocab = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=self.eos_token_ids or None)
+
+    def attach(self, request: Request) -> None:
+        """Give a constrained request its matcher, past its output so far (a resumed or handed-over
+        request's). `InvalidRequestError` naming the field if the grammar does not compile for this
+        model, or if that output does not match it; nothing is kept then."""
+        constraint = request.params.structured_outputs
+        if constraint is None:
+            return
+        try:
+            lltokenizer = self._lltokenizer
+        except InvalidRequestError as exc:  # a slow tokenizer: named by the field the request used
+            raise InvalidRequestError(constraint.field, exc.message) from None
+        matcher = llguidance.LLMatcher(lltokenizer, constraint.grammar, log_level=0, limits=parser_limits())
+        if matcher.is_error():
+            raise InvalidRequestError(constraint.field, f"does not compile for this model: {matcher.get_error()[:500]}")
+        output = request.output_token_ids
+        if output and not matcher.consume_tokens(output):
+            raise InvalidRequestError("resume", "the output so far does not match the request's structured output")
+        request.matcher = matcher
+
+    def constrain(self, chosen_from: torch.Tensor, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """`chosen_from` [N, V] (the logits to choose from, adjusted or not) with each constrained
+        row's forbidden tokens at -inf; a copy if any row is constrained (`logits`, the model's,
+        are never written: logprobs come from them)."""
+        rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if not rows:
+            return chosen_from
+        vocab = chosen_from.shape[-1]
+        words = (self._lltokenizer.vocab_size + 31) // 32
+        bitmask = np.zeros((len(rows), words), dtype=np.int32)
+        for j, i in enumerate(rows):
+            matcher = requests[i].matcher
+            if not matcher.is_error():
+                matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, bitmask[j].nbytes)
+            if matcher.is_error():  # e.g. its grammar hit a parser limit: the sampler retries row by row
+                raise StructuredOutputError(f"request {requests[i].request_id}: {matcher.get_error()[:300]}")
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        allowed = torch.from_numpy(bits.astype(np.bool_))
+        index = torch.tensor(rows)
+        masked = chosen_from.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+        dead = torch.isneginf(masked).all(dim=-1)
+        if dead.any():  # the request's adjustments forbid all the grammar allows: the grammar wins
+            raw = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+            masked[dead] = raw[dead]
+        out = chosen_from.clone()
+        out[index] = masked
+        return out
+
+    @staticmethod
+    def advance(request: Request, token_id: int) -> bool:
+        """Feed the sampled token to the request's matcher; True if its grammar is now complete
+        (the request stops). False for an unconstrained request."""
+        matcher = request.matcher
+        if matcher is None:
+            return False
+        if not matcher.consume_token(token_id):
+            raise StructuredOutputError(f"request {request.request_id}: token {token_id} does not match its "
+                                        f"structured output: {matcher.get_error()[:300]}")
+        return bool(matcher.is_stopped())
