@@ -2,8 +2,8 @@
 and that this server does not implement.
 
 Each comes with the values that ask for nothing besides null (a `min_p` of 0, `best_of` 1, no
-tools). Any other value is refused with a 400 naming the field. Ignored, a request for a tool
-call or banned words would get an answer made without them, and its client could
+functions). Any other value is refused with a 400 naming the field. Ignored, a request for a
+legacy function call or banned words would get an answer made without them, and its client could
 not tell. Fields the API does not know at all are still ignored
 (`protocol._Request`): an SDK that sends a newer option keeps working.
 """
@@ -32,8 +32,6 @@ SHARED: dict[str, tuple[Any, ...]] = {
 COMPLETIONS: dict[str, tuple[Any, ...]] = {"best_of": (1,), "suffix": ("",)}
 # /v1/chat/completions only.
 CHAT: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools, both mean: answer in text
     "functions": ([],),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),

@@ -12,6 +12,7 @@ real tokenizer produces, so nothing that fits is refused.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,9 +63,14 @@ class PromptRenderer:
             raise InvalidRequestError("prompt", "must not be empty")
         return ids
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered with the chat template (the assistant turn opened)."""
-        self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of `messages` rendered with the chat template (the assistant turn opened), with
+        `tools` for the template to show (none: the template is called as before tools existed)."""
+        self._check_size(sum(len(m["content"]) + len(m["role"]) + len(json.dumps(m.get("tool_calls") or []))
+                             for m in messages), "messages")
+        if tools:
+            self._check_size(len(json.dumps(tools)), "tools")
+            return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages, tools)))
         return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages)))
 
     def shutdown(self) -> None:

@@ -9,11 +9,13 @@ only place an HTTP request becomes engine `SamplingParams`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from elasticmoe.entrypoints.openai import not_implemented, structured
+from elasticmoe.entrypoints.openai import tools as tooling  # not `tools`: a request field has that name
 from elasticmoe.sampling_params import (
     MAX_INT32,
     MAX_LOGIT_BIAS,
@@ -314,6 +316,12 @@ class ChatMessage(_Request):
     name: str | None = Field(
         default=None, max_length=MAX_NAME_CHARS, description="Optional participant name (not used by the template)."
     )
+    tool_calls: list[tooling.MessageToolCall] | None = Field(
+        default=None, max_length=tooling.MAX_TOOLS, description="An assistant turn's calls, as the API returned them."
+    )
+    tool_call_id: str | None = Field(
+        default=None, max_length=MAX_NAME_CHARS, description="A tool turn's answer to this call."
+    )
 
     @field_validator("content", mode="before")
     @classmethod
@@ -365,6 +373,19 @@ class ChatCompletionRequest(_SamplingFields):
         le=MAX_LOGPROBS,
         description="Number of most likely alternatives per position (needs logprobs).",
     )
+    tools: list[tooling.Tool] | None = Field(
+        default=None, max_length=tooling.MAX_TOOLS, description="Functions the model may call (the chat template "
+        "shows them to the model where it renders tools)."
+    )
+    tool_choice: Literal["none", "auto", "required"] | tooling.NamedToolChoice | None = Field(
+        default=None,
+        description='"required" (the answer is one or more calls of the tools), {"type": "function", "function": '
+        '{"name": ...}} (a call of that function) or "none" (text). "auto", the default with tools, needs a '
+        "parser of the model's tool-call format and is refused.",
+    )
+    parallel_tool_calls: bool = Field(
+        default=True, strict=True, description='With "required": false allows one call only.'
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -378,11 +399,49 @@ class ChatCompletionRequest(_SamplingFields):
             raise SamplingParamError("top_logprobs", "requires logprobs=true")
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them: text content only."""
-        return [{"role": m.role, "content": m.text} for m in self.messages]
+    @model_validator(mode="after")
+    def _tools_can_be_served(self) -> ChatCompletionRequest:
+        mode = self.tool_mode  # raises for a choice that cannot be served
+        if mode is not None and any(v is not None for v in (self.response_format, self.structured_outputs,
+                                                             self.guided_json, self.guided_regex,
+                                                             self.guided_choice, self.guided_grammar)):
+            if not (isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
+                raise SamplingParamError("tool_choice", "a tool call is a structured output already: it cannot "
+                                         "be combined with response_format, structured_outputs or guided_*")
+        return self
+
+    @property
+    def tool_mode(self) -> tooling.ToolMode | None:
+        return tooling.tool_mode(self.tools, self.tool_choice)
+
+    @property
+    def tool_name(self) -> str | None:
+        """The function a named `tool_choice` calls."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, tooling.NamedToolChoice) else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them: text content (and earlier turns' tool calls)."""
+        messages: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's form); None without tools."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs)
+        mode = self.tool_mode
+        if mode is None:
+            return params
+        assert self.tools is not None
+        constraint = tooling.tool_constraint(self.tools, mode, self.tool_choice, self.parallel_tool_calls)
+        return dataclasses.replace(params, structured_outputs=constraint)

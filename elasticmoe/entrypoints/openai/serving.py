@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
+from elasticmoe.entrypoints.openai import tools
 from elasticmoe.entrypoints.openai.choices import Started, all_or_none, merged, start_choices
 from elasticmoe.entrypoints.openai.errors import OpenAIError, internal_error, model_not_found, to_openai_error
 from elasticmoe.entrypoints.openai.prompts import PromptRenderer
@@ -37,7 +38,6 @@ from elasticmoe.entrypoints.openai.responses import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatResponseMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -227,7 +227,7 @@ class OpenAIServing:
         adapter = self.check_model(request.model)
         params = request.to_sampling_params()
         try:
-            prompt_ids = await self.prompts.chat(request.template_messages())
+            prompt_ids = await self.prompts.chat(request.template_messages(), request.template_tools())
         except InvalidRequestError:
             raise
         except Exception as exc:
@@ -241,16 +241,16 @@ class OpenAIServing:
         if request.stream:
             return SSEStream(self._chat_events(request, response_id, started), started)
         results = await all_or_none([self._collect(choice, "chat_completions") for choice in started])
-        choices = [
-            ChatCompletionChoice(
+        choices = []
+        for index, (last, logprobs) in enumerate(results):
+            message, reason = tools.chat_message(last.text, last.finish_reason, request.tool_mode, request.tool_name)
+            choices.append(ChatCompletionChoice(
                 index=index,
-                message=ChatResponseMessage(content=last.text),
+                message=message,
                 logprobs=ChatChoiceLogprobs(content=_chat_logprobs(logprobs)) if request.logprobs else None,
-                finish_reason=last.finish_reason,
+                finish_reason=reason,
                 stop_reason=last.stop_reason,
-            )
-            for index, (last, logprobs) in enumerate(results)
-        ]
+            ))
         return ChatCompletionResponse(
             id=response_id,
             created=started[0].created,
@@ -276,26 +276,34 @@ class OpenAIServing:
         for index in range(len(started)):
             yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         lasts: dict[int, RequestOutput] = {}
+        mode = request.tool_mode
+        calls = [tools.ToolCallDeltas(mode, request.tool_name) for _ in started] if mode is not None else []
         # closed here, not left to the garbage collector: that aborts every choice (see `merged`)
         async with aclosing(merged(started, lambda choice: self._stream_outputs(choice, "chat_completions"))) as outputs:
             async for index, out in outputs:
                 if isinstance(out, str):
                     yield out
                     break
-                if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished):  # as above
+                if mode is not None:
+                    call_deltas, text = calls[index].feed(out)
+                    delta = DeltaMessage(tool_calls=call_deltas or None, content=text)
+                else:
+                    call_deltas, delta = [], DeltaMessage(content=out.new_text)
+                if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished) or call_deltas:
                     logprobs = (
                         ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or []))
                         if request.logprobs
                         else None
                     )
-                    yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=out.new_text),
-                                                            logprobs=logprobs)])
+                    yield chunk([ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs)])
                 if out.finished:
                     lasts[index] = out
+                    made_calls = mode is not None and calls[index].made_calls
                     yield chunk(
                         [
                             ChatCompletionStreamChoice(
-                                index=index, delta=DeltaMessage(), finish_reason=out.finish_reason,
+                                index=index, delta=DeltaMessage(),
+                                finish_reason=tools.finish_reason(mode, out.finish_reason, made_calls),
                                 stop_reason=out.stop_reason,
                             )
                         ]

@@ -1,0 +1,184 @@
+"""Tool calls of the chat API, made by structured outputs.
+
+A request's `tools` are passed to the chat template (a model's template renders them); what the
+model answers is constrained by `tool_choice`:
+- a named function (`{"type": "function", "function": {"name": "f"}}`): the answer is the
+  function's arguments, a JSON object matching its `parameters` schema; it comes back as one call
+  of f (finish_reason "stop", as OpenAI answers a forced call);
+- `"required"`: the answer is a JSON array of `{"name": ..., "parameters": {...}}`, each item one
+  of the tools with its own schema (one item at most with `parallel_tool_calls: false`); it comes
+  back as those calls (finish_reason "tool_calls"). vLLM builds the same array;
+- `"none"`: a text answer (the tools may still be in the prompt).
+`"auto"` (the default when tools are given) lets the model choose between text and a call in its
+own format, which needs a parser of that format (vLLM's `--tool-call-parser`); this server has
+none, so it is refused by name rather than answered as text that may hold an unparsed call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from elasticmoe.entrypoints.openai.responses import (
+    ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from elasticmoe.outputs import RequestOutput
+from elasticmoe.sampling_params import SamplingParamError
+from elasticmoe.structured_outputs import MAX_SPEC_CHARS, StructuredOutputs
+
+MAX_TOOLS = 128
+MAX_DESCRIPTION_CHARS = 8192
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+ToolMode = Literal["named", "required"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=NAME_PATTERN, description="The function's name: letters, digits, _ and -, up to 64.")
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="A JSON schema of the arguments' object; none: no arguments."
+    )
+    strict: bool | None = Field(default=None, description="Accepted; the arguments always match the schema here.")
+
+
+class Tool(_Strict):
+    type: Literal["function"] = Field(description="Only function tools.")
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(BaseModel):
+    """A function call of an earlier assistant turn, as the client sends it back."""
+
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=MAX_SPEC_CHARS, description="The arguments as a JSON object's text.")
+
+
+class MessageToolCall(BaseModel):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+def parameters_of(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else _NO_PARAMETERS
+
+
+def tool_mode(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None) -> ToolMode | None:
+    """How the answer is constrained, or None (text); `SamplingParamError` naming the field for a
+    choice that cannot be served."""
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none" or (choice == "auto" and not tools):  # no tools to call: both mean a text answer
+        return None
+    if not tools:
+        raise SamplingParamError("tool_choice", "needs tools")
+    if choice == "auto":
+        raise SamplingParamError("tool_choice", '"auto" (the default with tools) needs a parser of the model\'s '
+                                 'own tool-call format, which this server does not have: send "required", a named '
+                                 'function ({"type": "function", "function": {"name": ...}}) or "none"')
+    if choice == "required":
+        return "required"
+    assert isinstance(choice, NamedToolChoice)
+    if choice.function.name not in {t.function.name for t in tools}:
+        raise SamplingParamError("tool_choice", f"names {choice.function.name!r}, which is not among the tools")
+    return "named"
+
+
+def tool_constraint(tools: list[Tool], mode: ToolMode, tool_choice: Any, parallel: bool) -> StructuredOutputs:
+    """The structured output that makes the answer a call (or calls) of `tools`."""
+    if mode == "named":
+        tool = next(t for t in tools if t.function.name == tool_choice.function.name)
+        return StructuredOutputs.json_schema(parameters_of(tool), "tools")  # a bad schema is the tools' fault
+    items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+              "properties": {"name": {"const": t.function.name}, "parameters": parameters_of(t)}} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputs.json_schema(schema, "tools")
+
+
+def calls_of(text: str, mode: ToolMode, name: str | None) -> list[ToolCall] | None:
+    """The calls a whole answer makes, or None if it is not whole (cut by max_tokens)."""
+    if mode == "named":
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        return [ToolCall(function=FunctionCall(name=name or "", arguments=text))]
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    return [ToolCall(function=FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"],
+                                                                                     ensure_ascii=False)))
+            for item in items]
+
+
+def finish_reason(mode: ToolMode | None, reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's: "tool_calls" where the model chose to call ("required"); a forced call ends "stop"."""
+    return "tool_calls" if mode == "required" and reason == "stop" and made_calls else reason
+
+
+def chat_message(text: str, reason: str | None, mode: ToolMode | None, name: str | None
+                 ) -> tuple[ChatResponseMessage, str | None]:
+    """A whole answer's message and finish reason: its calls, or its text where it makes none (no
+    tool mode, or an answer cut short, whose text is the partial call)."""
+    calls = calls_of(text, mode, name) if mode is not None else None
+    if calls is None:
+        return ChatResponseMessage(content=text), reason
+    return ChatResponseMessage(content=None, tool_calls=calls), finish_reason(mode, reason, True)
+
+
+class ToolCallDeltas:
+    """A choice's stream of tool-call deltas: a named call streams its arguments as they come (its
+    id and name first); a "required" answer's calls go out whole when it ends (an array's items
+    are only known to be calls once parsed)."""
+
+    def __init__(self, mode: ToolMode, name: str | None) -> None:
+        self.mode, self.name = mode, name
+        self.call_id: str | None = None
+        self.text = ""
+        self.made_calls = False  # a call went out
+
+    def feed(self, out: RequestOutput) -> tuple[list[DeltaToolCall], str | None]:
+        """Deltas for `out`, and text to send as content instead (a "required" answer cut short)."""
+        self.text += out.new_text
+        if self.mode == "named":
+            deltas = []
+            if self.call_id is None:
+                self.call_id = ToolCall(function=FunctionCall(name="", arguments="")).id
+                deltas.append(DeltaToolCall(index=0, id=self.call_id, type="function",
+                                            function=DeltaFunctionCall(name=self.name, arguments="")))
+            if out.new_text:
+                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=out.new_text)))
+            self.made_calls = True
+            return deltas, None
+        if not out.finished:
+            return [], None
+        calls = calls_of(self.text, "required", None)
+        if calls is None:
+            return [], self.text
+        self.made_calls = True
+        return [DeltaToolCall(index=i, id=c.id, type="function",
+                              function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
+                for i, c in enumerate(calls)], None
