@@ -198,9 +198,6 @@ def test_a_refused_value_is_shown_bounded_however_large_or_deep():
 @pytest.mark.parametrize("request_class,body,field,value", [
     (CompletionRequest, {"prompt": "x"}, "best_of", 2),
     (CompletionRequest, {"prompt": "x"}, "suffix", "tail"),
-    # tools with the default tool_choice ("auto"): no parser of the model's call format
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, "tool_choice", "auto"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "tool_choice", "required"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "functions", [{"name": "f"}]),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "function_call", {"name": "f"}),

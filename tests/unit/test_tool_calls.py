@@ -23,13 +23,14 @@ def _out(new_text: str, finished: bool = False, reason: str | None = None) -> Re
 
 @pytest.mark.parametrize("tool_list,choice,mode", [
     (None, None, None), ([], "auto", None), ([F], "none", None), ([F], "required", "required"), ([F, G], NAMED_F, "named"),
+    ([F], None, "auto"), ([F], "auto", "auto"),  # served where the model's template shows a format read here
 ])
 def test_the_mode_each_choice_asks_for(tool_list, choice, mode):
     assert tools.tool_mode(tool_list, choice) == mode
 
 
 @pytest.mark.parametrize("tool_list,choice,says", [
-    ([F], None, '"auto"'), ([F], "auto", '"auto"'), (None, "required", "needs tools"),
+    (None, "required", "needs tools"),
     ([G], NAMED_F, "not among the tools"),
 ])
 def test_choices_that_cannot_be_served(tool_list, choice, says):

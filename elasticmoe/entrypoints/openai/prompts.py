@@ -73,5 +73,10 @@ class PromptRenderer:
             return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages, tools)))
         return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages)))
 
+    def chat_template(self) -> str | None:
+        """The model's chat template text (None: it has none, or the tokenizer does not say)."""
+        template = getattr(getattr(self.tokenizer, "hf", None), "chat_template", None)
+        return template if isinstance(template, str) else None
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

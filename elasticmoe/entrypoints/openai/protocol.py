@@ -380,8 +380,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | tooling.NamedToolChoice | None = Field(
         default=None,
         description='"required" (the answer is one or more calls of the tools), {"type": "function", "function": '
-        '{"name": ...}} (a call of that function) or "none" (text). "auto", the default with tools, needs a '
-        "parser of the model's tool-call format and is refused.",
+        '{"name": ...}} (a call of that function), "none" (text) or "auto" (the default with tools: text or '
+        "calls in the model's own format; served for models whose chat template shows Hermes' <tool_call> tags).",
     )
     parallel_tool_calls: bool = Field(
         default=True, strict=True, description='With "required": false allows one call only.'
@@ -440,7 +440,7 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self._sampling_params(max_tokens, logprobs)
         mode = self.tool_mode
-        if mode is None:
+        if mode is None or mode == "auto":  # "auto": the model writes text or calls in its own format
             return params
         assert self.tools is not None
         constraint = tooling.tool_constraint(self.tools, mode, self.tool_choice, self.parallel_tool_calls)

@@ -226,6 +226,8 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | SSEStream:
         adapter = self.check_model(request.model)
         params = request.to_sampling_params()
+        if request.tool_mode == "auto":
+            tools.check_auto(self.prompts.chat_template())
         try:
             prompt_ids = await self.prompts.chat(request.template_messages(), request.template_tools())
         except InvalidRequestError:

@@ -9,9 +9,11 @@ model answers is constrained by `tool_choice`:
   of the tools with its own schema (one item at most with `parallel_tool_calls: false`); it comes
   back as those calls (finish_reason "tool_calls"). vLLM builds the same array;
 - `"none"`: a text answer (the tools may still be in the prompt).
-`"auto"` (the default when tools are given) lets the model choose between text and a call in its
-own format, which needs a parser of that format (vLLM's `--tool-call-parser`); this server has
-none, so it is refused by name rather than answered as text that may hold an unparsed call.
+`"auto"` (the default when tools are given): the model chooses between text and calls in its own
+format, which needs a parser of that format (vLLM's `--tool-call-parser`). Here the format is read
+from the chat template: one that shows Hermes' `<tool_call>` tag (Qwen2.5, Qwen3, Hermes) gets
+Hermes parsing (`hermes`); for any other model "auto" with tools is refused by name rather than
+answered as text that may hold an unparsed call.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from elasticmoe.entrypoints.openai import hermes
 from elasticmoe.entrypoints.openai.responses import (
     ChatResponseMessage,
     DeltaFunctionCall,
@@ -37,7 +40,7 @@ MAX_DESCRIPTION_CHARS = 8192
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
-ToolMode = Literal["named", "required"]
+ToolMode = Literal["named", "required", "auto"]
 
 
 class _Strict(BaseModel):
@@ -93,15 +96,22 @@ def tool_mode(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | Non
     if not tools:
         raise SamplingParamError("tool_choice", "needs tools")
     if choice == "auto":
-        raise SamplingParamError("tool_choice", '"auto" (the default with tools) needs a parser of the model\'s '
-                                 'own tool-call format, which this server does not have: send "required", a named '
-                                 'function ({"type": "function", "function": {"name": ...}}) or "none"')
+        return "auto"  # the served model's template decides whether it can be parsed (`check_auto`)
     if choice == "required":
         return "required"
     assert isinstance(choice, NamedToolChoice)
     if choice.function.name not in {t.function.name for t in tools}:
         raise SamplingParamError("tool_choice", f"names {choice.function.name!r}, which is not among the tools")
     return "named"
+
+
+def check_auto(chat_template: str | None) -> None:
+    """`SamplingParamError` naming `tool_choice` unless the model's answers can be read for calls."""
+    if not hermes.uses_hermes(chat_template):
+        raise SamplingParamError("tool_choice", '"auto" (the default with tools) needs a parser of the model\'s '
+                                 "own tool-call format; this model's chat template shows none this server reads "
+                                 '(Hermes\' <tool_call> tags): send "required", a named function ({"type": '
+                                 '"function", "function": {"name": ...}}) or "none"')
 
 
 def tool_constraint(tools: list[Tool], mode: ToolMode, tool_choice: Any, parallel: bool) -> StructuredOutputs:
@@ -117,8 +127,14 @@ def tool_constraint(tools: list[Tool], mode: ToolMode, tool_choice: Any, paralle
     return StructuredOutputs.json_schema(schema, "tools")
 
 
+def _calls(pairs: list[tuple[str, str]]) -> list[ToolCall]:
+    return [ToolCall(function=FunctionCall(name=name, arguments=arguments)) for name, arguments in pairs]
+
+
 def calls_of(text: str, mode: ToolMode, name: str | None) -> list[ToolCall] | None:
     """The calls a whole answer makes, or None if it is not whole (cut by max_tokens)."""
+    if mode == "auto":
+        return _calls(hermes.parse(text)[1]) or None
     if mode == "named":
         try:
             json.loads(text)
@@ -135,8 +151,8 @@ def calls_of(text: str, mode: ToolMode, name: str | None) -> list[ToolCall] | No
 
 
 def finish_reason(mode: ToolMode | None, reason: str | None, made_calls: bool) -> str | None:
-    """OpenAI's: "tool_calls" where the model chose to call ("required"); a forced call ends "stop"."""
-    return "tool_calls" if mode == "required" and reason == "stop" and made_calls else reason
+    """OpenAI's: "tool_calls" where the model chose to call ("required", "auto"); a forced call ends "stop"."""
+    return "tool_calls" if mode in ("required", "auto") and reason == "stop" and made_calls else reason
 
 
 def chat_message(text: str, reason: str | None, mode: ToolMode | None, name: str | None
@@ -146,23 +162,36 @@ def chat_message(text: str, reason: str | None, mode: ToolMode | None, name: str
     calls = calls_of(text, mode, name) if mode is not None else None
     if calls is None:
         return ChatResponseMessage(content=text), reason
-    return ChatResponseMessage(content=None, tool_calls=calls), finish_reason(mode, reason, True)
+    content = (hermes.parse(text)[0] or None) if mode == "auto" else None  # text beside the calls
+    return ChatResponseMessage(content=content, tool_calls=calls), finish_reason(mode, reason, True)
 
 
 class ToolCallDeltas:
     """A choice's stream of tool-call deltas: a named call streams its arguments as they come (its
     id and name first); a "required" answer's calls go out whole when it ends (an array's items
-    are only known to be calls once parsed)."""
+    are only known to be calls once parsed); an "auto" answer's content goes out as it comes and
+    each of its calls once its closing tag is generated."""
 
     def __init__(self, mode: ToolMode, name: str | None) -> None:
         self.mode, self.name = mode, name
         self.call_id: str | None = None
         self.text = ""
         self.made_calls = False  # a call went out
+        self._hermes = hermes.HermesStream() if mode == "auto" else None
+        self._num_calls = 0
 
     def feed(self, out: RequestOutput) -> tuple[list[DeltaToolCall], str | None]:
         """Deltas for `out`, and text to send as content instead (a "required" answer cut short)."""
         self.text += out.new_text
+        if self._hermes is not None:  # "auto": content as it comes, each call once it closes
+            content, pairs = self._hermes.feed(out.new_text, out.finished)
+            deltas = []
+            for call in _calls(pairs):
+                piece = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
+                deltas.append(DeltaToolCall(index=self._num_calls, id=call.id, type="function", function=piece))
+                self._num_calls += 1
+            self.made_calls |= bool(deltas)
+            return deltas, content or None
         if self.mode == "named":
             deltas = []
             if self.call_id is None:
