@@ -22,6 +22,10 @@ MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|: OpenAI's range
 MAX_LOGIT_BIAS = 100.0  # |bias| of one token: OpenAI's range (100 bans or forces a token)
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_REPETITION_PENALTY = 100.0
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary served today; the engine checks its own
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 64
 
 
 def _is_int(x: object) -> bool:
@@ -56,6 +60,15 @@ class SamplingParams:
     min_tokens: int = 0
     # The answer must match a JSON schema, a regex, a choice or a grammar (checked when built).
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: a sampled token needs at least `min_p` times the most likely token's probability.
+    min_p: float = 0.0
+    # vLLM's: only these tokens may be generated (None: any).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: a stop string that ends the answer stays in its text.
+    include_stop_str_in_output: bool = False
+    # vLLM's `bad_words` as token ids (the API tokenizes each word, with and without a leading
+    # space): a sequence's last token is banned wherever the output ends with the tokens before it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +117,21 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise SamplingParamError("structured_outputs", f"must be a StructuredOutputs, got "
                                      f"{type(self.structured_outputs).__name__}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamError("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not 1 <= len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise SamplingParamError("allowed_token_ids", f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, "
+                                         f"got {len(self.allowed_token_ids)}")
+            if not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids):
+                raise SamplingParamError("allowed_token_ids", f"must be token ids in [0, {MAX_INT32}]")
+        self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids or []]
+        if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            raise SamplingParamError("bad_words", f"at most {MAX_BAD_WORDS} words")
+        for seq in self.bad_words_token_ids:
+            if not 1 <= len(seq) <= MAX_BAD_WORD_TOKENS or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in seq):
+                raise SamplingParamError("bad_words", f"each word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
         self.logit_bias = dict(self.logit_bias or {})
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise SamplingParamError("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
@@ -115,10 +143,12 @@ class SamplingParams:
                                          f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token}")
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """The token ids these parameters name (stop tokens, biased tokens) exist in a vocabulary of
+        """The token ids these parameters name (stop, biased and allowed tokens) exist in a vocabulary of
         `vocab_size`; `SamplingParamError` naming the field otherwise. Every engine backend checks
         this when it takes a request (the bounds above hold for any model)."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for seq in self.bad_words_token_ids for t in seq])):
             if any(t >= vocab_size for t in ids):
                 raise SamplingParamError(name, f"token ids must be < vocab size {vocab_size}")
 
@@ -130,4 +160,5 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """The sampler changes this request's logits before choosing (penalties, bias)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
+                    or self.repetition_penalty != 1.0 or self.min_tokens or self.allowed_token_ids is not None
+                    or self.bad_words_token_ids)

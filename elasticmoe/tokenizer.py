@@ -163,8 +163,8 @@ class Tokenizer:
         except OSError as exc:  # e.g. a read-only home: every process loads through transformers
             logger.info("tokenizer cache not written (%s)", exc)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:

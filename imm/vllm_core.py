@@ -51,7 +51,8 @@ def vllm_params(request: Request, eos_token_ids: tuple[int, ...]) -> VllmSamplin
     return VllmSamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=remaining,
         stop_token_ids=stops, ignore_eos=True, logprobs=p.logprobs, logit_bias=p.logit_bias or None,
-        repetition_penalty=p.repetition_penalty, min_tokens=min_left, detokenize=False,
+        repetition_penalty=p.repetition_penalty, min_tokens=min_left, min_p=p.min_p,
+        allowed_token_ids=p.allowed_token_ids, detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -124,6 +125,8 @@ class VllmEngineCore:
             if getattr(params, name):
                 raise InvalidRequestError(name, "is not supported by the vLLM backend (a handover would change "
                                           "what it counts); use the native backend")
+        if params.bad_words_token_ids:  # vLLM takes them as words, which it tokenizes: it has no tokenizer here
+            raise InvalidRequestError("bad_words", "is not supported by the vLLM backend; use the native backend")
         if params.structured_outputs is not None:
             # Its grammar is ours (vLLM runs without a tokenizer here) and a resumed request's would
             # start over in vLLM: refused by the field it came in.

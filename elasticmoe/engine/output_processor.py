@@ -23,7 +23,8 @@ class RequestTextState:
 class OutputProcessor:
     """Owns the text side of every live request.
 
-    Stop strings are excluded from the text (as the OpenAI API does). While a
+    Stop strings are excluded from the text (as the OpenAI API does; vLLM's
+    `include_stop_str_in_output` keeps them). While a
     request runs, the last `max_stop_len - 1` characters are held back from the
     stream, since they may turn out to begin a stop string.
     """
@@ -80,7 +81,8 @@ class OutputProcessor:
             state.finish_reason, state.stop_reason = "stop", None
         elif token_id in params.stop_token_ids:
             state.finish_reason, state.stop_reason = "stop", token_id
-        elif params.stop and may_stop and self._truncate_at_stop(state, params.stop, checked):
+        elif params.stop and may_stop and self._truncate_at_stop(state, params.stop, checked,
+                                                                 params.include_stop_str_in_output):
             state.finish_reason = "stop"
         elif grammar_complete:
             state.finish_reason, state.stop_reason = "stop", None
@@ -91,16 +93,17 @@ class OutputProcessor:
         return state.finish_reason is not None
 
     @staticmethod
-    def _truncate_at_stop(state: RequestTextState, stops: list[str], checked: int) -> bool:
+    def _truncate_at_stop(state: RequestTextState, stops: list[str], checked: int, keep_stop: bool) -> bool:
         """Cut the text at the first stop string that ends after `checked` characters (the text
-        before was checked already, or, under `min_tokens`, could not stop); the stream holds back
-        `max_stop_len - 1` characters, so such a match never starts in text already sent."""
+        before was checked already, or, under `min_tokens`, could not stop), or after it with
+        `keep_stop`; the stream holds back `max_stop_len - 1` characters, so such a match never
+        starts in text already sent."""
         hits = [(state.text.find(s, max(0, checked - len(s) + 1)), s) for s in stops]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False
         index, stop = min(hits)
-        state.text = state.text[:index]
+        state.text = state.text[: index + len(stop) if keep_stop else index]
         state.stop_reason = stop
         return True
 

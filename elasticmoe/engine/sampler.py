@@ -1,5 +1,5 @@
-"""Token sampling: penalties and logit bias, structured outputs' masks, greedy, temperature,
-top-k, top-p, per-request seeds, logprobs.
+"""Token sampling: allowed tokens, bad words, penalties and logit bias, structured outputs'
+masks, greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
 
 Rows are processed together; only seeded rows draw from their own generator. A row with
 penalties or a bias chooses from its adjusted logits, greedy rows too (OpenAI's presence and
@@ -40,10 +40,29 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
 
 
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [N, V] of tokens less likely than `min_p` [N] times their row's most likely."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _banned_next(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete one of the bad `words` after `output`: each word's last token
+    where the output ends with the word's other tokens (always, for a one-token word)."""
+    banned = []
+    for word in words:
+        before = len(word) - 1
+        if before == 0 or (len(output) >= before and output[len(output) - before :] == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 def _adjusted_logits(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...] = ()
                      ) -> torch.Tensor:
     """`logits` [N, V], or a copy with each adjusting row's bias and penalties applied, in vLLM's
-    order: `logit[t] += bias[t]`, and -inf for the stop tokens (`eos_token_ids` unless the request
+    order: -inf outside `allowed_token_ids` (where given) and for a token that would complete a bad
+    word; `logit[t] += bias[t]`, and -inf for the stop tokens (`eos_token_ids` unless the request
     ignores EOS, and its `stop_token_ids`) while it has fewer than `min_tokens` output tokens;
     then for every token t of the prompt and the output so far,
     `logit[t] /= repetition_penalty` if positive, else `*=`; then `logit[t] -= frequency_penalty *
@@ -57,6 +76,14 @@ def _adjusted_logits(logits: torch.Tensor, requests: list[Request], eos_token_id
     for i in rows:
         request, row = requests[i], adjusted[i]
         params = request.params
+        if params.allowed_token_ids is not None:
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
+            row.masked_fill_(~allowed, float("-inf"))
+        if params.bad_words_token_ids:
+            banned = _banned_next(params.bad_words_token_ids, request.output_token_ids)
+            if banned:
+                row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype))
@@ -107,6 +134,8 @@ class Sampler:
             params = [requests[i].params for i in random_rows]
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
             scaled = chosen_from[rows] / temps
+            if any(p.min_p > 0 for p in params):  # vLLM's order: after temperature, before top-k/top-p
+                scaled = _apply_min_p(scaled, torch.tensor([p.min_p for p in params], dtype=torch.float32))
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
                 scaled = _apply_top_k_top_p(
                     scaled, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params])

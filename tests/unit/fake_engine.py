@@ -20,7 +20,7 @@ from elasticmoe.sampling_params import SamplingParams
 class FakeTokenizer:
     eos_token_ids = (2,)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [10 + len(word) for word in text.split()]
 
     def decode(self, ids: list[int]) -> str:

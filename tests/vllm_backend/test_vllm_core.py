@@ -147,6 +147,17 @@ def test_logit_bias_and_repetition_penalty_reach_vllm(tokenizer):
     assert (params.logit_bias, params.repetition_penalty, params.presence_penalty) == ({7: -100.0}, 1.3, 0.0)
 
 
+def test_min_p_and_allowed_tokens_reach_vllm(tokenizer):
+    """Neither has state across a handover."""
+    from imm.vllm_core import vllm_params
+
+    core = make_core(tokenizer)
+    core.add(EngineRequest("r", [5], SamplingParams(temperature=0.8, max_tokens=8, min_p=0.3,
+                                                    allowed_token_ids=[5, 6, 7])))
+    params = vllm_params(core.requests["r"], (EOS,))
+    assert (params.min_p, sorted(params.allowed_token_ids)) == (0.3, [5, 6, 7])
+
+
 def test_min_tokens_left_reach_vllm_after_a_resume(tokenizer):
     """vLLM counts from where it got the request: a resumed request asks it for what is left."""
     from imm.vllm_core import vllm_params
@@ -182,6 +193,7 @@ def test_eos_and_stop_token_ids_reach_vllm(tokenizer):
         # vLLM would count the output only from where it got the request: a handover would change it
         (EngineRequest("h", [5], SamplingParams(max_tokens=4, presence_penalty=0.5)), "presence_penalty"),
         (EngineRequest("i", [5], SamplingParams(max_tokens=4, frequency_penalty=-0.5)), "frequency_penalty"),
+        (EngineRequest("k", [5], SamplingParams(max_tokens=4, bad_words_token_ids=[[7]])), "bad_words"),
         # refused by the field it came in
         (EngineRequest("j", [5], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(
             "json_object", field="response_format"))), "response_format"),

@@ -1,9 +1,8 @@
 """Parameters of the OpenAI API (and of vLLM's extensions to it) that change what a request returns
 and that this server does not implement.
 
-Each comes with the values that ask for nothing besides null (a `min_p` of 0, `best_of` 1, no
-functions). Any other value is refused with a 400 naming the field. Ignored, a request for a
-legacy function call or banned words would get an answer made without them, and its client could
+Each comes with the values that ask for nothing besides null (`best_of` 1, no functions). Any other value is refused with a 400 naming the field. Ignored, a request for a
+legacy function call or a suffix would get an answer made without them, and its client could
 not tell. Fields the API does not know at all are still ignored
 (`protocol._Request`): an SDK that sends a newer option keeps working.
 """
@@ -21,11 +20,7 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 
 # Both endpoints.
 SHARED: dict[str, tuple[Any, ...]] = {
-    "min_p": (0,),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
     "prompt_logprobs": (),
-    "include_stop_str_in_output": (False,),
     "guided_whitespace_pattern": (),
 }
 # /v1/completions only.

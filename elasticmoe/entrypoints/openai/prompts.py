@@ -15,9 +15,11 @@ import asyncio
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from elasticmoe.errors import InvalidRequestError
+
+T = TypeVar("T")
 
 DEFAULT_MAX_CHARS_PER_TOKEN = 64
 DEFAULT_WORKERS = 2
@@ -50,7 +52,7 @@ class PromptRenderer:
                 f"{limit} ({self.max_chars_per_token} per token)",
             )
 
-    async def _run(self, fn: Callable[[], list[int]]) -> list[int]:
+    async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     async def completion(self, prompt: str | list[int]) -> list[int]:
@@ -72,6 +74,20 @@ class PromptRenderer:
             self._check_size(len(json.dumps(tools)), "tools")
             return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages, tools)))
         return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages)))
+
+    async def bad_words(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of `bad_words`: each word as it starts a text and after a space (as
+        it appears mid-text), without special tokens; the same sequence once."""
+        def encode() -> list[list[int]]:
+            sequences: list[list[int]] = []
+            for word in words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                    if ids and ids not in sequences:
+                        sequences.append(ids)
+            return sequences
+
+        return await self._run(encode)
 
     def chat_template(self) -> str | None:
         """The model's chat template text (None: it has none, or the tokenizer does not say)."""

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from elasticmoe.entrypoints.openai import not_implemented, structured
 from elasticmoe.entrypoints.openai import tools as tooling  # not `tools`: a request field has that name
 from elasticmoe.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -141,6 +144,23 @@ class _SamplingFields(_Request):
         description="Extension (vLLM): no end-of-sequence token, stop token or stop string ends the answer "
         "before this many tokens.",
     )
+    min_p: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="Extension (vLLM): a sampled token needs at least this times the most likely token's "
+        "probability; 0 is off.",
+    )
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
+        description="Extension (vLLM): only these token ids may be generated.",
+    )
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS,
+        description="Extension (vLLM): words the answer must not contain (each tokenized as it starts a text and "
+        "after a space).",
+    )
+    include_stop_str_in_output: bool = Field(
+        default=False, strict=True, description="Extension (vLLM): keep the stop string that ended the answer in it."
+    )
     response_format: dict[str, Any] | None = Field(
         default=None,
         description='{"type": "text"} (the default), {"type": "json_object"} (the answer is a JSON object) or '
@@ -215,6 +235,9 @@ class _SamplingFields(_Request):
             logit_bias=_token_biases(self.logit_bias),
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
+            min_p=self.min_p,
+            allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured.structured_outputs({
                 "response_format": self.response_format, "structured_outputs": self.structured_outputs,
                 "guided_json": self.guided_json, "guided_regex": self.guided_regex,
@@ -251,7 +274,8 @@ class CompletionRequest(_SamplingFields):
         description="Return log-probabilities of this many top tokens per position.",
     )
     echo: bool = Field(
-        default=False, strict=True, description="Echo the prompt in the completion; not supported (must be false)."
+        default=False, strict=True, description="Put the prompt (its text, or its token ids decoded) before the "
+        "completion's text; not with logprobs (the prompt's are not computed)."
     )
 
     @model_validator(mode="before")
@@ -283,12 +307,12 @@ class CompletionRequest(_SamplingFields):
                 raise SamplingParamError("prompt", f"only one prompt per request is supported, got {len(v)}")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise SamplingParamError("echo", "echo=true is not supported")
-        return v
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise SamplingParamError("echo", "echo with logprobs needs the prompt's logprobs, which this server does "
+                                     "not compute: send one or the other")
+        return self
 
     @property
     def engine_prompt(self) -> str | list[int]:

@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -149,18 +150,19 @@ class OpenAIServing:
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEStream:
         adapter = self.check_model(request.model)
-        params = request.to_sampling_params()
+        params = await self._with_bad_words(request.to_sampling_params(), request.bad_words)
         prompt_ids = await self.prompts.completion(request.engine_prompt)
         response_id = random_id("cmpl")
         started = await self._start(response_id, prompt_ids, params, {}, AdapterRef(adapter, request.lora_routing),
                                     request.n)
+        echo = self._echo(request, prompt_ids)
         if request.stream:
-            return SSEStream(self._completion_events(request, response_id, started), started)
+            return SSEStream(self._completion_events(request, response_id, started, echo), started)
         results = await all_or_none([self._collect(choice, "completions") for choice in started])
         choices = [
             CompletionChoice(
                 index=index,
-                text=last.text,
+                text=echo + last.text,
                 logprobs=_completion_logprobs(logprobs, 0) if request.logprobs is not None else None,
                 finish_reason=last.finish_reason,
                 stop_reason=last.stop_reason,
@@ -175,8 +177,15 @@ class OpenAIServing:
             usage=_usage([last for last, _ in results]),
         )
 
+    def _echo(self, request: CompletionRequest, prompt_ids: list[int]) -> str:
+        """The text `echo` puts before each choice's: the prompt as sent, or its token ids decoded."""
+        if not request.echo:
+            return ""
+        prompt = request.engine_prompt
+        return prompt if isinstance(prompt, str) else str(self.engine.tokenizer.decode(prompt_ids))
+
     async def _completion_events(
-        self, request: CompletionRequest, response_id: str, started: list[Started]
+        self, request: CompletionRequest, response_id: str, started: list[Started], echo: str = ""
     ) -> AsyncGenerator[str, None]:
         def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(
@@ -189,6 +198,9 @@ class OpenAIServing:
                 )
             )
 
+        if echo:
+            for index in range(len(started)):
+                yield chunk([CompletionStreamChoice(index=index, text=echo)])
         text_offsets = [0] * len(started)
         lasts: dict[int, RequestOutput] = {}
         # closed here, not left to the garbage collector: that aborts every choice (see `merged`)
@@ -225,7 +237,7 @@ class OpenAIServing:
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | SSEStream:
         adapter = self.check_model(request.model)
-        params = request.to_sampling_params()
+        params = await self._with_bad_words(request.to_sampling_params(), request.bad_words)
         if request.tool_mode == "auto":
             tools.check_auto(self.prompts.chat_template())
         try:
@@ -315,6 +327,12 @@ class OpenAIServing:
         yield SSE_DONE
 
     # ------------------------------------------------------------ shared
+
+    async def _with_bad_words(self, params: SamplingParams, words: list[str] | None) -> SamplingParams:
+        """`params` with the request's bad words as token ids (the engine bans by tokens)."""
+        if not words:
+            return params
+        return dataclasses.replace(params, bad_words_token_ids=await self.prompts.bad_words(words))
 
     async def _start(
         self,
