@@ -101,6 +101,39 @@ def test_penalties_and_logit_bias_reach_the_rank(server, tiny_model_dir):
     assert r.json()["choices"][0]["text"] == expected.text != plain.text
 
 
+def test_structured_outputs_and_tool_calls_through_the_ingress(server, tiny_model_dir):
+    """The constraint crosses to the rank with the request: greedy under a regex equals an in-process
+    engine's; a chat answer matches its JSON schema; "required" answers calls of the tools."""
+    import jsonschema
+
+    from elasticmoe.llm import LLM
+    from elasticmoe.sampling_params import SamplingParams
+    from elasticmoe.structured_outputs import StructuredOutputs
+
+    r = _post(server, "/v1/completions", {"prompt": [11, 22, 33], "max_tokens": 16, "temperature": 0,
+                                          "guided_regex": "[a-z]{3,6}-[0-9]{2}"})
+    assert r.status_code == 200, r.text
+    constraint = StructuredOutputs.text("regex", "[a-z]{3,6}-[0-9]{2}", "guided_regex")
+    [expected] = LLM(tiny_model_dir, dtype="float32").generate(
+        [[11, 22, 33]], SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=constraint))
+    assert r.json()["choices"][0]["text"] == expected.text and r.json()["choices"][0]["finish_reason"] == "stop"
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+              "properties": {"a": {"enum": ["x", "y"]}}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "temperature": 1.0, "seed": 5}
+    r = _post(server, "/v1/chat/completions", {**chat, "n": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": schema}}]
+    r = _post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "required",
+                                               "parallel_tool_calls": False, "max_tokens": 128})
+    assert r.status_code == 200, r.text
+    [call] = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "pick" and r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
 def test_n_choices_through_the_ingress(server):
     """Each choice is a request of its own through the router: greedy choices equal the one-choice
     answer, seeded ones its seed + i, and a stream carries both by index."""
