@@ -52,6 +52,10 @@ class PromptRenderer:
                 f"{limit} ({self.max_chars_per_token} per token)",
             )
 
+    async def run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on this pool's threads: CPU work that must not stall the event loop."""
+        return await self._run(fn)
+
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 

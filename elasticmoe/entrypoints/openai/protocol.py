@@ -215,6 +215,12 @@ class _SamplingFields(_Request):
         return self
 
     @property
+    def asks_for_structure(self) -> bool:
+        """A structured output is asked for (its grammar is then checked when the params are built)."""
+        return any(v is not None for v in (self.response_format, self.structured_outputs, self.guided_json,
+                                           self.guided_regex, self.guided_choice, self.guided_grammar))
+
+    @property
     def include_usage_chunk(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
@@ -426,9 +432,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _tools_can_be_served(self) -> ChatCompletionRequest:
         mode = self.tool_mode  # raises for a choice that cannot be served
-        if mode is not None and any(v is not None for v in (self.response_format, self.structured_outputs,
-                                                             self.guided_json, self.guided_regex,
-                                                             self.guided_choice, self.guided_grammar)):
+        if mode is not None and self.asks_for_structure:
             if not (isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
                 raise SamplingParamError("tool_choice", "a tool call is a structured output already: it cannot "
                                          "be combined with response_format, structured_outputs or guided_*")
