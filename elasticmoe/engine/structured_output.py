@@ -14,6 +14,7 @@ be followed by), the grammar wins: the row samples from the grammar's tokens una
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -32,12 +33,22 @@ class StructuredOutputError(RuntimeError):
 
 
 class GrammarMatchers:
-    """Builds and drives the matchers of one engine's constrained requests."""
+    """Builds and drives the matchers of one engine's constrained requests.
+
+    A grammar is compiled once and each request gets a copy of its fresh matcher: a copy takes
+    2-6 us against 1.8 ms (a 20-property schema) to 20 ms (a 47 KB one) for a compile, on the
+    engine's thread. `n` choices, clients that send the same schema or tools with every request,
+    and a scale that hands over many constrained requests at once pay it once
+    (`MAX_COMPILED` grammars are kept, least recently used first out)."""
+
+    MAX_COMPILED = 32
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> its fresh matcher
+        self.num_compiles = 0
 
     @cached_property
     def _lltokenizer(self) -> llguidance.LLTokenizer:
@@ -62,13 +73,26 @@ class GrammarMatchers:
             lltokenizer = self._lltokenizer
         except InvalidRequestError as exc:  # a slow tokenizer: named by the field the request used
             raise InvalidRequestError(constraint.field, exc.message) from None
-        matcher = llguidance.LLMatcher(lltokenizer, constraint.grammar, log_level=0, limits=parser_limits())
-        if matcher.is_error():
-            raise InvalidRequestError(constraint.field, f"does not compile for this model: {matcher.get_error()[:500]}")
+        matcher = self._fresh(lltokenizer, constraint.grammar, constraint.field)
         output = request.output_token_ids
         if output and not matcher.consume_tokens(output):
             raise InvalidRequestError("resume", "the output so far does not match the request's structured output")
         request.matcher = matcher
+
+    def _fresh(self, lltokenizer: llguidance.LLTokenizer, grammar: str, field: str) -> llguidance.LLMatcher:
+        """A matcher of `grammar` at its start: a copy of the compiled one (compiled now if new)."""
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(lltokenizer, grammar, log_level=0, limits=parser_limits())
+            self.num_compiles += 1
+            if compiled.is_error():  # not kept: the next request with it gets the same answer
+                raise InvalidRequestError(field, f"does not compile for this model: {compiled.get_error()[:500]}")
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > self.MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return compiled.deep_copy()
 
     def constrain(self, chosen_from: torch.Tensor, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """`chosen_from` [N, V] (the logits to choose from, adjusted or not) with each constrained

@@ -174,6 +174,8 @@ def test_a_broken_matcher_fails_its_request_alone(engine):
                 finished[out.request_id] = out
     assert finished["broken"].finish_reason == "error"
     assert finished["plain"].finish_reason == "length" and len(finished["plain"].output_token_ids) == 12
+    after = _run(engine, {"after": SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=CONSTRAINTS["regex"])})
+    assert after["after"].finish_reason == "stop"  # the broken one was a copy: the compiled grammar is intact
 
 
 def test_advance_refuses_a_token_the_grammar_forbids(engine):
@@ -203,3 +205,23 @@ def test_a_schema_nested_too_deeply_is_refused_by_name():
     with pytest.raises(InvalidRequestError) as info:
         StructuredOutputs.json_schema(deep, "guided_json")
     assert info.value.param == "guided_json"
+
+
+def test_a_grammar_is_compiled_once_for_the_requests_that_share_it(tiny_model_dir):
+    """Each request gets a copy of the compiled matcher: equal answers to those of an engine that
+    compiles per request, and one compile per distinct grammar (least recently used out first)."""
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32))
+    requests = {f"json-{seed}": SamplingParams(temperature=1.0, seed=seed, max_tokens=64,
+                                               structured_outputs=CONSTRAINTS["json"]) for seed in range(4)}
+    requests["regex"] = SamplingParams(temperature=1.0, seed=9, max_tokens=32, structured_outputs=CONSTRAINTS["regex"])
+    shared = _run(engine, requests)
+    assert engine.grammars.num_compiles == 2
+    again = _run(engine, {"json-again": requests["json-0"]})["json-again"]
+    assert engine.grammars.num_compiles == 2 and again.output_token_ids == shared["json-0"].output_token_ids
+    alone = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32))
+    for request_id, params in requests.items():
+        alone.grammars._compiled.clear()  # compiled for this request alone
+        assert _run(alone, {request_id: params})[request_id].output_token_ids == shared[request_id].output_token_ids
+    engine.grammars.MAX_COMPILED = 1
+    _run(engine, {"grammar": SamplingParams(max_tokens=16, structured_outputs=CONSTRAINTS["grammar"])})
+    assert list(engine.grammars._compiled) == [CONSTRAINTS["grammar"].grammar]
