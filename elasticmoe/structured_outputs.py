@@ -52,8 +52,8 @@ def _lark_literal(text: str) -> str:
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """What the answer must match. `kind` and `spec`: a JSON schema (`spec` its JSON text), any JSON
-    object (`json_object`, no spec), a regex, a list of choices (`spec` their JSON list) or a Lark
-    grammar. `field`: the request field it came in, which errors name."""
+    object (`json_object`, no spec), a regex, a list of choices (`spec` their JSON list) or a grammar
+    (Lark or GBNF). `field`: the request field it came in, which errors name."""
 
     kind: Kind
     spec: str = ""

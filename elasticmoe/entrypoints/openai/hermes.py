@@ -19,7 +19,7 @@ _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 
 def uses_hermes(chat_template: str | None) -> bool:
     """Whether a chat template asks the model for Hermes calls (it shows the tag)."""
-    return bool(chat_template) and OPEN in chat_template  # type: ignore[operator]
+    return chat_template is not None and OPEN in chat_template
 
 
 def _call(body: str) -> tuple[str, str] | None:

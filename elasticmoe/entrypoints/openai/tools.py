@@ -143,11 +143,11 @@ def calls_of(text: str, mode: ToolMode, name: str | None) -> list[ToolCall] | No
         return [ToolCall(function=FunctionCall(name=name or "", arguments=text))]
     try:
         items = json.loads(text)
-    except ValueError:
+        return [ToolCall(function=FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"],
+                                                                                         ensure_ascii=False)))
+                for item in items]
+    except (ValueError, TypeError, KeyError):  # not whole, or not the array the grammar makes (a stop string cut it)
         return None
-    return [ToolCall(function=FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"],
-                                                                                     ensure_ascii=False)))
-            for item in items]
 
 
 def finish_reason(mode: ToolMode | None, reason: str | None, made_calls: bool) -> str | None:
