@@ -5,8 +5,8 @@ of strings, or a grammar (Lark, or GBNF as vLLM's default backend and llama.cpp 
 A `StructuredOutputs` is the request's side: what was asked, as llguidance's grammar, checked at
 construction so that a bad schema or regex is a 400 naming the field it came in. The engine's
 side (a matcher per request that masks the tokens the grammar forbids, `engine.structured_output`)
-compiles it against the model's tokenizer. llguidance (the library vLLM's `guidance` backend and
-llama.cpp use) needs no PyTorch, so the elastic server's ingress checks requests without it.
+compiles it against the model's tokenizer. llguidance (vLLM's `guidance` backend uses it) needs
+no PyTorch, so the elastic server's ingress checks requests without it.
 """
 
 from __future__ import annotations
