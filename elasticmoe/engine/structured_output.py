@@ -14,6 +14,7 @@ be followed by), the grammar wins: the row samples from the grammar's tokens una
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
@@ -26,6 +27,8 @@ from elasticmoe.engine.request import Request
 from elasticmoe.errors import InvalidRequestError
 from elasticmoe.structured_outputs import parser_limits
 from elasticmoe.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class StructuredOutputError(RuntimeError):
@@ -51,16 +54,24 @@ class GrammarMatchers:
         self.num_compiles = 0
 
     @cached_property
-    def _lltokenizer(self) -> llguidance.LLTokenizer:
+    def _lltokenizer(self) -> llguidance.LLTokenizer | InvalidRequestError:
         """The model's tokenizer as llguidance reads it, built on the first constrained request (16 ms
-        for a 4k vocabulary here; it grows with the vocabulary)."""
+        for a 4k vocabulary here; it grows with the vocabulary); or, for a tokenizer it cannot read,
+        the error every constrained request gets (built once either way)."""
         from tokenizers import Tokenizer as Backend
 
-        backend = Backend.from_str(self.tokenizer.backend_json())
-        backend.no_padding()
-        backend.no_truncation()
-        n_vocab = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=self.eos_token_ids or None)
+        try:
+            backend = Backend.from_str(self.tokenizer.backend_json())
+            backend.no_padding()
+            backend.no_truncation()
+            n_vocab = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
+            return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=self.eos_token_ids or None)
+        except InvalidRequestError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - llguidance or tokenizers refusing this tokenizer
+            logger.warning("structured outputs unavailable: llguidance cannot read this model's tokenizer: %r", exc)
+            return InvalidRequestError("structured_outputs", f"are not available for this model: its tokenizer "
+                                       f"cannot be read for them ({str(exc)[:200]})")
 
     def attach(self, request: Request) -> None:
         """Give a constrained request its matcher, past its output so far (a resumed or handed-over
@@ -69,10 +80,9 @@ class GrammarMatchers:
         constraint = request.params.structured_outputs
         if constraint is None:
             return
-        try:
-            lltokenizer = self._lltokenizer
-        except InvalidRequestError as exc:  # a slow tokenizer: named by the field the request used
-            raise InvalidRequestError(constraint.field, exc.message) from None
+        lltokenizer = self._lltokenizer
+        if isinstance(lltokenizer, InvalidRequestError):  # named by the field the request used
+            raise InvalidRequestError(constraint.field, lltokenizer.message)
         matcher = self._fresh(lltokenizer, constraint.grammar, constraint.field)
         output = request.output_token_ids
         if output and not matcher.consume_tokens(output):
@@ -102,7 +112,9 @@ class GrammarMatchers:
         if not rows:
             return chosen_from
         vocab = chosen_from.shape[-1]
-        words = (self._lltokenizer.vocab_size + 31) // 32
+        lltokenizer = self._lltokenizer
+        assert not isinstance(lltokenizer, InvalidRequestError)  # no request got a matcher without it
+        words = (lltokenizer.vocab_size + 31) // 32
         bitmask = np.zeros((len(rows), words), dtype=np.int32)
         for j, i in enumerate(rows):
             matcher = requests[i].matcher

@@ -225,3 +225,16 @@ def test_a_grammar_is_compiled_once_for_the_requests_that_share_it(tiny_model_di
     engine.grammars.MAX_COMPILED = 1
     _run(engine, {"grammar": SamplingParams(max_tokens=16, structured_outputs=CONSTRAINTS["grammar"])})
     assert list(engine.grammars._compiled) == [CONSTRAINTS["grammar"].grammar]
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_constrained_requests_by_name(tiny_model_dir):
+    """Built once: every constrained request gets the 400 naming its field; plain ones are served."""
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=torch.float32))
+    engine.tokenizer.backend_json = lambda: '{"not": "a tokenizer"}'  # type: ignore[method-assign]
+    for field in ("guided_regex", "response_format"):
+        constraint = StructuredOutputs.text("regex", "[a-z]+", field)
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request(field, PROMPT, SamplingParams(max_tokens=4, structured_outputs=constraint))
+        assert info.value.param == field and "not available for this model" in info.value.message
+    assert not engine.requests
+    assert _run(engine, {"plain": SamplingParams(max_tokens=3, ignore_eos=True)})["plain"].finish_reason == "length"
