@@ -101,6 +101,14 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class _OmitsNone(BaseModel):
+    """A streamed delta: fields left unset (None) are not sent."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str = Field(description="The function's arguments, as a JSON object's text.")
@@ -119,26 +127,18 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class DeltaFunctionCall(BaseModel):
+class DeltaFunctionCall(_OmitsNone):
     """A streamed piece of a call: the name once, the arguments' text in pieces."""
 
     name: str | None = None
     arguments: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_OmitsNone):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionChoice(BaseModel):
@@ -161,16 +161,12 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_OmitsNone):
     """A streamed message delta; unset fields are omitted (`{}` in the final chunk)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionStreamChoice(BaseModel):
