@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,3 +36,9 @@ def post(app: Any, path: str, body: dict) -> httpx.Response:
             return await c.post(path, json=body)
 
     return asyncio.run(main())
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    """The JSON events of a streamed answer, without the closing `[DONE]`."""
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]

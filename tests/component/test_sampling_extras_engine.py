@@ -107,9 +107,8 @@ def test_bad_words_over_http_are_tokenized_and_banned(tiny_model_dir):
 
 @pytest.mark.parametrize("prompt", ["the expert model", PROMPT])
 def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(tiny_model_dir, prompt):
-    import json
 
-    from in_process_server import post, serving
+    from in_process_server import post, serving, sse_events
 
     from elasticmoe.tokenizer import Tokenizer
 
@@ -120,8 +119,7 @@ def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(tiny_model_dir,
         echo = post(app, "/v1/completions", {**body, "echo": True}).json()
         assert [c["text"] for c in echo["choices"]] == [echoed + c["text"] for c in plain]
         assert echo["usage"]["completion_tokens"] == 12  # the prompt is not counted twice
-        stream = post(app, "/v1/completions", {**body, "echo": True, "stream": True}).text
-        events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+        events = sse_events(post(app, "/v1/completions", {**body, "echo": True, "stream": True}))
         for index in range(2):
             texts = [c["text"] for e in events for c in e["choices"] if c["index"] == index]
             assert texts[0] == echoed and "".join(texts) == echoed + plain[index]["text"]

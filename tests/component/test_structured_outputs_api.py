@@ -10,7 +10,7 @@ import re
 
 import jsonschema
 import pytest
-from in_process_server import post, serving
+from in_process_server import post, serving, sse_events
 
 MODEL = "tiny"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "rank"],
@@ -43,8 +43,7 @@ def test_a_json_object_stream_adds_up_to_the_non_streamed_answer(app):
             "structured_outputs": None, "temperature": 0}
     whole = post(app, "/v1/chat/completions", body).json()["choices"][0]
     streamed = post(app, "/v1/chat/completions", {**body, "stream": True})
-    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    events = sse_events(streamed)
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert text == whole["message"]["content"] and text.startswith("{")
     if whole["finish_reason"] == "stop":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from in_process_server import post, serving
+from in_process_server import post, serving, sse_events
 
 from elasticmoe.tokenizer import Tokenizer
 
@@ -45,8 +45,7 @@ def _chat(app, body: dict) -> dict:
 def _events(app, body: dict) -> list[dict]:
     response = post(app, "/v1/chat/completions", {**body, "stream": True})
     assert response.status_code == 200, response.text
-    return [json.loads(line[6:]) for line in response.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return sse_events(response)
 
 
 def _check_calls(calls: list[dict]) -> None:

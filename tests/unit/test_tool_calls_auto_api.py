@@ -4,13 +4,12 @@ for a model whose chat template shows the tag; a model whose template does not i
 
 from __future__ import annotations
 
-import asyncio
 import json
 from types import SimpleNamespace
 
-import httpx
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer
+from in_process_server import post, sse_events
 
 from elasticmoe.engine.async_llm import AsyncLLM
 from elasticmoe.entrypoints.openai.api_server import build_app
@@ -61,17 +60,9 @@ def served(request):
     llm.shutdown()
 
 
-def _post(app, body: dict) -> httpx.Response:
-    async def main() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            return await client.post("/v1/chat/completions", json=body)
-
-    return asyncio.run(main())
-
-
 def test_auto_answers_parsed_calls_beside_the_text(served):
     app, engine, hermes = served
-    response = _post(app, BODY)
+    response = post(app, "/v1/chat/completions", BODY)
     if not hermes:
         assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
         assert "<tool_call>" in response.json()["error"]["message"]
@@ -88,9 +79,8 @@ def test_an_auto_stream_sends_the_text_then_each_call_as_it_closes(served):
     app, _, hermes = served
     if not hermes:
         return
-    response = _post(app, {**BODY, "stream": True})
-    events = [json.loads(line[6:]) for line in response.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    response = post(app, "/v1/chat/completions", {**BODY, "stream": True})
+    events = sse_events(response)
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     content = "".join(d.get("content") or "" for d in deltas)
     calls = [c for d in deltas for c in d.get("tool_calls", [])]

@@ -34,14 +34,15 @@ CHAT: dict[str, tuple[Any, ...]] = {
 }
 
 
-def refuse(data: Any, table: dict[str, tuple[Any, ...]]) -> None:
+def refuse(data: Any, table: dict[str, tuple[Any, ...]], prefix: str = "") -> None:
     """Raise `SamplingParamError` for the first parameter of `table` that the raw request body
-    `data` sets to anything but null or one of its neutral values."""
+    `data` (or an object inside it, whose field names start with `prefix`) sets to anything but
+    null or one of its neutral values."""
     if not isinstance(data, dict):
         return
     for name, neutral in table.items():
         value = data.get(name)
         if value is not None and value not in neutral:  # `in` compares by equality: 0 and 0.0 alike
             allowed = " or ".join(["null", *(repr(n) for n in neutral)])
-            raise SamplingParamError(name, f"is not supported by this server: omit it or send {allowed} "
+            raise SamplingParamError(prefix + name, f"is not supported by this server: omit it or send {allowed} "
                                            f"(got {_SHORT.repr(value)})")

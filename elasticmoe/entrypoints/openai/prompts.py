@@ -26,8 +26,8 @@ DEFAULT_WORKERS = 2
 
 
 class PromptRenderer:
-    """`tokenizer` has `encode(text)` and `apply_chat_template(messages)`; `max_model_len()` is the
-    context limit now (it changes with the active instance)."""
+    """`tokenizer` has `encode(text, add_special_tokens)` and `apply_chat_template(messages, tools)`;
+    `max_model_len()` is the context limit now (it changes with the active instance)."""
 
     def __init__(
         self,
@@ -54,9 +54,6 @@ class PromptRenderer:
 
     async def run(self, fn: Callable[[], T]) -> T:
         """`fn()` on this pool's threads: CPU work that must not stall the event loop."""
-        return await self._run(fn)
-
-    async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     async def completion(self, prompt: str | list[int]) -> list[int]:
@@ -64,20 +61,19 @@ class PromptRenderer:
         if not isinstance(prompt, str):
             return prompt
         self._check_size(len(prompt), "prompt")
-        ids = await self._run(lambda: list(self.tokenizer.encode(prompt)))
+        ids = await self.run(lambda: list(self.tokenizer.encode(prompt)))
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
         return ids
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` rendered with the chat template (the assistant turn opened), with
-        `tools` for the template to show (none: the template is called as before tools existed)."""
+        `tools` for the template to show."""
         self._check_size(sum(len(m["content"]) + len(m["role"]) + len(json.dumps(m.get("tool_calls") or []))
                              for m in messages), "messages")
         if tools:
             self._check_size(len(json.dumps(tools)), "tools")
-            return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages, tools)))
-        return await self._run(lambda: list(self.tokenizer.apply_chat_template(messages)))
+        return await self.run(lambda: list(self.tokenizer.apply_chat_template(messages, tools)))
 
     async def bad_words(self, words: list[str]) -> list[list[int]]:
         """vLLM's tokenization of `bad_words`: each word as it starts a text and after a space (as
@@ -91,7 +87,7 @@ class PromptRenderer:
                         sequences.append(ids)
             return sequences
 
-        return await self._run(encode)
+        return await self.run(encode)
 
     def chat_template(self) -> str | None:
         """The model's chat template text (None: it has none, or the tokenizer does not say)."""

@@ -214,11 +214,16 @@ class _SamplingFields(_Request):
             raise SamplingParamError("stream_options", "is only allowed when stream is true")
         return self
 
+    def _structure_fields(self) -> dict[str, Any]:
+        """The fields that may ask for a structured output, as sent (`structured`)."""
+        return {"response_format": self.response_format, "structured_outputs": self.structured_outputs,
+                "guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+
     @property
     def asks_for_structure(self) -> bool:
         """A structured output is asked for (its grammar is then checked when the params are built)."""
-        return any(v is not None for v in (self.response_format, self.structured_outputs, self.guided_json,
-                                           self.guided_regex, self.guided_choice, self.guided_grammar))
+        return structured.asks_for(self._structure_fields())
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -244,11 +249,7 @@ class _SamplingFields(_Request):
             min_p=self.min_p,
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=structured.structured_outputs({
-                "response_format": self.response_format, "structured_outputs": self.structured_outputs,
-                "guided_json": self.guided_json, "guided_regex": self.guided_regex,
-                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
-            }),
+            structured_outputs=structured.structured_outputs(self._structure_fields()),
         )
 
 
@@ -431,11 +432,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _tools_can_be_served(self) -> ChatCompletionRequest:
-        mode = self.tool_mode  # raises for a choice that cannot be served
-        if mode is not None and self.asks_for_structure:
-            if not (isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
-                raise SamplingParamError("tool_choice", "a tool call is a structured output already: it cannot "
-                                         "be combined with response_format, structured_outputs or guided_*")
+        if self.tool_mode is not None and self.asks_for_structure:  # tool_mode raises for a choice not served
+            raise SamplingParamError("tool_choice", "a tool call is a structured output already: it cannot "
+                                     "be combined with response_format, structured_outputs or guided_*")
         return self
 
     @property

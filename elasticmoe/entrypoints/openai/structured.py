@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from elasticmoe.entrypoints.openai import not_implemented
 from elasticmoe.sampling_params import SamplingParamError
 from elasticmoe.structured_outputs import StructuredOutputs
 
@@ -26,10 +27,20 @@ _NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _given(fields: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The fields that ask for something (a text response format asks for nothing)."""
+    return [(name, value) for name, value in fields.items()
+            if value is not None and not (name == "response_format" and _is_text(value))]
+
+
+def asks_for(fields: dict[str, Any]) -> bool:
+    """Whether a request's `fields` ask for a structured output (not checked: see `structured_outputs`)."""
+    return bool(_given(fields))
+
+
 def structured_outputs(fields: dict[str, Any]) -> StructuredOutputs | None:
     """The constraint a request's `fields` (name -> value as sent, absent ones None) ask for, or None."""
-    given = [(name, value) for name, value in fields.items()
-             if value is not None and not (name == "response_format" and _is_text(value))]
+    given = _given(fields)
     if len(given) > 1:
         raise SamplingParamError(given[1][0], f"only one structured output per request: {given[0][0]} is given too")
     if not given:
@@ -75,9 +86,7 @@ def _vllm_structured_outputs(value: Any) -> StructuredOutputs | None:
     field = "structured_outputs"
     if not isinstance(value, dict):
         raise SamplingParamError(field, f"must be an object, got {type(value).__name__}")
-    for option, neutral in _NEUTRAL_OPTIONS.items():
-        if value.get(option) is not None and value[option] not in neutral:
-            raise SamplingParamError(f"{field}.{option}", "is not supported by this server")
+    not_implemented.refuse(value, _NEUTRAL_OPTIONS, prefix=f"{field}.")
     unknown = sorted(k for k in value if k not in _KEYS and k not in _NEUTRAL_OPTIONS)
     if unknown:
         raise SamplingParamError(f"{field}.{str(unknown[0])[:40]}", f"unknown key; one of {', '.join(_KEYS)}")

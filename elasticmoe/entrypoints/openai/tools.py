@@ -30,6 +30,7 @@ from elasticmoe.entrypoints.openai.responses import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    random_id,
 )
 from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParamError
@@ -131,10 +132,8 @@ def _calls(pairs: list[tuple[str, str]]) -> list[ToolCall]:
     return [ToolCall(function=FunctionCall(name=name, arguments=arguments)) for name, arguments in pairs]
 
 
-def calls_of(text: str, mode: ToolMode, name: str | None) -> list[ToolCall] | None:
-    """The calls a whole answer makes, or None if it is not whole (cut by max_tokens)."""
-    if mode == "auto":
-        return _calls(hermes.parse(text)[1]) or None
+def calls_of(text: str, mode: Literal["named", "required"], name: str | None) -> list[ToolCall] | None:
+    """The calls a whole constrained answer makes, or None if it is not whole (cut by max_tokens)."""
     if mode == "named":
         try:
             json.loads(text)
@@ -159,11 +158,15 @@ def chat_message(text: str, reason: str | None, mode: ToolMode | None, name: str
                  ) -> tuple[ChatResponseMessage, str | None]:
     """A whole answer's message and finish reason: its calls, or its text where it makes none (no
     tool mode, or an answer cut short, whose text is the partial call)."""
+    if mode == "auto":  # the model's own format: its calls, and the text beside them
+        content, pairs = hermes.parse(text)
+        if not pairs:
+            return ChatResponseMessage(content=text), reason
+        return ChatResponseMessage(content=content or None, tool_calls=_calls(pairs)), finish_reason(mode, reason, True)
     calls = calls_of(text, mode, name) if mode is not None else None
     if calls is None:
         return ChatResponseMessage(content=text), reason
-    content = (hermes.parse(text)[0] or None) if mode == "auto" else None  # text beside the calls
-    return ChatResponseMessage(content=content, tool_calls=calls), finish_reason(mode, reason, True)
+    return ChatResponseMessage(content=None, tool_calls=calls), finish_reason(mode, reason, True)
 
 
 class ToolCallDeltas:
@@ -195,7 +198,7 @@ class ToolCallDeltas:
         if self.mode == "named":
             deltas = []
             if self.call_id is None:
-                self.call_id = ToolCall(function=FunctionCall(name="", arguments="")).id
+                self.call_id = random_id("call")
                 deltas.append(DeltaToolCall(index=0, id=self.call_id, type="function",
                                             function=DeltaFunctionCall(name=self.name, arguments="")))
             if out.new_text:
