@@ -52,6 +52,10 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str, float, dict[str, str]]] = {
     "num_expert_loads_prefetch": ("elasticmoe_expert_loads", _LOADS_HELP, 1.0, {"kind": "prefetch"}),
     "expert_bytes_loaded_host": ("elasticmoe_expert_bytes_loaded", _BYTES_HELP, 1.0, {"tier": "host"}),
     "expert_bytes_loaded_disk": ("elasticmoe_expert_bytes_loaded", _BYTES_HELP, 1.0, {"tier": "disk"}),
+    "num_prefix_cache_queries": ("elasticmoe_prefix_cache_queries", "Prompt tokens of admitted requests looked "
+                                 "up in the ranks' prefix caches.", 1.0, {}),
+    "num_prefix_cache_hits": ("elasticmoe_prefix_cache_hits", "Prompt tokens found in the ranks' prefix caches "
+                              "(not computed again).", 1.0, {}),
 }
 _MAX_ENGINES = 256  # engines whose last counters are remembered (a few per scale event)
 

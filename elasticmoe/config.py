@@ -203,6 +203,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Full KV blocks stay named after their requests end; a request whose first tokens (and
+    # adapter) match takes them instead of computing them again (`engine.block_manager`).
+    enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     ep_rank: int = 0
@@ -309,6 +312,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
     max_esft_adapters: int = 0
     max_esft_experts: int = 0
     max_loras: int = 0

@@ -37,6 +37,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended the request
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -59,11 +60,12 @@ class OutputDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # sent with the last delta only (the usage is reported at the end)
 
     @classmethod
     def of(cls, out: RequestOutput) -> OutputDelta:
         return cls(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
-                   out.finish_reason, out.stop_reason, out.error)
+                   out.finish_reason, out.stop_reason, out.error, out.num_cached_tokens if out.finished else 0)
 
 
 class OutputAccumulator:
@@ -87,4 +89,4 @@ class OutputAccumulator:
         text = "".join(self._text) if delta.finished else ""
         return RequestOutput(delta.request_id, self.prompt_token_ids, delta.new_token_ids, delta.new_text,
                              self.output_token_ids, text, delta.new_logprobs, delta.finished,
-                             delta.finish_reason, delta.stop_reason, delta.error)
+                             delta.finish_reason, delta.stop_reason, delta.error, delta.num_cached_tokens)

@@ -110,6 +110,8 @@ class RankStats:
     num_expert_loads_prefetch: int = 0
     expert_bytes_loaded_host: int = 0
     expert_bytes_loaded_disk: int = 0
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hits: int = 0  # ... found there (not computed again)
 
     @property
     def kv_usage(self) -> float:
@@ -454,6 +456,8 @@ class InstanceRank:
             num_expert_loads_prefetch=c.expert_cache.get("prefetches", 0),
             expert_bytes_loaded_host=c.expert_cache.get("bytes_loaded_host", 0),
             expert_bytes_loaded_disk=c.expert_cache.get("bytes_loaded_disk", 0),
+            num_prefix_cache_queries=c.num_prefix_queries,
+            num_prefix_cache_hits=c.num_prefix_hits,
         )
 
     def pid(self) -> int:

@@ -109,6 +109,7 @@ class VllmBackend(LoopBackend):
             model=model_dir, dtype=str(options.dtype).removeprefix("torch."), seed=0,
             max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory_bytes=options.kv_cache_bytes,
+            enable_prefix_caching=options.enable_prefix_caching,
             enforce_eager=True, skip_tokenizer_init=True, disable_log_stats=True,
             load_format=LOAD_FORMAT, model_loader_extra_config={KEY: self.key},
         )

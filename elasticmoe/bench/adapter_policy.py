@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     model=model, dtype=parse_dtype(args.dtype), num_threads=args.num_threads, max_loras=slots,
                     max_lora_rank=args.rank, max_cpu_loras=len(adapters), seed=args.seed,
                     max_model_len=args.input_len + args.output_len, max_num_seqs=args.max_num_seqs,
-                    adapter_eviction=eviction,
+                    adapter_eviction=eviction, enable_prefix_caching=False,  # prompts repeat across runs
                     request_arranging=arranging, kv_cache_bytes=64 << 20))
                 assert engine.adapters.swapper is not None
                 engine.adapters.swapper.async_swaps = False

@@ -151,6 +151,7 @@ def _engine(model_dir: str, lora: LoraAdapter, esft: EsftAdapter, max_batch: int
     block_size = 16
     engine = LLMEngine(EngineConfig(
         model=model_dir, dtype=parse_dtype(dtype), num_threads=num_threads, seed=seed, block_size=block_size,
+        enable_prefix_caching=False,  # the latency model times whole prefills of repeated prompts
         num_kv_blocks=max_batch * -(-tokens // block_size) + 4, max_num_seqs=max_batch,
         max_num_batched_tokens=max(2048, max_batch * tokens), max_loras=1, max_lora_rank=lora.config.r,
         max_esft_adapters=1, max_esft_experts=max(len(ids) for ids in esft.config.experts.values()),

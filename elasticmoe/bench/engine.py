@@ -40,11 +40,16 @@ from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.utils.cpu_features import cpu_compute_info
 
 
-def make_prompt_token_ids(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random prompts; keep identical to `scripts/vllm_bench.py:make_prompt_token_ids`."""
+def make_prompt_token_ids(num_prompts: int, input_len: int, vocab_size: int, seed: int,
+                          shared_prefix_len: int = 0) -> list[list[int]]:
+    """Random prompts; keep identical to `scripts/vllm_bench.py:make_prompt_token_ids`. With
+    `shared_prefix_len` every prompt starts with the same that many tokens (a system prompt),
+    drawn after the prompts' own."""
     rng = random.Random(seed)
     # Ids 0..2 are pad/bos/eos in our checkpoints; stay clear of them.
-    return [[rng.randrange(3, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    shared = [rng.randrange(3, vocab_size) for _ in range(min(shared_prefix_len, input_len))]
+    return [shared + p[len(shared) :] for p in prompts]
 
 
 def percentile(values: list[float], q: int) -> float | None:
@@ -146,6 +151,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--kv-cache-gb", type=float, default=None, help="KV pool size; default: EngineConfig's"
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads; default: torch's")
+    parser.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                        help="every prompt starts with the same N of its --input-len tokens (default 0)")
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+        help="the engine's automatic prefix caching (default: off, as scripts/vllm_bench.py runs vLLM; on, the "
+        "timed runs after the first find the prompts cached: each run then takes a new seed's prompts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--warmup",
@@ -185,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_model_len=args.input_len + args.output_len,
         seed=args.seed,
         num_threads=args.num_threads,
+        enable_prefix_caching=args.enable_prefix_caching,
         **kwargs,
     )
     t = time.perf_counter()
@@ -211,13 +223,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         _log(f"warm-up done in {time.perf_counter() - t:.1f}s")
 
-    prompts = make_prompt_token_ids(args.num_prompts, args.input_len, vocab_size, args.seed)
+    def prompts_of(run: int) -> list[list[int]]:
+        # With the cache on, a run on the prompts of the run before would find them all cached.
+        seed = args.seed + 1000 * (run + 1) if args.enable_prefix_caching else args.seed
+        return make_prompt_token_ids(args.num_prompts, args.input_len, vocab_size, seed, args.shared_prefix_len)
+
+    prompts = prompts_of(0)
     runs = []
     for i in range(args.repeats):
+        if i:
+            prompts = prompts_of(i)
         if args.profile and i == 0:
             # NOTE: profiling slows the run; its figures are reported but kept out of the median.
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                profiled = run_batch(engine, prompts, args.output_len, "profiled")
+                profiled = run_batch(engine, prompts_of(-1), args.output_len, "profiled")
             write_profile(prof, args.profile)
             _log(f"profiled run: {profiled['output_tok_s']:.1f} output tok/s")
         runs.append(run_batch(engine, prompts, args.output_len, f"run{i}", recorder))
@@ -265,7 +284,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seed": args.seed,
             "warmup": args.warmup,
             "profile": args.profile,
+            "shared_prefix_len": args.shared_prefix_len,
+            "enable_prefix_caching": args.enable_prefix_caching,
         },
+        "prefix_cache": engine.block_manager.stats(),
     }
     print(json.dumps(result, indent=2))
     return result

@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 model=model, dtype=dtype, max_esft_adapters=n, max_esft_experts=e_max,
                 num_threads=args.num_threads, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
                 max_model_len=args.input_len + args.output_len, seed=args.seed,
+                enable_prefix_caching=False,  # the timed runs repeat their prompts: prefill them each time
             ))
             for name, adapter in adapters:
                 engine.adapters.load_esft(name, adapter.config.experts, adapter.expert_weights)

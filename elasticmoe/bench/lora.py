@@ -101,6 +101,7 @@ def make_engine(model_dir: str, args: argparse.Namespace, slots: int, adapters: 
         model=model_dir, dtype=parse_dtype(args.dtype), num_threads=args.num_threads, max_loras=slots,
         max_lora_rank=args.rank, max_cpu_loras=max_cpu_loras, seed=args.seed,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_model_len=args.input_len + args.output_len,
+        enable_prefix_caching=False,  # the timed runs repeat their prompts: prefill them each time
     ))
     if args.sync_swaps and engine.adapters.swapper is not None:
         engine.adapters.swapper.async_swaps = False  # copy on the engine thread, inside the step

@@ -118,7 +118,9 @@ def _diff(after: dict, before: dict) -> dict:
 def build_engine(args: argparse.Namespace, **offload: Any) -> LLMEngine:
     # 256 MiB of KV cache hold the bench's few requests (the engine's default is 1 GiB).
     return LLMEngine(EngineConfig(model=args.model, dtype=torch.float32 if args.dtype == "float32" else None,
-                                  num_threads=args.threads, kv_cache_bytes=256 << 20, **offload))
+                                  num_threads=args.threads, kv_cache_bytes=256 << 20,
+                                  enable_prefix_caching=False,  # rounds repeat the prompts: prefill each time
+                                  **offload))
 
 
 def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: float, distance: int,

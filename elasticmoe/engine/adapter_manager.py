@@ -30,6 +30,7 @@ request rate (`elasticmoe.adapter_policy.usage`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -100,6 +101,10 @@ class AdapterManager:
         self.unloading: set[str] = set()
         self._swap_failures: list[tuple[Request, BaseException]] = []  # from `wait_for_swap`, for `before_step`
         self.served: tuple[str, ...] = ()  # loaded adapters that accept requests
+        # Which load of each adapter is live: a name unloaded and loaded again with other weights
+        # must not share the prefix cache's blocks of its earlier load (`AdapterBinding.cache_salt`).
+        self._load_ids = itertools.count()
+        self._load_id: dict[str, int] = {}
 
     @property
     def lora_topk(self) -> int:
@@ -118,7 +123,8 @@ class AdapterManager:
                        or n in self.unloading]
             if missing:
                 raise UnknownAdapterError(missing[0])
-        request.binding = AdapterBinding(ref.name, esft_slot, lora_slot, routing, is_esft=self._is_esft(ref.name))
+        request.binding = AdapterBinding(ref.name, esft_slot, lora_slot, routing, is_esft=self._is_esft(ref.name),
+                                         cache_salt=self._cache_salt(ref.name, routing))
         if request.binding.is_esft:
             if esft_slot < 0:
                 request.binding.wait()  # on disk, or being swapped out: `before_step` swaps it in
@@ -142,6 +148,7 @@ class AdapterManager:
         binding = request.binding
         binding.esft_slot, binding.lora_slot = self._slots(binding.name)
         binding.is_esft = self._is_esft(binding.name)
+        binding.cache_salt = self._cache_salt(binding.name, binding.routing)
         if binding.name is not None and binding.esft_slot < 0 and binding.lora_slot < 0:
             binding.wait()
         if binding.routing is not None and self.swapper is not None:
@@ -209,6 +216,7 @@ class AdapterManager:
             if tier is not None:
                 tier.register(name, experts, files)  # type: ignore[arg-type]
                 tier.note_loaded(name)
+        self._load_id[name] = next(self._load_ids)
         self._declare(name, usage_probability)
         self._publish()
         return new_slot
@@ -229,6 +237,7 @@ class AdapterManager:
         if self.lockstep_lora is not None:
             self.lockstep_lora.check_new(name)
         slot = self.lora.load(name, modules, weights, scaling, slot)
+        self._load_id[name] = next(self._load_ids)
         self._declare(name, usage_probability)
         self._publish()
         if slot is None:
@@ -353,6 +362,14 @@ class AdapterManager:
                 return -1, slot
         raise UnknownAdapterError(adapter)
 
+    def _cache_salt(self, adapter: str | None, routing: Any) -> bytes | None:
+        """What a request's KV depends on besides its tokens (`AdapterBinding.cache_salt`)."""
+        if routing is not None:
+            return None  # adapters mixed per token: not worth naming
+        if adapter is None:
+            return b""
+        return f"{self._load_id.get(adapter, -1)}:".encode() + adapter.encode()
+
     def _is_esft(self, adapter: str | None) -> bool:
         return adapter is not None and (
             (self.esft is not None and self.esft.index(adapter) is not None)
@@ -404,6 +421,7 @@ class AdapterManager:
             for k in [k for k, r in self.routers.items() if name in r.adapters]:
                 del self.routers[k]
                 self._forget(router_node(k))
+        self._load_id.pop(name, None)
         self._forget(name)
 
     def _publish(self) -> None:

@@ -42,6 +42,7 @@ class RequestSnapshot:
     num_emitted_tokens: int
     adapter: str | None = None  # ESFT adapter; the importing engine must have it loaded
     lora_routing: Any = None  # per-token LoRA routing (a `VocabRouting`), if any
+    num_cached_tokens: int | None = None  # what its first admission found in the prefix cache
 
 
 def snapshot(request: Request, text_state) -> RequestSnapshot:
@@ -64,6 +65,7 @@ def snapshot(request: Request, text_state) -> RequestSnapshot:
         num_emitted_tokens=text_state.num_emitted_tokens,
         adapter=request.binding.name,
         lora_routing=request.binding.routing,
+        num_cached_tokens=request.num_cached_tokens,
     )
 
 
@@ -72,6 +74,7 @@ def restore(snap: RequestSnapshot, keep_kv: bool) -> Request:
     request = Request(
         snap.request_id, list(snap.token_ids), snap.num_prompt_tokens, snap.params, snap.max_total_tokens,
         arrival_time=snap.arrival_time, binding=AdapterBinding(snap.adapter, routing=snap.lora_routing),
+        num_cached_tokens=snap.num_cached_tokens,
     )
     if snap.generator_state is not None and request.generator is not None:
         request.generator.set_state(snap.generator_state)

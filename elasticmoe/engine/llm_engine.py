@@ -122,7 +122,7 @@ class LLMEngine:
         self.kv_pool = (kv_provider or LocalKVProvider()).allocate(self.kv_spec, num_blocks)
         self.max_model_len = self._max_model_len(num_blocks)
 
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    window=config.scheduling_window, arranging=config.request_arranging)
         self.requests: dict[str, Request] = {}
@@ -263,6 +263,8 @@ class LLMEngine:
         """
         requests = list(self.scheduler.running) + list(self.scheduler.waiting)
         snaps = [snapshot(r, self.output_processor.states[r.request_id]) for r in requests]
+        # The pool may have another owner from now on, who writes into the blocks free here.
+        self.block_manager.forget_cached()
         for request in requests:
             if hand_over_kv:
                 request.block_ids = []  # ownership moves with the snapshot; do not free
@@ -276,8 +278,11 @@ class LLMEngine:
         exporter's (same device, same pool), so block tables stay valid and no
         token is recomputed; otherwise, or where a request's adapter is not resident
         here, their KV is recomputed from their tokens."""
+        if kv_is_shared:  # the exporter wrote into this pool: blocks free here may hold its KV now
+            self.block_manager.forget_cached()
+        restored: list[tuple[RequestSnapshot, Request]] = []
         for snap in snaps:
-            if snap.request_id in self.requests:
+            if snap.request_id in self.requests or any(snap.request_id == r.request_id for _, r in restored):
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
             request = restore(snap, keep_kv=kv_is_shared)
             self.grammars.attach(request)
@@ -286,8 +291,12 @@ class LLMEngine:
                 # Its adapter is not resident here (another took the slot): it waits for the swap-in
                 # and its KV is recomputed then, as it would run on the base model if it ran on now.
                 request.block_ids, request.num_computed_tokens = [], 0
+            restored.append((snap, request))
+        # One claim for all: requests of one prefix share its cached blocks.
+        self.block_manager.claim_tables([r.block_ids for _, r in restored if r.block_ids])
+        for snap, request in restored:
             if request.block_ids:
-                self.block_manager.claim(request.block_ids)
+                self.block_manager.cache_full_blocks(request)  # its KV is this pool's: others may share it
                 request.status = RequestStatus.RUNNING
                 self.scheduler.running.append(request)
             else:
@@ -360,6 +369,7 @@ class LLMEngine:
         sampling = [r for (r, _), i in zip(sched.scheduled, sample_indices, strict=True) if i >= 0]
         for request, n in sched.scheduled:
             request.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(request)
         if not sampling:
             return []
         outputs = []

@@ -126,6 +126,7 @@ class OutputProcessor:
             finished=finished,
             finish_reason=reason if finished else None,
             stop_reason=state.stop_reason if finished else None,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
         state.num_emitted_chars, state.num_emitted_tokens = emit_upto, len(output_ids)
         state.pending_logprobs = []

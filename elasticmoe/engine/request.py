@@ -37,6 +37,10 @@ class AdapterBinding:
     range_slots: torch.Tensor | None = None  # with `routing`, once all of its adapters are resident
     is_waiting: bool = False
     is_esft: bool = False  # `name` is an ESFT adapter (resident or not)
+    # What the request's KV depends on besides its tokens, for the prefix cache
+    # (`engine.prefix_hash`): b"" for the base model, the adapter's name and load for an adapter,
+    # None where the KV is not cached (LoRA adapters chosen per token).
+    cache_salt: bytes | None = b""
 
     @property
     def lora_names(self) -> set[str]:
@@ -80,6 +84,13 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     binding: AdapterBinding = field(default_factory=AdapterBinding)
+    # The prefix cache's names of its full blocks (`engine.prefix_hash`: its tokens never change, so
+    # they are computed once), and how many of its blocks the block manager has named or matched.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_named_blocks_seen: int = 0
+    # Prompt tokens its first admission found in the prefix cache (None: not admitted yet);
+    # reported as `usage.prompt_tokens_details.cached_tokens`.
+    num_cached_tokens: int | None = None
     # An `llguidance.LLMatcher` while its answer is constrained (`engine.structured_output`); this
     # engine's only: never in a snapshot, rebuilt from the output where the request goes.
     matcher: Any = None

@@ -6,7 +6,9 @@ tokens computed). Running requests go first, oldest first; when the KV pool is
 short, the newest running request is preempted (its blocks freed, its tokens
 recomputed later). Waiting requests are admitted only in steps without
 preemption, in arrival order, except that the first `window` of them are taken
-grouped by LoRA adapter (CoServe §4.2, see `Scheduler._admission_order`).
+grouped by LoRA adapter (CoServe §4.2, see `Scheduler._admission_order`). A request
+admitted starts past the blocks of its prefix the KV cache still holds
+(`BlockManager.match_prefix`), a preempted one too.
 """
 
 from __future__ import annotations
@@ -136,9 +138,15 @@ class Scheduler:
                 break
             if not request.is_ready:
                 continue
+            self.block_manager.match_prefix(request)  # its cached first blocks: not computed again
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, n):
+                self.block_manager.free(request)  # the matched blocks go back to the cache
+                request.num_computed_tokens = 0
                 break  # the pool is full: nobody after this request starts either
+            self.block_manager.count_lookup(request)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request] = n

@@ -80,6 +80,11 @@ class ServeSettings(BaseModel):
     max_num_seqs: int | None = Field(
         None, description="requests one engine (one rank) runs at once; more wait in its queue (default: the "
         "engine's, 256)", json_schema_extra=cli(metavar="N"))
+    enable_prefix_caching: bool = Field(
+        True, description="keep full KV blocks after their requests end and start a request whose first tokens "
+        "(and adapter) match past them, as vLLM's automatic prefix caching: shared system prompts and earlier "
+        "turns of a chat are not computed again. The cache lives in the KV pool's idle blocks, so the resident "
+        "KV memory grows toward --kv-cache-gb; --no-enable-prefix-caching turns it off")
     num_threads: int | None = Field(
         None, description="torch threads of each engine (elastic: 1 per rank, ranks share the node's cores; "
         "single: torch's default)", json_schema_extra=cli(metavar="N"))
@@ -235,6 +240,7 @@ class ServeSettings(BaseModel):
                 "kv_cache_bytes", self.kv_bytes_per_device),
             max_esft_adapters=slots, max_esft_experts=experts,
             max_loras=self.max_loras if "max_loras" in given else split.get("max_loras", self.max_loras),
+            enable_prefix_caching=self.enable_prefix_caching,
             max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
             adapter_eviction=self.adapter_eviction, request_arranging=self.request_arranging,
             adapter_profile=self.profile, expert_cache_bytes=self.expert_cache_bytes,

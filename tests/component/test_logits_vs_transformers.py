@@ -99,3 +99,28 @@ def test_greedy_generation_matches_transformers_generate(arch, tiny_model_dirs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
         assert ours[str(i)] == ref[0, len(p) :].tolist(), f"{arch}: prompt {i}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_after_a_cached_prefix_match(arch, tiny_model_dirs):
+    """A request that starts past the blocks an earlier request of the same prefix left in the
+    KV cache (automatic prefix caching) computes the logits of its full prompt."""
+    model_dir = tiny_model_dirs[arch]
+    hf = _hf_model(model_dir)
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, block_size=4, num_kv_blocks=64))
+    prefix = list(range(3, 40, 2))  # 19 tokens: 4 full blocks
+    _run(engine, [prefix + [50]], max_tokens=2)
+    recorded = _record_logits(engine)
+    prompt = prefix + [60, 61, 62]
+    engine.add_request("cached", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    out = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o.output_token_ids
+    assert engine.block_manager.prefix_hits == 16
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + out])).logits[0].float()
+    assert len(recorded) == 8
+    for step, logits in enumerate(recorded):
+        diff = (logits[0] - ref[len(prompt) - 1 + step]).abs().max().item()
+        assert diff <= 1e-4, f"{arch}: step {step} max abs diff {diff}"

@@ -161,7 +161,10 @@ def test_stream_equals_greedy_non_stream(server, path):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     chunks = _sse(r)
     usage_chunk, chunks = chunks[-1], chunks[:-1]
-    assert usage_chunk["usage"] == full["usage"] and full["usage"]["completion_tokens"] == 12
+    # the same counts; the prompt may have been found in the prefix cache of the rank it reached
+    cached = usage_chunk["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert usage_chunk["usage"] == {k: v for k, v in full["usage"].items() if k != "prompt_tokens_details"}
+    assert full["usage"]["completion_tokens"] == 12 and 0 <= cached < full["usage"]["prompt_tokens"]
     if "chat" in path:
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
         expected = full["choices"][0]["message"]["content"]

@@ -190,3 +190,17 @@ def test_expert_cache_counters_add_growth_per_engine_with_the_single_servers_lab
     assert value("elasticmoe_expert_cache_capacity_experts", {"rank": "0"}) == 8
     metrics.refresh([RankStats(0, 0, 0, 10, 10, 1, engine_id="c")])  # a rank without offloading: no gauge
     assert value("elasticmoe_expert_cache_capacity_experts", {"rank": "0"}) is None
+
+
+def test_prefix_cache_counters_add_growth_per_engine():
+    from imm.rank import RankStats
+
+    def stats(engine: str, queries: int, hits: int, rank: int = 0) -> RankStats:
+        return RankStats(rank, 0, 0, 10, 10, 1, engine_id=engine, num_prefix_cache_queries=queries,
+                         num_prefix_cache_hits=hits)
+
+    metrics = ClusterMetrics(lambda: 1.0)
+    value = metrics.registry.get_sample_value
+    metrics.refresh([stats("a", 100, 40), stats("b", 50, 0, rank=1)])
+    metrics.refresh([stats("a", 180, 96), stats("b", 50, 0, rank=1), stats("c", 20, 16, rank=0)])  # a scale
+    assert value("elasticmoe_prefix_cache_queries_total") == 250 and value("elasticmoe_prefix_cache_hits_total") == 112

@@ -291,7 +291,8 @@ def test_completion_response_shape(fake_llm):
     assert choice.logprobs.tokens == ["w0 ", "w1 ", "w2 "]
     assert choice.logprobs.text_offset == [0, 3, 6]
     assert choice.logprobs.top_logprobs[0] == {"w0 ": -0.5}
-    assert body.usage.model_dump() == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert body.usage.model_dump() == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_stream_shape(fake_llm):

@@ -92,6 +92,9 @@ def test_a_flag_wins_over_the_file_and_the_file_over_the_default(tiny_model_dir,
     assert (config.max_queued, config.num_devices, config.dp, config.autoscale.enabled, config.autoscale.min_dp) == (
         11, 2, 1, True, 2)
     assert config.kv_bytes_per_device == min(GIB // 4, config.device_memory_bytes // 4)  # the elastic default
+    assert config.engine_options().engine_config(tiny_model_dir).enable_prefix_caching  # on by default
+    off = elastic_config(_serve_args("--config", str(cfg), "--no-enable-prefix-caching"))
+    assert not off.engine_options().engine_config(tiny_model_dir).enable_prefix_caching
 
 
 @pytest.mark.parametrize(

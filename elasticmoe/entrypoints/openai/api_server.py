@@ -30,7 +30,7 @@ from elasticmoe.entrypoints.openai.adapters_api import add_adapter_routes
 from elasticmoe.entrypoints.openai.drain import Drainer, add_drain_route
 from elasticmoe.entrypoints.openai.engine_adapters import EngineAdapterHost
 from elasticmoe.entrypoints.openai.errors import OpenAIError, error_json, install_exception_handlers
-from elasticmoe.entrypoints.openai.metrics import ExpertCacheCollector, ServerMetrics
+from elasticmoe.entrypoints.openai.metrics import ExpertCacheCollector, KVCacheCollector, ServerMetrics
 from elasticmoe.entrypoints.openai.routes import add_openai_routes, install_guards
 from elasticmoe.entrypoints.openai.serving import OpenAIServing
 from elasticmoe.entrypoints.serve_settings import ServeSettings
@@ -72,6 +72,9 @@ def build_app(
     offload = getattr(engine, "offload", None)
     if offload is not None:
         metrics.registry.register(ExpertCacheCollector(offload.stats))
+    blocks = getattr(engine, "block_manager", None)
+    if blocks is not None:
+        metrics.registry.register(KVCacheCollector(blocks.stats))
 
     @app.get("/admin/status")
     async def status() -> Response:
@@ -81,6 +84,8 @@ def build_app(
         compute = getattr(engine, "compute_plan", None)
         if compute is not None:
             body["compute"] = cpu_compute_info(plan=compute)
+        if blocks is not None:
+            body["kv_cache"] = blocks.stats()
         if offload is not None:
             body["expert_cache"] = offload.stats()
         return JSONResponse(body)

@@ -128,6 +128,26 @@ class ExpertCacheCollector:
         yield loaded
 
 
+class KVCacheCollector:
+    """The engine's KV pool and prefix cache as Prometheus metrics, read at scrape time from
+    `stats()` (`elasticmoe.engine.block_manager.BlockManager.stats`; the elastic server's
+    coordinator exports the same counters summed over its ranks)."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.stats()
+        yield GaugeMetricFamily("elasticmoe_kv_cache_usage_ratio", "Fraction of KV blocks in use.",
+                                value=1.0 - s["free_blocks"] / s["blocks"])
+        yield CounterMetricFamily("elasticmoe_prefix_cache_queries", "Prompt tokens of admitted requests looked "
+                                  "up in the prefix cache.", value=s["prefix_cache_queries"])
+        yield CounterMetricFamily("elasticmoe_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                  "computed again).", value=s["prefix_cache_hits"])
+
+
 class RequestCountMiddleware:
     """Count HTTP responses by route and status; unknown paths share the label "other"."""
 

@@ -410,8 +410,11 @@ class OpenAIServing:
 
 
 def _usage(lasts: list[RequestOutput]) -> UsageInfo:
-    """One request's usage over its choices' last outputs: the prompt once, every choice's output."""
-    return UsageInfo.of(lasts[0].num_prompt_tokens, sum(last.num_output_tokens for last in lasts))
+    """One request's usage over its choices' last outputs: the prompt once (with what the first
+    choice found of it in the prefix cache), every choice's output."""
+    first = lasts[0]
+    return UsageInfo.of(first.num_prompt_tokens, sum(last.num_output_tokens for last in lasts),
+                        cached_tokens=min(first.num_cached_tokens, first.num_prompt_tokens))
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
