@@ -177,7 +177,8 @@ class Ingress:
         tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
         self.observations = ObservationBuffer()
         router: Router[Any] = Router(max_hold_s=config.max_hold_s, assign=config.request_assigning,
-                                     kinds=await asyncio.to_thread(_profile_kinds, config.profile))
+                                     kinds=await asyncio.to_thread(_profile_kinds, config.profile),
+                                     prefix_affinity=config.enable_prefix_caching)
         self.engine = RouterEngineClient(router, tokenizer, config.max_queued,
                                          on_rank_failure=lambda rank: self.coordinator.notify_rank_failure(),
                                          make_resident=self._make_resident)

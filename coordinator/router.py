@@ -7,7 +7,9 @@ per adapter, so it can be tested without Ray. Which rank: `assign` names the pol
 `elasticmoe.adapter_policy.assigning`: `coserve` (CoServe §4.2: the rank whose queue, with the
 latency model K*n + B per adapter and the switch latency of a non-resident adapter, keeps the
 longest queue shortest) or `parallel` (the least-loaded rank, adapter-unaware). The latency
-model comes from the server's profile (`serve --profile`), else a unit cost per request. New requests wait (for at most `max_hold_s`) while the state says
+model comes from the server's profile (`serve --profile`), else a unit cost per request. With
+`prefix_affinity` a request goes instead to the rank it most likely finds its prompt's prefix
+cached on, unless that rank is busier (`coordinator.prefix_affinity`). New requests wait (for at most `max_hold_s`) while the state says
 `is_accepting=False`: a switchover's critical section, a repair replacing a dead instance,
 or a coordinator that cannot be reached; then they go to whatever ranks are published.
 A request turned away by a rank that was pausing waits for the next state (`wait_newer`),
@@ -20,10 +22,11 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from coordinator.prefix_affinity import PrefixAffinity
 from coordinator.routing_state import RoutingState
 from elasticmoe.adapter_policy.assigning import RankState, RouteRequest, assigner
 from elasticmoe.adapter_policy.profile import BASE_KIND, KindProfile
@@ -65,8 +68,10 @@ class Router(Generic[T]):
     """
 
     def __init__(self, max_hold_s: float = 30.0, assign: str = "coserve",
-                 kinds: Mapping[str, KindProfile] | None = None) -> None:
+                 kinds: Mapping[str, KindProfile] | None = None, prefix_affinity: bool = False) -> None:
         self.max_hold_s = max_hold_s
+        self.prefix_affinity = prefix_affinity
+        self._affinity: PrefixAffinity | None = None  # of the published ranks (their caches start empty)
         self.choose = assigner(assign)
         # NOTE: every kind gets a model (the profile's, else the unit cost): the assigner needs one.
         self.kinds: dict[str, KindProfile] = {k: UNIT_COST for k in (BASE_KIND, "lora", "esft")}
@@ -81,6 +86,8 @@ class Router(Generic[T]):
         """Take a newly published state; in-flight counts are kept while its ranks are the same."""
         if self.state is None or self._routes is None or state.ranks != self.state.ranks:
             self._routes = _Routes(list(state.ranks))
+            # A new instance's engines start with empty prefix caches (a handover drops the names).
+            self._affinity = PrefixAffinity(len(state.ranks)) if self.prefix_affinity else None
         self.state = state
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
@@ -131,9 +138,10 @@ class Router(Generic[T]):
         return self.choose(ranks, RouteRequest(adapter, kind_of.get(adapter, "lora") if adapter else BASE_KIND))
 
     @contextlib.asynccontextmanager
-    async def route(self, adapter: str | None = None) -> AsyncIterator[Route[T]]:
-        """Yield the rank the assignment picks for a request of `adapter` (None: the base model);
-        its in-flight count covers the body of the `async with`."""
+    async def route(self, adapter: str | None = None, prompt: Sequence[int] = ()) -> AsyncIterator[Route[T]]:
+        """Yield the rank the assignment picks for a request of `adapter` (None: the base model)
+        and `prompt` (token ids; empty: no prefix affinity); its in-flight count covers the body
+        of the `async with`."""
         if not self.is_accepting:
             self.num_held += 1
             try:
@@ -146,6 +154,11 @@ class Router(Generic[T]):
             raise NoActiveInstance("no active instance")
         start = time.perf_counter()
         rank = self._choose(routes, state, adapter)
+        affinity = self._affinity
+        if affinity is not None and prompt:
+            names = affinity.names(prompt, adapter)
+            rank = affinity.choose(names, self.loads(), rank)
+            affinity.record(rank, names)
         self.assign_s += time.perf_counter() - start
         counts = routes.in_flight[rank]
         counts[adapter] += 1

@@ -44,6 +44,7 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # the name of a cached block -> its id
         self._name_of: dict[int, bytes] = {}  # ... and back
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # named, ref 0: least recently freed first
+        self._in_flight: set[bytes] = set()  # names of the blocks the step being scheduled computes
         self.prefix_queries = 0  # prompt tokens looked up in the cache (metrics: the hit rate's denominator)
         self.prefix_hits = 0  # ... found there
 
@@ -116,6 +117,34 @@ class BlockManager:
         request.num_named_blocks_seen = len(request.block_ids)
         request.num_computed_tokens = hit
         return hit
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: no block is being computed yet."""
+        self._in_flight.clear()
+
+    def computing(self, request: Request, num_new_tokens: int) -> None:
+        """The step computes `num_new_tokens` more of `request`'s tokens: the blocks they fill are
+        in flight (their KV is written by this step, and named after it)."""
+        end = (request.num_computed_tokens + num_new_tokens) // self.block_size
+        salt = request.binding.cache_salt
+        if not self.prefix_caching or salt is None or end <= request.num_computed_tokens // self.block_size:
+            return
+        extend_block_hashes(request.block_hashes, request.token_ids, end * self.block_size, self.block_size, salt)
+        self._in_flight.update(request.block_hashes[request.num_computed_tokens // self.block_size : end])
+
+    def num_in_flight_tokens(self, request: Request) -> int:
+        """Tokens of a matched request (`match_prefix`) just past its match that the step being
+        scheduled computes for another request: it would find them cached one step later."""
+        if not self._in_flight or request.binding.cache_salt is None:
+            return 0
+        first = len(request.block_ids)
+        num_full = (request.num_tokens - 1) // self.block_size
+        extend_block_hashes(request.block_hashes, request.token_ids, num_full * self.block_size, self.block_size,
+                            request.binding.cache_salt)
+        count = 0
+        while first + count < num_full and request.block_hashes[first + count] in self._in_flight:
+            count += 1
+        return count * self.block_size
 
     def count_lookup(self, request: Request) -> None:
         """A request `match_prefix` saw was admitted: count its prompt's lookup (a request that did

@@ -73,6 +73,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[Request, int] = {}
+        self.block_manager.begin_step()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -88,6 +89,8 @@ class Scheduler:
                 num_scheduled[request] = n
                 budget -= n
                 i += 1
+                if n > 1:  # a prefill chunk: what it computes, others of its prefix take next step
+                    self.block_manager.computing(request, n)
 
         if not out.preempted_ids:
             budget = self._admit(num_scheduled, budget)
@@ -139,6 +142,12 @@ class Scheduler:
             if not request.is_ready:
                 continue
             self.block_manager.match_prefix(request)  # its cached first blocks: not computed again
+            if 2 * self.block_manager.num_in_flight_tokens(request) >= request.num_tokens - request.num_computed_tokens:
+                # Most of what it would compute is being computed now for a request of the same prefix (`n`
+                # choices, a burst of one system prompt): it starts next step, past those blocks too.
+                self.block_manager.free(request)
+                request.num_computed_tokens = 0
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, n):
                 self.block_manager.free(request)  # the matched blocks go back to the cache
@@ -151,6 +160,7 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request] = n
             budget -= n
+            self.block_manager.computing(request, n)
         # `taken` is in queue order: the requests not started go back to the front as they were.
         self.waiting.extendleft(reversed([r for r in taken if r.status is RequestStatus.WAITING]))
         return budget

@@ -164,3 +164,15 @@ def test_a_handover_keeps_shared_blocks_once_per_request(tiny_model_dir):
     hits = new.block_manager.prefix_hits
     run(new, {"e": SYSTEM + [80]})
     assert new.block_manager.prefix_hits - hits == 24
+
+
+def test_requests_of_one_prompt_arriving_together_compute_it_once(tiny_model_dir):
+    """`n` choices and a burst of one system prompt: one request computes the prompt, the others
+    start a step later past its blocks."""
+    prompts = {"n0": SYSTEM + [40, 41, 42], "n1": SYSTEM + [40, 41, 42], "burst": SYSTEM + [50]}
+    expected = run(make_engine(tiny_model_dir, caching=False), prompts)
+    engine = make_engine(tiny_model_dir)
+    assert run(engine, prompts) == expected
+    assert engine.block_manager.prefix_hits == 24 + 24  # n1: 24 of its 27 tokens (its last block holds its last
+    # token), burst: 24 of 25
+    engine.block_manager.check_integrity([])

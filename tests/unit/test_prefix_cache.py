@@ -238,3 +238,55 @@ def test_a_preempted_request_finds_its_own_blocks_again():
     assert [(x.request_id, n) for x, n in out.scheduled] == [("b", 5)]
     assert b.num_computed_tokens == 8
     bm.check_integrity([b])
+
+
+def test_a_request_whose_prefix_is_being_computed_starts_one_step_later_past_it():
+    """`n` choices or a burst of one system prompt: the first request computes the prefix, the others
+    take it from the cache a step later instead of computing it beside it."""
+    bm = BlockManager(32, BS, prefix_caching=True)
+    sched = Scheduler(bm, max_num_batched_tokens=100, max_num_seqs=8)
+    first, same, other = (make_request("first", list(range(13))), make_request("same", list(range(13))),
+                          make_request("other", list(range(50, 63))))
+    for r in (first, same, other):
+        sched.add(r)
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("first", 13), ("other", 13)]
+    assert same.status is RequestStatus.WAITING and same.block_ids == [] and sched.waiting[0] is same
+    for request, n in out.scheduled:
+        request.num_computed_tokens += n
+        bm.cache_full_blocks(request)
+        request.token_ids.append(1)
+    out = sched.schedule()
+    assert sorted((r.request_id, n) for r, n in out.scheduled) == [("first", 1), ("other", 1), ("same", 1)]
+    assert same.num_cached_tokens == 12 and same.block_ids[:3] == first.block_ids[:3]
+    bm.check_integrity([first, same, other])
+
+
+def test_a_small_shared_part_is_not_worth_a_step_of_waiting():
+    bm = BlockManager(32, BS, prefix_caching=True)
+    sched = Scheduler(bm, max_num_batched_tokens=100, max_num_seqs=8)
+    a = make_request("a", list(range(20)))
+    b = make_request("b", list(range(8)) + list(range(100, 120)))  # 8 of its 28 tokens in flight
+    sched.add(a)
+    sched.add(b)
+    assert sorted((r.request_id, n) for r, n in sched.schedule().scheduled) == [("a", 20), ("b", 28)]
+
+
+def test_a_request_follows_a_long_prefill_chunk_by_chunk():
+    bm = BlockManager(32, BS, prefix_caching=True)
+    sched = Scheduler(bm, max_num_batched_tokens=16, max_num_seqs=8)
+    long_prompt = list(range(3, 40))  # 37 tokens: chunks of 16, 16, 5
+    a, b = make_request("a", long_prompt), make_request("b", long_prompt + [99])
+    sched.add(a)
+    sched.add(b)
+    # b waits while a's chunks compute what it would compute, even a's last block
+    for expected in ([("a", 16)], [("a", 16)], [("a", 5)], [("a", 1), ("b", 2)]):
+        out = sched.schedule()
+        assert sorted((r.request_id, n) for r, n in out.scheduled) == expected
+        for request, n in out.scheduled:
+            request.num_computed_tokens += n
+            bm.cache_full_blocks(request)
+            if request.num_computed_tokens == request.num_tokens:
+                request.token_ids.append(1)
+    assert b.num_cached_tokens == 36  # every block of a's prompt
+    bm.check_integrity([a, b])
