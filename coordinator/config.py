@@ -68,6 +68,10 @@ class CoordinatorConfig(ServeSettings):
         "coserve", description="which rank a request goes to: coserve (the shortest expected finish with the "
         "latency model K*n + B of --profile and adapter switch costs: CoServe §4.2) or parallel (the "
         "least-loaded rank, adapter-unaware)")
+    prefix_routing: bool = Field(
+        True, description="with prefix caching, send a request to the rank that holds the longest part of its "
+        "prompt in its KV cache, as the router remembers it, unless that rank has 4 more requests in flight than the "
+        "least-loaded one; --no-prefix-routing leaves the choice to --request-assigning alone")
     standby_pool: bool = Field(True, description="pre-initialise standby instances for dp-1 and dp+1 (paper "
                                "§4.5); --no-standby-pool saves their processes' memory, and each scale then "
                                "boots its target instance, ~2 s slower")
