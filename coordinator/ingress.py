@@ -117,7 +117,8 @@ def build_ingress_app(
 ) -> FastAPI:
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible elastic MoE serving (ingress)")
     router = engine.router
-    serving = OpenAIServing(engine, config.model_name, observer=_Observers(metrics, observations))
+    serving = OpenAIServing(engine, config.model_name, observer=_Observers(metrics, observations),
+                            reasoning_parser=config.reasoning_parser)
     install_exception_handlers(app)
     app.add_exception_handler(QueueFull, _handle_queue_full)
     install_guards(app, config.access, drainer, metrics.server, ENDPOINTS)

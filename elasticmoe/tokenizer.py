@@ -183,12 +183,15 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render messages (and the tools the model may call, for a template that shows them) with
-        the model's chat template, opening the assistant turn."""
+        the model's chat template, opening the assistant turn; `template_kwargs` are more variables
+        for the template (a request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
         if not self.hf.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
-        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                           **(template_kwargs or {}))
         # The template already contains any special tokens it wants.
         return list(self.hf.encode(text, add_special_tokens=False))
 

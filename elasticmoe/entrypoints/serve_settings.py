@@ -68,6 +68,11 @@ class ServeSettings(BaseModel):
     served_model_name: str | None = Field(
         None, description="model name clients pass as `model` (default: the model directory's name)",
         json_schema_extra=cli(metavar="NAME"))
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None, description="return a reasoning model's thinking (<think>...</think>) apart from its answer, as the "
+        "chat message's `reasoning` (also `reasoning_content`), as vLLM's flag: qwen3 (a request may turn thinking "
+        "off with chat_template_kwargs {\"enable_thinking\": false}) or deepseek_r1 (default: none, the thinking "
+        "stays in the content)")
     max_model_len: int | None = Field(
         None, description="context length limit, prompt plus output tokens (default: the model's maximum; "
         "a smaller KV cache lowers it)", json_schema_extra=cli(metavar="N"))

@@ -26,7 +26,8 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return " ".join(f"w{i}" for i in ids)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
         ids = [1]
         for m in messages:
             ids += [3] + self.encode(m["content"]) + [4]

@@ -19,7 +19,8 @@ class _Refusing(FakeTokenizer):
     def encode(self, text: str) -> list[int]:
         raise AssertionError("an oversized prompt must be refused before it is tokenized")
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
         raise AssertionError("an oversized conversation must be refused before it is rendered")
 
 

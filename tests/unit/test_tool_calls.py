@@ -9,7 +9,6 @@ import pytest
 
 from elasticmoe.entrypoints.openai import tools
 from elasticmoe.errors import InvalidRequestError
-from elasticmoe.outputs import RequestOutput
 
 F = tools.Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}})
@@ -17,8 +16,9 @@ G = tools.Tool.model_validate({"type": "function", "function": {"name": "g"}})  
 NAMED_F = tools.NamedToolChoice.model_validate({"type": "function", "function": {"name": "f"}})
 
 
-def _out(new_text: str, finished: bool = False, reason: str | None = None) -> RequestOutput:
-    return RequestOutput("r", [1], [2], new_text, [2], new_text, finished=finished, finish_reason=reason)
+def _out(new_text: str, finished: bool = False, reason: str | None = None) -> tuple[str, bool]:
+    """An answer's next piece as `ToolCallDeltas.feed` takes it (`reason` only says how it ended)."""
+    return new_text, finished
 
 
 @pytest.mark.parametrize("tool_list,choice,mode", [
@@ -67,19 +67,19 @@ def test_whole_answers_become_calls_and_cut_ones_stay_text():
 
 def test_a_named_call_streams_its_arguments_after_its_id_and_name():
     stream = tools.ToolCallDeltas("named", "f")
-    first, text = stream.feed(_out('{"x"'))
+    first, text = stream.feed(*_out('{"x"'))
     assert text is None and first[0].id and first[0].function.name == "f" and first[0].function.arguments == ""
     assert first[1].function.arguments == '{"x"' and first[1].id is None
-    rest, _ = stream.feed(_out(":1}", finished=True, reason="stop"))
+    rest, _ = stream.feed(*_out(":1}", finished=True, reason="stop"))
     assert [d.function.arguments for d in rest] == [":1}"] and stream.made_calls
 
 
 def test_required_calls_go_out_whole_at_the_end_or_as_text_when_cut():
     stream = tools.ToolCallDeltas("required", None)
-    assert stream.feed(_out('[{"name":"g",')) == ([], None)
-    deltas, text = stream.feed(_out('"parameters":{}}]', finished=True, reason="stop"))
+    assert stream.feed(*_out('[{"name":"g",')) == ([], None)
+    deltas, text = stream.feed(*_out('"parameters":{}}]', finished=True, reason="stop"))
     assert text is None and [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "g", "{}")]
     cut = tools.ToolCallDeltas("required", None)
-    cut.feed(_out('[{"name"'))
-    assert cut.feed(_out(':"g"', finished=True, reason="length")) == ([], '[{"name":"g"')
+    cut.feed(*_out('[{"name"'))
+    assert cut.feed(*_out(':"g"', finished=True, reason="length")) == ([], '[{"name":"g"')
     assert not cut.made_calls and tools.finish_reason("required", "length", False) == "length"

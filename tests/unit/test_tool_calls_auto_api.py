@@ -28,7 +28,8 @@ class HermesTokenizer(FakeTokenizer):
         self.hf = SimpleNamespace(chat_template=template)
         self.tools_seen: list = []
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
         self.tools_seen.append(tools)
         return super().apply_chat_template(messages)
 

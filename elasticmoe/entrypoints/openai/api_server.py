@@ -53,12 +53,13 @@ def build_app(
     access: AccessPolicy | None = None,
     drainer: Drainer | None = None,
     drain_timeout_s: float = 30.0,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app with the adapter admin API. The caller owns `async_llm`
     (starts and shuts it down) and `drainer` (SIGTERM)."""
     app = FastAPI(title="ElasticMoE", summary="OpenAI-compatible MoE serving (single process)")
     metrics = ServerMetrics(lambda: async_llm.num_running, lambda: async_llm.num_waiting)
-    serving = OpenAIServing(async_llm, served_model_name, observer=metrics)
+    serving = OpenAIServing(async_llm, served_model_name, observer=metrics, reasoning_parser=reasoning_parser)
     drainer = drainer or Drainer()
     install_exception_handlers(app)
     install_guards(app, access or AccessPolicy(), drainer, metrics, _ENDPOINTS)
@@ -206,7 +207,7 @@ def _serve_on(sock: socket.socket, settings: ServeSettings, config: EngineConfig
         print(f"error: {exc}", file=sys.stderr)  # (e.g. an expert cache below top-k)
         return 2
     drainer = Drainer()
-    app = build_app(async_llm, name, access, drainer, shutdown_timeout_s)
+    app = build_app(async_llm, name, access, drainer, shutdown_timeout_s, settings.reasoning_parser)
     server = DrainingServer(
         uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10,
                        h11_max_incomplete_event_size=access.max_header_bytes if access else None),

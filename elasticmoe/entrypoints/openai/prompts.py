@@ -26,7 +26,8 @@ DEFAULT_WORKERS = 2
 
 
 class PromptRenderer:
-    """`tokenizer` has `encode(text, add_special_tokens)` and `apply_chat_template(messages, tools)`;
+    """`tokenizer` has `encode(text, add_special_tokens)` and `apply_chat_template(messages, tools,
+    template_kwargs)`;
     `max_model_len()` is the context limit now (it changes with the active instance)."""
 
     def __init__(
@@ -66,14 +67,17 @@ class PromptRenderer:
             raise InvalidRequestError("prompt", "must not be empty")
         return ids
 
-    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of `messages` rendered with the chat template (the assistant turn opened), with
-        `tools` for the template to show."""
+        `tools` for the template to show and `template_kwargs` as its further variables."""
         self._check_size(sum(len(m["content"]) + len(m["role"]) + len(json.dumps(m.get("tool_calls") or []))
                              for m in messages), "messages")
         if tools:
             self._check_size(len(json.dumps(tools)), "tools")
-        return await self.run(lambda: list(self.tokenizer.apply_chat_template(messages, tools)))
+        if template_kwargs:
+            self._check_size(len(json.dumps(template_kwargs)), "chat_template_kwargs")
+        return await self.run(lambda: list(self.tokenizer.apply_chat_template(messages, tools, template_kwargs)))
 
     async def bad_words(self, words: list[str]) -> list[list[int]]:
         """vLLM's tokenization of `bad_words`: each word as it starts a text and after a space (as

@@ -66,6 +66,14 @@ def first_unencodable_field(body: Any) -> str | None:
     return None
 
 
+# apply_chat_template's own arguments: a request's chat_template_kwargs are the template's variables only.
+TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 class _Request(BaseModel):
     # Unknown fields are ignored (as vLLM does) so that SDKs sending newer options keep working;
     # known ones this server does not implement are refused (`not_implemented`).
@@ -417,6 +425,18 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = Field(
         default=True, strict=True, description='With "required": false allows one call only.'
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description='More variables for the model\'s chat template, e.g. {"enable_thinking": false} '
+        "for Qwen3 (which also tells --reasoning-parser qwen3 that the answer has no thinking)."
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_are_variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise SamplingParamError("chat_template_kwargs", f"{taken[0]!r} is set by the server, not by a request")
+        return v
 
     @model_validator(mode="before")
     @classmethod

@@ -131,6 +131,18 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # With --reasoning-parser: the model's thinking (vLLM's `reasoning`; `reasoning_content` is the
+    # same text under DeepSeek's and vLLM's earlier name). Omitted without a parser.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unparsed_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if self.reasoning is None:
+            data.pop("reasoning", None)
+            data.pop("reasoning_content", None)
+        return data
 
 
 class DeltaFunctionCall(_OmitsNone):
@@ -172,6 +184,8 @@ class DeltaMessage(_OmitsNone):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # with --reasoning-parser: a piece of the thinking
+    reasoning_content: str | None = None  # the same piece (DeepSeek's name)
     tool_calls: list[DeltaToolCall] | None = None
 
 

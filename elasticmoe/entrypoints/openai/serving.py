@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
-from elasticmoe.entrypoints.openai import tools
+from elasticmoe.entrypoints.openai import reasoning, tools
 from elasticmoe.entrypoints.openai.choices import Started, all_or_none, merged, start_choices
 from elasticmoe.entrypoints.openai.errors import OpenAIError, internal_error, model_not_found, to_openai_error
 from elasticmoe.entrypoints.openai.prompts import PromptRenderer
@@ -118,11 +118,17 @@ class OpenAIServing:
     """Handlers for /v1/completions, /v1/chat/completions and /v1/models."""
 
     def __init__(
-        self, engine: EngineClient, served_model_name: str, observer: ServingObserver | None = None
+        self, engine: EngineClient, served_model_name: str, observer: ServingObserver | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
+        """`reasoning_parser`: one of `reasoning.PARSERS` (`serve --reasoning-parser`): chat answers
+        return the model's thinking apart from their content."""
+        if reasoning_parser is not None and reasoning_parser not in reasoning.PARSERS:
+            raise ValueError(f"reasoning_parser: expected one of {reasoning.PARSERS}, got {reasoning_parser!r}")
         self.engine = engine
         self.served_model_name = served_model_name
         self.observer = observer
+        self.reasoning_parser = reasoning_parser
         self.created = now()
         # NOTE: prompts become token ids here, on the renderer's threads: never on the event loop
         # (it serves every other request and the probes) nor on the engine thread (every stream).
@@ -241,7 +247,8 @@ class OpenAIServing:
         if request.tool_mode == "auto":
             tools.check_auto(self.prompts.chat_template())
         try:
-            prompt_ids = await self.prompts.chat(request.template_messages(), request.template_tools())
+            prompt_ids = await self.prompts.chat(request.template_messages(), request.template_tools(),
+                                                 request.chat_template_kwargs)
         except InvalidRequestError:
             raise
         except Exception as exc:
@@ -255,9 +262,16 @@ class OpenAIServing:
         if request.stream:
             return SSEStream(self._chat_events(request, response_id, started), started)
         results = await all_or_none([self._collect(choice, "chat_completions") for choice in started])
+        thinking = self._thinks(request)
         choices = []
         for index, (last, logprobs) in enumerate(results):
-            message, reason = tools.chat_message(last.text, last.finish_reason, request.tool_mode, request.tool_name)
+            thought, content = reasoning.split(last.text, thinking)
+            message, reason = tools.chat_message(content or "", last.finish_reason, request.tool_mode,
+                                                 request.tool_name)
+            if thinking:
+                message.reasoning = message.reasoning_content = thought
+                if content is None:  # cut short while thinking: no answer yet
+                    message.content = None
             choices.append(ChatCompletionChoice(
                 index=index,
                 message=message,
@@ -292,17 +306,22 @@ class OpenAIServing:
         lasts: dict[int, RequestOutput] = {}
         mode = request.tool_mode
         calls = [tools.ToolCallDeltas(mode, request.tool_name) for _ in started] if mode is not None else []
+        thinking = self._thinks(request)
+        thoughts = [reasoning.ReasoningStream(thinking) for _ in started] if thinking else []
         # closed here, not left to the garbage collector: that aborts every choice (see `merged`)
         async with aclosing(merged(started, lambda choice: self._stream_outputs(choice, "chat_completions"))) as outputs:
             async for index, out in outputs:
                 if isinstance(out, str):
                     yield out
                     break
+                thought, text = thoughts[index].feed(out.new_text, out.finished) if thinking else ("", out.new_text)
                 if mode is not None:
-                    call_deltas, text = calls[index].feed(out)
-                    delta = DeltaMessage(tool_calls=call_deltas or None, content=text)
+                    call_deltas, content = calls[index].feed(text, out.finished)
+                    delta = DeltaMessage(tool_calls=call_deltas or None, content=content)
                 else:
-                    call_deltas, delta = [], DeltaMessage(content=out.new_text)
+                    call_deltas, delta = [], DeltaMessage(content=text if text or not thought else None)
+                if thought:
+                    delta.reasoning = delta.reasoning_content = thought
                 if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished) or call_deltas:
                     logprobs = (
                         ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or []))
@@ -325,6 +344,14 @@ class OpenAIServing:
                     if request.include_usage_chunk and len(lasts) == len(started):
                         yield chunk([], _usage(list(lasts.values())))
         yield SSE_DONE
+
+    def _thinks(self, request: ChatCompletionRequest) -> bool:
+        """Whether the answer starts with the model's thinking, to return apart (`reasoning`): with a
+        parser, unless the request turned thinking off, and never for an answer a grammar constrains
+        (a JSON answer or a forced tool call holds no thinking)."""
+        if request.asks_for_structure or request.tool_mode not in (None, "auto"):
+            return False
+        return reasoning.thinks(self.reasoning_parser, request.chat_template_kwargs)
 
     # ------------------------------------------------------------ shared
 

@@ -32,7 +32,6 @@ from elasticmoe.entrypoints.openai.responses import (
     ToolCall,
     random_id,
 )
-from elasticmoe.outputs import RequestOutput
 from elasticmoe.sampling_params import SamplingParamError
 from elasticmoe.structured_outputs import MAX_SPEC_CHARS, StructuredOutputs
 
@@ -183,11 +182,12 @@ class ToolCallDeltas:
         self._hermes = hermes.HermesStream() if mode == "auto" else None
         self._num_calls = 0
 
-    def feed(self, out: RequestOutput) -> tuple[list[DeltaToolCall], str | None]:
-        """Deltas for `out`, and text to send as content instead (a "required" answer cut short)."""
-        self.text += out.new_text
+    def feed(self, new_text: str, finished: bool) -> tuple[list[DeltaToolCall], str | None]:
+        """Deltas for the answer's next piece of text (the last if `finished`), and text to send as
+        content instead (a "required" answer cut short)."""
+        self.text += new_text
         if self._hermes is not None:  # "auto": content as it comes, each call once it closes
-            content, pairs = self._hermes.feed(out.new_text, out.finished)
+            content, pairs = self._hermes.feed(new_text, finished)
             deltas = []
             for call in _calls(pairs):
                 piece = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
@@ -201,11 +201,11 @@ class ToolCallDeltas:
                 self.call_id = random_id("call")
                 deltas.append(DeltaToolCall(index=0, id=self.call_id, type="function",
                                             function=DeltaFunctionCall(name=self.name, arguments="")))
-            if out.new_text:
-                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=out.new_text)))
+            if new_text:
+                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new_text)))
             self.made_calls = True
             return deltas, None
-        if not out.finished:
+        if not finished:
             return [], None
         calls = calls_of(self.text, "required", None)
         if calls is None:
