@@ -122,7 +122,8 @@ def test_bad_input_names_the_field_and_engine_keeps_serving(tiny_model_dir):
 def test_abort_frees_blocks(tiny_model_dir):
     engine = engine_for(tiny_model_dir, num_kv_blocks=64)
     engine.add_request("a", list(range(3, 50)), SamplingParams(max_tokens=50))
-    engine.add_request("b", list(range(3, 20)), SamplingParams(max_tokens=50))
+    # (not a prefix of a's prompt: b would wait a step to take a's blocks from the prefix cache)
+    engine.add_request("b", list(range(60, 77)), SamplingParams(max_tokens=50))
     engine.step()
     engine.abort("a")
     engine.abort("missing")  # no-op
