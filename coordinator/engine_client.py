@@ -170,7 +170,7 @@ class RouterEngineClient:
                 try:
                     if adapter is not None:
                         await self._wait_resident(adapter)
-                    async with self.router.route(adapter, prompt) as route:
+                    async with self.router.route(adapter, prompt, request.params.cache_salt) as route:
                         rank, key = route.rank, route.key
                         resumed = request.resumed(progress.output_token_ids, progress.num_chars)
                         async for out in _stream_from(rank, resumed, self.channels, progress):

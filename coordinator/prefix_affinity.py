@@ -15,6 +15,7 @@ have evicted a prefix since; the cost of a wrong guess is one prefill, as withou
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -32,12 +33,12 @@ class PrefixAffinity:
         self.block_size, self.max_depth, self.max_names, self.slack = block_size, max_depth, max_names, slack
         self._names: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]
 
-    def names(self, token_ids: Sequence[int], adapter: str | None) -> list[bytes]:
+    def names(self, token_ids: Sequence[int], adapter: str | None, cache_salt: str | None = None) -> list[bytes]:
         """The names of the request's first full blocks (at most `max_depth`), excluding the block
-        of its last token, which an engine always computes."""
+        of its last token, which an engine always computes; apart per adapter and `cache_salt`."""
         depth = min(self.max_depth, (len(token_ids) - 1) // self.block_size)
         names: list[bytes] = []
-        salt = b"" if adapter is None else adapter.encode()
+        salt = b"" if adapter is None and cache_salt is None else json.dumps([adapter, cache_salt]).encode()
         extend_block_hashes(names, token_ids, depth * self.block_size, self.block_size, salt)
         return names
 

@@ -138,10 +138,11 @@ class Router(Generic[T]):
         return self.choose(ranks, RouteRequest(adapter, kind_of.get(adapter, "lora") if adapter else BASE_KIND))
 
     @contextlib.asynccontextmanager
-    async def route(self, adapter: str | None = None, prompt: Sequence[int] = ()) -> AsyncIterator[Route[T]]:
+    async def route(self, adapter: str | None = None, prompt: Sequence[int] = (),
+                    cache_salt: str | None = None) -> AsyncIterator[Route[T]]:
         """Yield the rank the assignment picks for a request of `adapter` (None: the base model)
-        and `prompt` (token ids; empty: no prefix affinity); its in-flight count covers the body
-        of the `async with`."""
+        and `prompt` (token ids; empty: no prefix affinity) with its `cache_salt`; its in-flight
+        count covers the body of the `async with`."""
         if not self.is_accepting:
             self.num_held += 1
             try:
@@ -156,7 +157,7 @@ class Router(Generic[T]):
         rank = self._choose(routes, state, adapter)
         affinity = self._affinity
         if affinity is not None and prompt:
-            names = affinity.names(prompt, adapter)
+            names = affinity.names(prompt, adapter, cache_salt)
             rank = affinity.choose(names, self.loads(), rank)
             affinity.record(rank, names)
         self.assign_s += time.perf_counter() - start

@@ -26,6 +26,8 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary served today; the engine
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 64
+MAX_CACHE_SALT_CHARS = 128  # vLLM's bound and characters, so a salt valid here is valid on its backend too
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
 
 
 def _is_int(x: object) -> bool:
@@ -69,6 +71,9 @@ class SamplingParams:
     # vLLM's `bad_words` as token ids (the API tokenizes each word, with and without a leading
     # space): a sequence's last token is banned wherever the output ends with the tokens before it.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's: the request shares prefix-cache blocks only with requests of the same salt (a tenant's
+    # secret: others cannot learn its prompts from how fast theirs start).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +131,11 @@ class SamplingParams:
                                          f"got {len(self.allowed_token_ids)}")
             if not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids):
                 raise SamplingParamError("allowed_token_ids", f"must be token ids in [0, {MAX_INT32}]")
+        if self.cache_salt is not None and (
+                not isinstance(self.cache_salt, str) or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+                or any(c in CACHE_SALT_FORBIDDEN for c in self.cache_salt)):
+            raise SamplingParamError("cache_salt", f"must be 1 to {MAX_CACHE_SALT_CHARS} characters without '@', '/', "
+                                     "'\\' or NUL (vLLM's rule)")
         self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids or []]
         if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
             raise SamplingParamError("bad_words", f"at most {MAX_BAD_WORDS} words")

@@ -155,7 +155,10 @@ class VllmEngineCore:
     def _submit(self, state: Request) -> None:
         self.requests[state.request_id] = state
         try:
-            self.engine.add_request(state.request_id, {"prompt_token_ids": list(state.token_ids)},
+            prompt: dict[str, Any] = {"prompt_token_ids": list(state.token_ids)}
+            if state.params.cache_salt is not None:
+                prompt["cache_salt"] = state.params.cache_salt  # vLLM's own prefix cache, salted alike
+            self.engine.add_request(state.request_id, prompt,
                                     vllm_params(state, self.eos_token_ids))
         except Exception:
             self._forget(state.request_id)

@@ -31,6 +31,7 @@ request rate (`elasticmoe.adapter_policy.usage`).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -124,7 +125,7 @@ class AdapterManager:
             if missing:
                 raise UnknownAdapterError(missing[0])
         request.binding = AdapterBinding(ref.name, esft_slot, lora_slot, routing, is_esft=self._is_esft(ref.name),
-                                         cache_salt=self._cache_salt(ref.name, routing))
+                                         cache_salt=self._cache_salt(ref.name, routing, request.params.cache_salt))
         if request.binding.is_esft:
             if esft_slot < 0:
                 request.binding.wait()  # on disk, or being swapped out: `before_step` swaps it in
@@ -148,7 +149,7 @@ class AdapterManager:
         binding = request.binding
         binding.esft_slot, binding.lora_slot = self._slots(binding.name)
         binding.is_esft = self._is_esft(binding.name)
-        binding.cache_salt = self._cache_salt(binding.name, binding.routing)
+        binding.cache_salt = self._cache_salt(binding.name, binding.routing, request.params.cache_salt)
         if binding.name is not None and binding.esft_slot < 0 and binding.lora_slot < 0:
             binding.wait()
         if binding.routing is not None and self.swapper is not None:
@@ -362,13 +363,15 @@ class AdapterManager:
                 return -1, slot
         raise UnknownAdapterError(adapter)
 
-    def _cache_salt(self, adapter: str | None, routing: Any) -> bytes | None:
-        """What a request's KV depends on besides its tokens (`AdapterBinding.cache_salt`)."""
+    def _cache_salt(self, adapter: str | None, routing: Any, tenant_salt: str | None) -> bytes | None:
+        """What a request's KV may be shared by besides its tokens (`AdapterBinding.cache_salt`): the
+        weights that compute it, and the request's own `cache_salt` (a tenant's secret)."""
         if routing is not None:
             return None  # adapters mixed per token: not worth naming
-        if adapter is None:
+        if adapter is None and tenant_salt is None:
             return b""
-        return f"{self._load_id.get(adapter, -1)}:".encode() + adapter.encode()
+        load = None if adapter is None else self._load_id.get(adapter, -1)
+        return json.dumps([load, adapter, tenant_salt]).encode()
 
     def _is_esft(self, adapter: str | None) -> bool:
         return adapter is not None and (

@@ -176,3 +176,19 @@ def test_requests_of_one_prompt_arriving_together_compute_it_once(tiny_model_dir
     assert engine.block_manager.prefix_hits == 24 + 24  # n1: 24 of its 27 tokens (its last block holds its last
     # token), burst: 24 of 25
     engine.block_manager.check_integrity([])
+
+
+def test_a_cache_salt_shares_blocks_only_with_requests_of_the_same_salt(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = SYSTEM + [40, 41]
+
+    def hits_of(salt: str | None) -> int:
+        before = engine.block_manager.prefix_hits
+        run(engine, {f"r-{salt}-{before}": prompt}, SamplingParams(temperature=0.0, max_tokens=2, cache_salt=salt))
+        return engine.block_manager.prefix_hits - before
+
+    assert hits_of("tenant-a") == 0
+    assert hits_of("tenant-b") == 0  # another tenant's identical prompt does not find tenant a's blocks
+    assert hits_of(None) == 0  # nor does an unsalted one
+    assert (hits_of("tenant-a"), hits_of("tenant-b"), hits_of(None)) == (24, 24, 24)  # each finds its own
+    engine.block_manager.check_integrity([])

@@ -19,6 +19,7 @@ def test_names_are_the_engines_block_names_up_to_the_last_tokens_block():
     assert names == [block_hash(ROOT, b"", SYSTEM[:16]), block_hash(names[0], b"", SYSTEM[16:])]
     assert len(affinity.names(SYSTEM, None)) == 1  # 32 tokens: the second block holds the last one
     assert affinity.names(SYSTEM + [1], "tone") != affinity.names(SYSTEM + [1], None)  # adapters apart
+    assert affinity.names(SYSTEM + [1], None, "tenant") != affinity.names(SYSTEM + [1], None)  # salts apart
     assert len(PrefixAffinity(1, max_depth=1).names(SYSTEM * 4, None)) == 1
 
 

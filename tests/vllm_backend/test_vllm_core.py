@@ -34,6 +34,7 @@ class _Output:
     request_id: str
     outputs: list[_Completion]
     finished: bool
+    num_cached_tokens: int | None = None  # prompt tokens vLLM's prefix cache held
 
 
 @dataclass
@@ -42,8 +43,11 @@ class FakeVllm:
 
     live: dict[str, tuple[list[int], int, list[int]]] = field(default_factory=dict)  # id -> tokens, budget, stops
     aborted: list[str] = field(default_factory=list)
+    prompts: dict[str, dict] = field(default_factory=dict)  # id -> the prompt as given
+    cached: dict[str, int] = field(default_factory=dict)  # id -> prompt tokens to report cached
 
     def add_request(self, request_id: str, prompt: dict, params) -> None:
+        self.prompts[request_id] = prompt
         self.live[request_id] = (list(prompt["prompt_token_ids"]), params.max_tokens, list(params.stop_token_ids))
 
     def step(self) -> list[_Output]:
@@ -56,7 +60,7 @@ class FakeVllm:
             self.live[request_id] = (tokens, budget, stops)
             if finished:
                 del self.live[request_id]
-            outs.append(_Output(request_id, [_Completion([token])], finished))
+            outs.append(_Output(request_id, [_Completion([token])], finished, self.cached.get(request_id)))
         return outs
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -218,3 +222,14 @@ def test_abort_and_fail_all_free_vllms_requests(tokenizer):
     failed = core.fail_all(RuntimeError("boom"))
     assert [o.request_id for o in failed] == ["b"] and failed[0].finish_reason == "error"
     assert core.engine.aborted == ["a", "b"] and not core.has_unfinished_requests()
+
+
+def test_a_cache_salt_reaches_vllm_and_its_cached_tokens_come_back(tokenizer):
+    fake = FakeVllm(cached={"salted": 32})
+    core = VllmEngineCore(fake, tokenizer, (EOS,), VOCAB, MAX_LEN)
+    core.add(EngineRequest("salted", list(range(5, 45)), SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                          cache_salt="tenant-a")))
+    core.add(EngineRequest("plain", list(range(5, 45)), SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert fake.prompts["salted"]["cache_salt"] == "tenant-a" and "cache_salt" not in fake.prompts["plain"]
+    finished = {o.request_id: o for o in run(core) if o.finished}
+    assert (finished["salted"].num_cached_tokens, finished["plain"].num_cached_tokens) == (32, 0)
