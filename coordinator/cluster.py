@@ -48,8 +48,8 @@ from hmm.memory.lease import reap
 from imm.instance import Instance, seeds_from_hmm
 from imm.lifecycle import InstanceState
 from imm.manager import InstanceManager
-from imm.rank import RankStats
 from imm.rank_processes import RankProcessPool
+from imm.rank_stats import RankStats
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from coordinator.memory_stats import AdapterSlotStats, DeviceMemoryStats
 from coordinator.scale_events import ScaleEvent, ScaleState
 from coordinator.strategies import DEFAULT_STRATEGY
 from elasticmoe.entrypoints.openai.metrics import register_engine_queue
-from imm.rank import RankStats
+from imm.rank_stats import RankStats
 
 _SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # RankStats field -> (name, help, unit, labels): counters that only grow per engine, summed over

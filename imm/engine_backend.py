@@ -51,8 +51,8 @@ class EngineCounters:
     lora: dict[str, int] = field(default_factory=dict)  # LoRA slot counters (native; empty without LoRA)
     arrange_us: int = 0  # time the scheduler spent arranging its window (native)
     expert_cache: dict[str, int] = field(default_factory=dict)  # expert offloading counters (native; empty: off)
-    num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (native)
-    num_prefix_hits: int = 0  # ... found there
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (native)
+    num_prefix_cache_hits: int = 0  # ... found there
 
 
 class AttachResult(Protocol):

@@ -39,8 +39,9 @@ from hmm.providers import Handle
 from imm.engine_backend import AttachResult, BackendName
 from imm.handover import ImportReport, assign_snapshots
 from imm.lifecycle import InstanceState, check_transition
-from imm.rank import InstanceRankActor, RankStats
+from imm.rank import InstanceRankActor
 from imm.rank_processes import RankProcessPool
+from imm.rank_stats import RankStats
 from imm.vllm_support import rank_env
 
 logger = logging.getLogger(__name__)

@@ -109,7 +109,7 @@ class NativeBackend(LoopBackend):
         offload = engine.offload.stats() if engine.offload is not None else {}
         return dataclasses.replace(loop, num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
                                    lora=engine.adapters.stats(), arrange_us=int(engine.scheduler.arrange_s * 1e6),
-                                   num_prefix_queries=bm.prefix_queries, num_prefix_hits=bm.prefix_hits,
+                                   num_prefix_cache_queries=bm.prefix_queries, num_prefix_cache_hits=bm.prefix_hits,
                                    expert_cache={k: v for k, v in offload.items() if isinstance(v, int)})
 
     def _import(self, snaps: list[RequestSnapshot], kv_is_shared: bool) -> dict[str, int]:

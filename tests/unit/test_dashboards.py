@@ -113,7 +113,7 @@ def test_every_metric_is_documented():
 
 
 def test_lora_counters_add_growth_per_engine_and_ignore_stale_snapshots():
-    from imm.rank import RankStats
+    from imm.rank_stats import RankStats
 
     def stats(engine: str, hits: int, rank: int = 0) -> RankStats:
         return RankStats(rank, 0, 0, 10, 5, 1, engine_id=engine, num_lora_slots=2, num_lora_resident=1,
@@ -170,7 +170,7 @@ def test_the_two_registries_share_no_metric():
 
 
 def test_expert_cache_counters_add_growth_per_engine_with_the_single_servers_labels():
-    from imm.rank import RankStats
+    from imm.rank_stats import RankStats
 
     def stats(engine: str, lookups: int, hits: int, on_demand: int, rank: int = 0) -> RankStats:
         return RankStats(rank, 0, 0, 10, 10, 1, engine_id=engine, expert_cache_capacity=8, expert_cache_resident=6,
@@ -193,7 +193,7 @@ def test_expert_cache_counters_add_growth_per_engine_with_the_single_servers_lab
 
 
 def test_prefix_cache_counters_add_growth_per_engine():
-    from imm.rank import RankStats
+    from imm.rank_stats import RankStats
 
     def stats(engine: str, queries: int, hits: int, rank: int = 0) -> RankStats:
         return RankStats(rank, 0, 0, 10, 10, 1, engine_id=engine, num_prefix_cache_queries=queries,
