@@ -171,7 +171,7 @@ class VllmEngineCore:
             if state is None:  # aborted on our side meanwhile
                 continue
             completion = out.outputs[0]
-            if state.num_cached_tokens is None and getattr(out, "num_cached_tokens", None) is not None:
+            if state.num_cached_tokens is None and out.num_cached_tokens is not None:
                 state.num_cached_tokens = min(out.num_cached_tokens, state.num_prompt_tokens)  # its prefix cache's
             finished = False
             logprobs = completion.logprobs or [None] * len(completion.token_ids)

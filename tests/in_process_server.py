@@ -30,12 +30,20 @@ def serving(model_dir: str, served_name: str) -> Iterator[Any]:
         llm.shutdown()
 
 
-def post(app: Any, path: str, body: dict) -> httpx.Response:
+def request(app: Any, method: str, path: str, body: dict | None = None) -> httpx.Response:
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-            return await c.post(path, json=body)
+            return await c.request(method, path, json=body)
 
     return asyncio.run(main())
+
+
+def post(app: Any, path: str, body: dict) -> httpx.Response:
+    return request(app, "POST", path, body)
+
+
+def get(app: Any, path: str) -> httpx.Response:
+    return request(app, "GET", path)
 
 
 def sse_events(response: httpx.Response) -> list[dict]:

@@ -228,11 +228,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed = args.seed + 1000 * (run + 1) if args.enable_prefix_caching else args.seed
         return make_prompt_token_ids(args.num_prompts, args.input_len, vocab_size, seed, args.shared_prefix_len)
 
-    prompts = prompts_of(0)
     runs = []
     for i in range(args.repeats):
-        if i:
-            prompts = prompts_of(i)
+        prompts = prompts_of(i)
         if args.profile and i == 0:
             # NOTE: profiling slows the run; its figures are reported but kept out of the median.
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -64,6 +64,7 @@ class BlockManager:
         """The pool and its prefix cache (`/admin/status`, `/metrics`); any thread may read it."""
         queries, hits = self.prefix_queries, self.prefix_hits
         return {"blocks": self.num_blocks, "block_size": self.block_size, "free_blocks": self.num_free_blocks,
+                "usage": round(self.usage(), 4),
                 "prefix_caching": self.prefix_caching, "cached_blocks": self.num_cached_blocks,
                 "prefix_cache_queries": queries, "prefix_cache_hits": hits,
                 "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0}
@@ -201,9 +202,10 @@ class BlockManager:
                 self.ref_counts[b] += 1
 
     def free(self, request: Request) -> None:
+        """Drop the request's blocks: it has no KV here any more (its computed tokens are 0)."""
         self.release(request.block_ids)
         request.block_ids = []
-        request.num_named_blocks_seen = 0
+        request.num_computed_tokens = request.num_named_blocks_seen = 0
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference to each block (a request's table, a fence, a handed-out table)."""

@@ -281,9 +281,11 @@ class LLMEngine:
         if kv_is_shared:  # the exporter wrote into this pool: blocks free here may hold its KV now
             self.block_manager.forget_cached()
         restored: list[tuple[RequestSnapshot, Request]] = []
+        seen: set[str] = set()
         for snap in snaps:
-            if snap.request_id in self.requests or any(snap.request_id == r.request_id for _, r in restored):
+            if snap.request_id in self.requests or snap.request_id in seen:
                 raise InvalidRequestError("request_id", f"request {snap.request_id!r} is already here")
+            seen.add(snap.request_id)
             request = restore(snap, keep_kv=kv_is_shared)
             self.grammars.attach(request)
             self.adapters.rebind(request)

@@ -146,12 +146,10 @@ class Scheduler:
                 # Most of what it would compute is being computed now for a request of the same prefix (`n`
                 # choices, a burst of one system prompt): it starts next step, past those blocks too.
                 self.block_manager.free(request)
-                request.num_computed_tokens = 0
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, n):
                 self.block_manager.free(request)  # the matched blocks go back to the cache
-                request.num_computed_tokens = 0
                 break  # the pool is full: nobody after this request starts either
             self.block_manager.count_lookup(request)
             if request.num_cached_tokens is None:
@@ -175,7 +173,6 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING

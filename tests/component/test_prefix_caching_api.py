@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx
 import pytest
 
-from tests.in_process_server import post, serving
+from tests.in_process_server import get, post, serving
 
 MODEL = "tiny"
 SYSTEM = "You are a terse assistant for the operations team. Answer in one short line, no preamble. " * 2
@@ -18,14 +15,6 @@ SYSTEM = "You are a terse assistant for the operations team. Answer in one short
 def app(tiny_model_dir):
     with serving(tiny_model_dir, MODEL) as app:
         yield app
-
-
-def get(app, path: str) -> httpx.Response:
-    async def main() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-            return await c.get(path)
-
-    return asyncio.run(main())
 
 
 def chat(app, question: str) -> dict:

@@ -13,6 +13,8 @@ import json
 import re
 from typing import Any
 
+from elasticmoe.entrypoints.openai.tag_stream import partial_tag
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 
@@ -79,15 +81,7 @@ class HermesStream:
         if finished:
             content, self._pending = content + self._pending, ""
             return content, calls
-        keep = _partial_tag(self._pending)
+        keep = partial_tag(self._pending, OPEN)
         content += self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(self._pending) - keep :]
         return content, calls
-
-
-def _partial_tag(text: str) -> int:
-    """The length of the longest end of `text` that `<tool_call>` starts with."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0

@@ -141,7 +141,7 @@ class KVCacheCollector:
 
         s = self.stats()
         yield GaugeMetricFamily("elasticmoe_kv_cache_usage_ratio", "Fraction of KV blocks in use.",
-                                value=1.0 - s["free_blocks"] / s["blocks"])
+                                value=s["usage"])
         yield CounterMetricFamily("elasticmoe_prefix_cache_queries", "Prompt tokens of admitted requests looked "
                                   "up in the prefix cache.", value=s["prefix_cache_queries"])
         yield CounterMetricFamily("elasticmoe_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from elasticmoe.entrypoints.openai.tag_stream import partial_tag
+
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
 
@@ -80,11 +82,7 @@ class ReasoningStream:
 def _held_back(text: str, tag: str) -> int:
     """How much of the end of `text` to hold back: trailing newlines (they end the part if the tag
     follows) and the longest end of `text` that `tag` starts with."""
-    partial = 0
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            partial = n
-            break
+    partial = partial_tag(text, tag)
     body = text[: len(text) - partial]
     return partial + len(body) - len(body.rstrip("\n"))
 

@@ -107,12 +107,27 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+def _with_reasoning_content(data: dict[str, Any]) -> dict[str, Any]:
+    """A message (or delta) as sent: its `reasoning` also as `reasoning_content`, the name DeepSeek's
+    API and earlier vLLM use; neither when there is none (no --reasoning-parser)."""
+    reasoning = data.get("reasoning")
+    if reasoning is None:
+        data.pop("reasoning", None)
+    else:
+        data["reasoning_content"] = reasoning
+    return data
+
+
 class _OmitsNone(BaseModel):
     """A streamed delta: fields left unset (None) are not sent."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+        return self._as_sent({k: v for k, v in handler(self).items() if v is not None})
+
+    def _as_sent(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The set fields as they go out (a subclass may add derived ones)."""
+        return data
 
 
 class FunctionCall(BaseModel):
@@ -131,18 +146,12 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
-    # With --reasoning-parser: the model's thinking (vLLM's `reasoning`; `reasoning_content` is the
-    # same text under DeepSeek's and vLLM's earlier name). Omitted without a parser.
+    # With --reasoning-parser: the model's thinking (vLLM's `reasoning`). Omitted without a parser.
     reasoning: str | None = None
-    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_unparsed_reasoning(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if self.reasoning is None:
-            data.pop("reasoning", None)
-            data.pop("reasoning_content", None)
-        return data
+    def _reasoning_under_both_names(self, handler: Any) -> dict[str, Any]:
+        return _with_reasoning_content(handler(self))
 
 
 class DeltaFunctionCall(_OmitsNone):
@@ -185,8 +194,10 @@ class DeltaMessage(_OmitsNone):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = None  # with --reasoning-parser: a piece of the thinking
-    reasoning_content: str | None = None  # the same piece (DeepSeek's name)
     tool_calls: list[DeltaToolCall] | None = None
+
+    def _as_sent(self, data: dict[str, Any]) -> dict[str, Any]:
+        return _with_reasoning_content(data)
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -269,7 +269,7 @@ class OpenAIServing:
             message, reason = tools.chat_message(content or "", last.finish_reason, request.tool_mode,
                                                  request.tool_name)
             if thinking:
-                message.reasoning = message.reasoning_content = thought
+                message.reasoning = thought
                 if content is None:  # cut short while thinking: no answer yet
                     message.content = None
             choices.append(ChatCompletionChoice(
@@ -321,7 +321,7 @@ class OpenAIServing:
                 else:
                     call_deltas, delta = [], DeltaMessage(content=text if text or not thought else None)
                 if thought:
-                    delta.reasoning = delta.reasoning_content = thought
+                    delta.reasoning = thought
                 if out.new_text or out.new_logprobs or (out.new_token_ids and not out.finished) or call_deltas:
                     logprobs = (
                         ChatChoiceLogprobs(content=_chat_logprobs(out.new_logprobs or []))
