@@ -1,4 +1,5 @@
-"""`fused_rms_norm`: RMSNorm of rows in one call (PyTorch's composite takes eight ops per norm)."""
+"""`fused_rms_norm`: RMSNorm of rows in one call (PyTorch's composite takes eight ops per norm);
+`fused_add_rms_norm`: the residual add and the next norm in one pass."""
 
 from __future__ import annotations
 
@@ -14,13 +15,20 @@ _SUPPORTED = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), 
 
 
 @cache
-def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _library() -> ctypes.CDLL | None:
     lib = load_kernel("rms_norm")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return declare(lib, {"emoe_rms_norm": [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, i64,
-                                           ctypes.c_float]}).emoe_rms_norm
+    c_int, c_float = ctypes.c_int, ctypes.c_float
+    return declare(lib, {"emoe_rms_norm": [ptr, i64, i64, c_int, ptr, c_int, ptr, i64, i64, i64, c_float],
+                         "emoe_add_rms_norm": [ptr, i64, ptr, i64, c_int, ptr, c_int, ptr, i64, ptr, i64, i64, i64,
+                                               c_float]})
+
+
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = _library()
+    return lib.emoe_rms_norm if lib is not None else None
 
 
 def _layout(t: torch.Tensor) -> tuple[int, int] | None:
@@ -50,3 +58,19 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rc = fn(x.data_ptr(), x_layout[0], x_layout[1], _DTYPE_CODE[x.dtype], weight.data_ptr(), _DTYPE_CODE[weight.dtype],
             out.data_ptr(), out_layout[0], rows, x.shape[-1], eps)
     return out if rc == 0 else None
+
+
+def fused_add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(h + y, rms_norm(h + y)) for h, y [R, C] (unit column stride) of one dtype, in one pass: the
+    sum rounded to h's dtype as PyTorch's add rounds it, the norm as `fused_rms_norm`. New tensors;
+    h and y are left as they are. None where the kernel does not serve the case."""
+    lib = _library() if (h.dtype, weight.dtype) in _SUPPORTED else None
+    if (lib is None or y.dtype != h.dtype or h.dim() != 2 or y.shape != h.shape or h.stride(-1) != 1
+            or y.stride(-1) != 1 or weight.dim() != 1 or not weight.is_contiguous() or weight.shape[0] != h.shape[1]):
+        return None
+    total, normed = torch.empty(h.shape, dtype=h.dtype), torch.empty(h.shape, dtype=h.dtype)
+    rc = lib.emoe_add_rms_norm(h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), _DTYPE_CODE[h.dtype],
+                               weight.data_ptr(), _DTYPE_CODE[weight.dtype], total.data_ptr(), total.stride(0),
+                               normed.data_ptr(), normed.stride(0), h.shape[0], h.shape[1], eps)
+    return (total, normed) if rc == 0 else None

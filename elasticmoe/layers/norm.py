@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from elasticmoe.kernels.rms_norm import fused_rms_norm
+from elasticmoe.kernels.rms_norm import fused_add_rms_norm, fused_rms_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -17,3 +17,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+def add_rms_norm(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + y, rms_norm(h + y)): a residual add and the norm after it, in one kernel pass where it
+    applies (a decode step makes two per layer: each a PyTorch op less and a memory pass less)."""
+    fused = fused_add_rms_norm(h, y, weight, eps) if h.numel() else None
+    if fused is not None:
+        return fused
+    total = h + y
+    return total, rms_norm(total, weight, eps)

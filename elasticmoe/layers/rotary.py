@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from elasticmoe.kernels.rotary import fused_rotary
+
 
 class RotaryEmbedding:
     def __init__(self, dim: int, max_positions: int, theta: float, interleaved: bool) -> None:
@@ -34,14 +36,25 @@ class RotaryEmbedding:
         last = self._last
         if last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
-        if dtype not in self._tables:
-            self._tables[dtype] = torch.stack((self.cos, self.sin)).to(dtype)  # [2, P, dim]
-        cos, sin = self._tables[dtype].index_select(1, positions).unsqueeze(2)  # [T, 1, dim] each
+        cos, sin = self._table(dtype).index_select(1, positions).unsqueeze(2)  # [T, 1, dim] each
         self._last = (positions, dtype, cos, sin)
         return cos, sin
 
+    def _table(self, dtype: torch.dtype) -> torch.Tensor:
+        """[2, P, dim] cos and sin of the half rotation in `dtype`, made once."""
+        if dtype not in self._tables:
+            self._tables[dtype] = torch.stack((self.cos, self.sin)).to(dtype)
+        return self._tables[dtype]
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, dim] -> rotated copy in x's dtype."""
+        if self.interleaved:
+            fused = fused_rotary(x, positions, self.cos, self.sin, interleaved=True)
+        else:
+            table = self._table(x.dtype)
+            fused = fused_rotary(x, positions, table[0], table[1], interleaved=False)
+        if fused is not None:
+            return fused
         if self.interleaved:
             cos, sin = self._cos_sin(positions, torch.float32)
             xf = x.float()

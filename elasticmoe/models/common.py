@@ -20,7 +20,7 @@ from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, gqa_decod
 from elasticmoe.layers.experts import grouped_experts_sorted, swiglu_mlp
 from elasticmoe.layers.linear import linear
 from elasticmoe.layers.lora import LoraGroups, LoraSite
-from elasticmoe.layers.norm import rms_norm
+from elasticmoe.layers.norm import add_rms_norm, rms_norm
 from elasticmoe.layers.rotary import RotaryEmbedding
 from elasticmoe.models.weights import ParamSpec
 
@@ -308,9 +308,14 @@ class DecoderLayer:
         self.input_norm, self.post_norm = w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"]
         self.eps, self.attn, self.mlp = eps, attn, mlp
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, cache: torch.Tensor):
-        h = h + self.attn(rms_norm(h, self.input_norm, self.eps), positions, ctx.attn, cache, ctx.lora_groups)
-        return h + self.mlp(rms_norm(h, self.post_norm, self.eps), ctx)
+    def __call__(self, h: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                 cache: torch.Tensor, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `h` and its input norm `normed` -> (the stream after this layer, its norm by
+        `next_norm`: the next layer's input norm or the model's final one). Each residual add is fused
+        with the norm that follows it."""
+        h, normed = add_rms_norm(h, self.attn(normed, positions, ctx.attn, cache, ctx.lora_groups), self.post_norm,
+                                 self.eps)
+        return add_rms_norm(h, self.mlp(normed, ctx), next_norm, self.eps)
 
 
 class CausalLM:
@@ -333,9 +338,14 @@ class CausalLM:
         h = F.embedding(input_ids, self.embed).to(self.compute_dtype)
         if ctx.before_layers is not None:
             ctx.before_layers(h)
+        eps = self.cfg.rms_norm_eps
+        if not self.layers:
+            return rms_norm(h, self.norm, eps)
+        normed = rms_norm(h, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, ctx, kv_pool[i].view(-1, *self.kv_token_shape))
-        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h, normed = layer(h, normed, positions, ctx, kv_pool[i].view(-1, *self.kv_token_shape), next_norm)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()

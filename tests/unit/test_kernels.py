@@ -216,19 +216,45 @@ def test_fused_rms_norm_equals_torch(isa, monkeypatch, x_dtype, w_dtype):
     from elasticmoe.layers import norm
 
     monkeypatch.setattr(rn, "load_kernel", lambda n, _isa=isa: load_kernel(n, _isa))
-    rn._kernel.cache_clear()
+    rn._library.cache_clear()
     torch.manual_seed(0)
     x = torch.randn(7, 3 * 70).to(x_dtype)[:, :70]  # rows with a stride, a tail past the vector width
     w = torch.randn(70).to(w_dtype)
     got = rn.fused_rms_norm(x, w, 1e-6)
     monkeypatch.setattr(norm, "fused_rms_norm", lambda *a: None)
     want = norm.rms_norm(x, w, 1e-6)
-    rn._kernel.cache_clear()
+    rn._library.cache_clear()
     assert got is not None and got.dtype == want.dtype
     tol = 1e-6 if x_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     if x_dtype == torch.bfloat16:  # the same values bar a rare last-bit tie
         assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+@pytest.mark.parametrize("num_rows", [3, 700])  # a decode step on the caller's thread; a prefill on all
+def test_fused_add_rms_norm_equals_the_add_then_the_fused_norm(isa, monkeypatch, x_dtype, w_dtype, num_rows):
+    from elasticmoe.kernels import rms_norm as rn
+    from elasticmoe.layers import norm
+
+    monkeypatch.setattr(rn, "load_kernel", lambda n, _isa=isa: load_kernel(n, _isa))
+    rn._library.cache_clear()
+    torch.manual_seed(0)
+    h = torch.randn(num_rows, 2 * 400).to(x_dtype)[:, :400]  # a row stride, a tail past the vector width
+    y = torch.randn(num_rows, 400).to(x_dtype) * 3
+    w = torch.randn(400).to(w_dtype)
+    h_before = h.clone()
+    fused = rn.fused_add_rms_norm(h, y, w, 1e-6)
+    assert fused is not None
+    total, normed = fused
+    assert torch.equal(total, h + y)  # rounded to the dtype as PyTorch's add rounds
+    assert torch.equal(normed, rn.fused_rms_norm(h + y, w, 1e-6))  # the norm of the rounded sum
+    assert torch.equal(h, h_before)  # the residual stream it was given is left as it was
+    with monkeypatch.context() as m:
+        m.setattr(norm, "fused_add_rms_norm", lambda *a: None)
+        unfused = norm.add_rms_norm(h, y, w, 1e-6)
+    rn._library.cache_clear()
+    assert torch.equal(unfused[0], total) and unfused[1].shape == normed.shape
 
 
 def test_threads_are_pinned_only_to_this_process_cpus_and_the_caller_only_per_step():
@@ -252,7 +278,7 @@ def test_fused_rms_norm_over_heads_of_a_fused_projection(isa, monkeypatch, dtype
     from elasticmoe.kernels import rms_norm as rn
 
     monkeypatch.setattr(rn, "load_kernel", lambda n, _isa=isa: load_kernel(n, _isa))
-    rn._kernel.cache_clear()
+    rn._library.cache_clear()
     torch.manual_seed(0)
     qkv = torch.randn(5, 8 + 2 * 2, 64).to(dtype)  # [T, H + 2 Hkv, D], as the qkv projection's view
     w = torch.randn(64).to(dtype)
@@ -260,15 +286,16 @@ def test_fused_rms_norm_over_heads_of_a_fused_projection(isa, monkeypatch, dtype
     assert rn.fused_rms_norm(qkv[:, 8:10], w, 1e-6, out[:, 8:]) is not None  # the k heads
     xf = qkv[:, 8:10].float()
     want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-    rn._kernel.cache_clear()
+    rn._library.cache_clear()
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out[:, 8:], want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_topk_equals_torch_topk(isa, renormalize):
+@pytest.mark.parametrize("num_tokens", [50, 2000])  # a decode step; a prefill, on all threads
+def test_topk_equals_torch_topk(isa, renormalize, num_tokens):
     torch.manual_seed(0)
-    probs = torch.softmax(torch.randn(50, 12), dim=-1)
+    probs = torch.softmax(torch.randn(num_tokens, 12), dim=-1)
     weights, ids = mr.topk_probs(probs, 4, renormalize)
     want_w, want_ids = torch.topk(probs, 4, dim=-1)
     if renormalize:

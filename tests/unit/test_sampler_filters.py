@@ -69,3 +69,10 @@ def test_bad_words_ban_the_token_that_would_complete_them():
     logits = torch.zeros(1, 10)
     row = _adjusted_logits(logits, [Request("r", [1, 2, 3], 2, SamplingParams(bad_words_token_ids=words), 100)])[0]
     assert [i for i, x in enumerate(row.tolist()) if x == -math.inf] == [4, 7]  # output [3]: "3 4" is next
+
+
+def test_greedy_takes_the_first_of_equal_best_tokens_as_argmax_does():
+    # The sampler's row maximum must pick what argmax picks: the first of ties, NaN as largest.
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, float("nan"), 5.0, float("nan")], [-1.0, -1.0, -1.0, -1.0]])
+    reqs = [_request() for _ in range(3)]
+    assert Sampler()(logits, reqs).token_ids == logits.argmax(dim=-1).tolist() == [1, 1, 0]

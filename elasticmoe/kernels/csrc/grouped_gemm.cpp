@@ -389,8 +389,9 @@ bool amx_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int
       dot_rows(x, ldx, r0, r0 + rows, ws + n16 * w_stride_n, w_stride_n, static_cast<int>(n_out - n16), K, out + n16,
                ldo, static_cast<const uint16_t*>(nullptr));
     } else if (n16 - n0 >= AMX_NB) {
+      const uint16_t* pf = n0 + 2 * AMX_NB <= n16 ? ws + (n0 + AMX_NB) * w_stride_n : nullptr;
       amx::run_rows<amx::Plain, X, 2>(ws + n0 * w_stride_n, w_stride_n, 16 * w_stride_n, K, packed, rows, parts,
-                                      out + r0 * ldo + n0, ldo);
+                                      out + r0 * ldo + n0, ldo, pf);
     } else {
       amx::run_rows<amx::Plain, X, 1>(ws + n0 * w_stride_n, w_stride_n, 0, K, packed, rows, parts,
                                       out + r0 * ldo + n0, ldo);
@@ -408,8 +409,9 @@ bool amx_grouped_swiglu(const X* x, int64_t ldx, const int64_t* offsets, const i
                  [&](int slot, int64_t j, const uint16_t* packed, int parts) {
     const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
     const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
-    amx::run_rows<amx::SwiGLU, X, 2>(w + row * w_stride_e + j * 16 * w_stride_n, w_stride_n, inter * w_stride_n, K,
-                                     packed, rows, parts, out + r0 * ldo + j * 16, ldo);
+    const uint16_t* ws = w + row * w_stride_e + j * 16 * w_stride_n;
+    amx::run_rows<amx::SwiGLU, X, 2>(ws, w_stride_n, inter * w_stride_n, K, packed, rows, parts, out + r0 * ldo + j * 16,
+                                     ldo, (j + 1) * 16 < inter ? ws + 16 * w_stride_n : nullptr);
   });
 }
 #endif

@@ -11,6 +11,8 @@
 #include <math.h>
 #include <omp.h>
 
+#include <type_traits>
+
 #include "vec.h"
 
 namespace {
@@ -56,6 +58,29 @@ void rms_norm(const X* x, int64_t ldx, int64_t group, const W* w, O* out, int64_
   for (int64_t r = 0; r < R; ++r) row(r);
 }
 
+// sum[r] = round(h[r] + y[r]) (the residual add, rounded to h's dtype as PyTorch's add is), then
+// out[r] = the norm of sum[r]: one pass instead of an add and a norm (vLLM's fused_add_rms_norm).
+// h, y, sum and out are plain [R, C] matrices of one dtype.
+template <typename X, typename W>
+void add_rms_norm(const X* h, int64_t ldh, const X* y, int64_t ldy, const W* w, X* sum, int64_t lds, X* out,
+                  int64_t ldo, int64_t R, int64_t C, float eps) {
+  auto row = [&](int64_t r) {
+    const X* hr = h + r * ldh;
+    const X* yr = y + r * ldy;
+    X* sr = sum + r * lds;
+    int64_t c = 0;
+    for (; c + L <= C; c += L) vstore_as(sr + c, vadd(vload(hr + c), vload(yr + c)));
+    for (; c < C; ++c) store(sr, c, scalar(hr, c) + scalar(yr, c));
+    rms_norm_row(static_cast<const X*>(sr), w, out + r * ldo, C, eps);
+  };
+  if (R * C < (1 << 18)) {
+    for (int64_t r = 0; r < R; ++r) row(r);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(num_threads())
+  for (int64_t r = 0; r < R; ++r) row(r);
+}
+
 }  // namespace
 
 extern "C" {
@@ -75,6 +100,27 @@ int emoe_rms_norm(const void* x, int64_t ldx, int64_t group, int x_dtype, const 
   } else if (x_dtype == kF32 && w_dtype == kBF16) {
     rms_norm(static_cast<const float*>(x), ldx, group, static_cast<const uint16_t*>(w), static_cast<float*>(out), ldo,
              R, C, eps);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// sum = h + y (rounded to h's dtype), out = rms_norm(sum) * w. dtypes as emoe_rms_norm: (h, w) of
+// (f32, f32), (bf16, bf16) or (f32, bf16); y, sum and out have h's dtype. Returns 0, or -1.
+int emoe_add_rms_norm(const void* h, int64_t ldh, const void* y, int64_t ldy, int x_dtype, const void* w, int w_dtype,
+                      void* sum, int64_t lds, void* out, int64_t ldo, int64_t R, int64_t C, float eps) {
+  const auto run = [&](auto* typed_sum, const auto* typed_w) {
+    using X = std::remove_pointer_t<decltype(typed_sum)>;
+    add_rms_norm(static_cast<const X*>(h), ldh, static_cast<const X*>(y), ldy, typed_w, typed_sum, lds,
+                 static_cast<X*>(out), ldo, R, C, eps);
+  };
+  if (x_dtype == kF32 && w_dtype == kF32) {
+    run(static_cast<float*>(sum), static_cast<const float*>(w));
+  } else if (x_dtype == kBF16 && w_dtype == kBF16) {
+    run(static_cast<uint16_t*>(sum), static_cast<const uint16_t*>(w));
+  } else if (x_dtype == kF32 && w_dtype == kBF16) {
+    run(static_cast<float*>(sum), static_cast<const uint16_t*>(w));
   } else {
     return -1;
   }
