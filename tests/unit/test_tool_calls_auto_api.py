@@ -89,3 +89,16 @@ def test_an_auto_stream_sends_the_text_then_each_call_as_it_closes(served):
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
     assert all(c["id"] and c["type"] == "function" for c in calls)
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_without_parallel_calls_auto_keeps_the_first_call_whole_and_streamed(served):
+    app, _, hermes = served
+    if not hermes:
+        return
+    body = {**BODY, "parallel_tool_calls": False}
+    choice = post(app, "/v1/chat/completions", body).json()["choices"][0]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert choice["message"]["content"] == "Checking now." and choice["finish_reason"] == "tool_calls"
+    deltas = [e["choices"][0]["delta"] for e in sse_events(post(app, "/v1/chat/completions", {**body, "stream": True}))
+              if e["choices"]]
+    assert [(c["index"], c["function"]["name"]) for d in deltas for c in d.get("tool_calls", [])] == [(0, "get_weather")]

@@ -267,7 +267,7 @@ class OpenAIServing:
         for index, (last, logprobs) in enumerate(results):
             thought, content = reasoning.split(last.text, thinking)
             message, reason = tools.chat_message(content or "", last.finish_reason, request.tool_mode,
-                                                 request.tool_name)
+                                                 request.tool_name, request.parallel_tool_calls)
             if thinking:
                 message.reasoning = thought
                 if content is None:  # cut short while thinking: no answer yet
@@ -305,7 +305,8 @@ class OpenAIServing:
             yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         lasts: dict[int, RequestOutput] = {}
         mode = request.tool_mode
-        calls = [tools.ToolCallDeltas(mode, request.tool_name) for _ in started] if mode is not None else []
+        calls = ([tools.ToolCallDeltas(mode, request.tool_name, request.parallel_tool_calls) for _ in started]
+                 if mode is not None else [])
         thinking = self._thinks(request)
         thoughts = [reasoning.ReasoningStream(thinking) for _ in started] if thinking else []
         # closed here, not left to the garbage collector: that aborts every choice (see `merged`)

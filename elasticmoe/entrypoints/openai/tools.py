@@ -13,7 +13,8 @@ model answers is constrained by `tool_choice`:
 format, which needs a parser of that format (vLLM's `--tool-call-parser`). Here the format is read
 from the chat template: one that shows Hermes' `<tool_call>` tag (Qwen2.5, Qwen3, Hermes) gets
 Hermes parsing (`hermes`); for any other model "auto" with tools is refused by name rather than
-answered as text that may hold an unparsed call.
+answered as text that may hold an unparsed call. With `parallel_tool_calls: false` an "auto" answer
+keeps the model's first call only (whole and streamed, as vLLM filters them).
 """
 
 from __future__ import annotations
@@ -153,12 +154,14 @@ def finish_reason(mode: ToolMode | None, reason: str | None, made_calls: bool) -
     return "tool_calls" if mode in ("required", "auto") and reason == "stop" and made_calls else reason
 
 
-def chat_message(text: str, reason: str | None, mode: ToolMode | None, name: str | None
+def chat_message(text: str, reason: str | None, mode: ToolMode | None, name: str | None, parallel: bool = True
                  ) -> tuple[ChatResponseMessage, str | None]:
     """A whole answer's message and finish reason: its calls, or its text where it makes none (no
-    tool mode, or an answer cut short, whose text is the partial call)."""
+    tool mode, or an answer cut short, whose text is the partial call). Not `parallel`: one call at
+    most ("auto" keeps the model's first call, as vLLM does; "required" is held to one by its grammar)."""
     if mode == "auto":  # the model's own format: its calls, and the text beside them
         content, pairs = hermes.parse(text)
+        pairs = pairs if parallel else pairs[:1]
         if not pairs:
             return ChatResponseMessage(content=text), reason
         return ChatResponseMessage(content=content or None, tool_calls=_calls(pairs)), finish_reason(mode, reason, True)
@@ -172,10 +175,10 @@ class ToolCallDeltas:
     """A choice's stream of tool-call deltas: a named call streams its arguments as they come (its
     id and name first); a "required" answer's calls go out whole when it ends (an array's items
     are only known to be calls once parsed); an "auto" answer's content goes out as it comes and
-    each of its calls once its closing tag is generated."""
+    each of its calls once its closing tag is generated (only the first, not `parallel`)."""
 
-    def __init__(self, mode: ToolMode, name: str | None) -> None:
-        self.mode, self.name = mode, name
+    def __init__(self, mode: ToolMode, name: str | None, parallel: bool = True) -> None:
+        self.mode, self.name, self.parallel = mode, name, parallel
         self.call_id: str | None = None
         self.text = ""
         self.made_calls = False  # a call went out
@@ -188,6 +191,8 @@ class ToolCallDeltas:
         self.text += new_text
         if self._hermes is not None:  # "auto": content as it comes, each call once it closes
             content, pairs = self._hermes.feed(new_text, finished)
+            if not self.parallel:
+                pairs = pairs[: max(0, 1 - self._num_calls)]
             deltas = []
             for call in _calls(pairs):
                 piece = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
