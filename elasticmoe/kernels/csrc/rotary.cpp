@@ -68,7 +68,7 @@ void interleaved_row(const X* x, const float* cos, const float* sin, X* out, int
   }
 }
 
-template <typename X, typename Row>
+template <typename Row>
 void for_rows(int64_t T, int64_t H, int64_t d, Row row) {
   if (T * H * d < (1 << 17)) {
     for (int64_t t = 0; t < T; ++t) row(t);
@@ -86,7 +86,7 @@ int rotary(const X* x, int64_t ldx, int64_t T, int64_t H, int64_t d, const int64
   if (interleaved) {
     const auto* c = static_cast<const float*>(cos);
     const auto* s = static_cast<const float*>(sin);
-    for_rows<X>(T, H, d, [&](int64_t t) {
+    for_rows(T, H, d, [&](int64_t t) {
       const int64_t p = positions[t] * (d / 2);
       for (int64_t j = 0; j < H; ++j) interleaved_row(x + t * ldx + j * d, c + p, s + p, out + (t * H + j) * d, d);
     });
@@ -94,7 +94,7 @@ int rotary(const X* x, int64_t ldx, int64_t T, int64_t H, int64_t d, const int64
   }
   const auto* c = static_cast<const X*>(cos);
   const auto* s = static_cast<const X*>(sin);
-  for_rows<X>(T, H, d, [&](int64_t t) {
+  for_rows(T, H, d, [&](int64_t t) {
     const int64_t p = positions[t] * d;
     for (int64_t j = 0; j < H; ++j) rotate_half_row_vec(x + t * ldx + j * d, c + p, s + p, out + (t * H + j) * d, d);
   });
