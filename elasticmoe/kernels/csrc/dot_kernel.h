@@ -2,9 +2,9 @@
 //
 // A block of NB weight rows and MB input rows is kept in registers and its accumulators are reduced
 // once per block. Decode (a few rows per expert) is bound by reading the weights once; this layout
-// reads them once, straight from the memory the caller owns. Used by grouped_gemm.cpp for every
-// call on AVX-512 builds without AMX, for decode-size calls on AVX2, and for the last rows (fewer
-// than 16) of an AMX call.
+// reads them once, straight from the memory the caller owns. grouped_gemm.cpp runs it for fp32
+// weights, for bf16 weights where no AMX tiles are granted, for decode-size calls on AVX2 (more
+// rows per slot go to packed panels), and for the last rows (fewer than 16) of an AMX call.
 #pragma once
 
 #include <cstdint>
@@ -12,7 +12,6 @@
 #include "vec.h"
 
 namespace emoe::dot {
-
 
 constexpr int NB = 8;  // weight rows per block
 // Input rows per block: MB * NB accumulators + MB inputs + 1 weight fit AVX-512's 32 registers. AVX2
