@@ -429,8 +429,7 @@ class ChatCompletionRequest(_SamplingFields):
         "calls in the model's own format; served for models whose chat template shows Hermes' <tool_call> tags).",
     )
     parallel_tool_calls: bool = Field(
-        default=True, strict=True, description='false: one call at most ("required": held to one by the grammar; '
-        '"auto": the model\'s first call is returned, any later ones dropped, as vLLM does).'
+        default=True, strict=True, description='false: one call at most ("auto" keeps the first the model makes).'
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description='More variables for the model\'s chat template, e.g. {"enable_thinking": false} '
