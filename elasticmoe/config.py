@@ -238,9 +238,9 @@ class EngineConfig:
     # FineMoE's semantic embedding (§4.2.1): over the tokens each iteration feeds ("iteration") or
     # the prompt's at every iteration ("prompt"); `elasticmoe.offload.policy.SEMANTIC_SOURCES`.
     offload_semantic: str = "iteration"
-    # The policy's searches and plans run on a thread beside the forward (True), or on the forward
-    # thread before each layer's experts (`elasticmoe.engine.expert_offload`).
-    offload_policy_thread: bool = True
+    # The policy's searches and plans run on the forward thread before each layer's experts
+    # (False), or on a thread beside the forward (True; `elasticmoe.engine.expert_offload`).
+    offload_policy_thread: bool = False
     # Where the experts the cache does not hold are read from: "host" (a provider's full stacks,
     # the elastic server's node memory, when given; else the checkpoint) or "disk" (the checkpoint
     # always: the provider's stacks then have no expert row mapped).

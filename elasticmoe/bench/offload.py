@@ -139,7 +139,7 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
                          round(time.perf_counter() - started, 3), _p50_ms(ttft), _p50_ms(tpot))
     engine = build_engine(args, expert_cache_fraction=budget, offload_policy=policy,
                           offload_prefetch_distance=distance, offload_store_capacity=capacity,
-                          offload_semantic=args.semantic, offload_policy_thread=not args.policy_inline)
+                          offload_semantic=args.semantic, offload_policy_thread=args.policy_thread)
     assert engine.offload is not None
     ttft, tpot, paired_tpot, tokens, wall = [], [], [], 0, 0.0
     try:
@@ -271,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="FineMoE prefetch distances d to sweep (Fig. 15; empty: no sweep)")
     p.add_argument("--capacities", type=_listed(int), default="4,16,64,256",
                    help="FineMoE map store capacities C to sweep (Fig. 16; empty: no sweep)")
-    p.add_argument("--policy-inline", action="store_true",
-                   help="run the policies' searches and plans on the forward thread, before each layer's experts "
-                        "(default: on a thread beside the forward)")
+    p.add_argument("--policy-thread", action="store_true",
+                   help="run the policies' searches and plans on a thread beside the forward (default: on the "
+                        "forward thread, before each layer's experts)")
     p.add_argument("--semantic", choices=SEMANTIC_SOURCES, default=SEMANTIC_SOURCES[0],
                    help="FineMoE's semantic embedding: over the tokens each iteration feeds (default), or the "
                         "prompt's at every iteration")
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             1000 * ondemand_bytes / (args.link_gbps * 1e9) / max(row["output_tokens"], 1), 3)
     report = {
         "bench": "offload", "model": args.model, "batch": args.batch, "max_tokens": args.max_tokens,
-        "semantic": args.semantic, "policy_thread": not args.policy_inline, "warmup": args.warmup,
+        "semantic": args.semantic, "policy_thread": args.policy_thread, "warmup": args.warmup,
         "requests": args.requests, "threads": args.threads, "rounds": args.rounds,
         "resident_tpot_p50_ms": resident_tpot, "transfers": transfers, "runs": rows,
     }

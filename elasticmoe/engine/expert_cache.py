@@ -88,8 +88,9 @@ class ExpertCache:
 
     def __init__(self, policy: OffloadPolicy, source: ExpertSource, pool_w13: torch.Tensor, pool_w2: torch.Tensor,
                  local_expert_ids: Sequence[int], num_layers: int, num_experts: int,
-                 copier: ExpertCopier | None = None) -> None:
-        """`copier`: who makes the prefetch copies (default: `make_copier`, native where it can)."""
+                 copier: ExpertCopier | None = None, copier_poll_us: int = 0) -> None:
+        """`copier`: who makes the prefetch copies (default: `make_copier`, native where it can,
+        its thread polling `copier_poll_us` before it sleeps)."""
         self.policy = policy
         self.source = source
         self.w13, self.w2 = pool_w13, pool_w2
@@ -103,7 +104,7 @@ class ExpertCache:
         if copier is None:
             # A cache that holds every expert never evicts, so it plans nothing: no copy thread.
             copier = (ThreadCopier(source, pool_w13, pool_w2, start=False) if self.holds_every_expert
-                      else make_copier(source, pool_w13, pool_w2, num_layers, len(self.local_of)))
+                      else make_copier(source, pool_w13, pool_w2, num_layers, len(self.local_of), copier_poll_us))
         self.copier = copier
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out row 0 first
         self._lock = threading.Lock()

@@ -177,9 +177,9 @@ class ThreadCopier:
 
 
 def make_copier(source: ExpertSource, w13: torch.Tensor, w2: torch.Tensor, num_layers: int,
-                num_local: int) -> ExpertCopier:
+                num_local: int, poll_us: int = 0) -> ExpertCopier:
     """The native copier where the kernel builds and the source can describe every expert's copy;
-    else the Python thread."""
+    else the Python thread. `poll_us`: the native thread's poll before it sleeps (`CopyEngine`)."""
     if not copy_engine.available() or w13.dtype != w2.dtype:
         return ThreadCopier(source, w13, w2)
     pieces: list[list[Segment]] = []
@@ -195,4 +195,4 @@ def make_copier(source: ExpertSource, w13: torch.Tensor, w2: torch.Tensor, num_l
     table = np.zeros((num_layers * num_local, per_copy, copy_engine.SEGMENT_FIELDS), dtype=np.int64)
     for i, p in enumerate(pieces):
         table[i, : len(p)] = p
-    return NativeCopier(copy_engine.CopyEngine(table, (w13, w2), keepalive=source), num_local)
+    return NativeCopier(copy_engine.CopyEngine(table, (w13, w2), keepalive=source, poll_us=poll_us), num_local)

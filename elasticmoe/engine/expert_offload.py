@@ -15,17 +15,20 @@ of the pool they sit in differs. Under expert parallelism each rank caches its o
 `run_experts` runs on the rank that owns them (after the all-to-all), `observe` sees the
 rank's own tokens.
 
-The policy's work runs on a thread beside the forward (`policy_worker`), in order: the
-iteration's begin (its search and first plan) while the forward embeds and runs layer 0's
-attention; each layer's observation and plan once that layer's experts are ensured, while the
-forward runs their GEMM and the next layer's attention (both release the GIL); the iteration's
-end. The forward never waits for its plans: a lookup takes whatever the cache holds when it
-comes, and the cache's lock keeps the two consistent (a lookup may wait on it for a job in
-progress). On the trained small model at batch 1 the forward's
-time in the policy's hooks fell from ~1.5 ms per output token to ~0.1 ms, and TPOT by less (the
-two threads still share the GIL): docs/offload.md, "The policy beside the forward".
-`EngineConfig.offload_policy_thread=False` runs the same jobs on the forward thread, each
-layer's before its experts are ensured (the order of the paper's loop in `policy`).
+The policy's work runs on the forward thread by default, each layer's observation and plan
+before that layer's experts are ensured (the order of the paper's loop in `policy`).
+`EngineConfig.offload_policy_thread=True` runs the same jobs on a thread beside the forward
+(`policy_worker`), in order: the iteration's begin (its search and first plan) while the forward
+embeds and runs layer 0's attention; each layer's observation and plan once that layer's experts
+are ensured, while the forward runs their GEMM and the next layer's attention (both release the
+GIL); the iteration's end. There the forward never waits for its plans: a lookup takes whatever
+the cache holds when it comes, and the cache's lock keeps the two consistent (a lookup may wait
+on it for a job in progress). The thread takes the policy's ~1 ms per output token off the
+forward, but on the 2-vCPU hosts measured the forward pays about as much back: waking the thread
+for every job costs it ~20-50 us, and the two share the GIL. With the copier polling
+(`elasticmoe.kernels.copy_engine`), the forward's own submits became cheap and the inline
+policy's TPOT 0.06-0.10x of resident lower than the thread's (docs/offload.md, "Wakes cost the
+forward").
 
 A policy that raises in any of its calls is logged and ignored for the rest of the iteration
 (no prefetching then); loads on demand still run, so no request fails for a policy's fault.
@@ -61,7 +64,7 @@ class ExpertOffload:
     """The hooks of one engine's MoE blocks into its expert cache."""
 
     def __init__(self, cache: ExpertCache, routers: Sequence[torch.Tensor], local_expert_ids: Sequence[int],
-                 semantic: str = "iteration", policy_thread: bool = True) -> None:
+                 semantic: str = "iteration", policy_thread: bool = False) -> None:
         """`semantic`: one of `SEMANTIC_SOURCES` (`EngineConfig.offload_semantic`, checked there);
         `policy_thread`: the policy's jobs run on a thread beside the forward (see the module
         docstring), else on the forward thread before each layer's experts."""

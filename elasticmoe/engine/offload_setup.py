@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -32,6 +33,17 @@ from elasticmoe.offload.registry import make_policy
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+# How long the idle copy thread polls for the next plan's copies before it sleeps, where the
+# engine's compute threads leave it a core (`copier_poll_us`). A decode step plans after every MoE
+# layer, well within this; an idle server's copier sleeps after it.
+COPIER_POLL_US = 2000
+
+
+def copier_poll_us() -> int:
+    """`COPIER_POLL_US` when this process computes on fewer threads than it has CPUs, else 0: a
+    polling copier yields its core at every turn, but on a core the compute threads use it would
+    still take time from them (and from a CPU quota)."""
+    return COPIER_POLL_US if torch.get_num_threads() < len(os.sched_getaffinity(0)) else 0
 
 
 def expert_layer_specs(specs: list[ParamSpec]) -> list[LayerExpertSpecs]:
@@ -107,7 +119,8 @@ def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: li
         num_layers=len(layers), num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
         prefetch_distance=min(config.offload_prefetch_distance, len(layers)),
         store_capacity=config.offload_store_capacity))
-    cache = ExpertCache(policy, source, pool_w13, pool_w2, local_expert_ids, len(layers), model_cfg.num_experts)
+    cache = ExpertCache(policy, source, pool_w13, pool_w2, local_expert_ids, len(layers), model_cfg.num_experts,
+                        copier_poll_us=copier_poll_us())
     routers = [weights[s.w13.name.rsplit(".", 1)[0] + ".router"] for s in layers]
     logger.info("expert offloading: %s, cache of %d of %d experts (%.1f MiB), experts from %s",
                 policy.name, capacity, num_rank_experts, capacity * expert_bytes / (1 << 20), source.tier)

@@ -33,7 +33,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     handle, i64, ptr, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     for name, argtypes, restype in (
-        ("emoe_copy_engine_new", [ptr, i64, i64, ptr, ptr, i64, i64], handle),
+        ("emoe_copy_engine_new", [ptr, i64, i64, ptr, ptr, i64, i64, i64], handle),
         ("emoe_copy_engine_free", [handle], c_int),
         ("emoe_copy_engine_submit", [handle, ptr, i64], i64),
         ("emoe_copy_engine_cancel", [handle], i64),
@@ -41,6 +41,7 @@ def _library() -> ctypes.CDLL | None:
         ("emoe_copy_engine_finished", [handle], i64),
         ("emoe_copy_engine_running", [handle], i64),
         ("emoe_copy_engine_busy_ns", [handle], i64),
+        ("emoe_copy_engine_sleeps", [handle], i64),
         ("emoe_copy_engine_wait", [handle, i64], c_int),
     ):
         fn = getattr(lib, name)
@@ -61,9 +62,12 @@ class CopyEngine:
     """One native copy thread. Items get consecutive ids from 0 in submission order; every id below
     `finished()` has been copied or cancelled. Calls are ctypes calls: each releases the GIL."""
 
-    def __init__(self, table: npt.NDArray[np.int64], pools: Sequence[torch.Tensor], keepalive: object = None) -> None:
+    def __init__(self, table: npt.NDArray[np.int64], pools: Sequence[torch.Tensor], keepalive: object = None,
+                 poll_us: int = 0) -> None:
         """`table` [sources, S, 5]: per source, its segments (count 0: padding); `pools`: contiguous
-        tensors whose dim 0 indexes rows; `keepalive`: what owns the sources' memory. The engine
+        tensors whose dim 0 indexes rows; `keepalive`: what owns the sources' memory; `poll_us`: how
+        long the idle thread polls for new copies (yielding its core) before it sleeps, where a
+        core is free for it (see csrc/copy_engine.cpp: waking it from sleep costs the caller). The engine
         holds the pools and `keepalive` until its thread has stopped, so that memory cannot be
         freed under a copy, whatever order a collector frees things in."""
         lib = _library()
@@ -78,7 +82,7 @@ class CopyEngine:
         bases = np.array([p.data_ptr() for p in pools], dtype=np.int64)
         row_bytes = np.array([p[0].nbytes for p in pools], dtype=np.int64)
         handle = lib.emoe_copy_engine_new(table.ctypes.data, table.shape[0], table.shape[1], bases.ctypes.data,
-                                          row_bytes.ctypes.data, len(pools), rows.pop())
+                                          row_bytes.ctypes.data, len(pools), rows.pop(), max(0, int(poll_us)))
         if not handle:
             raise ValueError("copy engine: refused: a segment writes outside its pool row, or names an unknown pool "
                              "or kind (or its thread could not start)")
@@ -124,6 +128,11 @@ class CopyEngine:
         pause, or never submitted)."""
         self._check_open()
         return bool(self._lib.emoe_copy_engine_wait(self._handle, item))
+
+    def sleeps(self) -> int:
+        """How many times the idle thread went to sleep (a poll that saw work in time did not)."""
+        self._check_open()
+        return int(self._lib.emoe_copy_engine_sleeps(self._handle))
 
     @property
     def busy_s(self) -> float:

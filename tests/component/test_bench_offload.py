@@ -82,7 +82,7 @@ def test_a_configurations_measured_requests_alternate_with_the_resident_referenc
         return drive(engine, prompts, params, batch)
 
     args = argparse.Namespace(model=tiny_model_dir, dtype="float32", threads=1, warmup=1, batch=1, max_tokens=3,
-                              semantic="iteration", policy_inline=False)
+                              semantic="iteration", policy_thread=False)
     reference = offload_bench.build_engine(args)
     monkeypatch.setattr(offload_bench, "_drive", recorded)
     try:

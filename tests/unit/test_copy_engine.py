@@ -23,13 +23,13 @@ from elasticmoe.kernels.copy_engine import BF16_TO_F32, MEMCPY, CopyEngine
 pytestmark = pytest.mark.skipif(not copy_engine.available(), reason="no C++ compiler for the copy engine")
 
 
-def make_engine(sources: list[torch.Tensor], pool: torch.Tensor) -> CopyEngine:
+def make_engine(sources: list[torch.Tensor], pool: torch.Tensor, poll_us: int = 0) -> CopyEngine:
     """Source i is `sources[i]`, written from the start of a row of `pool` (bf16 sources widened)."""
     table = np.zeros((len(sources), 1, copy_engine.SEGMENT_FIELDS), dtype=np.int64)
     for i, src in enumerate(sources):
         kind, count = (BF16_TO_F32, src.numel()) if src.dtype == torch.bfloat16 else (MEMCPY, src.nbytes)
         table[i, 0] = (src.data_ptr(), 0, 0, count, kind)
-    return CopyEngine(table, [pool])
+    return CopyEngine(table, [pool], poll_us=poll_us)
 
 
 def test_copies_land_in_their_rows_exactly_and_bf16_widens_exactly():
@@ -58,6 +58,43 @@ def test_cancel_drops_the_copies_not_started_and_their_rows_stay_unwritten():
     engine.pause(False)
     later = engine.submit([(0, 3)])
     assert later == first + 3 and engine.wait(later) and pool[3].eq(1).all() and not pool[:3].any()
+    engine.close()
+
+
+HOUR_US = 3_600_000_000
+
+
+@pytest.mark.timeout(120, method="thread")  # a stop that did not end the poll would hang in native code
+def test_a_polling_thread_copies_the_same_and_never_sleeps_within_its_poll():
+    """Within its poll the idle thread sees submits, a pause and its end without being woken from
+    sleep (each wake costs the caller); the copies, cancels and pauses behave as without it."""
+    gen = torch.Generator().manual_seed(1)
+    sources = [torch.randn(64, generator=gen) for _ in range(3)]
+    pool = torch.zeros(3, 64)
+    engine = make_engine(sources, pool, poll_us=HOUR_US)
+    for i in range(6):  # each submit finds the thread idle: it finished the last one
+        copy = engine.submit([(i % 3, (i + 1) % 3)])
+        assert engine.wait(copy) and torch.equal(pool[(i + 1) % 3], sources[i % 3])
+    engine.pause(True)
+    first = engine.submit([(0, 0), (1, 1)])
+    assert not engine.wait(first)  # queued behind the pause, while the thread polls on
+    assert engine.cancel() == first
+    engine.pause(False)
+    last = engine.submit([(2, 0)])
+    assert engine.wait(last) and torch.equal(pool[0], sources[2])
+    assert engine.sleeps() == 0
+    engine.close()  # ends the poll: the thread joins now, not in an hour
+
+
+def test_without_a_poll_the_idle_thread_sleeps():
+    pool = torch.zeros(2, 64)
+    engine = make_engine([torch.ones(64)], pool)
+    assert engine.wait(engine.submit([(0, 1)]))
+    engine.pause(True)  # the thread is idle from here on: it sleeps, and this test cannot race it
+    deadline = time.monotonic() + 60
+    while engine.sleeps() == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert engine.sleeps() >= 1
     engine.close()
 
 
