@@ -71,7 +71,7 @@ class ExpertOffload:
         self.cache = cache
         self.policy = cache.policy
         self.routers = [r.float() for r in routers]  # [E, H] per MoE layer: the next layer's gate on this input (lru)
-        self._local_expert_ids = np.asarray(list(local_expert_ids), dtype=np.int64)  # local index -> global id
+        self._global_ids = [int(e) for e in local_expert_ids]  # local index -> global id
         self._semantic = semantic
         # request -> its prompt's mean embedding ("prompt"), or None ("iteration": computed per step);
         # the keys are the requests begun and not yet ended
@@ -205,28 +205,22 @@ class ExpertOffload:
         expert, not by pool row): the hook computes both from the rows the cache holds."""
         if xs.shape[0] == 0:
             return xs.new_empty(xs.shape)
-        # NumPy for the bookkeeping: it runs per MoE layer of every step on a few values, where
-        # torch's per-op dispatch costs more than the work.
-        slots = sorted_local_slots.numpy()
-        boundary = np.ones(slots.size + 1, dtype=np.bool_)  # row i starts a group; the last: the end
-        np.not_equal(slots[1:], slots[:-1], out=boundary[1:-1])
-        bounds = np.flatnonzero(boundary)  # [G + 1] group offsets
-        local_ids = slots[bounds[:-1]]
-        experts = self._local_expert_ids[local_ids].tolist()
+        bounds, local_ids = _groups(sorted_local_slots)
+        experts = [self._global_ids[i] for i in local_ids]
         capacity = self.cache.capacity
         if len(experts) <= capacity:
             return self._wave(layer, xs, sorted_local_slots, bounds, local_ids, experts, lora)
         out = torch.empty_like(xs)
         for first in range(0, len(experts), capacity):  # waves: a cache smaller than the layer's need
             last = min(first + capacity, len(experts))
-            start, end = int(bounds[first]), int(bounds[last])
+            start, end = bounds[first], bounds[last]
             out[start:end] = self._wave(layer, xs[start:end], sorted_local_slots[start:end],
-                                        bounds[first : last + 1] - start, local_ids[first:last], experts[first:last],
-                                        None if lora is None else (lora[0], lora[1][start:end]))
+                                        [b - start for b in bounds[first : last + 1]], local_ids[first:last],
+                                        experts[first:last], None if lora is None else (lora[0], lora[1][start:end]))
         return out
 
-    def _wave(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor, offsets: np.ndarray,
-              local_ids: np.ndarray, experts: list[int], lora: tuple[ExpertsHook, torch.Tensor] | None
+    def _wave(self, layer: int, xs: torch.Tensor, sorted_local_slots: torch.Tensor, offsets: list[int],
+              local_ids: list[int], experts: list[int], lora: tuple[ExpertsHook, torch.Tensor] | None
               ) -> torch.Tensor:
         """Groups of `xs` (`offsets` [G + 1]: local experts `local_ids`, global `experts`), at most
         the cache's capacity of them, made resident and computed from their pool rows."""
@@ -234,14 +228,14 @@ class ExpertOffload:
         self._release_deferred()  # the policy's job of this layer runs beside the GEMM below
         if lora is None:
             return self._compute(xs, offsets, rows)
-        slot_rows = torch.zeros(len(self._local_expert_ids), dtype=torch.long)  # the others have no rows here
-        slot_rows[torch.from_numpy(local_ids)] = torch.tensor(rows, dtype=torch.long)
+        slot_rows = torch.zeros(len(self._global_ids), dtype=torch.long)  # the others have no rows here
+        slot_rows[torch.tensor(local_ids, dtype=torch.long)] = torch.tensor(rows, dtype=torch.long)
         hook, lora_slots = lora
         return hook.experts(xs, sorted_local_slots, lora_slots, self.cache.w13, self.cache.w2, slot_rows)
 
-    def _compute(self, xs: torch.Tensor, offsets: np.ndarray, rows: list[int]) -> torch.Tensor:
+    def _compute(self, xs: torch.Tensor, offsets: list[int], rows: list[int]) -> torch.Tensor:
         """Groups of `xs` (`offsets` [G + 1]) through pool rows `rows` [G] (ensured resident)."""
-        offsets_t, rows_t = torch.from_numpy(offsets), torch.tensor(rows, dtype=torch.long)
+        offsets_t, rows_t = torch.tensor(offsets, dtype=torch.long), torch.tensor(rows, dtype=torch.long)
         ys = grouped_experts_at_rows(xs, offsets_t, rows_t, self.cache.w13, self.cache.w2)
         if ys is not None:
             return ys
@@ -265,6 +259,28 @@ class ExpertOffload:
         if self._worker is not None:
             self._worker.drain()
         return {**self.cache.stats(), "policy_s": round(self.policy_s, 6)}
+
+
+# Sorted rows up to this many are grouped in Python: a decode step's few values, where each NumPy
+# call's dispatch costs more than the loop (this runs per MoE layer of every step).
+_GROUP_IN_PYTHON = 64
+
+
+def _groups(sorted_slots: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Rows sorted by slot -> (`bounds` [G + 1]: group g is rows bounds[g]:bounds[g + 1]; the
+    slot of each group [G])."""
+    if sorted_slots.shape[0] <= _GROUP_IN_PYTHON:
+        slots = sorted_slots.tolist()
+        bounds, ids = [0], [slots[0]]
+        for i in range(1, len(slots)):
+            if slots[i] != slots[i - 1]:
+                bounds.append(i)
+                ids.append(slots[i])
+        bounds.append(len(slots))
+        return bounds, ids
+    slots_np = sorted_slots.numpy()
+    starts = np.flatnonzero(np.diff(slots_np)) + 1
+    return [0, *starts.tolist(), len(slots_np)], slots_np[np.concatenate(([0], starts))].tolist()
 
 
 def _mean_embedding(embed: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
