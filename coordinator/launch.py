@@ -235,9 +235,14 @@ def start_elastic(
             serve.start(proxy_location="Disabled")
             handle = serve.run(coordinator_app(config, HttpBinding(host, port)), name=APP_NAME, route_prefix=None)
     except BaseException:
+        # The coordinator may have started devices (their /dev/shm files) before the application
+        # failed, e.g. an ingress whose port was taken after the CLI checked it: end them all, then
+        # free the files their dead owners left, as `ElasticServer.shutdown` does.
         serve.shutdown()
         if owns_ray:
             ray.shutdown()
+            end_children()
+        reap(config.shm_prefix)
         raise
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     logger.info("elastic server ready at %s: %s, dp %d", url, config.model_name, config.dp)

@@ -1,6 +1,7 @@
 """`elasticmoe serve` without `--single`: option validation (and, for both servers, an address in
-use refused before anything loads). Real runs of the CLI ended by SIGTERM are in
-`test_sigterm_drain.py` (a local Ray) and `test_elastic_scale.py` (two Ray nodes)."""
+use refused before anything loads; an address taken after that check fails the start without a
+file left in /dev/shm). Real runs of the CLI ended by SIGTERM are in `test_sigterm_drain.py` (a
+local Ray) and `test_elastic_scale.py` (two Ray nodes)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import socket
 import time
 
 import pytest
+import ray
+from elastic_server import RAY, tiny_config
 
+from coordinator.launch import start_elastic
 from elasticmoe.cli import build_parser
 from elasticmoe.cli import main as cli_main
+from hmm.memory import list_segments
 
 
 @pytest.mark.parametrize(
@@ -50,3 +55,17 @@ def test_a_port_in_use_exits_2_naming_the_address_before_anything_loads(tiny_mod
         assert cli_main(["serve", "--model", tiny_model_dir, "--host", "127.0.0.1", "--port", str(port), *mode]) == 2
         assert time.monotonic() - t0 < 10  # NOTE: a bound, not a speed check: no Ray, no model load
     assert f"--host/--port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_start_whose_ingress_cannot_listen_frees_the_devices_it_started(tiny_model_dir):
+    """The port is taken after the CLI's check (a race): the coordinator has put the model on its
+    devices when the ingress fails to bind. The start raises, and neither Ray nor a /dev/shm file
+    of the server is left."""
+    config = tiny_config(tiny_model_dir)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="ingress"):
+            start_elastic(config, port=taken.getsockname()[1], ray_init_kwargs=RAY)
+    assert not ray.is_initialized()
+    assert list_segments(config.shm_prefix) == []
