@@ -24,6 +24,8 @@ from elasticmoe.offload.policy import PolicyConfig, PrefetchItem, PrefetchPlan
 from elasticmoe.offload.registry import make_policy
 
 LAYERS, EXPERTS, TOP_K = 3, 6, 2
+POLL_US = 2000
+needs_copy_engine = pytest.mark.skipif(not copy_engine.available(), reason="no C++ compiler for the copy engine")
 
 
 class FakeTier:
@@ -64,15 +66,17 @@ def make_cache(capacity: int, policy: str = "lru", tier: FakeTier | HostExperts 
                local_ids: tuple[int, ...] = tuple(range(EXPERTS)), copier: str = "manual",
                row: tuple[int, int] = (4, 2)) -> ExpertCache:
     """`copier`: "manual" (the Python copier without its thread: `cache.copier.run_one()` copies),
-    "thread" (with it), or "native" (the copy engine; needs a `HostExperts` tier)."""
+    "thread" (with it), "native" (the copy engine; needs a `HostExperts` tier), or "native-polling"
+    (its thread polls, so on-demand loads give it half of their copies)."""
     config = PolicyConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K)
     tier = tier or FakeTier()
     w13, w2 = torch.zeros(capacity, *row), torch.zeros(capacity, row[1], row[1])
     made = (ThreadCopier(tier, w13, w2, start=copier == "thread") if copier in ("manual", "thread")
-            else make_copier(tier, w13, w2, LAYERS, len(local_ids)))
-    if copier == "native":
+            else make_copier(tier, w13, w2, LAYERS, len(local_ids), poll_us=POLL_US if copier == "native-polling" else 0))
+    if copier.startswith("native"):
         assert isinstance(made, NativeCopier)
-    return ExpertCache(make_policy(policy, config), tier, w13, w2, local_ids, LAYERS, EXPERTS, copier=made)
+    return ExpertCache(make_policy(policy, config), tier, w13, w2, local_ids, LAYERS, EXPERTS, copier=made,
+                       copier_poll_us=POLL_US if copier == "native-polling" else 0)
 
 
 def queue_plan(cache: ExpertCache, after_layer: int, *items: tuple[int, int, float]) -> None:
@@ -359,8 +363,8 @@ def test_a_closed_cache_still_loads_on_demand_and_queues_nothing():
     assert cache.stats()["prefetches"] == 0 and cache.state.resident_keys() == [(1, 2), (1, 3)]
 
 
-@pytest.mark.parametrize("copier", ["thread", pytest.param("native", marks=pytest.mark.skipif(
-    not copy_engine.available(), reason="no C++ compiler for the copy engine"))])
+@pytest.mark.parametrize("copier", ["thread", pytest.param("native", marks=needs_copy_engine),
+                                    pytest.param("native-polling", marks=needs_copy_engine)])
 @pytest.mark.parametrize("policy", ["lru", "finemoe"])
 def test_forward_and_copier_never_hand_out_a_wrong_row(policy, copier):
     """The copier copies random plans while the forward thread asks for random experts: every row
@@ -369,7 +373,7 @@ def test_forward_and_copier_never_hand_out_a_wrong_row(policy, copier):
         cache = make_cache(capacity=4, policy=policy, tier=FakeTier(delay_s=0.0005), copier="thread")
     else:  # rows of 256 KiB: copies long enough to be caught in progress
         cache = make_cache(capacity=4, policy=policy, tier=host_tier(tuple(range(EXPERTS)), row=(256, 128)),
-                           copier="native", row=(256, 128))
+                           copier=copier, row=(256, 128))
     rng = random.Random(0)
     try:
         for _ in range(300):
@@ -388,6 +392,51 @@ def test_forward_and_copier_never_hand_out_a_wrong_row(policy, copier):
     stats = cache.stats()
     assert stats["prefetches"] > 0 and stats["resident_experts"] <= 4
     assert stats["lookups"] == stats["hits"] + stats["on_demand_loads"]
+
+
+class FailingHostExperts(HostExperts):
+    """Host memory the native copier reads; `copy_into` (this thread's copies) fails for `failing`."""
+
+    def __init__(self, failing: tuple[int, int], row: tuple[int, int]) -> None:
+        super().__init__(host_tier(tuple(range(EXPERTS)), row).stacks)
+        self.failing = failing
+
+    def copy_into(self, layer, local, w13, w2) -> int:
+        if (layer, local) == self.failing:
+            raise OSError(f"expert {layer}/{local}: unreadable")
+        return super().copy_into(layer, local, w13, w2)
+
+
+@needs_copy_engine
+def test_an_on_demand_load_gives_half_its_copies_to_a_polling_copier():
+    cache = make_cache(capacity=4, tier=host_tier(tuple(range(EXPERTS))), copier="native-polling")
+    try:
+        rows = cache.ensure(1, [2, 4, 5])
+        assert_rows_hold(cache, 1, [2, 4, 5], rows)
+        assert cache.copier.finished() == 1  # the copier made one of the three, this thread two
+        assert cache.stats()["on_demand_loads"] == 3 and cache.bytes_loaded["host"] == 3 * cache.expert_bytes
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+@needs_copy_engine
+def test_a_shared_load_whose_own_copy_fails_waits_for_the_copiers_and_frees_both_rows():
+    """This thread's copy raises while the copier writes the other row: the load fails only once
+    the copier is done with that row, and both experts are left out with their rows free."""
+    row = (1024, 512)  # 3 MiB experts: the copier's copy outlasts this thread's failed one by far
+    cache = make_cache(capacity=4, tier=FailingHostExperts(failing=(0, 1), row=row), copier="native-polling", row=row)
+    try:
+        with pytest.raises(OSError, match="unreadable"):
+            cache.ensure(0, [1, 3])  # this thread copies 1 (fails), the copier 3
+        assert cache.copier.finished() == 1 and cache.copier.running() == -1
+        assert not cache.state.is_resident((0, 1)) and not cache.state.is_resident((0, 3))
+        assert cache.state.num_free == 4 and sorted(cache._free) == [0, 1, 2, 3]
+        cache.check_integrity()
+        rows = cache.ensure(0, [3, 4])  # the cache serves on
+        assert_rows_hold(cache, 0, [3, 4], rows)
+    finally:
+        cache.close()
 
 
 def test_warm_fills_the_most_used_local_experts_first():
