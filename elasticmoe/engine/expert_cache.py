@@ -7,7 +7,8 @@ map `slot_of[l, e]` (pool row of expert e of layer l, -1 = not resident) is what
 consults; `CacheState` (`elasticmoe.offload`) is the policy-facing view of the same residency.
 
 Every decision is made on the forward thread; the copies are made on two:
-- `ensure` (on demand): the experts a layer needs now, copied by the forward thread itself;
+- `ensure` (on demand): the experts a layer needs now, copied by the forward thread itself (and,
+  where the copier polls on a core of its own, half of them by the copier: `_copy_all`);
 - `replan` (after each layer's router and at an iteration's start): the policy's plan becomes a
   queue of copies, each with its row and its victim, submitted to a copier (`expert_copier`) that
   copies beside the forward without taking the GIL. A new plan cancels the copies not started and
@@ -107,7 +108,7 @@ class ExpertCache:
                       else make_copier(source, pool_w13, pool_w2, num_layers, len(self.local_of), copier_poll_us))
         self.copier = copier
         # A native copier that polls has a core of its own: an on-demand load gives it half of
-        # the layer's missing experts and copies the other half itself (`_load_now`).
+        # the layer's missing experts and copies the other half itself (`_copy_all`).
         self._copier_shares_loads = copier_poll_us > 0 and isinstance(copier, NativeCopier)
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out row 0 first
         self._lock = threading.Lock()

@@ -267,8 +267,8 @@ _GROUP_IN_PYTHON = 64
 
 
 def _groups(sorted_slots: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Rows sorted by slot -> (`bounds` [G + 1]: group g is rows bounds[g]:bounds[g + 1]; the
-    slot of each group [G])."""
+    """Rows sorted by slot (at least one) -> (`bounds` [G + 1]: group g is rows bounds[g]:bounds[g
+    + 1]; the slot of each group [G])."""
     if sorted_slots.shape[0] <= _GROUP_IN_PYTHON:
         slots = sorted_slots.tolist()
         bounds, ids = [0], [slots[0]]

@@ -21,7 +21,7 @@
 // Idle, the worker may poll for new work a while (`poll_us`) before it sleeps. Waking a sleeping
 // thread costs the thread that wakes it (the forward, in `submit` and `pause`) ~20-50 us on the
 // 2-vCPU KVM guests measured here, against ~2 us when the worker is polling: with a plan after
-// every MoE layer, that was ~0.3 ms of each decode token. The poll yields the core at every turn
+// every MoE layer, that was up to ~0.3 ms of each decode token. The poll yields the core at every turn
 // (`sched_yield`), so a runnable thread of this process or another one there runs first; the
 // engine asks for polling only when its compute threads leave a core free
 // (`elasticmoe.engine.offload_setup`).
