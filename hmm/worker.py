@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import ray
 import torch
 
 from elasticmoe.models.weights import ParamSpec
+from elasticmoe.utils.ports import free_port
 from hmm.device_memory import DEVICE_PAGE_SIZE, AdapterRow, DeviceMemory, Handle
 from hmm.layout import DeviceSpec, TensorKey
 from hmm.lifeline import in_ray_actor, watch_parent
@@ -82,9 +82,7 @@ class DeviceWorker:
 
     def free_port(self) -> int:
         """A free TCP port on this node (for the group store this worker hosts as rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+        return free_port("")
 
     def join_group(self, group: GroupSpec, rank: int) -> int:
         self.group.join(group, rank, node_address())

@@ -40,7 +40,6 @@ import functools
 import gc
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
@@ -55,6 +54,7 @@ from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.outputs import OutputDelta
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.utils.ports import free_port
 from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory.page_table import SlotPages
 from hmm.memory.segments import mapped_segments
@@ -119,9 +119,8 @@ class InstanceRank:
         return node_address()
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+        """A free TCP port on this node (for the EP group's store, which rank 0 hosts)."""
+        return free_port("")
 
     async def init_group(self, spec: GroupSpec, timeout_s: float = 60.0) -> None:
         """Join the instance's EP gloo group as `self.rank`; returns when all `dp` ranks joined.

@@ -18,10 +18,10 @@ from typing import Any
 
 import ray
 
-from coordinator.bench.server_admin import free_port
 from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.launch import ElasticServer, start_elastic
+from elasticmoe.utils.ports import free_port
 from hmm.memory import list_segments
 from hmm.placement import DEVICE_RESOURCE
 

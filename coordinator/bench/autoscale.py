@@ -43,11 +43,11 @@ from coordinator.bench.request_shapes import AdapterMix, LengthDist, parse_lengt
 from coordinator.bench.server_admin import (
     PRESETS,
     ensure_dp,
-    free_port,
     resolve_model,
     wait_event,
     wait_standby,
 )
+from elasticmoe.utils.ports import free_port
 
 STRATEGIES = ("elastic", "cold_restart", "concurrent")
 _GIB = 1 << 30

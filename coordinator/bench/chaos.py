@@ -31,7 +31,7 @@ import httpx
 from coordinator.bench.chaos_faults import FAULTS, FaultResult, run_fault, settle, undisturbed
 from coordinator.bench.local_nodes import attached, parse_nodes, ray_nodes, run_attached
 from coordinator.bench.report_output import claim_stdout, emit, progress_printer
-from coordinator.bench.server_admin import free_port
+from elasticmoe.utils.ports import free_port
 from hmm.memory.lease import reap
 
 DEFAULT_FAULTS = "rank@1,rank@2,device@1,mid-scale@1,coordinator@1,ingress@1"

@@ -67,7 +67,8 @@ from coordinator.bench.coserve_workload import (
 )
 from coordinator.bench.loadgen import RequestRecord, stream_completion
 from coordinator.bench.report_output import claim_stdout, emit
-from coordinator.bench.server_admin import PRESETS, free_port
+from coordinator.bench.server_admin import PRESETS
+from elasticmoe.utils.ports import free_port
 
 _GIB = 1 << 30
 

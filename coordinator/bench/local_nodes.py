@@ -38,8 +38,8 @@ from pathlib import Path
 import httpx
 
 from coordinator.bench.netns import NodeNetwork
-from coordinator.bench.server_admin import free_port
 from coordinator.process_tree import descendants
+from elasticmoe.utils.ports import free_port
 from hmm.placement import DEVICE_RESOURCE
 
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -66,11 +66,11 @@ from coordinator.bench.scaling_report import fmt, format_tables, plot_slo
 from coordinator.bench.server_admin import (
     PRESETS,
     ensure_dp,
-    free_port,
     resolve_model,
     wait_event,
     wait_standby,
 )
+from elasticmoe.utils.ports import free_port
 
 logger = logging.getLogger(__name__)
 _progress = progress_printer("scaling")

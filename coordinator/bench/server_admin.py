@@ -1,5 +1,5 @@
-"""What the benchmarks that start an elastic server share: the model presets, a free port, and
-waiting on the server's admin API (a scale event, the active dp, the standby pool).
+"""What the benchmarks that start an elastic server share: the model presets, and waiting on
+the server's admin API (a scale event, the active dp, the standby pool).
 
 Every function that reports takes `progress` (one line to stderr: `report_output.progress_printer`),
 so its lines carry the name of the benchmark that runs it.
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,36 +23,6 @@ PRESETS = {  # preset -> (model dir, device memory GiB, KV cache GiB per device)
 VLLM_MODELS = {"tiny": "models/tiny-vllm-qwen3-moe"}  # vLLM's CPU attention needs head_dim >= 32
 
 Progress = Callable[[str], None]
-
-
-# Free ports are picked from here up to the kernel's ephemeral range: a port from that range is
-# free only until an outgoing connection takes it as its local end (Ray opens many while a server
-# starts), and a test's server once failed to bind its port that way (`Address already in use`).
-_PORTS_FROM = 20000  # above Ray's worker ports (10002-19999 by default)
-_random_ports = random.SystemRandom()  # not the global generator: tests seed it, and workers would collide
-
-
-def free_port() -> int:
-    """A localhost TCP port nothing listens on, below the ephemeral range where there is room."""
-    below = _ephemeral_ports_start()
-    for _ in range(64 if below - _PORTS_FROM >= 1000 else 0):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", _random_ports.randrange(_PORTS_FROM, below)))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    with socket.socket() as s:  # the kernel's choice, from the ephemeral range
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ephemeral_ports_start() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
 
 
 def resolve_model(args: argparse.Namespace, progress: Progress) -> str:

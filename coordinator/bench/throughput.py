@@ -30,7 +30,8 @@ import httpx
 
 from coordinator.bench.loadgen import RequestRecord, stream_completion
 from coordinator.bench.report_output import claim_stdout, progress_printer
-from coordinator.bench.server_admin import ensure_dp, free_port, wait_standby
+from coordinator.bench.server_admin import ensure_dp, wait_standby
+from elasticmoe.utils.ports import free_port
 
 _progress = progress_printer("throughput")
 

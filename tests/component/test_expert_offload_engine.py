@@ -14,11 +14,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_runs import greedy_run
 
-from coordinator.bench.server_admin import free_port
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.models.weights import SafetensorsWeightProvider
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.utils.ports import free_port
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, list(range(40, 61)), [3, 4], [100, 200, 300]]
 MAX_TOKENS = 10

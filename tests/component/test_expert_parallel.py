@@ -8,11 +8,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_runs import greedy_run
 
-from coordinator.bench.server_admin import free_port
 from elasticmoe.config import EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.parallel.lockstep import run_until_all_done
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.utils.ports import free_port
 
 # Different prompt counts, lengths and output lengths per rank: rank 1 runs out of
 # work first and must keep stepping (empty forwards) while rank 0 finishes.

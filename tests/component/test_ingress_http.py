@@ -13,10 +13,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from coordinator.bench.server_admin import free_port
 from coordinator.ingress_http import DirectHttp, HttpBinding
 from elasticmoe.entrypoints.listen_address import AddressUnavailable
 from elasticmoe.entrypoints.openai.access import AccessPolicy
+from elasticmoe.utils.ports import free_port
 
 
 def _app() -> FastAPI:

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from coordinator.bench.server_admin import free_port
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter
+from elasticmoe.utils.ports import free_port
 
 pytestmark = pytest.mark.slow
 

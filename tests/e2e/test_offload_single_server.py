@@ -17,12 +17,12 @@ import time
 import httpx
 import pytest
 
-from coordinator.bench.server_admin import free_port
 from elasticmoe.cli import main as cli_main
 from elasticmoe.llm import LLM
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
+from elasticmoe.utils.ports import free_port
 
 PROMPTS = ["The experts of layer one", "Hello", "A mixture of experts routes every token"]
 

@@ -26,8 +26,8 @@ import httpx
 import pytest
 import ray  # noqa: F401 - makes its vendored psutil importable (`_listens`)
 
-from coordinator.bench.server_admin import free_port
 from coordinator.process_tree import descendants
+from elasticmoe.utils.ports import free_port
 from hmm.memory import list_segments
 
 pytestmark = pytest.mark.slow

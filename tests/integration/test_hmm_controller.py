@@ -17,13 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from coordinator.bench.server_admin import free_port
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.models.registry import model_family
 from elasticmoe.models.weights import SafetensorsWeightProvider
 from elasticmoe.parallel.lockstep import run_until_all_done
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.utils.ports import free_port
 from hmm.controller import HMMController
 from hmm.layout import DeviceSpec
 from hmm.memory import TensorHandle, list_segments

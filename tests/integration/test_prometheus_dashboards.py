@@ -23,8 +23,8 @@ import httpx
 import pytest
 from elastic_server import running, tiny_config
 
-from coordinator.bench.server_admin import free_port
 from coordinator.launch import ElasticServer
+from elasticmoe.utils.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,42 +1,19 @@
 """The benchmarks' shared admin-API helpers (`coordinator.bench.server_admin`) against a fake
 server (httpx's MockTransport): waiting on a scale event, moving the server to a dp, the
-standby wait's give-up, model resolution, the progress lines' format, and free ports."""
+standby wait's give-up, model resolution, and the progress lines' format."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
-import socket
 from typing import Any
 
 import httpx
 import pytest
 
-from coordinator.bench import server_admin
 from coordinator.bench.report_output import progress_printer
-from coordinator.bench.server_admin import ensure_dp, free_port, resolve_model, wait_event, wait_standby
-
-
-def test_free_port_is_below_the_ephemeral_range_and_skips_a_taken_port(monkeypatch):
-    """Ports of the ephemeral range can be taken by outgoing connections before a server binds
-    them; a picked port another socket holds is skipped."""
-    monkeypatch.setattr(server_admin, "_ephemeral_ports_start", lambda: 32768)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        candidates = iter([taken.getsockname()[1], 23456, 23457])
-        monkeypatch.setattr(server_admin._random_ports, "randrange", lambda lo, hi: next(candidates))
-        port = free_port()
-    assert port in (23456, 23457)  # 23456 unless something on this machine holds it
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # free indeed
-
-
-def test_free_port_falls_back_to_the_kernels_choice_without_room_below_the_range(monkeypatch):
-    monkeypatch.setattr(server_admin, "_ephemeral_ports_start", lambda: 20100)
-    monkeypatch.setattr(server_admin._random_ports, "randrange", lambda lo, hi: pytest.fail("no room: not used"))
-    assert 0 < free_port() < 65536
+from coordinator.bench.server_admin import ensure_dp, resolve_model, wait_event, wait_standby
 
 
 class FakeServer:

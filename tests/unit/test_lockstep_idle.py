@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from coordinator.bench.server_admin import free_port
+from elasticmoe.utils.ports import free_port
 
 pytestmark = pytest.mark.slow
 
