@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from elasticmoe.engine.expert_copier import ExpertCopier, NativeCopier, ThreadCopier, make_copier
+from elasticmoe.engine.expert_copier import ExpertCopier, ThreadCopier, make_copier
 from elasticmoe.engine.expert_sources import ExpertSource
 from elasticmoe.offload.cache_ops import CacheTooSmallError, CacheUpdate, load_on_demand, run_prefetch
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
@@ -107,9 +107,9 @@ class ExpertCache:
             copier = (ThreadCopier(source, pool_w13, pool_w2, start=False) if self.holds_every_expert
                       else make_copier(source, pool_w13, pool_w2, num_layers, len(self.local_of), copier_poll_us))
         self.copier = copier
-        # A native copier that polls has a core of its own: an on-demand load gives it half of
-        # the layer's missing experts and copies the other half itself (`_copy_all`).
-        self._copier_shares_loads = copier_poll_us > 0 and isinstance(copier, NativeCopier)
+        # A copier that polls has a core of its own: an on-demand load gives it half of the
+        # layer's missing experts and copies the other half itself (`_copy_all`).
+        self._copier_shares_loads = copier.polls
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out row 0 first
         self._lock = threading.Lock()
         self._queued: deque[QueuedCopy] = deque()  # in copy id order

@@ -39,6 +39,7 @@ Copy = tuple[int, int, int]
 
 class ExpertCopier(Protocol):
     failed: set[int]  # ids of copies that raised (their rows hold garbage); the cache discards them
+    polls: bool  # its thread polls on a core of its own: it may take a share of on-demand loads
 
     def submit(self, copies: Sequence[Copy]) -> int: ...  # the first copy's id
     def cancel(self) -> int: ...
@@ -58,6 +59,7 @@ class NativeCopier:
         """`engine`'s source `layer * num_local + local` is that expert."""
         self.engine = engine
         self.failed: set[int] = set()  # native copies cannot fail
+        self.polls = engine.poll_us > 0
         self._num_local = num_local
 
     def submit(self, copies: Sequence[Copy]) -> int:
@@ -93,6 +95,7 @@ class ThreadCopier:
     def __init__(self, source: ExpertSource, w13: torch.Tensor, w2: torch.Tensor, start: bool = True) -> None:
         self.source, self.w13, self.w2 = source, w13, w2
         self.failed: set[int] = set()
+        self.polls = False  # a Python thread: it would hold the GIL the forward copies with
         self.busy_s = 0.0
         self._cond = threading.Condition()
         self._queue: deque[tuple[int, Copy]] = deque()

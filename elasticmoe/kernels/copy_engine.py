@@ -70,6 +70,8 @@ class CopyEngine:
         core is free for it (see csrc/copy_engine.cpp: waking it from sleep costs the caller). The engine
         holds the pools and `keepalive` until its thread has stopped, so that memory cannot be
         freed under a copy, whatever order a collector frees things in."""
+        if poll_us < 0:
+            raise ValueError(f"copy engine: poll_us must be >= 0, got {poll_us}")
         lib = _library()
         if lib is None:
             raise RuntimeError("copy engine: the native kernel is not available (no C++ compiler, or kernels off)")
@@ -82,11 +84,12 @@ class CopyEngine:
         bases = np.array([p.data_ptr() for p in pools], dtype=np.int64)
         row_bytes = np.array([p[0].nbytes for p in pools], dtype=np.int64)
         handle = lib.emoe_copy_engine_new(table.ctypes.data, table.shape[0], table.shape[1], bases.ctypes.data,
-                                          row_bytes.ctypes.data, len(pools), rows.pop(), max(0, int(poll_us)))
+                                          row_bytes.ctypes.data, len(pools), rows.pop(), int(poll_us))
         if not handle:
             raise ValueError("copy engine: refused: a segment writes outside its pool row, or names an unknown pool "
                              "or kind (or its thread could not start)")
         self._lib, self._handle = lib, handle
+        self.poll_us = int(poll_us)
         self._busy_at_close = 0.0
         self.num_sources = table.shape[0]
         # Freed (its thread joined) at close, garbage collection or interpreter exit, whichever is first:

@@ -75,8 +75,7 @@ def make_cache(capacity: int, policy: str = "lru", tier: FakeTier | HostExperts 
             else make_copier(tier, w13, w2, LAYERS, len(local_ids), poll_us=POLL_US if copier == "native-polling" else 0))
     if copier.startswith("native"):
         assert isinstance(made, NativeCopier)
-    return ExpertCache(make_policy(policy, config), tier, w13, w2, local_ids, LAYERS, EXPERTS, copier=made,
-                       copier_poll_us=POLL_US if copier == "native-polling" else 0)
+    return ExpertCache(make_policy(policy, config), tier, w13, w2, local_ids, LAYERS, EXPERTS, copier=made)
 
 
 def queue_plan(cache: ExpertCache, after_layer: int, *items: tuple[int, int, float]) -> None:
