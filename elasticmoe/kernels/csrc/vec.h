@@ -142,12 +142,17 @@ inline vec vexp_nonpos(vec x) {
 
 inline void hsum8(const vec* v, float* out) { _mm256_storeu_ps(out, hsum8v(v)); }
 
+// 8 floats' bits plus the round-to-nearest-even increment: the bf16 values are in the high 16 bits.
+inline __m256i bf16_rounded_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+}
+
 // Store 8 floats, rounded to nearest even for bf16 (NaN inputs are not expected here).
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(uint16_t* p, __m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i r = _mm256_srli_epi32(bf16_rounded_bits8(v), 16);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
@@ -162,14 +167,11 @@ inline void store4(uint16_t* p, __m128 v) {
 
 // 8 floats rounded to bf16 precision (nearest even), kept as fp32.
 inline __m256 round8_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_bits8(v), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
 #if defined(EMOE_AVX512)
-// v's bits plus the round-to-nearest-even increment: the bf16 value is in the high 16 bits.
+// bf16_rounded_bits8 for 16 floats.
 inline __m512i bf16_rounded_bits(vec v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -182,10 +184,7 @@ inline vec vround_bf16(vec v) {
 #if defined(EMOE_AVX512)
   return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 #else
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return round8_bf16(v);
 #endif
 }
 
