@@ -284,5 +284,9 @@ def _groups(sorted_slots: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 def _mean_embedding(embed: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
-    """The mean of `embed`'s rows for `token_ids`, in float32: [h]."""
+    """The mean of `embed`'s rows for `token_ids`, in float32: [h]. One token (a decode step):
+    its row, the same values in one op instead of three (a view of a float32 table: callers
+    only read it)."""
+    if len(token_ids) == 1:
+        return embed[token_ids[0]].float()
     return embed.index_select(0, torch.tensor(token_ids, dtype=torch.long)).float().mean(dim=0)

@@ -173,9 +173,8 @@ class FineMoEPolicy:
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:
         # Only complete maps are stored: an iteration cut short has no trajectory to offer.
-        if self._current_layer == self.config.num_layers - 1:
-            for request, probs in zip(self._requests, self._observed, strict=True):
-                self.store.insert(request.embedding.float().numpy(), probs)  # distributions by construction
+        if self._current_layer == self.config.num_layers - 1:  # the maps are distributions by construction
+            self.store.insert_many(np.stack([r.embedding.float().numpy() for r in self._requests]), self._observed)
         self._requests = []
         self._trajectory = None
         self._planner = None

@@ -48,6 +48,18 @@ def latest_best(scores: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64]
     return np.where(scores == best[:, None], stamps, -1).argmax(axis=1), best
 
 
+def _norms(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """The Euclidean norm of each row of `rows` [B, n]: [B]."""
+    return np.sqrt(np.einsum("bx,bx->b", rows, rows))
+
+
+def _cosine(dots: npt.NDArray[np.float32], new_norms: npt.ArrayLike, old_norms: npt.ArrayLike
+            ) -> npt.NDArray[np.float32]:
+    """Cosines from dot products and both sides' norms, each floored at `_EPS` (a zero vector has
+    cosine 0 with everything)."""
+    return dots / (np.maximum(new_norms, _EPS) * np.maximum(old_norms, _EPS))
+
+
 class ExpertMapStore:
     """Iteration records of a model with `num_layers` MoE layers of `num_experts` experts.
 
@@ -104,27 +116,57 @@ class ExpertMapStore:
     def insert(self, embedding: npt.NDArray[np.float32], probs: npt.NDArray[np.float32]) -> int:
         """`add` for a map already known to be one (a policy's own observed distributions):
         `embedding` [h] and `probs` [L, E], float32."""
-        if probs.shape != (self.num_layers, self.num_experts):
+        return self.insert_many(embedding[None], probs[None])[0]
+
+    def insert_many(self, embeddings: npt.NDArray[np.float32], maps: npt.NDArray[np.float32]) -> list[int]:
+        """`insert` of each record (`embeddings` [B, h], `maps` [B, L, E]) in order; returns their
+        slots. A full store compares each new record with every stored one (RDY: [h] and [L * E]
+        dot products with C records); here those of a batch are one matrix product against the
+        store as it stands, and each record placed updates only the later records' column of its
+        slot. One at a time they cost ~0.12 ms each at C = 1,000 (~8 ms per decode step of 64
+        requests). The slots chosen are the sequential inserts' (tested)."""
+        if maps.ndim != 3 or maps.shape[1:] != (self.num_layers, self.num_experts):
             raise ValueError(f"expert map store: map must be [{self.num_layers}, {self.num_experts}], "
-                             f"got {tuple(probs.shape)}")
+                             f"got {tuple(maps.shape[1:])}")
         if self._embeddings is None:
-            self._embeddings = np.zeros((self.capacity, embedding.size), dtype=np.float32)
-        if embedding.size != self._embeddings.shape[1]:
+            self._embeddings = np.zeros((self.capacity, embeddings.shape[1]), dtype=np.float32)
+        if embeddings.ndim != 2 or embeddings.shape[1] != self._embeddings.shape[1]:
             raise ValueError(f"expert map store: embedding must have {self._embeddings.shape[1]} values, "
-                             f"got {embedding.size}")
-        if self._size < self.capacity:
-            slot = self._size
-            self._size += 1
-        else:
-            slot = int(self._best(self._redundancy(embedding, probs) + self._staleness())[0][0])
-            self.num_replaced += 1
+                             f"got {embeddings.shape[1:]}")
+        if len(embeddings) != len(maps):
+            raise ValueError(f"expert map store: {len(embeddings)} embeddings for {len(maps)} maps")
+        slots = []
+        first_full = None  # the first record that replaces one, and the batch's RDY [B - first_full, C] from it
+        redundancy = np.zeros((0, 0), dtype=np.float32)
+        flat = maps.reshape(len(maps), -1)  # [B, L * E]: eq. 5 over every layer
+        embedding_norms, map_norms = _norms(embeddings), _norms(flat)
+        for i, (embedding, probs) in enumerate(zip(embeddings, maps, strict=True)):
+            if self._size < self.capacity:
+                slot = self._size
+                self._size += 1
+            else:
+                if first_full is None:
+                    first_full = i
+                    redundancy = self._redundancy(embeddings[i:], maps[i:])
+                row = i - first_full
+                slot = int(self._best(redundancy[row : row + 1] + self._staleness())[0][0])
+                self.num_replaced += 1
+            self._write(slot, embedding, probs)
+            slots.append(slot)
+            if first_full is not None and i + 1 < len(embeddings):  # the later records now meet this one there
+                later = slice(i + 1, None)
+                redundancy[i + 1 - first_full :, slot] = self._rdy(
+                    _cosine(embeddings[later] @ embedding, embedding_norms[later], self._embedding_norms[slot]),
+                    _cosine(flat[later] @ flat[i], map_norms[later], self._trajectory_norms[-1, slot]))
+        return slots
+
+    def _write(self, slot: int, embedding: npt.NDArray[np.float32], probs: npt.NDArray[np.float32]) -> None:
         self._embeddings[slot] = embedding
         self._embedding_norms[slot] = np.sqrt(np.dot(embedding, embedding))
         self._maps[:, slot] = probs
         self._trajectory_norms[:, slot] = np.sqrt(np.cumsum(np.einsum("le,le->l", probs, probs)))
         self._stamps[slot] = self._last_matched[slot] = self._num_added
         self._num_added += 1
-        return slot
 
     def mark_matched(self, index: npt.NDArray[np.int64]) -> None:
         """Records `index` were the best matches of a search whose plan is used: they are in use."""
@@ -169,24 +211,33 @@ class ExpertMapStore:
         return latest_best(scores, self._stamps[: self._size])
 
     def _semantic(self, embeddings: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """Eq. 4's cosine of `embeddings` [B, h] with every stored record's: [B, C]."""
         assert self._embeddings is not None
-        dots = embeddings @ self._embeddings[: self._size].T  # [B, C]
-        new_norms = np.maximum(np.sqrt(np.einsum("bh,bh->b", embeddings, embeddings)), _EPS)[:, None]
-        return dots / (new_norms * np.maximum(self._embedding_norms[: self._size], _EPS))
+        stored = self._embeddings[: self._size]
+        return _cosine(embeddings @ stored.T, _norms(embeddings)[:, None], self._embedding_norms[: self._size])
 
     def _trajectory(self, trajectories: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.float32]:
-        # sum over layers of [B, E] x [E, C]: the flattened dot product without copying maps
-        dots = np.einsum("bne,nce->bc", trajectories, self._maps[:n, : self._size])
-        old_norms = np.maximum(self._trajectory_norms[n - 1, : self._size], _EPS)
-        flat = trajectories.reshape(trajectories.shape[0], -1)
-        new_norms = np.maximum(np.sqrt(np.einsum("bx,bx->b", flat, flat)), _EPS)[:, None]
-        return dots / (new_norms * old_norms)
+        """Eq. 5's cosine of `trajectories` [B, n, E] with the first n layers of every stored map:
+        [B, C]. The flattened dot product is a sum of per-layer products ([B, E] x [E, C], BLAS
+        each), without copying the layer-major maps."""
+        maps = self._maps[:, : self._size]
+        dots = trajectories[:, 0] @ maps[0].T
+        for layer in range(1, n):
+            dots += trajectories[:, layer] @ maps[layer].T
+        new_norms = _norms(trajectories.reshape(trajectories.shape[0], -1))[:, None]
+        return _cosine(dots, new_norms, self._trajectory_norms[n - 1, : self._size])
 
-    def _redundancy(self, embedding: npt.NDArray[np.float32], probs: npt.NDArray[np.float32]
+    def _redundancy(self, embeddings: npt.NDArray[np.float32], maps: npt.NDArray[np.float32]
                     ) -> npt.NDArray[np.float32]:
-        """§4.4 RDY [1, C] of one new record against every stored one."""
+        """§4.4 RDY [B, C] of new records (`embeddings` [B, h], `maps` [B, L, E]) against every
+        stored one."""
+        return self._rdy(self._semantic(embeddings), self._trajectory(maps, self.num_layers))
+
+    def _rdy(self, semantic: npt.NDArray[np.float32], trajectory: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """§4.4: RDY from the semantic and the whole-map trajectory similarity, weighted by the
+        layers each search guides (d of L semantic)."""
         w_sem = self.prefetch_distance / self.num_layers
-        return w_sem * self._semantic(embedding[None]) + (1.0 - w_sem) * self._trajectory(probs[None], self.num_layers)
+        return w_sem * semantic + (1.0 - w_sem) * trajectory
 
     def _check_searchable(self) -> None:
         if self._size == 0:

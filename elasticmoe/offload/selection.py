@@ -87,6 +87,10 @@ def prefetch_priority(prob: float | npt.NDArray[np.float64], layer: int | npt.ND
     """§4.5: `PRI^prefetch_{l,j} = p_{l,j} / (l - l_now)`: likelier experts first, and nearer
     layers first. `current_layer` is the last layer routed (-1 before layer 0). Elementwise
     over arrays of `prob` and `layer`."""
+    if isinstance(layer, int):  # one item (`ranking` ranks a plan's few items in Python)
+        if layer <= current_layer:
+            raise ValueError(f"prefetch priority: layer {layer} is not after the current layer {current_layer}")
+        return prob / (layer - current_layer)
     distance = np.subtract(layer, current_layer)
     if (distance < 1).any():  # the method, not `np.any`: this runs per MoE layer of every step
         raise ValueError(f"prefetch priority: layer {layer} is not after the current layer {current_layer}")

@@ -17,7 +17,7 @@ from elasticmoe.offload import (
     run_prefetch,
 )
 from elasticmoe.offload.lru import OnDemandPolicy
-from elasticmoe.offload.ranking import pick_victims
+from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
 
 POLICY = OnDemandPolicy(PolicyConfig(num_layers=3, num_experts=4, top_k=2))  # LRU victims
 
@@ -85,6 +85,21 @@ def test_plans_are_ordered_and_for_later_layers():
         PrefetchPlan(0, (PrefetchItem(0, 0, 0.1),))
     with pytest.raises(ValueError, match="twice"):
         PrefetchPlan(0, (PrefetchItem(1, 0, 0.5), PrefetchItem(1, 0, 0.1)))
+
+
+def test_a_plan_from_predictions_ranks_p_over_distance_and_skips_the_resident():
+    planned = np.zeros((3, 4), dtype=np.bool_)
+    probs = np.zeros((3, 4))
+    for layer, expert, p in [(0, 1, 0.9), (1, 0, 0.2), (1, 3, 0.6), (2, 2, 0.4), (2, 3, 0.3)]:
+        planned[layer, expert], probs[layer, expert] = True, p
+    cache = make_cache(12, [(2, 3)])  # resident: left out
+    plan = plan_from_predictions(planned, probs, 0, cache)  # after layer 0: its expert is not planned
+    # p / (l - l_now): (1, 3) 0.6, (1, 0) 0.2 and (2, 2) 0.4 / 2 = 0.2, a tie kept in (layer, expert) order
+    assert [(i.layer, i.expert) for i in plan.items] == [(1, 3), (1, 0), (2, 2)]
+    assert [i.priority for i in plan.items] == pytest.approx([0.6, 0.2, 0.2])
+    assert plan.after_layer == 0 and plan.keys == {(1, 3), (1, 0), (2, 2)}
+    assert PrefetchPlan(plan.after_layer, plan.items) == plan  # made unchecked, it passes the checks
+    assert plan_from_predictions(planned, probs, 2, cache).items == ()
 
 
 def test_one_victim_is_the_first_of_the_full_ranking_ties_included():

@@ -3,6 +3,8 @@ capacity C with deduplication by RDY, searches equal to eqs. 4-5, and the hybrid
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -63,6 +65,25 @@ def test_the_store_replaces_the_argmax_of_rdy_on_random_records():
     new = random_record(gen)
     rdy = redundancy_scores(new.embedding[None], store.embeddings, new.probs[None], store.maps, 1)
     assert store.add(new) == int(rdy.argmax())
+
+
+@pytest.mark.parametrize("stored", [0, 4, 6])  # empty, filling up within the batch, full
+def test_a_batch_of_records_goes_where_one_at_a_time_would(stored):
+    gen = torch.Generator().manual_seed(stored)
+    one_at_a_time = ExpertMapStore(capacity=6, num_layers=3, num_experts=4, prefetch_distance=1)
+    for _ in range(stored):
+        one_at_a_time.add(random_record(gen))
+    one_at_a_time.mark_matched(torch.tensor([0]).numpy()[: min(stored, 1)])
+    batched = copy.deepcopy(one_at_a_time)
+    new = [random_record(gen) for _ in range(5)]
+    new.insert(3, new[1])  # a repeat: the batch's own earlier record is the most redundant one
+    slots = [one_at_a_time.add(r) for r in new]
+    assert batched.insert_many(torch.stack([r.embedding for r in new]).numpy(),
+                               torch.stack([r.probs for r in new]).numpy()) == slots
+    assert torch.equal(batched.maps, one_at_a_time.maps) and torch.equal(batched.embeddings, one_at_a_time.embeddings)
+    assert batched.num_replaced == one_at_a_time.num_replaced == stored  # six new records, six slots
+    if stored == 6:
+        assert slots[3] == slots[1]  # the repeat replaced its twin, not an older record
 
 
 def test_records_no_search_matches_leave_once_stale_and_matched_ones_stay():

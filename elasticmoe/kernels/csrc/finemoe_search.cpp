@@ -21,8 +21,22 @@
 namespace {
 
 constexpr float kEps = 1e-12f;  // a zero vector has cosine 0 with everything (as in map_store)
-constexpr int kBlock = 8;
+constexpr int kLanes = 16;  // one AVX-512 vector, two AVX2 ones
 constexpr double kFloorTolerance = 1e-3;  // selection.FLOOR_TOLERANCE
+
+// p . m over `n` values, in kLanes independent sums (the compiler makes them one vector FMA per
+// kLanes values, where a single sum would wait on each add's latency), added up at the end.
+float dot(const float* p, const float* m, int n) {
+  float lanes[kLanes] = {};
+  int e = 0;
+  for (; e + kLanes <= n; e += kLanes) {
+    for (int k = 0; k < kLanes; ++k) lanes[k] += p[e + k] * m[e + k];
+  }
+  float sum = 0.f;
+  for (int k = 0; k < kLanes; ++k) sum += lanes[k];
+  for (; e < n; ++e) sum += p[e] * m[e];
+  return sum;
+}
 
 // The stored record most similar to the trajectory with dot products `dots` [C] and squared
 // norm `new_sq`; equal scores go to the highest insertion stamp.
@@ -133,21 +147,7 @@ int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record
     for (int e = 0; e < E; ++e) sq += p[e] * p[e];
     new_sq[b] += sq;
     float* d = dots + b * num_records;
-    // kBlock records at a time: independent sums keep the FMA units busy (one sum at a time
-    // waits on each add's latency); each record's sum still runs over e in order.
-    int64_t c = 0;
-    for (; c + kBlock <= num_records; c += kBlock) {
-      float acc[kBlock] = {};
-      for (int e = 0; e < E; ++e) {
-        for (int j = 0; j < kBlock; ++j) acc[j] += p[e] * layer_maps[(c + j) * record_stride + e];
-      }
-      for (int j = 0; j < kBlock; ++j) d[c + j] += acc[j];
-    }
-    for (; c < num_records; ++c) {
-      float acc = 0.f;
-      for (int e = 0; e < E; ++e) acc += p[e] * layer_maps[c * record_stride + e];
-      d[c] += acc;
-    }
+    for (int64_t c = 0; c < num_records; ++c) d[c] += dot(p, layer_maps + c * record_stride, E);
   }
   if (target < 0) return 0;
   norms += static_cast<int64_t>(layer) * num_records;  // norms [L, C]: over layers 0..layer
