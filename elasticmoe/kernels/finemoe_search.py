@@ -25,8 +25,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return declare(lib, {"emoe_finemoe_observe": [ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, c_int, ptr, ptr,
-                                                  c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr],
+    return declare(lib, {"emoe_finemoe_observe": [ptr, i64, i64, i64, c_int, c_int, ptr, i64, i64, ptr, ptr, ptr, c_int,
+                                                  ptr, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr],
                          "emoe_finemoe_plan": [ptr, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, c_int, ptr,
                                                ptr, ptr, ptr]})
 
@@ -37,7 +37,8 @@ def available() -> bool:
 
 class LayerStep:
     """`step(layer, target)`: layer `layer` of `observed` [B, L, E] joins the trajectory sums
-    `dots` [B, C] and `new_sq` [B]; with a `target` layer (None: sums only), the best of the `C`
+    `dots` [B, C] and `new_sq` [B] (dot products with `columns` [L, E, C], the same maps with the
+    records contiguous); with a `target` layer (None: sums only), the best of the `C`
     records of `maps` [L, C, E] (trajectory norms `norms` [L, C], ties by `stamps` [C]) is found and
     layer `target` is planned into `planned`, `planned_probs` and `guide` [L, E] as
     `FineMoEPolicy._plan_layer` does. Returns the matches (index [B], score [B]); empty without a
@@ -46,7 +47,8 @@ class LayerStep:
     way from matches found elsewhere (the semantic search, eq. 4). The arrays are used in place:
     they must outlive the step and keep their buffers."""
 
-    def __init__(self, lib: ctypes.CDLL, maps: npt.NDArray[np.float32], norms: npt.NDArray[np.float32],
+    def __init__(self, lib: ctypes.CDLL, maps: npt.NDArray[np.float32], columns: npt.NDArray[np.float32],
+                 norms: npt.NDArray[np.float32],
                  stamps: npt.NDArray[np.int64], observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32],
                  new_sq: npt.NDArray[np.float32], planned: npt.NDArray[np.bool_],
                  planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64], top_k: int,
@@ -71,17 +73,23 @@ class LayerStep:
         if maps.dtype != np.float32 or maps.strides[2] != 4 or num_records < 1 or batch < 1:
             raise ValueError(f"finemoe search kernel: maps must be float32 [L, C >= 1, E] rows, got {maps.dtype} "
                              f"{maps.shape} strides {maps.strides}")
+        if (columns.dtype != np.float32 or columns.shape != (num_layers, num_experts, num_records)
+                or columns.strides[2] != 4):
+            raise ValueError(f"finemoe search kernel: columns must be float32 [{num_layers}, {num_experts}, "
+                             f"{num_records}] with the records contiguous, got {columns.dtype} {columns.shape} "
+                             f"strides {columns.strides}")
         if (num_tokens < 1).any():
             raise ValueError(f"finemoe search kernel: every request has >= 1 token, got {num_tokens}")
         self._fn = lib.emoe_finemoe_observe
         self._plan_fn = lib.emoe_finemoe_plan
         # kept alive
-        self._arrays = (maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, num_tokens)
+        self._arrays = (maps, columns, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, num_tokens)
         self.index = np.zeros(batch, dtype=np.int64)
         self.score = np.zeros(batch, dtype=np.float32)
         address = {name: array.ctypes.data for name, (array, _, _) in shapes.items()}
         self._head = (maps.ctypes.data, maps.strides[0] // 4, maps.strides[1] // 4, num_records, num_layers,
-                      num_experts, address["norms"], address["stamps"], address["observed"], batch, address["dots"],
+                      num_experts, columns.ctypes.data, columns.strides[0] // 4, columns.strides[1] // 4,
+                      address["norms"], address["stamps"], address["observed"], batch, address["dots"],
                       address["new_sq"])
         self._tail = (top_k, address["num_tokens"], address["planned"], address["planned_probs"], address["guide"],
                       self.index.ctypes.data, self.score.ctypes.data)
@@ -105,13 +113,14 @@ class LayerStep:
             raise ValueError(f"finemoe search kernel: target {target} or records {self.index} out of range")
 
 
-def bind(maps: npt.NDArray[np.float32], norms: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64],
-         observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32], new_sq: npt.NDArray[np.float32],
+def bind(maps: npt.NDArray[np.float32], columns: npt.NDArray[np.float32], norms: npt.NDArray[np.float32],
+         stamps: npt.NDArray[np.int64], observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32],
+         new_sq: npt.NDArray[np.float32],
          planned: npt.NDArray[np.bool_], planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64],
          top_k: int, num_tokens: npt.NDArray[np.int32]) -> LayerStep | None:
     """A `LayerStep` over these arrays, or None where the kernel is not available."""
     lib = _library()
     if lib is None:
         return None
-    return LayerStep(lib, maps, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, top_k,
+    return LayerStep(lib, maps, columns, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, top_k,
                      num_tokens)

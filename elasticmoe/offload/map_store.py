@@ -76,6 +76,9 @@ class ExpertMapStore:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.prefetch_distance = prefetch_distance
         self._maps = np.zeros((num_layers, capacity, num_experts), dtype=np.float32)  # layer-major
+        # [L, E, C]: the same maps with the records contiguous, which the search kernel's dot
+        # products read (a vector of records per expert instead of a horizontal sum per record)
+        self._columns = np.zeros((num_layers, num_experts, capacity), dtype=np.float32)
         # [L, C]: the norm of each record's first l + 1 layers as one vector (eq. 5's |map| on them)
         self._trajectory_norms = np.zeros((num_layers, capacity), dtype=np.float32)
         self._embeddings: np.ndarray | None = None  # [C, h], sized by the first record
@@ -161,9 +164,11 @@ class ExpertMapStore:
         return slots
 
     def _write(self, slot: int, embedding: npt.NDArray[np.float32], probs: npt.NDArray[np.float32]) -> None:
+        assert self._embeddings is not None
         self._embeddings[slot] = embedding
         self._embedding_norms[slot] = np.sqrt(np.dot(embedding, embedding))
         self._maps[:, slot] = probs
+        self._columns[:, :, slot] = probs
         self._trajectory_norms[:, slot] = np.sqrt(np.cumsum(np.einsum("le,le->l", probs, probs)))
         self._stamps[slot] = self._last_matched[slot] = self._num_added
         self._num_added += 1
@@ -259,6 +264,7 @@ class TrajectorySearch:
         self.store = store
         self.size = len(store)
         self._maps = store._maps[:, : self.size]  # [L, C, E] views, no copies
+        self._columns = store._columns[:, :, : self.size]  # [L, E, C]
         self._norms = np.maximum(store._trajectory_norms[:, : self.size], _EPS)  # [L, C]
         self._stamps = store._stamps[: self.size]
         self.dots = np.zeros((batch, self.size), dtype=np.float32)
@@ -279,7 +285,7 @@ class TrajectorySearch:
         """This search's layer steps and FineMoE's plans in kernel calls over `observed` [B, L, E] and
         the plan arrays (see `KernelPlanner`); None where the kernel is not available (the caller
         runs `add`, `best` and the NumPy plan)."""
-        step = finemoe_search.bind(self._maps, self._norms, self._stamps, observed, self.dots, self.new_sq, planned,
+        step = finemoe_search.bind(self._maps, self._columns, self._norms, self._stamps, observed, self.dots, self.new_sq, planned,
                                    planned_probs, guide, top_k, num_tokens)
         return None if step is None else KernelPlanner(self, step)
 

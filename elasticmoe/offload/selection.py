@@ -6,6 +6,8 @@ Layers here are 0-based (the paper counts from 1); only differences of layers en
 
 from __future__ import annotations
 
+from typing import overload
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -82,6 +84,11 @@ def minimum_expert_sets(probs: npt.ArrayLike, thresholds: npt.ArrayLike, top_k: 
     return order, np.maximum(counts, iteration_floor(p, num_tokens, top_k))
 
 
+@overload
+def prefetch_priority(prob: float, layer: int, current_layer: int) -> float: ...
+@overload
+def prefetch_priority(prob: float | npt.NDArray[np.float64], layer: npt.NDArray[np.int64],
+                      current_layer: int) -> npt.NDArray[np.float64]: ...
 def prefetch_priority(prob: float | npt.NDArray[np.float64], layer: int | npt.NDArray[np.int64],
                       current_layer: int) -> float | npt.NDArray[np.float64]:
     """§4.5: `PRI^prefetch_{l,j} = p_{l,j} / (l - l_now)`: likelier experts first, and nearer

@@ -102,7 +102,8 @@ def test_equal_records_go_to_the_latest_and_equal_probabilities_to_the_lower_exp
 
 
 def test_the_kernel_refuses_a_layer_or_record_out_of_range_and_a_wrong_layout():
-    arrays = dict(maps=np.zeros((2, 4, 3), dtype=np.float32)[:, :1], norms=np.ones((2, 1), dtype=np.float32),
+    arrays = dict(maps=np.zeros((2, 4, 3), dtype=np.float32)[:, :1],
+                  columns=np.zeros((2, 3, 4), dtype=np.float32)[:, :, :1], norms=np.ones((2, 1), dtype=np.float32),
                   stamps=np.zeros(1, dtype=np.int64), observed=np.zeros((1, 2, 3), dtype=np.float32),
                   dots=np.zeros((1, 1), dtype=np.float32), new_sq=np.zeros(1, dtype=np.float32),
                   planned=np.zeros((2, 3), dtype=np.bool_), planned_probs=np.zeros((2, 3)), guide=np.zeros((2, 3)),
@@ -125,6 +126,8 @@ def test_the_kernel_refuses_a_layer_or_record_out_of_range_and_a_wrong_layout():
     assert arrays["planned"][1].tolist() == [True, False, False]  # score 1: the top-1, ties to the lowest id
     with pytest.raises(ValueError, match="planned_probs must be contiguous float64"):
         finemoe_search.bind(**{**arrays, "planned_probs": np.zeros((2, 3), np.float32)}, top_k=1)
+    with pytest.raises(ValueError, match="columns must be"):
+        finemoe_search.bind(**{**arrays, "columns": np.zeros((2, 1, 3), np.float32)}, top_k=1)  # [L, C, E]
     with pytest.raises(ValueError, match="dots must be"):
         finemoe_search.bind(**{**arrays, "dots": np.zeros((1, 2), np.float32)}, top_k=1)  # C = 1 record
     with pytest.raises(ValueError, match="num_tokens must be"):

@@ -21,22 +21,7 @@
 namespace {
 
 constexpr float kEps = 1e-12f;  // a zero vector has cosine 0 with everything (as in map_store)
-constexpr int kLanes = 16;  // one AVX-512 vector, two AVX2 ones
 constexpr double kFloorTolerance = 1e-3;  // selection.FLOOR_TOLERANCE
-
-// p . m over `n` values, in kLanes independent sums (the compiler makes them one vector FMA per
-// kLanes values, where a single sum would wait on each add's latency), added up at the end.
-float dot(const float* p, const float* m, int n) {
-  float lanes[kLanes] = {};
-  int e = 0;
-  for (; e + kLanes <= n; e += kLanes) {
-    for (int k = 0; k < kLanes; ++k) lanes[k] += p[e + k] * m[e + k];
-  }
-  float sum = 0.f;
-  for (int k = 0; k < kLanes; ++k) sum += lanes[k];
-  for (; e < n; ++e) sum += p[e] * m[e];
-  return sum;
-}
 
 // The stored record most similar to the trajectory with dot products `dots` [C] and squared
 // norm `new_sq`; equal scores go to the highest insertion stamp.
@@ -119,7 +104,9 @@ void plan_layer(const float* maps, int64_t layer_stride, int64_t record_stride, 
 extern "C" {
 
 // maps: the store's [L, C_cap, E] fp32 maps (layer stride `layer_stride`, record stride
-// `record_stride`, in elements), the first `num_records` records valid.
+// `record_stride`, in elements), the first `num_records` records valid; `columns` the same maps
+// as [L, E, C_cap] (strides `column_layer_stride`, `column_expert_stride`; records contiguous),
+// which the dot products read.
 // norms: [L, C] the records' trajectory norms over layers 0..l (floored at eps).
 // observed: [B, L, E] the iteration's gate distributions per request (layer `layer` is read).
 // dots [B, C], new_sq [B]: the running sums, updated in place.
@@ -129,7 +116,8 @@ extern "C" {
 // best_index [B], best_score [B]: the matches found (when planning).
 // Returns 0, or 1 for arguments out of range (nothing written).
 int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record_stride, int64_t num_records,
-                         int num_layers, int num_experts, const float* norms, const int64_t* stamps,
+                         int num_layers, int num_experts, const float* columns, int64_t column_layer_stride,
+                         int64_t column_expert_stride, const float* norms, const int64_t* stamps,
                          const float* observed, int batch, float* dots, float* new_sq, int layer, int target,
                          int top_k, const int32_t* num_tokens, uint8_t* planned, double* planned_probs,
                          double* guide, int64_t* best_index, float* best_score) {
@@ -138,7 +126,7 @@ int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record
       (target >= 0 && (target <= layer || top_k < 1 || top_k > E))) {
     return 1;
   }
-  const float* layer_maps = maps + layer * layer_stride;
+  const float* layer_columns = columns + layer * column_layer_stride;
   const float* probs = observed + layer * num_experts;  // observed [B, L, E]: this layer's rows
   const int64_t probs_stride = static_cast<int64_t>(num_layers) * E;
   for (int b = 0; b < batch; ++b) {
@@ -146,8 +134,15 @@ int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record
     float sq = 0.f;
     for (int e = 0; e < E; ++e) sq += p[e] * p[e];
     new_sq[b] += sq;
-    float* d = dots + b * num_records;
-    for (int64_t c = 0; c < num_records; ++c) d[c] += dot(p, layer_maps + c * record_stride, E);
+    // The records side by side (one expert's column of every record is contiguous): each expert
+    // adds p[e] times its column to the sums, a vector FMA per 16 records, where a record-major
+    // layout would need a horizontal sum per record. Each record's sum still runs over e in order.
+    float* __restrict d = dots + b * num_records;
+    for (int e = 0; e < E; ++e) {
+      const float pe = p[e];
+      const float* __restrict column = layer_columns + e * column_expert_stride;
+      for (int64_t c = 0; c < num_records; ++c) d[c] += pe * column[c];
+    }
   }
   if (target < 0) return 0;
   norms += static_cast<int64_t>(layer) * num_records;  // norms [L, C]: over layers 0..layer
