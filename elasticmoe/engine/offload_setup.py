@@ -29,6 +29,7 @@ from elasticmoe.models.common import CausalLM
 from elasticmoe.models.weights import ParamSpec
 from elasticmoe.offload.policy import PolicyConfig
 from elasticmoe.offload.registry import make_policy
+from elasticmoe.utils.numpy_blas import single_threaded_numpy_blas
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: li
         num_layers=len(layers), num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
         prefetch_distance=min(config.offload_prefetch_distance, len(layers)),
         store_capacity=config.offload_store_capacity))
+    single_threaded_numpy_blas()  # the policy's products run inline; a spinning BLAS thread starves the copier
     cache = ExpertCache(policy, source, pool_w13, pool_w2, local_expert_ids, len(layers), model_cfg.num_experts,
                         copier_poll_us=copier_poll_us())
     routers = [weights[s.w13.name.rsplit(".", 1)[0] + ".router"] for s in layers]
