@@ -204,7 +204,12 @@ class ExpertCache:
                 if not self.copier.wait(last):
                     raise RuntimeError(f"expert cache: the copier did not run on-demand copies {first}..{last}")
                 self.copier.pause(True)
-                self.bytes_loaded[self.source.tier] += len(shared) * self.expert_bytes
+                self.copier.finished()  # collects the copier's failures up to `last`
+                failed = [key for i, (key, _) in enumerate(shared) if first + i in self.copier.failed]
+                self.copier.failed.difference_update(range(first, last + 1))
+                self.bytes_loaded[self.source.tier] += (len(shared) - len(failed)) * self.expert_bytes
+                if failed:
+                    raise OSError(f"expert cache: reading experts {failed} from the {self.source.tier} tier failed")
 
     def _load_beside_copy(self, layer: int, experts: Sequence[int]) -> CacheUpdate:
         """`load_on_demand` while a prefetch copy may be in progress: its row is being written, so

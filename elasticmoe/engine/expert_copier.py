@@ -12,7 +12,7 @@ stream. Two copiers with one interface:
   drive it a copy at a time (`start=False`, `run_one`).
 
 The protocol both keep: copies get consecutive ids from 0; every id below `finished()` has been
-copied, failed (`failed`) or been cancelled; `cancel()` drops every copy not started and returns
+copied, failed (in `failed` once `finished()` has passed it) or been cancelled; `cancel()` drops every copy not started and returns
 the first dropped id (their rows were never written); `pause(True)` stops between two copies.
 """
 
@@ -58,7 +58,7 @@ class NativeCopier:
     def __init__(self, engine: copy_engine.CopyEngine, num_local: int) -> None:
         """`engine`'s source `layer * num_local + local` is that expert."""
         self.engine = engine
-        self.failed: set[int] = set()  # native copies cannot fail
+        self.failed: set[int] = set()  # copies whose file read failed (the disk tier), as of `finished()`
         self.polls = engine.poll_us > 0
         self._num_local = num_local
 
@@ -73,7 +73,9 @@ class NativeCopier:
             self.engine.pause(paused)
 
     def finished(self) -> int:
-        return self.engine.finished()
+        finished = self.engine.finished()
+        self.failed.update(self.engine.take_failed())  # after: every failed id below `finished` is in
+        return finished
 
     def running(self) -> int:
         return self.engine.running()

@@ -1,9 +1,13 @@
 """Where an offloaded expert's weights are read from when the expert cache loads it.
 
 Two tiers below the cache (DESIGN.md "Memory tiers"):
-- `DiskExperts`: the checkpoint's safetensors, read through mmap (the OS page cache keeps
-  recently read experts in host memory for free). The engine's own process holds nothing
-  else of the routed experts: this is the tier that lets a model larger than the budget run.
+- `DiskExperts`: the checkpoint's safetensors, read with `pread` from files opened once (the OS
+  page cache keeps recently read experts in host memory for free). The engine's own process holds
+  nothing else of the routed experts: this is the tier that lets a model larger than the budget
+  run. Not through a mapping: a checkpoint file truncated or rewritten in place while the server
+  runs (`cp` over it) would fault the process at the next copy from a page past its new end
+  (SIGBUS, in any copy, native or PyTorch), while a read returns an error or a short count, which
+  fails the load and only the requests that needed it.
 - `HostExperts`: full expert stacks some other owner already keeps in host memory (the HMM's
   shared memory, one copy per node, handed to the engine through a `WeightProvider`); a load
   is one memory copy.
@@ -16,18 +20,24 @@ source at once; neither writes it, so it holds no lock.
 
 from __future__ import annotations
 
+import errno
+import math
+import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from elasticmoe.kernels.copy_engine import BF16_TO_F32, MEMCPY
+from elasticmoe.kernels.copy_engine import BF16_TO_F32, MEMCPY, READ_FILE, READ_FILE_BF16_TO_F32
 from elasticmoe.models.weights import ParamSpec, SafetensorsWeightProvider
 
-# (source address, pool: 0 = w13 / 1 = w2, byte offset in the pool row, count, kind): one piece of an
-# expert's copy in the native copy engine's terms (`elasticmoe.kernels.copy_engine`)
-Segment = tuple[int, int, int, int, int]
+# (source address or file descriptor, pool: 0 = w13 / 1 = w2, byte offset in the pool row, count,
+# kind, file offset): one piece of an expert's copy in the native copy engine's terms
+# (`elasticmoe.kernels.copy_engine`)
+Segment = tuple[int, int, int, int, int, int]
 
 
 class ExpertSource(Protocol):
@@ -44,28 +54,72 @@ class ExpertSource(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class FilePart:
+    """A checkpoint tensor's bytes in a file opened for reading (`fd`, from byte `offset`)."""
+
+    path: Path
+    fd: int
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def segment(self, pool: int, offset: int, dtype: torch.dtype) -> Segment | None:
+        """This part read into byte `offset` of a pool row of `dtype`; None: no native kind."""
+        if self.dtype == dtype:
+            return (self.fd, pool, offset, self.numel * self.dtype.itemsize, READ_FILE, self.offset)
+        if self.dtype == torch.bfloat16 and dtype == torch.float32:
+            return (self.fd, pool, offset, self.numel, READ_FILE_BF16_TO_F32, self.offset)
+        return None
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        """Read this part into `dst` (contiguous, its shape), converting the dtype; `OSError` when
+        the read fails or the file ends first (truncated under the server)."""
+        if not dst.is_contiguous() or tuple(dst.shape) != self.shape:
+            raise ValueError(f"{self.path}: a part of shape {self.shape} reads into a contiguous tensor of its "
+                             f"shape, got {tuple(dst.shape)}")
+        target = dst if dst.dtype == self.dtype else torch.empty(self.shape, dtype=self.dtype)
+        buffer = target.reshape(-1).view(torch.uint8).numpy().data
+        done = 0
+        while done < len(buffer):  # `preadv` releases the GIL; a short count is not yet the end
+            n = os.preadv(self.fd, [buffer[done:]], self.offset + done)
+            if n == 0:
+                raise OSError(errno.EIO, f"{self.path} ends {len(buffer) - done} bytes before this expert does "
+                                         "(was the checkpoint replaced in place while serving?)")
+            done += n
+        if target is not dst:
+            dst.copy_(target)
+
+
 def tensor_segment(src: torch.Tensor, pool: int, offset: int, dtype: torch.dtype) -> Segment | None:
     """`src` (contiguous) written at byte `offset` of a pool row of `dtype`; None: no native kind."""
     if not src.is_contiguous():
         return None
     if src.dtype == dtype:
-        return (src.data_ptr(), pool, offset, src.numel() * src.element_size(), MEMCPY)
+        return (src.data_ptr(), pool, offset, src.numel() * src.element_size(), MEMCPY, 0)
     if src.dtype == torch.bfloat16 and dtype == torch.float32:
-        return (src.data_ptr(), pool, offset, src.numel(), BF16_TO_F32)
+        return (src.data_ptr(), pool, offset, src.numel(), BF16_TO_F32, 0)
     return None
 
 
-def row_segments(parts_per_pool: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype) -> list[Segment] | None:
-    """Segments of one expert whose pool row `pool` is the concatenation (dim 0) of `parts_per_pool[pool]`."""
+def row_segments(parts_per_pool: Sequence[Sequence[FilePart | torch.Tensor]], dtype: torch.dtype
+                 ) -> list[Segment] | None:
+    """Segments of one expert whose pool row `pool` is the concatenation (dim 0) of `parts_per_pool[pool]`
+    (tensors in memory, or parts of files)."""
     out: list[Segment] = []
     for pool, parts in enumerate(parts_per_pool):
         offset = 0
         for part in parts:
-            segment = tensor_segment(part, pool, offset, dtype)
+            segment = (part.segment(pool, offset, dtype) if isinstance(part, FilePart)
+                       else tensor_segment(part, pool, offset, dtype))
             if segment is None:
                 return None
             out.append(segment)
-            offset += part.numel() * dtype.itemsize
+            offset += math.prod(part.shape) * dtype.itemsize
     return out
 
 
@@ -78,41 +132,58 @@ class LayerExpertSpecs:
 
 
 class DiskExperts:
-    """Experts read from the checkpoint on demand, one row at a time.
-
-    Every expert's checkpoint tensors are mapped views made once (`SafetensorsWeightProvider.
-    mapped_view`), and a row is filled by one `torch._foreach_copy_` call: the prefetch thread runs
-    beside the forward, and each Python step it takes holds the GIL the forward needs after every
-    op (a thread busy in Python beside the forward made a decode step ~4x slower here; a thread
-    copying, 1.4x)."""
+    """Experts read from the checkpoint on demand, one row at a time, with `pread` (see the module
+    docstring): on the forward thread by `copy_into`, on the copy thread from `segments`. Each file
+    is opened once, here, and closed when this source is collected: the native copier keeps its
+    source alive until its thread has stopped."""
 
     tier = "disk"
 
     def __init__(self, model_dir: str, layers: Sequence[LayerExpertSpecs]) -> None:
         self.layers = list(layers)
         self.reader = SafetensorsWeightProvider(model_dir)
-        # Map every file now: the two threads that read must not race to open one.
-        self._views = [(self._sources(spec.w13), self._sources(spec.w2)) for spec in self.layers]
+        self._fds: dict[Path, int] = {}
+        weakref.finalize(self, _close_files, self._fds)
+        self._parts = [(self._sources(spec.w13), self._sources(spec.w2)) for spec in self.layers]
 
-    def _sources(self, spec: ParamSpec) -> list[list[torch.Tensor]]:
-        """Per local expert, the checkpoint tensors its row is concatenated from (dim 0)."""
-        views = [[self.reader.mapped_view(name) for name in group] for group in spec.sources]
-        for group, parts in zip(spec.sources, views, strict=True):
+    def _sources(self, spec: ParamSpec) -> list[list[FilePart | torch.Tensor]]:
+        """Per local expert, the checkpoint tensors its row is concatenated from (dim 0): their
+        places in the files, or (a dtype torch cannot name) the tensors read now."""
+        experts: list[list[FilePart | torch.Tensor]] = []
+        for group in spec.sources:
+            parts = [self._part(name) for name in group]
             if sum(p.shape[0] for p in parts) != spec.shape[1] or any(p.shape[1:] != spec.shape[2:] for p in parts):
                 raise ValueError(f"checkpoint tensors {group} do not make a {list(spec.shape[1:])} expert row")
-        return views
+            experts.append(parts)
+        return experts
+
+    def _part(self, name: str) -> FilePart | torch.Tensor:
+        extent = self.reader.file_extent(name)
+        if extent is None:
+            return self.reader.mapped_view(name)
+        path, dtype, shape, offset = extent
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return FilePart(path, self._fds[path], offset, dtype, tuple(shape))
 
     def copy_into(self, layer: int, local: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for dst, parts in ((w13, self._views[layer][0][local]), (w2, self._views[layer][1][local])):
-            dsts += [dst] if len(parts) == 1 else dst.split([p.shape[0] for p in parts])
-            srcs += parts
-        torch._foreach_copy_(dsts, srcs)  # one call, outside the GIL; converts the dtype if needed
+        for dst, parts in ((w13, self._parts[layer][0][local]), (w2, self._parts[layer][1][local])):
+            pieces = [dst] if len(parts) == 1 else dst.split([p.shape[0] for p in parts])
+            for piece, part in zip(pieces, parts, strict=True):
+                if isinstance(part, FilePart):
+                    part.read_into(piece)
+                else:
+                    piece.copy_(part)
         return w13.nbytes + w2.nbytes
 
     def segments(self, layer: int, local: int, dtype: torch.dtype) -> list[Segment] | None:
-        return row_segments((self._views[layer][0][local], self._views[layer][1][local]), dtype)
+        return row_segments((self._parts[layer][0][local], self._parts[layer][1][local]), dtype)
+
+
+def _close_files(fds: dict[Path, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 class HostExperts:

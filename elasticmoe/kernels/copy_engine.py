@@ -2,10 +2,12 @@
 
 The expert cache's prefetches run here (`elasticmoe.engine.expert_copier`): the forward thread
 decides and submits, this thread copies. The engine is made with a table of sources (one per
-expert): each is up to S segments, a piece of memory written at an offset of a row of one of the
-pools, by `memcpy` or by a bf16 -> fp32 widening. A copy is then two integers, (source, row). The
-table holds raw addresses: the caller keeps the sources and the pools alive until the engine is
-closed (`close` waits for the copy in progress).
+expert): each is up to S segments, a piece of memory or of a file (read with `pread`) written at an
+offset of a row of one of the pools, as is or widened from bf16 to fp32. A copy is then two
+integers, (source, row). The table holds raw addresses and file descriptors: the caller keeps the
+sources, the files open and the pools alive until the engine is closed (`close` waits for the copy
+in progress). A file read that fails (an error, or a file cut short) fails its copy:
+`take_failed` returns its id, and the copy still counts as finished.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from elasticmoe.kernels.build import load_kernel
 
 MEMCPY = 0  # count: bytes
 BF16_TO_F32 = 1  # count: elements
-SEGMENT_FIELDS = 5  # source address, pool, byte offset in the pool's row, count, kind
+READ_FILE = 2  # count: bytes; source: a file descriptor, read from the file offset
+READ_FILE_BF16_TO_F32 = 3  # count: elements (bf16 in the file)
+SEGMENT_FIELDS = 6  # source (address or file descriptor), pool, byte offset in the pool's row, count, kind, file offset
 
 
 @cache
@@ -43,6 +47,7 @@ def _library() -> ctypes.CDLL | None:
         ("emoe_copy_engine_busy_ns", [handle], i64),
         ("emoe_copy_engine_sleeps", [handle], i64),
         ("emoe_copy_engine_wait", [handle, i64], c_int),
+        ("emoe_copy_engine_take_failed", [handle, ptr, i64], i64),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
@@ -64,7 +69,7 @@ class CopyEngine:
 
     def __init__(self, table: npt.NDArray[np.int64], pools: Sequence[torch.Tensor], keepalive: object = None,
                  poll_us: int = 0) -> None:
-        """`table` [sources, S, 5]: per source, its segments (count 0: padding); `pools`: contiguous
+        """`table` [sources, S, 6]: per source, its segments (count 0: padding); `pools`: contiguous
         tensors whose dim 0 indexes rows; `keepalive`: what owns the sources' memory; `poll_us`: how
         long the idle thread polls for new copies (yielding its core) before it sleeps, where a
         core is free for it (see csrc/copy_engine.cpp: waking it from sleep costs the caller). The engine
@@ -86,8 +91,8 @@ class CopyEngine:
         handle = lib.emoe_copy_engine_new(table.ctypes.data, table.shape[0], table.shape[1], bases.ctypes.data,
                                           row_bytes.ctypes.data, len(pools), rows.pop(), int(poll_us))
         if not handle:
-            raise ValueError("copy engine: refused: a segment writes outside its pool row, or names an unknown pool "
-                             "or kind (or its thread could not start)")
+            raise ValueError("copy engine: refused: a segment writes outside its pool row, names an unknown pool "
+                             "or kind, or a negative file (or its thread could not start)")
         self._lib, self._handle = lib, handle
         self.poll_us = int(poll_us)
         self._busy_at_close = 0.0
@@ -131,6 +136,18 @@ class CopyEngine:
         pause, or never submitted)."""
         self._check_open()
         return bool(self._lib.emoe_copy_engine_wait(self._handle, item))
+
+    def take_failed(self) -> list[int]:
+        """The ids of copies whose file read failed since the last call (their rows hold garbage).
+        Read `finished()` first: every failed id below it is then in the answer."""
+        self._check_open()
+        out: list[int] = []
+        buffer = (ctypes.c_int64 * 64)()
+        while (n := int(self._lib.emoe_copy_engine_take_failed(self._handle, buffer, 64))) > 0:
+            out.extend(buffer[:n])
+            if n < 64:
+                break
+        return out
 
     def sleeps(self) -> int:
         """How many times the idle thread went to sleep (a poll that saw work in time did not)."""

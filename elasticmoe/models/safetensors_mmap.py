@@ -52,6 +52,13 @@ class MappedSafetensors:
         """The stored dtype ("BF16", "F32", ...)."""
         return self._entries[name][0]
 
+    def extent(self, name: str) -> tuple[torch.dtype, list[int], int] | None:
+        """Tensor `name`'s dtype, shape and byte offset in the file (for a reader that does not go
+        through the mapping), or None for a dtype without a torch equivalent here."""
+        dtype_name, shape, begin, _ = self._entries[name]
+        dtype = _DTYPES.get(dtype_name)
+        return None if dtype is None else (dtype, list(shape), begin)
+
     def view(self, name: str) -> torch.Tensor | None:
         """Tensor `name` over the mapped bytes (no copy), or None for a dtype without a torch
         equivalent here (the caller then reads it through safetensors)."""

@@ -93,6 +93,12 @@ class SafetensorsWeightProvider:
     def has(self, name: str) -> bool:
         return name in self._file_of
 
+    def file_extent(self, name: str) -> tuple[Path, torch.dtype, list[int], int] | None:
+        """Where checkpoint tensor `name` lies: (file, dtype, shape, byte offset), or None for a dtype
+        torch has no equivalent of (read it with `mapped_view`)."""
+        extent = self._mapping(name).extent(name)
+        return None if extent is None else (self._path(name), *extent)
+
     def stored_dtype(self, name: str) -> str:
         """The safetensors dtype a checkpoint tensor is stored in ("BF16", "F32", ...), header only."""
         return self._mapping(name).dtype(name)

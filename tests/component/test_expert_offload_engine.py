@@ -6,6 +6,8 @@ only the requests that needed the expert."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 
 import pytest
@@ -251,8 +253,9 @@ def test_an_unreadable_expert_fails_only_its_requests(tiny_model_dir, resident):
     """The disk tier raises for one expert: the requests routed to it finish with an error, the
     engine goes on, and once the tier reads again the same prompts give the resident outputs."""
     engine = _engine(tiny_model_dir, expert_cache_fraction=0.25, offload_policy="on_demand")
-    # The fault goes into `copy_into`, the forward thread's copies: the native copier's memory
-    # copies (half of a layer's misses, where it polls) cannot raise, so they stay with this thread.
+    # The fault goes into `copy_into`, the forward thread's copies: the native copier reads the
+    # files itself (half of a layer's misses, where it polls), so they stay with this thread. A real
+    # read error reaches both: the next test.
     engine.offload.cache._copier_shares_loads = False
     source = engine.offload.cache.source
     original = source.copy_into
@@ -276,6 +279,36 @@ def test_an_unreadable_expert_fails_only_its_requests(tiny_model_dir, resident):
         assert errors and all("disk read error" in o.error for o in errors)
         engine.offload.cache.check_integrity()
         broken["on"] = False
+        _assert_same(_run(engine), resident["qwen3_moe"])
+    finally:
+        engine.offload.close()
+
+
+def test_a_checkpoint_cut_short_under_the_engine_fails_requests_not_the_engine(tiny_model_dir, resident, tmp_path):
+    """The checkpoint is copied over in place while the engine serves from its disk tier: cut to
+    half, the reads past the cut (prefetches on the copy thread, loads on the forward) fail their
+    requests with the reason, the engine goes on, and once the files are whole again the same
+    prompts give the resident outputs. Read through a mapping, the process would have faulted."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    engine = _engine(str(model), expert_cache_fraction=0.25, offload_policy="finemoe")
+    whole = {path: path.read_bytes() for path in model.glob("*.safetensors")}
+    try:
+        for path, data in whole.items():
+            os.truncate(path, len(data) // 2)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"a{i}", prompt, GREEDY)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        finished = {o.request_id: o for o in outs if o.finished}
+        assert len(finished) == len(PROMPTS)
+        errors = [o.error for o in finished.values() if o.finish_reason == "error"]
+        assert errors and all("before this expert does" in e or "from the disk tier failed" in e for e in errors)
+        engine.offload.cache.check_integrity()
+        for path, data in whole.items():  # in place: the engine's open files see it
+            with open(path, "r+b") as f:
+                f.write(data)
         _assert_same(_run(engine), resident["qwen3_moe"])
     finally:
         engine.offload.close()

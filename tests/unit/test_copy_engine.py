@@ -28,7 +28,7 @@ def make_engine(sources: list[torch.Tensor], pool: torch.Tensor, poll_us: int = 
     table = np.zeros((len(sources), 1, copy_engine.SEGMENT_FIELDS), dtype=np.int64)
     for i, src in enumerate(sources):
         kind, count = (BF16_TO_F32, src.numel()) if src.dtype == torch.bfloat16 else (MEMCPY, src.nbytes)
-        table[i, 0] = (src.data_ptr(), 0, 0, count, kind)
+        table[i, 0] = (src.data_ptr(), 0, 0, count, kind, 0)
     return CopyEngine(table, [pool], poll_us=poll_us)
 
 
@@ -138,7 +138,7 @@ def test_an_interpreter_exit_with_copies_in_flight_joins_the_thread_cleanly():
         from elasticmoe.kernels.copy_engine import CopyEngine, MEMCPY
         src = torch.ones(16 << 20)
         pool = torch.zeros(4, src.numel())
-        table = np.array([[[src.data_ptr(), 0, 0, src.nbytes, MEMCPY]]], dtype=np.int64)
+        table = np.array([[[src.data_ptr(), 0, 0, src.nbytes, MEMCPY, 0]]], dtype=np.int64)
         engine = CopyEngine(table, [pool])
         engine.submit([(0, r) for r in range(4)] * 8)
         print("submitted", flush=True)
@@ -173,7 +173,7 @@ def test_the_engine_keeps_its_pools_and_sources_alive_until_its_thread_stops():
     must outlive the thread, whoever drops it first."""
     src, pool = torch.ones(1 << 20), torch.zeros(2, 1 << 20)
     table_owner = [src]
-    engine = CopyEngine(np.array([[[src.data_ptr(), 0, 0, src.nbytes, MEMCPY]]], dtype=np.int64), [pool],
+    engine = CopyEngine(np.array([[[src.data_ptr(), 0, 0, src.nbytes, MEMCPY, 0]]], dtype=np.int64), [pool],
                         keepalive=table_owner)
     pool_ref = weakref.ref(pool)
     del src, pool, table_owner

@@ -8,15 +8,20 @@
 // engine beside the forward").
 //
 // The engine is made with a table of sources: source i (an expert) is up to S segments, each a
-// piece of the expert (an address and a count) written at an offset of a row of one of the pools
-// (w13, w2), by memcpy or by a bf16 -> fp32 widening (a bf16 checkpoint read into an fp32 cache).
+// piece of the expert written at an offset of a row of one of the pools (w13, w2): from memory (an
+// address and a count) or from a file (a descriptor, an offset and a count: the disk tier), as is
+// or widened from bf16 to fp32 (a bf16 checkpoint read into an fp32 cache). A file is read with
+// `pread`, not through a mapping: a file cut short under a mapping faults the process (SIGBUS),
+// while a short read is an error this copy reports (`failed`) and the cache survives.
 // A copy is (source, row). The protocol (every field under `mu_`):
 // - copies get consecutive ids from 0; the queue holds the ones not started, in id order;
 // - the worker takes the queue's front (unless paused), copies it without the lock, and then
 //   advances `finished_`: every id below it is copied or cancelled;
 // - `cancel` drops every queued copy at once and returns the first dropped id: a dropped copy's
 //   row was never written, so the caller may hand it back to the expert that held it;
-// - `pause` stops the worker between two copies (an on-demand load needs the memory bandwidth).
+// - `pause` stops the worker between two copies (an on-demand load needs the memory bandwidth);
+// - a copy whose file read fails (an error, or the file ends early) still finishes; its id is
+//   recorded in `failed_` before `finished_` passes it, and its row holds garbage.
 //
 // Idle, the worker may poll for new work a while (`poll_us`) before it sleeps. Waking a sleeping
 // thread costs the thread that wakes it (the forward, in `submit` and `pause`) ~20-50 us on the
@@ -26,7 +31,9 @@
 // engine asks for polling only when its compute threads leave a core free
 // (`elasticmoe.engine.offload_setup`).
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -35,21 +42,26 @@
 #include <mutex>
 #include <sched.h>
 #include <thread>
+#include <unistd.h>
 #include <utility>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kMemcpy = 0;      // count = bytes
-constexpr int64_t kBf16ToF32 = 1;   // count = elements
-constexpr int64_t kSegmentFields = 5;  // source address, pool, offset in the row, count, kind
+constexpr int64_t kMemcpy = 0;          // count = bytes
+constexpr int64_t kBf16ToF32 = 1;       // count = elements
+constexpr int64_t kReadFile = 2;        // count = bytes; source = a file descriptor, at `file_offset`
+constexpr int64_t kReadFileBf16ToF32 = 3;  // count = elements (two bytes each in the file)
+constexpr int64_t kSegmentFields = 6;  // source (address or descriptor), pool, offset in the row, count, kind,
+                                       // file offset
 
 struct Segment {
-  const char* src;
+  int64_t source;
   int64_t pool;
   int64_t offset;
   int64_t count;
   int64_t kind;
+  int64_t file_offset;
 };
 
 struct Pool {
@@ -63,17 +75,49 @@ struct Item {
   int64_t row;
 };
 
-int64_t written_bytes(const Segment& s) { return s.kind == kMemcpy ? s.count : s.count * 4; }
+bool widens(int64_t kind) { return kind == kBf16ToF32 || kind == kReadFileBf16ToF32; }
+bool reads_file(int64_t kind) { return kind == kReadFile || kind == kReadFileBf16ToF32; }
+int64_t written_bytes(const Segment& s) { return widens(s.kind) ? s.count * 4 : s.count; }
 
-void copy_segment(const Segment& s, char* dst) {
-  if (s.count == 0) return;  // padding: an expert made of fewer pieces than the widest
-  if (s.kind == kMemcpy) {
-    std::memcpy(dst, s.src, static_cast<size_t>(s.count));
-    return;
-  }
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src);
+void widen_bf16(const uint16_t* src, int64_t count, char* dst) {
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < s.count; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;  // exact
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;  // exact
+}
+
+// `bytes` bytes of file `fd` from `at` into `dst`; false on an error or where the file ends first.
+bool read_fully(int fd, char* dst, int64_t bytes, int64_t at) {
+  while (bytes > 0) {
+    const ssize_t n = pread(fd, dst, static_cast<size_t>(bytes), at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    dst += n;
+    bytes -= n;
+    at += n;
+  }
+  return true;
+}
+
+// One segment into `dst`; false when its file read failed. `scratch` holds a bf16 file piece.
+bool copy_segment(const Segment& s, char* dst, std::vector<uint16_t>& scratch) {
+  if (s.count == 0) return true;  // padding: an expert made of fewer pieces than the widest
+  const char* src = reinterpret_cast<const char*>(s.source);
+  switch (s.kind) {
+    case kMemcpy:
+      std::memcpy(dst, src, static_cast<size_t>(s.count));
+      return true;
+    case kBf16ToF32:
+      widen_bf16(reinterpret_cast<const uint16_t*>(src), s.count, dst);
+      return true;
+    case kReadFile:
+      return read_fully(static_cast<int>(s.source), dst, s.count, s.file_offset);
+    default:  // kReadFileBf16ToF32
+      scratch.resize(static_cast<size_t>(s.count));
+      if (!read_fully(static_cast<int>(s.source), reinterpret_cast<char*>(scratch.data()), s.count * 2,
+                      s.file_offset))
+        return false;
+      widen_bf16(scratch.data(), s.count, dst);
+      return true;
+  }
 }
 
 class CopyEngine {
@@ -143,6 +187,15 @@ class CopyEngine {
     return sleeps_;
   }
 
+  // Up to `capacity` ids of failed copies into `out`, oldest first, and forgets them; returns how many.
+  int64_t take_failed(int64_t* out, int64_t capacity) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t n = std::min<int64_t>(capacity, static_cast<int64_t>(failed_.size()));
+    for (int64_t i = 0; i < n; ++i) out[i] = failed_[static_cast<size_t>(i)];
+    failed_.erase(failed_.begin(), failed_.begin() + n);
+    return n;
+  }
+
   // Block until item `id` is finished. Returns at once (false) when it is queued behind a pause or
   // was never submitted: nobody would copy it.
   bool wait(int64_t id) {
@@ -190,12 +243,14 @@ class CopyEngine {
       lock.unlock();
       const auto started = std::chrono::steady_clock::now();
       const Segment* segments = table_.data() + item.source * per_source_;
-      for (int64_t i = 0; i < per_source_; ++i) {
+      bool ok = true;
+      for (int64_t i = 0; i < per_source_ && ok; ++i) {
         const Pool& pool = pools_[segments[i].pool];
-        copy_segment(segments[i], pool.base + item.row * pool.row_bytes + segments[i].offset);
+        ok = copy_segment(segments[i], pool.base + item.row * pool.row_bytes + segments[i].offset, scratch_);
       }
       const auto took = std::chrono::steady_clock::now() - started;
       lock.lock();
+      if (!ok) failed_.push_back(item.id);
       busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(took).count();
       running_ = -1;
       finished_ = queue_.empty() ? next_id_ : queue_.front().id;
@@ -213,6 +268,8 @@ class CopyEngine {
   std::deque<Item> queue_;
   int64_t next_id_ = 0, finished_ = 0, running_ = -1, busy_ns_ = 0;
   int64_t sleeps_ = 0;  // times the idle thread went to sleep (each later costs a wake)
+  std::deque<int64_t> failed_;  // ids of copies whose file read failed, not yet taken
+  std::vector<uint16_t> scratch_;  // the worker's: a bf16 file piece before it is widened
   bool paused_ = false, stopping_ = false, sleeping_ = false;
   std::atomic<int64_t> epoch_{0};  // bumped (under mu_) by every change a waiting worker must see
   std::thread worker_;  // last: it starts once the fields above are initialised
@@ -224,7 +281,8 @@ CopyEngine* engine(void* handle) { return static_cast<CopyEngine*>(handle); }
 
 extern "C" {
 
-// `table` [num_sources, per_source, 5]: (source address, pool, offset in the row, count, kind);
+// `table` [num_sources, per_source, 6]: (source address or file descriptor, pool, offset in the row,
+// count, kind, file offset);
 // `pool_bases` / `row_bytes` [num_pools]: each pool's address and row size; rows 0..num_rows-1;
 // `poll_us`: how long the idle thread polls before it sleeps (0: it sleeps at once).
 // Returns null when a segment would write outside its pool row, or names an unknown pool or kind,
@@ -237,9 +295,10 @@ void* emoe_copy_engine_new(const int64_t* table, int64_t num_sources, int64_t pe
   std::vector<Segment> segments;
   for (int64_t i = 0; i < num_sources * per_source; ++i) {
     const int64_t* f = table + i * kSegmentFields;
-    const Segment s{reinterpret_cast<const char*>(f[0]), f[1], f[2], f[3], f[4]};
-    if (s.pool < 0 || s.pool >= num_pools || (s.kind != kMemcpy && s.kind != kBf16ToF32) || s.count < 0 ||
-        s.offset < 0 || s.offset + written_bytes(s) > pools[s.pool].row_bytes)
+    const Segment s{f[0], f[1], f[2], f[3], f[4], f[5]};
+    if (s.pool < 0 || s.pool >= num_pools || s.kind < kMemcpy || s.kind > kReadFileBf16ToF32 || s.count < 0 ||
+        s.offset < 0 || s.offset + written_bytes(s) > pools[s.pool].row_bytes ||
+        (reads_file(s.kind) && (s.source < 0 || s.file_offset < 0)))
       return nullptr;
     segments.push_back(s);
   }
@@ -280,6 +339,10 @@ int64_t emoe_copy_engine_running(void* handle) { return engine(handle)->running(
 int64_t emoe_copy_engine_busy_ns(void* handle) { return engine(handle)->busy_ns(); }
 
 int64_t emoe_copy_engine_sleeps(void* handle) { return engine(handle)->sleeps(); }
+
+int64_t emoe_copy_engine_take_failed(void* handle, int64_t* out, int64_t capacity) {
+  return engine(handle)->take_failed(out, capacity);
+}
 
 int emoe_copy_engine_wait(void* handle, int64_t id) { return engine(handle)->wait(id) ? 1 : 0; }
 
