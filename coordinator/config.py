@@ -56,7 +56,7 @@ class CoordinatorConfig(ServeSettings):
     expert_tier: Literal["host", "disk"] = Field(
         "host", description="with expert offloading, where the experts a device's cache does not hold are read "
         "from: host (each node keeps its devices' experts in shared memory, one copy per node; a load is a memory "
-        "copy) or disk (nowhere but the checkpoint, read through mmap and the OS page cache: for experts larger than "
+        "copy) or disk (nowhere but the checkpoint, read with pread through the OS page cache: for experts larger than "
         "the nodes' memory; a scale then moves no expert; ESFT adapters' rows stay in host memory)",
         json_schema_extra=cli(metavar="TIER"))
     max_queued: int = Field(256, description="requests waiting plus in flight; beyond N the server answers 503 "
