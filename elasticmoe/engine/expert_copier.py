@@ -12,8 +12,9 @@ stream. Two copiers with one interface:
   drive it a copy at a time (`start=False`, `run_one`).
 
 The protocol both keep: copies get consecutive ids from 0; every id below `finished()` has been
-copied, failed (in `failed` once `finished()` has passed it) or been cancelled; `cancel()` drops every copy not started and returns
-the first dropped id (their rows were never written); `pause(True)` stops between two copies.
+copied, failed (in `failed` once `finished()` has passed it) or been cancelled; `cancel()` drops
+every copy not started and returns the first dropped id (their rows were never written);
+`pause(True)` stops between two copies.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Records live in preallocated NumPy arrays (the paper keeps ndarrays and converts
 tensors to search, §5; searching here stays in NumPy, see `ExpertMapStore`); slot i is valid for
 i < len. Searching runs once per layer of every iteration, so the store keeps what the cosine
 needs ready: maps layer-major [L, C, E] (the first n layers of every map are one contiguous
-block) and, per record, the norm of its first n layers for every n [L, C] and its embedding's
-norm [C]. The scores equal
+block), the same maps as [L, E, C] for the search kernel's dot products, and, per record, the
+norm of its first n layers for every n [L, C] and its embedding's norm [C]. The scores equal
 `similarity.semantic_scores` / `trajectory_scores` / `redundancy_scores` (tested).
 
 Deduplication (§4.4): while the store has room a new record is appended. Once it holds C

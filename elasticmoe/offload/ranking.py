@@ -27,7 +27,7 @@ def plan_from_predictions(planned: BoolGrid, probs: FloatGrid, current_layer: in
     It runs after every MoE layer of every step on the forward thread, on a few hundred
     values: the mask is one NumPy pass, and the few items it leaves are ranked in Python, where
     each NumPy call would cost more dispatch than its work (4-21 items: 10-20 us as NumPy calls
-    and dataclasses, 3-11 us so)."""
+    and dataclasses, 4-15 us so)."""
     first = current_layer + 1
     wanted = np.flatnonzero(planned[first:] & ~cache.resident[first:])  # in (layer, expert) order
     if wanted.size == 0:  # the usual case once the cache holds the plan: no sort, no items

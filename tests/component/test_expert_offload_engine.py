@@ -249,6 +249,18 @@ def test_a_budget_below_one_tokens_experts_is_refused_naming_the_flag(tiny_model
         _engine(tiny_model_dir, expert_cache_fraction=0.5, offload_policy="clairvoyant")
 
 
+def _errors_of_a_run(engine: LLMEngine) -> list[str]:
+    """Run PROMPTS to the end: every request finishes; the errors of those that failed."""
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", prompt, GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    finished = {o.request_id: o for o in outs if o.finished}
+    assert len(finished) == len(PROMPTS)
+    return [o.error for o in finished.values() if o.finish_reason == "error"]
+
+
 def test_an_unreadable_expert_fails_only_its_requests(tiny_model_dir, resident):
     """The disk tier raises for one expert: the requests routed to it finish with an error, the
     engine goes on, and once the tier reads again the same prompts give the resident outputs."""
@@ -268,15 +280,8 @@ def test_an_unreadable_expert_fails_only_its_requests(tiny_model_dir, resident):
 
     source.copy_into = flaky
     try:
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"a{i}", prompt, GREEDY)
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += engine.step()
-        finished = {o.request_id: o for o in outs if o.finished}
-        assert len(finished) == len(PROMPTS)
-        errors = [o for o in finished.values() if o.finish_reason == "error"]
-        assert errors and all("disk read error" in o.error for o in errors)
+        errors = _errors_of_a_run(engine)
+        assert errors and all("disk read error" in e for e in errors)
         engine.offload.cache.check_integrity()
         broken["on"] = False
         _assert_same(_run(engine), resident["qwen3_moe"])
@@ -296,14 +301,7 @@ def test_a_checkpoint_cut_short_under_the_engine_fails_requests_not_the_engine(t
     try:
         for path, data in whole.items():
             os.truncate(path, len(data) // 2)
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"a{i}", prompt, GREEDY)
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += engine.step()
-        finished = {o.request_id: o for o in outs if o.finished}
-        assert len(finished) == len(PROMPTS)
-        errors = [o.error for o in finished.values() if o.finish_reason == "error"]
+        errors = _errors_of_a_run(engine)
         assert errors and all("before this expert does" in e or "from the disk tier failed" in e for e in errors)
         engine.offload.cache.check_integrity()
         for path, data in whole.items():  # in place: the engine's open files see it

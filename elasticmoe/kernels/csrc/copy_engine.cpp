@@ -16,7 +16,7 @@
 // A copy is (source, row). The protocol (every field under `mu_`):
 // - copies get consecutive ids from 0; the queue holds the ones not started, in id order;
 // - the worker takes the queue's front (unless paused), copies it without the lock, and then
-//   advances `finished_`: every id below it is copied or cancelled;
+//   advances `finished_`: every id below it is copied (or failed, below) or cancelled;
 // - `cancel` drops every queued copy at once and returns the first dropped id: a dropped copy's
 //   row was never written, so the caller may hand it back to the expert that held it;
 // - `pause` stops the worker between two copies (an on-demand load needs the memory bandwidth);
