@@ -186,28 +186,47 @@ class ExpertCache:
 
     def _copy_all(self, loads: list[tuple[ExpertKey, int]]) -> None:
         """Copy `loads` (key, row) now: this thread, and the copier for half of them where it has
-        a core of its own (two cores copy ~2x as fast as one here). The copier is paused with an
-        empty queue, or copying the prefetch that was in progress: it takes its share after that
-        one. Returns once every row is written, also when this thread's copies raise (a row the
-        copier still writes must not be handed out again)."""
-        shared = loads[len(loads) - len(loads) // 2:] if self._copier_shares_loads and not self._closed else []
-        first = -1
-        if shared:
-            first = self.copier.submit([(layer, self.local_of[e], row) for (layer, e), row in shared])
+        a core of its own (two cores copy ~2x as fast as one here): the second half of the list,
+        and of an odd count's middle expert the second half of its bytes, whose first half this
+        thread copies (a single missing expert, FineMoE's usual miss, is then shared too). The
+        copier is paused with an empty queue, or copying the prefetch that was in progress: it
+        takes its share after that one. Returns once every row is written, also when this
+        thread's copies raise (a row the copier still writes must not be handed out again)."""
+        sharing = self._copier_shares_loads and not self._closed
+        num_mine = len(loads) // 2 if sharing else len(loads)
+        middle = loads[num_mine] if sharing and len(loads) % 2 else None
+        theirs = loads[len(loads) - len(loads) // 2 :] if sharing else []
+        submitted: list[tuple[int, ExpertKey]] = []  # the copier's copies: (id, expert)
+        if theirs:
+            first = self.copier.submit([(layer, self.local_of[e], row) for (layer, e), row in theirs])
+            submitted += [(first + i, key) for i, (key, _) in enumerate(theirs)]
+        if middle is not None:
+            (layer, e), row = middle
+            submitted.append((self.copier.submit_second_half((layer, self.local_of[e], row)), middle[0]))
+        if submitted:
             self.copier.pause(False)
+        middle_read = False
         try:
-            for key, row in loads[: len(loads) - len(shared)]:
+            for key, row in loads[:num_mine]:
                 self._copy(key, row)
+            if middle is not None:
+                (layer, e), row = middle
+                if not self.copier.copy_first_half_now((layer, self.local_of[e], row)):
+                    raise OSError(f"expert cache: reading expert {middle[0]} from the {self.source.tier} tier failed")
+                middle_read = True
         finally:
-            if shared:
-                last = first + len(shared) - 1
-                if not self.copier.wait(last):
-                    raise RuntimeError(f"expert cache: the copier did not run on-demand copies {first}..{last}")
+            if submitted:
+                ids = [copy_id for copy_id, _ in submitted]
+                if not self.copier.wait(ids[-1]):
+                    raise RuntimeError(f"expert cache: the copier did not run on-demand copies {ids}")
                 self.copier.pause(True)
-                self.copier.finished()  # collects the copier's failures up to `last`
-                failed = [key for i, (key, _) in enumerate(shared) if first + i in self.copier.failed]
-                self.copier.failed.difference_update(range(first, last + 1))
-                self.bytes_loaded[self.source.tier] += (len(shared) - len(failed)) * self.expert_bytes
+                self.copier.finished()  # collects the copier's failures up to the last of them
+                failed = [key for copy_id, key in submitted if copy_id in self.copier.failed]
+                self.copier.failed.difference_update(ids)
+                made = [key for key, _ in theirs if key not in failed]  # experts written whole
+                if middle_read and middle is not None and middle[0] not in failed:
+                    made.append(middle[0])
+                self.bytes_loaded[self.source.tier] += len(made) * self.expert_bytes
                 if failed:
                     raise OSError(f"expert cache: reading experts {failed} from the {self.source.tier} tier failed")
 

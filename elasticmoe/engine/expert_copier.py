@@ -40,9 +40,13 @@ Copy = tuple[int, int, int]
 
 class ExpertCopier(Protocol):
     failed: set[int]  # ids of copies that raised (their rows hold garbage); the cache discards them
-    polls: bool  # its thread polls on a core of its own: it may take a share of on-demand loads
+    # its thread polls on a core of its own: it may take a share of on-demand loads, down to half of
+    # one expert (`submit_second_half` beside `copy_first_half_now`)
+    polls: bool
 
     def submit(self, copies: Sequence[Copy]) -> int: ...  # the first copy's id
+    def submit_second_half(self, copy: Copy) -> int: ...  # the copy's id
+    def copy_first_half_now(self, copy: Copy) -> bool: ...  # on the caller's thread; False: a read failed
     def cancel(self) -> int: ...
     def pause(self, paused: bool) -> None: ...
     def finished(self) -> int: ...
@@ -65,6 +69,14 @@ class NativeCopier:
 
     def submit(self, copies: Sequence[Copy]) -> int:
         return self.engine.submit([(layer * self._num_local + local, row) for layer, local, row in copies])
+
+    def submit_second_half(self, copy: Copy) -> int:
+        layer, local, row = copy
+        return self.engine.submit([(layer * self._num_local + local, row, copy_engine.SECOND_HALF)])
+
+    def copy_first_half_now(self, copy: Copy) -> bool:
+        layer, local, row = copy
+        return self.engine.copy_now(layer * self._num_local + local, row, copy_engine.FIRST_HALF)
 
     def cancel(self) -> int:
         return self.engine.cancel()
@@ -117,6 +129,12 @@ class ThreadCopier:
             self._next += len(copies)
             self._cond.notify_all()
             return first
+
+    def submit_second_half(self, copy: Copy) -> int:
+        raise NotImplementedError("a Python copier copies whole experts (it never polls, so loads are not shared)")
+
+    def copy_first_half_now(self, copy: Copy) -> bool:
+        raise NotImplementedError("a Python copier copies whole experts (it never polls, so loads are not shared)")
 
     def cancel(self) -> int:
         with self._cond:

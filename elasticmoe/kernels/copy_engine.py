@@ -28,6 +28,9 @@ BF16_TO_F32 = 1  # count: elements
 READ_FILE = 2  # count: bytes; source: a file descriptor, read from the file offset
 READ_FILE_BF16_TO_F32 = 3  # count: elements (bf16 in the file)
 SEGMENT_FIELDS = 6  # source (address or file descriptor), pool, byte offset in the pool's row, count, kind, file offset
+# Which part of its source a copy makes: all of it, or one half of the bytes it writes (split at a
+# 64-byte boundary), so that two threads copy one expert together (`CopyEngine.copy_now`).
+WHOLE, FIRST_HALF, SECOND_HALF = 0, 1, 2
 
 
 @cache
@@ -48,6 +51,7 @@ def _library() -> ctypes.CDLL | None:
         ("emoe_copy_engine_sleeps", [handle], i64),
         ("emoe_copy_engine_wait", [handle, i64], c_int),
         ("emoe_copy_engine_take_failed", [handle, ptr, i64], i64),
+        ("emoe_copy_engine_copy_now", [handle, i64, i64, i64], c_int),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
@@ -101,16 +105,26 @@ class CopyEngine:
         # before the memory it copies into can go away.
         self._finalizer = weakref.finalize(self, _free, lib, handle, (tuple(pools), keepalive))
 
-    def submit(self, copies: Sequence[tuple[int, int]]) -> int:
-        """Queue copies (source, row); returns the first one's id."""
+    def submit(self, copies: Sequence[tuple[int, int] | tuple[int, int, int]]) -> int:
+        """Queue copies (source, row) or (source, row, part: `WHOLE`, `FIRST_HALF`, `SECOND_HALF`);
+        returns the first one's id."""
         self._check_open()
-        flat = [int(v) for copy in copies for v in copy]
-        if len(flat) != 2 * len(copies):
-            raise ValueError(f"copy engine: copies are (source, row) pairs, got {copies}")
+        if any(len(copy) not in (2, 3) for copy in copies):
+            raise ValueError(f"copy engine: copies are (source, row[, part]), got {copies}")
+        flat = [int(v) for copy in copies for v in (*copy[:2], copy[2] if len(copy) == 3 else WHOLE)]
         first = self._lib.emoe_copy_engine_submit(self._handle, (ctypes.c_int64 * len(flat))(*flat), len(copies))
         if first < 0:
-            raise ValueError(f"copy engine: a source or row of {copies} is out of range")
+            raise ValueError(f"copy engine: a source, row or part of {copies} is out of range")
         return int(first)
+
+    def copy_now(self, source: int, row: int, part: int = WHOLE) -> bool:
+        """Make part `part` of `source` into `row` on this thread (the GIL released), beside the
+        engine's thread, which may be copying the other half; False when a file read failed."""
+        self._check_open()
+        done = int(self._lib.emoe_copy_engine_copy_now(self._handle, source, row, part))
+        if done < 0:
+            raise ValueError(f"copy engine: source {source}, row {row} or part {part} is out of range")
+        return done == 1
 
     def cancel(self) -> int:
         """Drop every queued item not started; returns the first dropped id (the next id if none)."""

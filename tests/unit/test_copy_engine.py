@@ -4,6 +4,7 @@ copies that would write outside a row, and stopping with a copy in progress."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ from offload_factories import bf16_disk_experts
 from elasticmoe.engine.expert_copier import NativeCopier, ThreadCopier, make_copier
 from elasticmoe.engine.expert_sources import HostExperts
 from elasticmoe.kernels import copy_engine
-from elasticmoe.kernels.copy_engine import BF16_TO_F32, MEMCPY, CopyEngine
+from elasticmoe.kernels.copy_engine import BF16_TO_F32, MEMCPY, READ_FILE_BF16_TO_F32, CopyEngine
 
 pytestmark = pytest.mark.skipif(not copy_engine.available(), reason="no C++ compiler for the copy engine")
 
@@ -128,6 +129,35 @@ def test_close_waits_for_the_copy_in_progress_and_drops_the_queue():
     engine.close()  # idempotent
     assert pool[0].eq(1).all()  # completed, not cut off
     assert not pool[1:].any()  # the queue was dropped
+
+
+@pytest.mark.parametrize("sizes", [(300, 5), (5, 300), (1, 1)])  # elements of two segments: a split inside either, or none
+def test_the_two_halves_of_a_copy_on_two_threads_make_the_whole(sizes, tmp_path):
+    gen = torch.Generator().manual_seed(sum(sizes))
+    f32, bf16 = torch.randn(sizes[0], generator=gen), torch.randn(sizes[1], generator=gen).bfloat16()
+    path = tmp_path / "parts.bin"
+    path.write_bytes(bf16.view(torch.int16).numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        table = np.zeros((2, 2, copy_engine.SEGMENT_FIELDS), dtype=np.int64)
+        whole = torch.cat([f32, bf16.float()])
+        table[0] = [(f32.data_ptr(), 0, 0, f32.nbytes, MEMCPY, 0), (bf16.data_ptr(), 0, f32.nbytes, bf16.numel(), BF16_TO_F32, 0)]
+        table[1] = [(f32.data_ptr(), 0, 0, f32.nbytes, MEMCPY, 0), (fd, 0, f32.nbytes, bf16.numel(), READ_FILE_BF16_TO_F32, 0)]
+        pool = torch.zeros(4, whole.numel())
+        engine = CopyEngine(table, [pool])
+        for source in (0, 1):
+            second = engine.submit([(source, source, copy_engine.SECOND_HALF)])
+            assert engine.copy_now(source, source, copy_engine.FIRST_HALF)
+            assert engine.wait(second)
+            assert torch.equal(pool[source], whole), source
+        assert engine.wait(engine.submit([(0, 2, copy_engine.FIRST_HALF)]))
+        middle = (whole.nbytes // 2 // 64 * 64) // 4  # the first half's values
+        assert torch.equal(pool[2, :middle], whole[:middle]) and not pool[2, middle:].any()
+        with pytest.raises(ValueError, match="out of range"):
+            engine.copy_now(0, 0, 3)  # no such part
+        engine.close()
+    finally:
+        os.close(fd)
 
 
 def test_an_interpreter_exit_with_copies_in_flight_joins_the_thread_cleanly():

@@ -111,6 +111,10 @@ def test_a_shared_load_whose_copier_half_fails_fails_and_the_cache_serves_on(tmp
             cache.ensure(0, [0, 1])
         assert cache.state.num_free == 2 and sorted(cache._free) == [0, 1] and not copier.failed
         cache.check_integrity()
+        with pytest.raises(OSError, match=r"\(0, 1\)\]? from the disk tier"):
+            cache.ensure(0, [1])  # alone: this thread and the copier read a half each, and both fail
+        assert cache.state.num_free == 2 and not copier.failed and copier.running() == -1
+        cache.check_integrity()
         row = cache.ensure(0, [0])[0]
         want13, want2 = torch.empty(6, 4), torch.empty(3, 4)
         disk.copy_into(0, 0, want13, want2)

@@ -408,12 +408,16 @@ class FailingHostExperts(HostExperts):
 
 @needs_copy_engine
 def test_an_on_demand_load_gives_half_its_copies_to_a_polling_copier():
-    cache = make_cache(capacity=4, tier=host_tier(tuple(range(EXPERTS))), copier="native-polling")
+    row = (64, 32)  # 12 KiB experts: a half ends inside w13's part of the row
+    cache = make_cache(capacity=4, tier=host_tier(tuple(range(EXPERTS)), row), copier="native-polling", row=row)
     try:
         rows = cache.ensure(1, [2, 4, 5])
         assert_rows_hold(cache, 1, [2, 4, 5], rows)
-        assert cache.copier.finished() == 1  # the copier made one of the three, this thread two
+        assert cache.copier.finished() == 2  # the copier made the last and half the middle one, this thread the rest
         assert cache.stats()["on_demand_loads"] == 3 and cache.bytes_loaded["host"] == 3 * cache.expert_bytes
+        rows = cache.ensure(0, [3])  # one expert alone: split in halves
+        assert_rows_hold(cache, 0, [3], rows)
+        assert cache.copier.finished() == 3 and cache.bytes_loaded["host"] == 4 * cache.expert_bytes
         cache.check_integrity()
     finally:
         cache.close()
