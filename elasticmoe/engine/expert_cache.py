@@ -44,6 +44,7 @@ import torch
 
 from elasticmoe.engine.expert_copier import ExpertCopier, ThreadCopier, make_copier
 from elasticmoe.engine.expert_sources import ExpertSource
+from elasticmoe.kernels.copy_engine import FIRST_HALF
 from elasticmoe.offload.cache_ops import CacheTooSmallError, CacheUpdate, load_on_demand, run_prefetch
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.policy import OffloadPolicy, PrefetchPlan
@@ -211,7 +212,7 @@ class ExpertCache:
                 self._copy(key, row)
             if middle is not None:
                 (layer, e), row = middle
-                if not self.copier.copy_first_half_now((layer, self.local_of[e], row)):
+                if not self.copier.copy_now((layer, self.local_of[e], row), FIRST_HALF):
                     raise OSError(f"expert cache: reading expert {middle[0]} from the {self.source.tier} tier failed")
                 middle_read = True
         finally:
@@ -437,9 +438,14 @@ class ExpertCache:
     # ---- both ----------------------------------------------------------------------------
 
     def _copy(self, key: ExpertKey, row: int) -> None:
+        """Copy `key` into `row` on this thread: the way the copier copies (natively where it is the
+        copy engine), or, once the cache is closed (its copier with it), by the source."""
         layer, expert = key
-        nbytes = self.source.copy_into(layer, self.local_of[expert], self.w13[row], self.w2[row])
-        self.bytes_loaded[self.source.tier] += nbytes
+        if self._closed:
+            self.source.copy_into(layer, self.local_of[expert], self.w13[row], self.w2[row])
+        elif not self.copier.copy_now((layer, self.local_of[expert], row)):
+            raise OSError(f"expert cache: reading expert {key} from the {self.source.tier} tier failed")
+        self.bytes_loaded[self.source.tier] += self.expert_bytes
 
     def _release(self, key: ExpertKey) -> None:
         """Evict `key` (resident, published) from the state and the map; its row becomes free."""

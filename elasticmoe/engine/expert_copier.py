@@ -41,12 +41,13 @@ Copy = tuple[int, int, int]
 class ExpertCopier(Protocol):
     failed: set[int]  # ids of copies that raised (their rows hold garbage); the cache discards them
     # its thread polls on a core of its own: it may take a share of on-demand loads, down to half of
-    # one expert (`submit_second_half` beside `copy_first_half_now`)
+    # one expert (`submit_second_half` beside `copy_now(copy, FIRST_HALF)`)
     polls: bool
 
     def submit(self, copies: Sequence[Copy]) -> int: ...  # the first copy's id
     def submit_second_half(self, copy: Copy) -> int: ...  # the copy's id
-    def copy_first_half_now(self, copy: Copy) -> bool: ...  # on the caller's thread; False: a read failed
+    # the copy (or its first half) on the caller's thread, the way this copier copies; False: a read failed
+    def copy_now(self, copy: Copy, part: int = copy_engine.WHOLE) -> bool: ...
     def cancel(self) -> int: ...
     def pause(self, paused: bool) -> None: ...
     def finished(self) -> int: ...
@@ -74,9 +75,11 @@ class NativeCopier:
         layer, local, row = copy
         return self.engine.submit([(layer * self._num_local + local, row, copy_engine.SECOND_HALF)])
 
-    def copy_first_half_now(self, copy: Copy) -> bool:
+    def copy_now(self, copy: Copy, part: int = copy_engine.WHOLE) -> bool:
+        """On the caller's thread by the native copy (the GIL released): for one bf16 expert from
+        the page cache ~120 us, against ~210 us through the source's Python `copy_into`."""
         layer, local, row = copy
-        return self.engine.copy_now(layer * self._num_local + local, row, copy_engine.FIRST_HALF)
+        return self.engine.copy_now(layer * self._num_local + local, row, part)
 
     def cancel(self) -> int:
         return self.engine.cancel()
@@ -133,8 +136,12 @@ class ThreadCopier:
     def submit_second_half(self, copy: Copy) -> int:
         raise NotImplementedError("a Python copier copies whole experts (it never polls, so loads are not shared)")
 
-    def copy_first_half_now(self, copy: Copy) -> bool:
-        raise NotImplementedError("a Python copier copies whole experts (it never polls, so loads are not shared)")
+    def copy_now(self, copy: Copy, part: int = copy_engine.WHOLE) -> bool:
+        if part != copy_engine.WHOLE:
+            raise NotImplementedError("a Python copier copies whole experts (it never polls, so loads are not shared)")
+        layer, local, row = copy
+        self.source.copy_into(layer, local, self.w13[row], self.w2[row])  # raises where the read fails
+        return True
 
     def cancel(self) -> int:
         with self._cond:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from engine_runs import greedy_run
+from engine_runs import fail_forward_copies, greedy_run
 
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
@@ -265,20 +265,11 @@ def test_an_unreadable_expert_fails_only_its_requests(tiny_model_dir, resident):
     """The disk tier raises for one expert: the requests routed to it finish with an error, the
     engine goes on, and once the tier reads again the same prompts give the resident outputs."""
     engine = _engine(tiny_model_dir, expert_cache_fraction=0.25, offload_policy="on_demand")
-    # The fault goes into `copy_into`, the forward thread's copies: the native copier reads the
-    # files itself (half of a layer's misses, where it polls), so they stay with this thread. A real
-    # read error reaches both: the next test.
+    # The fault goes into the forward thread's copies: the copier's own thread (half of a layer's
+    # misses, where it polls) copies outside it, so the loads stay with this thread. A real read
+    # error reaches both: the next test.
     engine.offload.cache._copier_shares_loads = False
-    source = engine.offload.cache.source
-    original = source.copy_into
-    broken = {"on": True}
-
-    def flaky(layer, local, w13, w2):
-        if broken["on"] and (layer, local) == (1, 3):
-            raise OSError("disk read error")
-        return original(layer, local, w13, w2)
-
-    source.copy_into = flaky
+    broken = fail_forward_copies(engine.offload.cache, lambda layer, local: (layer, local) == (1, 3))
     try:
         errors = _errors_of_a_run(engine)
         assert errors and all("disk read error" in e for e in errors)

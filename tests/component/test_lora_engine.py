@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_runs import fail_forward_copies
 
 from elasticmoe.adapters.esft import EsftAdapter
 from elasticmoe.adapters.lora import LoraAdapter
@@ -142,15 +143,7 @@ def test_an_unreadable_offloaded_expert_fails_only_the_lora_requests_that_need_i
     reads again the same requests equal the merged model."""
     arch, base, adapters, merged, root = setup
     engine = _engine(base, max_loras=1, max_lora_rank=8, expert_cache_fraction=0.25)
-    source = engine.offload.cache.source
-    original, broken = source.copy_into, {"on": True}
-
-    def flaky(layer, local, w13, w2):
-        if broken["on"] and local == 1:  # expert 1 of every layer
-            raise OSError("disk read error")
-        return original(layer, local, w13, w2)
-
-    source.copy_into = flaky
+    broken = fail_forward_copies(engine.offload.cache, lambda layer, local: local == 1)  # expert 1 of every layer
     try:
         _load(engine, adapters["experts"])
         for i, prompt in enumerate(PROMPTS):

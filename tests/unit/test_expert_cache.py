@@ -18,6 +18,7 @@ from elasticmoe.engine.expert_cache import ExpertCache
 from elasticmoe.engine.expert_copier import NativeCopier, ThreadCopier, make_copier
 from elasticmoe.engine.expert_sources import HostExperts
 from elasticmoe.kernels import copy_engine
+from elasticmoe.kernels.copy_engine import WHOLE
 from elasticmoe.offload.cache_ops import CacheTooSmallError
 from elasticmoe.offload.lru import OnDemandPolicy
 from elasticmoe.offload.policy import PolicyConfig, PrefetchItem, PrefetchPlan
@@ -393,19 +394,6 @@ def test_forward_and_copier_never_hand_out_a_wrong_row(policy, copier):
     assert stats["lookups"] == stats["hits"] + stats["on_demand_loads"]
 
 
-class FailingHostExperts(HostExperts):
-    """Host memory the native copier reads; `copy_into` (this thread's copies) fails for `failing`."""
-
-    def __init__(self, failing: tuple[int, int], row: tuple[int, int]) -> None:
-        super().__init__(host_tier(tuple(range(EXPERTS)), row).stacks)
-        self.failing = failing
-
-    def copy_into(self, layer, local, w13, w2) -> int:
-        if (layer, local) == self.failing:
-            raise OSError(f"expert {layer}/{local}: unreadable")
-        return super().copy_into(layer, local, w13, w2)
-
-
 @needs_copy_engine
 def test_an_on_demand_load_gives_half_its_copies_to_a_polling_copier():
     row = (64, 32)  # 12 KiB experts: a half ends inside w13's part of the row
@@ -428,7 +416,15 @@ def test_a_shared_load_whose_own_copy_fails_waits_for_the_copiers_and_frees_both
     """This thread's copy raises while the copier writes the other row: the load fails only once
     the copier is done with that row, and both experts are left out with their rows free."""
     row = (1024, 512)  # 3 MiB experts: the copier's copy outlasts this thread's failed one by far
-    cache = make_cache(capacity=4, tier=FailingHostExperts(failing=(0, 1), row=row), copier="native-polling", row=row)
+    cache = make_cache(capacity=4, tier=host_tier(tuple(range(EXPERTS)), row), copier="native-polling", row=row)
+    own_copy = cache.copier.copy_now
+
+    def failing(copy, part=WHOLE):  # this thread's copies of expert 1 of layer 0 fail
+        if copy[:2] == (0, 1):
+            raise OSError("expert 0/1: unreadable")
+        return own_copy(copy, part)
+
+    cache.copier.copy_now = failing
     try:
         with pytest.raises(OSError, match="unreadable"):
             cache.ensure(0, [1, 3])  # this thread copies 1 (fails), the copier 3
