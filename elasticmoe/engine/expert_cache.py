@@ -213,7 +213,7 @@ class ExpertCache:
             if middle is not None:
                 (layer, e), row = middle
                 if not self.copier.copy_now((layer, self.local_of[e], row), FIRST_HALF):
-                    raise OSError(f"expert cache: reading expert {middle[0]} from the {self.source.tier} tier failed")
+                    raise self._read_error([middle[0]])
                 middle_read = True
         finally:
             if submitted:
@@ -229,7 +229,7 @@ class ExpertCache:
                     made.append(middle[0])
                 self.bytes_loaded[self.source.tier] += len(made) * self.expert_bytes
                 if failed:
-                    raise OSError(f"expert cache: reading experts {failed} from the {self.source.tier} tier failed")
+                    raise self._read_error(failed)
 
     def _load_beside_copy(self, layer: int, experts: Sequence[int]) -> CacheUpdate:
         """`load_on_demand` while a prefetch copy may be in progress: its row is being written, so
@@ -438,14 +438,16 @@ class ExpertCache:
     # ---- both ----------------------------------------------------------------------------
 
     def _copy(self, key: ExpertKey, row: int) -> None:
-        """Copy `key` into `row` on this thread: the way the copier copies (natively where it is the
-        copy engine), or, once the cache is closed (its copier with it), by the source."""
+        """Copy `key` into `row` on this thread as the copier copies (by the source once closed)."""
         layer, expert = key
         if self._closed:
             self.source.copy_into(layer, self.local_of[expert], self.w13[row], self.w2[row])
         elif not self.copier.copy_now((layer, self.local_of[expert], row)):
-            raise OSError(f"expert cache: reading expert {key} from the {self.source.tier} tier failed")
+            raise self._read_error([key])
         self.bytes_loaded[self.source.tier] += self.expert_bytes
+
+    def _read_error(self, keys: list[ExpertKey]) -> OSError:
+        return OSError(f"expert cache: reading experts {keys} from the {self.source.tier} tier failed")
 
     def _release(self, key: ExpertKey) -> None:
         """Evict `key` (resident, published) from the state and the map; its row becomes free."""

@@ -116,7 +116,7 @@ class ThreadCopier:
         self.polls = False  # a Python thread: it would hold the GIL the forward copies with
         self.busy_s = 0.0
         self._cond = threading.Condition()
-        self._queue: deque[tuple[int, Copy]] = deque()
+        self._queue: deque[tuple[int, Copy, int]] = deque()  # (id, copy, part)
         self._next = self._finished = 0
         self._running = -1
         self._paused = self._closed = False
@@ -126,22 +126,39 @@ class ThreadCopier:
             self._thread.start()
 
     def submit(self, copies: Sequence[Copy]) -> int:
+        return self._enqueue([(copy, copy_engine.WHOLE) for copy in copies])
+
+    def submit_second_half(self, copy: Copy) -> int:
+        return self._enqueue([(copy, copy_engine.SECOND_HALF)])
+
+    def copy_now(self, copy: Copy, part: int = copy_engine.WHOLE) -> bool:
+        self._copy(copy, part)  # raises where the read fails
+        return True
+
+    def _enqueue(self, copies: list[tuple[Copy, int]]) -> int:
         with self._cond:
             first = self._next
-            self._queue.extend((first + i, copy) for i, copy in enumerate(copies))
+            self._queue.extend((first + i, copy, part) for i, (copy, part) in enumerate(copies))
             self._next += len(copies)
             self._cond.notify_all()
             return first
 
-    def submit_second_half(self, copy: Copy) -> int:
-        raise NotImplementedError("a Python copier copies whole experts (it never polls, so loads are not shared)")
-
-    def copy_now(self, copy: Copy, part: int = copy_engine.WHOLE) -> bool:
-        if part != copy_engine.WHOLE:
-            raise NotImplementedError("a Python copier copies whole experts (it never polls, so loads are not shared)")
+    def _copy(self, copy: Copy, part: int) -> None:
+        """`source.copy_into` the row; for a half, the whole expert read aside and that half's bytes
+        (`copy_engine.part_bounds` of the bytes the row's w13 then w2 hold) written."""
         layer, local, row = copy
-        self.source.copy_into(layer, local, self.w13[row], self.w2[row])  # raises where the read fails
-        return True
+        if part == copy_engine.WHOLE:
+            self.source.copy_into(layer, local, self.w13[row], self.w2[row])
+            return
+        whole13, whole2 = torch.empty_like(self.w13[row]), torch.empty_like(self.w2[row])
+        self.source.copy_into(layer, local, whole13, whole2)
+        lo, hi = copy_engine.part_bounds(whole13.nbytes + whole2.nbytes, part)
+        at = 0
+        for dst, src in ((self.w13[row], whole13), (self.w2[row], whole2)):
+            dst_bytes, src_bytes = dst.view(-1).view(torch.uint8), src.view(-1).view(torch.uint8)
+            first, last = min(max(lo - at, 0), src.nbytes), min(max(hi - at, 0), src.nbytes)
+            dst_bytes[first:last].copy_(src_bytes[first:last])
+            at += src.nbytes
 
     def cancel(self) -> int:
         with self._cond:
@@ -179,13 +196,13 @@ class ThreadCopier:
                 if self._closed or not block:
                     return False
                 self._cond.wait()
-            copy_id, (layer, local, row) = self._queue.popleft()
+            copy_id, copy, part = self._queue.popleft()
             self._running = copy_id
         started = time.perf_counter()
         try:
-            self.source.copy_into(layer, local, self.w13[row], self.w2[row])
+            self._copy(copy, part)
         except Exception:  # noqa: BLE001 - the cache discards the copy; the forward loads on demand
-            logger.exception("prefetch of expert %d/%d failed", layer, local)
+            logger.exception("copy of expert %d/%d failed", copy[0], copy[1])
             self.failed.add(copy_id)
         with self._cond:
             self.busy_s += time.perf_counter() - started

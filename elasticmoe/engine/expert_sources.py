@@ -70,11 +70,8 @@ class FilePart:
 
     def segment(self, pool: int, offset: int, dtype: torch.dtype) -> Segment | None:
         """This part read into byte `offset` of a pool row of `dtype`; None: no native kind."""
-        if self.dtype == dtype:
-            return (self.fd, pool, offset, self.numel * self.dtype.itemsize, READ_FILE, self.offset)
-        if self.dtype == torch.bfloat16 and dtype == torch.float32:
-            return (self.fd, pool, offset, self.numel, READ_FILE_BF16_TO_F32, self.offset)
-        return None
+        kind = _native_kind(self.dtype, self.numel, dtype, from_file=True)
+        return None if kind is None else (self.fd, pool, offset, kind[1], kind[0], self.offset)
 
     def read_into(self, dst: torch.Tensor) -> None:
         """Read this part into `dst` (contiguous, its shape), converting the dtype; `OSError` when
@@ -95,15 +92,20 @@ class FilePart:
             dst.copy_(target)
 
 
+def _native_kind(src_dtype: torch.dtype, numel: int, dtype: torch.dtype, from_file: bool) -> tuple[int, int] | None:
+    """(kind, count) of the native copy of `numel` values of `src_dtype` into a pool row of `dtype`:
+    as is (count in bytes) or widened from bf16 to fp32 (count in values); None: no native kind."""
+    if src_dtype == dtype:
+        return (READ_FILE if from_file else MEMCPY, numel * dtype.itemsize)
+    if src_dtype == torch.bfloat16 and dtype == torch.float32:
+        return (READ_FILE_BF16_TO_F32 if from_file else BF16_TO_F32, numel)
+    return None
+
+
 def tensor_segment(src: torch.Tensor, pool: int, offset: int, dtype: torch.dtype) -> Segment | None:
     """`src` (contiguous) written at byte `offset` of a pool row of `dtype`; None: no native kind."""
-    if not src.is_contiguous():
-        return None
-    if src.dtype == dtype:
-        return (src.data_ptr(), pool, offset, src.numel() * src.element_size(), MEMCPY, 0)
-    if src.dtype == torch.bfloat16 and dtype == torch.float32:
-        return (src.data_ptr(), pool, offset, src.numel(), BF16_TO_F32, 0)
-    return None
+    kind = _native_kind(src.dtype, src.numel(), dtype, from_file=False) if src.is_contiguous() else None
+    return None if kind is None else (src.data_ptr(), pool, offset, kind[1], kind[0], 0)
 
 
 def row_segments(parts_per_pool: Sequence[Sequence[FilePart | torch.Tensor]], dtype: torch.dtype

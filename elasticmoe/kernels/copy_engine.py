@@ -31,6 +31,14 @@ SEGMENT_FIELDS = 6  # source (address or file descriptor), pool, byte offset in 
 # Which part of its source a copy makes: all of it, or one half of the bytes it writes (split at a
 # 64-byte boundary), so that two threads copy one expert together (`CopyEngine.copy_now`).
 WHOLE, FIRST_HALF, SECOND_HALF = 0, 1, 2
+_HALF_ALIGN = 64  # bytes
+
+
+def part_bounds(total: int, part: int) -> tuple[int, int]:
+    """The bytes [lo, hi) of the `total` a source writes that copy part `part` makes (the rule of
+    `CopyEngine::copy` in csrc/copy_engine.cpp, for a copier without the native engine)."""
+    middle = total // 2 // _HALF_ALIGN * _HALF_ALIGN
+    return {WHOLE: (0, total), FIRST_HALF: (0, middle), SECOND_HALF: (middle, total)}[part]
 
 
 @cache
@@ -98,6 +106,7 @@ class CopyEngine:
             raise ValueError("copy engine: refused: a segment writes outside its pool row, names an unknown pool "
                              "or kind, or a negative file (or its thread could not start)")
         self._lib, self._handle = lib, handle
+        self._failed_ids = (ctypes.c_int64 * 64)()  # `take_failed`'s buffer: it runs at every publish
         self.poll_us = int(poll_us)
         self._busy_at_close = 0.0
         self.num_sources = table.shape[0]
@@ -156,10 +165,10 @@ class CopyEngine:
         Read `finished()` first: every failed id below it is then in the answer."""
         self._check_open()
         out: list[int] = []
-        buffer = (ctypes.c_int64 * 64)()
-        while (n := int(self._lib.emoe_copy_engine_take_failed(self._handle, buffer, 64))) > 0:
-            out.extend(buffer[:n])
-            if n < 64:
+        size = len(self._failed_ids)
+        while (n := int(self._lib.emoe_copy_engine_take_failed(self._handle, self._failed_ids, size))) > 0:
+            out.extend(self._failed_ids[:n])
+            if n < size:
                 break
         return out
 

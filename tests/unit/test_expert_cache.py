@@ -18,7 +18,7 @@ from elasticmoe.engine.expert_cache import ExpertCache
 from elasticmoe.engine.expert_copier import NativeCopier, ThreadCopier, make_copier
 from elasticmoe.engine.expert_sources import HostExperts
 from elasticmoe.kernels import copy_engine
-from elasticmoe.kernels.copy_engine import WHOLE
+from elasticmoe.kernels.copy_engine import FIRST_HALF, WHOLE
 from elasticmoe.offload.cache_ops import CacheTooSmallError
 from elasticmoe.offload.lru import OnDemandPolicy
 from elasticmoe.offload.policy import PolicyConfig, PrefetchItem, PrefetchPlan
@@ -341,6 +341,21 @@ def test_a_load_that_needs_the_row_being_written_waits_for_the_copy():
     assert_rows_hold(cache, 2, [3, 4], rows)
     assert not cache.state.is_resident((1, 5)) and cache.stats()["prefetches_wasted"] == 1
     cache.check_integrity()
+
+
+def test_the_python_copiers_halves_of_an_expert_make_the_whole():
+    """The Python copier (no native engine) shares a load as the native one does: its queued second
+    half and the caller's first half write the row exactly, and a first half alone only its bytes."""
+    row = (64, 32)  # 12 KiB: the halves meet inside w13's part of the row
+    tier = host_tier(tuple(range(EXPERTS)), row)
+    w13, w2 = torch.zeros(3, *row), torch.zeros(3, row[1], row[1])
+    copier = ThreadCopier(tier, w13, w2, start=False)
+    second = copier.submit_second_half((1, 2, 0))
+    assert copier.copy_now((1, 2, 0), FIRST_HALF) and copier.run_one() and copier.finished() == second + 1
+    assert w13[0].eq(102).all() and w2[0].eq(102).all()
+    copier.copy_now((0, 3, 1), FIRST_HALF)
+    lo, hi = copy_engine.part_bounds(w13[1].nbytes + w2[1].nbytes, FIRST_HALF)
+    assert lo == 0 and w13[1].view(-1)[: hi // 4].eq(3).all() and not w13[1].view(-1)[hi // 4 :].any()
 
 
 def test_close_stops_an_idle_copier_thread_and_drops_the_queue():
