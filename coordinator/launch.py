@@ -46,13 +46,13 @@ from coordinator.process_tree import (
     is_alive,
 )
 from elasticmoe.entrypoints.listen_address import AddressUnavailable, check_address_free
+from hmm.local_ray import init_local_ray
 from hmm.memory.lease import reap
 from hmm.placement import DEVICE_RESOURCE
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "elasticmoe"
-LOCAL_RAY_ATTEMPTS = 2  # starts of a local Ray before `elasticmoe serve` gives up (`init_local_ray`)
 _ADMIN_SLACK = 64  # Serve slots beyond --max-queued, so that overflow reaches our 503 and probes pass
 # Ray's head node offers this resource: the coordinator and the ingress run there, so losing a
 # worker node never takes them (the head holds the GCS and Serve's controller anyway).
@@ -214,7 +214,7 @@ def start_elastic(
             kwargs["resources"] = {**kwargs.get("resources", {}), DEVICE_RESOURCE: config.num_devices}
         try:
             if address is None:
-                init_local_ray(ray.init, ray.shutdown, **kwargs)
+                init_local_ray(**kwargs)
             else:
                 ray.init(address=address, include_dashboard=False, **kwargs)
         except ConnectionError as exc:
@@ -251,27 +251,6 @@ def start_elastic(
     coordinator = serve.get_deployment_handle("coordinator", APP_NAME, _check_exists=False, _record_telemetry=False)
     return ElasticServer(url, config, handle, coordinator, owns_ray, _local_pid(handle, "ingress"),
                          _local_pid(coordinator, "coordinator"), _RAYLET.pid if owns_ray else None)
-
-
-def init_local_ray(init: Callable[..., Any], shutdown: Callable[[], None], attempts: int = LOCAL_RAY_ATTEMPTS,
-                   **kwargs: Any) -> None:
-    """`init` (`ray.init`) of a new local cluster, started again (after `shutdown`) when a start
-    fails for other reasons than its arguments. On a node whose cores are saturated Ray can miss
-    its own startup deadlines ("Failed to get node info ... Deadline Exceeded", "The current node
-    timed out during startup"), and one slow start should not end the server."""
-    for attempt in range(1, attempts + 1):
-        try:
-            # NOTE: "local", not None: None joins a cluster `ray start` left on this machine (or RAY_ADDRESS's)
-            init(address="local", include_dashboard=False, **kwargs)
-            return
-        except (TypeError, ValueError):
-            raise  # the arguments: a second start would fail alike
-        except Exception as exc:
-            if attempt == attempts:
-                raise
-            logger.warning("starting the local Ray failed (%s: %s); starting it again (attempt %d of %d)",
-                           type(exc).__name__, exc, attempt + 1, attempts)
-            shutdown()
 
 
 def apply_local_ray_defaults(environ: MutableMapping[str, str]) -> None:

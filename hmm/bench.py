@@ -95,10 +95,11 @@ def bench_p2p(repeats: int, prefix: str, nbytes: int = 64 << 20) -> dict[str, fl
     import ray
 
     from elasticmoe.models.weights import ParamSpec
+    from hmm.local_ray import init_local_ray
     from hmm.p2p import GroupSpec, HandleCopy, Transfer
     from hmm.worker import DeviceWorkerActor
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, log_to_driver=False)
     workers: list[Any] = [
         DeviceWorkerActor.remote(DeviceSpec(i, 0, 2 * nbytes), 4096, prefix) for i in range(2)
     ]

@@ -34,6 +34,7 @@ from typing import Any
 import ray
 
 from elasticmoe.outputs import OutputDelta, RequestOutput
+from hmm.local_ray import init_local_ray
 
 PROMPT = list(range(128))
 
@@ -126,7 +127,7 @@ def main() -> None:
         has_zmq = True
     except ImportError:
         has_zmq = False
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, log_to_driver=False)
     try:
         producer = _Producer.remote()  # type: ignore[attr-defined]
         asyncio.run(_per_request(producer, 20, 2, True))  # warm-up

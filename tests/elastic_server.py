@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import secrets
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from coordinator.cluster import ClusterManager
 from coordinator.config import CoordinatorConfig
 from coordinator.launch import ElasticServer, start_elastic
 from elasticmoe.utils.ports import free_port
+from hmm.local_ray import init_local_ray
 from hmm.memory import list_segments
 from hmm.placement import DEVICE_RESOURCE
 
@@ -52,24 +52,9 @@ def running(config: CoordinatorConfig, via_serve_proxy: bool = False) -> Iterato
     assert list_segments(config.shm_prefix) == [], "shared-memory files leaked"
 
 
-def _init_ray(num_devices: int) -> None:
-    """A local Ray cluster for one module. One retry: twice in ~10 clean clones of the suite, a
-    worker's start of Ray timed out (no GCS port file, or "the current node timed out during
-    startup") right after gRPC warned that other threads of the worker were inside it while it
-    forked the GCS; the worker's next module started Ray at once."""
-    # address "local": never another run's cluster (another test worker's, or one `ray start` left)
-    kwargs = dict(address="local", **RAY, include_dashboard=False, resources={DEVICE_RESOURCE: num_devices})
-    try:
-        ray.init(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
-        warnings.warn(f"starting Ray failed ({exc!r}); trying once more", stacklevel=2)
-        ray.shutdown()
-        ray.init(**kwargs)
-
-
 @contextlib.contextmanager
 def cluster_of(config: CoordinatorConfig) -> Iterator[ClusterManager]:
-    _init_ray(config.num_devices)
+    init_local_ray(**RAY, resources={DEVICE_RESOURCE: config.num_devices})
     cluster = ClusterManager(config)
     try:
         cluster.start()

@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from coordinator.process_tree import become_subreaper, end_children
     from elasticmoe.config import ModelConfig
+    from hmm.local_ray import init_local_ray
     from hmm.placement import DEVICE_RESOURCE
 
     json_out = claim_stdout()
@@ -260,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                              vocab, args.seed)
     progress(f"{len(adapters)} adapters ready ({build_s:.0f} s to write), {len(arrivals)} requests per run")
     become_subreaper()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             resources={DEVICE_RESOURCE: max(args.dps)})
+    init_local_ray(num_cpus=2, log_to_driver=False, resources={DEVICE_RESOURCE: max(args.dps)})
     rows = []
     try:
         for dp in args.dps:

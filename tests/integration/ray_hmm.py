@@ -12,13 +12,14 @@ import torch
 
 from hmm.controller import HMMController
 from hmm.layout import DeviceSpec
+from hmm.local_ray import init_local_ray
 from hmm.memory import list_segments
 
 
 @contextlib.contextmanager
 def ray_hmm(model_dir: str, *, dp: int, budget: int, kv_bytes: int, page: int = 4096) -> Iterator[HMMController]:
     """Ray up, HMM loaded at `dp` (float32); on exit everything shut down and no shm file left."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, log_to_driver=False)
     prefix = f"emoetest{secrets.token_hex(4)}"
     ctl = HMMController(use_ray=True, page_size=page, prefix=prefix)
     try:

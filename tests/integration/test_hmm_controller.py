@@ -26,6 +26,7 @@ from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.utils.ports import free_port
 from hmm.controller import HMMController
 from hmm.layout import DeviceSpec
+from hmm.local_ray import init_local_ray
 from hmm.memory import TensorHandle, list_segments
 from hmm.planner import scale_target
 from hmm.providers import HandleKVProvider, HandleWeightProvider, open_handle
@@ -39,7 +40,7 @@ PROMPTS = {0: [[5, 6, 7, 8, 9, 10]], 1: [[11, 12, 13]]}
 
 @pytest.fixture(scope="module")
 def prefix():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, log_to_driver=False)
     prefix = f"emoetest{secrets.token_hex(4)}"
     yield prefix
     ray.shutdown()

@@ -12,6 +12,7 @@ import torch
 
 from elasticmoe.models.weights import ParamSpec
 from hmm.layout import DeviceSpec, TensorKey
+from hmm.local_ray import init_local_ray
 from hmm.memory import list_segments
 from hmm.p2p import GroupSpec, HandleCopy, Transfer
 from hmm.worker import DeviceWorkerActor
@@ -26,7 +27,7 @@ EMBED, ROW5 = TensorKey.dense("embed"), TensorKey.expert_row("layers.0.moe.w2", 
 
 @pytest.fixture(scope="module")
 def prefix():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, log_to_driver=False)
     prefix = f"emoetest{secrets.token_hex(4)}"
     yield prefix
     ray.shutdown()

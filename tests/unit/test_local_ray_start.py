@@ -1,6 +1,6 @@
-"""A local Ray started by the elastic server: its environment (Serve's control loop at 0.5 s
-unless the operator chose otherwise), and a start that misses Ray's own deadlines is made again
-once, while one refused for its arguments is not."""
+"""A local Ray started by the elastic server (or a test module, or a bench): its environment
+(Serve's control loop at 0.5 s unless the operator chose otherwise), and a start that misses
+Ray's own deadlines is made again once, while one refused for its arguments is not."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from coordinator.launch import LOCAL_RAY_DEFAULTS, apply_local_ray_defaults, init_local_ray
+from coordinator.launch import LOCAL_RAY_DEFAULTS, apply_local_ray_defaults
+from hmm.local_ray import init_local_ray
 
 
 def test_defaults_fill_only_what_the_environment_leaves_unset():
@@ -40,8 +41,8 @@ class FakeRay:
 
 def test_a_start_that_timed_out_is_made_once_more(caplog):
     ray = FakeRay(RuntimeError("Failed to get node info ... Deadline Exceeded"))
-    with caplog.at_level(logging.WARNING, logger="coordinator.launch"):
-        init_local_ray(ray.init, ray.shutdown, num_cpus=2)
+    with caplog.at_level(logging.WARNING, logger="hmm.local_ray"):
+        init_local_ray(init=ray.init, shutdown=ray.shutdown, num_cpus=2)
     first = "init {'address': 'local', 'include_dashboard': False, 'num_cpus': 2}"
     assert ray.calls == [first, "shutdown", first]
     assert "starting it again (attempt 2 of 2)" in caplog.text and "Deadline Exceeded" in caplog.text
@@ -50,12 +51,12 @@ def test_a_start_that_timed_out_is_made_once_more(caplog):
 def test_the_second_failure_is_the_callers():
     ray = FakeRay(Exception("The current node timed out during startup"), RuntimeError("again"))
     with pytest.raises(RuntimeError, match="again"):
-        init_local_ray(ray.init, ray.shutdown)
+        init_local_ray(init=ray.init, shutdown=ray.shutdown)
     assert [c.split()[0] for c in ray.calls] == ["init", "shutdown", "init"]
 
 
 def test_arguments_ray_refuses_are_not_retried():
     ray = FakeRay(TypeError("unexpected keyword argument 'num_cpu'"))
     with pytest.raises(TypeError, match="num_cpu"):
-        init_local_ray(ray.init, ray.shutdown, num_cpu=2)
+        init_local_ray(init=ray.init, shutdown=ray.shutdown, num_cpu=2)
     assert len(ray.calls) == 1
