@@ -19,7 +19,12 @@ Per iteration:
    (the semantic match for all layers, replaced from layer l + d on by each trajectory
    match), `freq` the cache's visit count (`CacheState.num_uses`).
 5. `end_iteration`: each request's map {P_0..P_{L-1}} and embedding are stored; the store
-   deduplicates by RDY once full (§4.4).
+   deduplicates by RDY once full (§4.4). RDY weighs the semantic and the whole-map trajectory
+   similarity against every stored map, which the iteration's own searches computed (eq. 4 at
+   its start, eq. 5's running sums after its last layer) against the same store: a full store
+   takes them from there instead of reading its records again (~250 us per decode step at
+   C = 1,000 on the small model). Likewise a full store's iterations restart the last one's
+   search and kernel binding in place while the batch size holds.
 
 In a batch each request is searched on its own (eqs. 4-5 are [B, C]); an expert planned
 for several requests keeps its largest probability, and `p` for eviction is the largest
@@ -38,7 +43,7 @@ import numpy as np
 import torch
 
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
-from elasticmoe.offload.map_store import ExpertMapStore, KernelPlanner, TrajectorySearch
+from elasticmoe.offload.map_store import ExpertMapStore, KernelPlanner, SearchedScores, TrajectorySearch
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
 from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
 from elasticmoe.offload.routing_map import request_layer_probs
@@ -95,12 +100,17 @@ class FineMoEPolicy:
                                     config.prefetch_distance)
         self.search_log = SearchLog()
         self._requests: list[RequestContext] = []
+        self._embeddings = np.zeros((0, 0), dtype=np.float32)  # [B, h] this iteration's, per request
         self._num_tokens = np.zeros(0, dtype=np.int32)  # per request, this iteration
         self._one_token_each = False  # a decode iteration: each request's P_l is its token's distribution
         self._observed = np.zeros((0, *shape), dtype=np.float32)  # [B, L, E] this iteration's P_l per request
         self._current_layer = -1  # the last layer observed
         self._trajectory: TrajectorySearch | None = None  # this iteration's, layer by layer
         self._planner: KernelPlanner | None = None  # its kernel form, where built
+        # The last iteration's search and kernel binding, restarted in place while the batch size and
+        # the store's size hold (a full store in steady traffic): binding checks a dozen arrays.
+        self._bound: tuple[TrajectorySearch, KernelPlanner | None] | None = None
+        self._semantic_scores: np.ndarray | None = None  # [B, C] eq. 4 of this iteration, for RDY at its end
         self._planned = np.zeros(shape, dtype=np.bool_)
         self._planned_probs = np.zeros(shape, dtype=np.float64)
         self._guide = np.zeros(shape, dtype=np.float64)  # p_{l,j} of the searched maps, for eviction
@@ -109,23 +119,33 @@ class FineMoEPolicy:
         if not requests:
             raise ValueError("begin_iteration: an iteration needs at least one request")
         cfg = self.config
+        batch = len(requests)
         self._requests = list(requests)
-        self._num_tokens = np.array([r.num_tokens for r in requests], dtype=np.int32)
-        self._one_token_each = bool((self._num_tokens == 1).all())
-        self._observed = np.zeros((len(requests), cfg.num_layers, cfg.num_experts), dtype=np.float32)
+        self._embeddings = np.stack([r.embedding.float().numpy() for r in requests])
+        num_tokens = [r.num_tokens for r in requests]
+        self._one_token_each = max(num_tokens) == 1
+        if batch != len(self._observed):  # else the same buffers: the kernel's binding holds their addresses
+            self._observed = np.zeros((batch, cfg.num_layers, cfg.num_experts), dtype=np.float32)
+            self._num_tokens = np.zeros(batch, dtype=np.int32)
+            self._bound = None
+        self._num_tokens[:] = num_tokens
         self._current_layer = -1
         self._planned[:] = False
         self._planned_probs[:] = 0.0
         self._trajectory = None
         self._planner = None
+        self._semantic_scores = None
         if len(self.store) == 0:
             return
-        self._trajectory = self.store.trajectory_search(len(requests))
-        index, scores = self.store.best_semantic(np.stack([r.embedding.float().numpy() for r in requests]))
+        if self._bound is None or not self._bound[0].restart(batch):
+            search = self.store.trajectory_search(batch)
+            self._bound = (search, search.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
+                                                  self._planned_probs, self._guide))
+        self._trajectory, self._planner = self._bound
+        self._semantic_scores = self.store.semantic_scores(self._embeddings)
+        index, scores = self.store.best_of(self._semantic_scores)
         self.store.mark_matched(index)
         self.search_log.add_semantic(scores)
-        self._planner = self._trajectory.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
-                                                 self._planned_probs, self._guide)
         first_layers = range(min(cfg.prefetch_distance, cfg.num_layers))
         if self._planner is not None:  # the kernel plans and sets the guide from layer 0 on
             for layer in first_layers:
@@ -174,12 +194,23 @@ class FineMoEPolicy:
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:
         # Only complete maps are stored: an iteration cut short has no trajectory to offer.
         if self._current_layer == self.config.num_layers - 1:  # the maps are distributions by construction
-            self.store.insert_many(np.stack([r.embedding.float().numpy() for r in self._requests]), self._observed)
+            self.store.insert_many(self._embeddings, self._observed, self._searched_scores())
         self._requests = []
         self._trajectory = None
         self._planner = None
+        self._semantic_scores = None
         self._current_layer = -1
         self._planned[:] = False  # nothing to prefetch until the next iteration's search
+
+    def _searched_scores(self) -> SearchedScores | None:
+        """This iteration's searches' scores against the store, for RDY when its maps are stored:
+        known when the store was full (a store with room appends) and its trajectory search saw
+        every layer. Equal to what the store would compute (up to float32 summation order)."""
+        search = self._trajectory
+        if (self._semantic_scores is None or search is None or not search.complete
+                or search.size != self.store.capacity):
+            return None
+        return SearchedScores(self._semantic_scores, search.scores(), search.size)
 
     def _plan_layer(self, layer: int, probs: np.ndarray, scores: np.ndarray) -> None:
         """Plan `layer` from each request's searched distribution `probs` [B, E] and its

@@ -30,6 +30,8 @@ request is the best guess of the next one. The paper does not say; this is our c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -121,13 +123,19 @@ class ExpertMapStore:
         `embedding` [h] and `probs` [L, E], float32."""
         return self.insert_many(embedding[None], probs[None])[0]
 
-    def insert_many(self, embeddings: npt.NDArray[np.float32], maps: npt.NDArray[np.float32]) -> list[int]:
+    def insert_many(self, embeddings: npt.NDArray[np.float32], maps: npt.NDArray[np.float32],
+                    searched: SearchedScores | None = None) -> list[int]:
         """`insert` of each record (`embeddings` [B, h], `maps` [B, L, E]) in order; returns their
         slots. A full store compares each new record with every stored one (RDY: [h] and [L * E]
         dot products with C records); here those of a batch are one matrix product against the
         store as it stands, and each record placed updates only the later records' column of its
         slot. One at a time they cost ~0.12 ms each at C = 1,000 (~8 ms per decode step of 64
-        requests). The slots chosen are the sequential inserts' (tested)."""
+        requests). The slots chosen are the sequential inserts' (tested).
+
+        `searched`: the records' semantic and whole-map trajectory scores against the store as it
+        stands, from the iteration's own searches (`SearchedScores`): a full store then needs no
+        pass over its records (each pass reads the embeddings and maps, ~3 MB at C = 1,000 on the
+        small model, which the forward has just pushed out of the caches: ~250 us per decode step)."""
         if maps.ndim != 3 or maps.shape[1:] != (self.num_layers, self.num_experts):
             raise ValueError(f"expert map store: map must be [{self.num_layers}, {self.num_experts}], "
                              f"got {tuple(maps.shape[1:])}")
@@ -150,7 +158,8 @@ class ExpertMapStore:
             else:
                 if first_full is None:
                     first_full = i
-                    redundancy = self._redundancy(embeddings[i:], maps[i:])
+                    redundancy = (self._redundancy(embeddings[i:], maps[i:]) if searched is None or i > 0
+                                  else self._rdy(*searched.against(self)))
                 row = i - first_full
                 slot = int(self._best(redundancy[row : row + 1] + self._staleness())[0][0])
                 self.num_replaced += 1
@@ -182,6 +191,17 @@ class ExpertMapStore:
         age = self._num_added - self._last_matched[: self._size]
         return np.maximum(age / self.capacity - 1.0, 0.0).astype(np.float32)
 
+    def semantic_scores(self, embeddings: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """Eq. 4's cosine of `embeddings` [B, h] with every stored record's: [B, len]. Needs a
+        non-empty store."""
+        self._check_searchable()
+        return self._semantic(embeddings)
+
+    def best_of(self, scores: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """The best stored record per row of `scores` [B, len]: (index [B], score [B]), ties to the
+        most recently stored record."""
+        return self._best(scores)
+
     def search_semantic(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 4 for `embeddings` [B, h]: per row the most similar stored iteration (index [B],
         score [B]). Needs a non-empty store."""
@@ -191,8 +211,7 @@ class ExpertMapStore:
     def best_semantic(self, embeddings: npt.NDArray[np.float32]
                       ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """`search_semantic` on arrays."""
-        self._check_searchable()
-        return self._best(self._semantic(embeddings))
+        return self._best(self.semantic_scores(embeddings))
 
     def search_trajectory(self, trajectories: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 5 for observed `trajectories` [B, n, E] (the first n layers of B iterations)
@@ -249,6 +268,22 @@ class ExpertMapStore:
             raise ValueError("expert map store: nothing to search yet (the store is empty)")
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class SearchedScores:
+    """An iteration's scores against the store, from its searches: eq. 4 [B, C] (`semantic`) and
+    eq. 5 over every layer [B, C] (`trajectory`), C = `size` records. What §4.4's RDY of the
+    iteration's maps needs when they are stored at its end, if the store has not changed since."""
+
+    semantic: npt.NDArray[np.float32]
+    trajectory: npt.NDArray[np.float32]
+    size: int
+
+    def against(self, store: ExpertMapStore) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        if len(store) != self.size:
+            raise RuntimeError(f"searched scores: of a store of {self.size} records, it now holds {len(store)}")
+        return self.semantic, self.trajectory
+
+
 class TrajectorySearch:
     """`ExpertMapStore.search_trajectory` for an iteration whose layers arrive one at a time.
 
@@ -292,11 +327,32 @@ class TrajectorySearch:
     def best(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """(index [B], score [B]) of the best match on the layers added so far; ties go to the
         most recently stored record (as `ExpertMapStore` breaks them)."""
+        return latest_best(self.scores(), self._stamps)
+
+    def scores(self) -> npt.NDArray[np.float32]:
+        """Eq. 5's cosines [B, C] on the layers added so far (on every layer: RDY's trajectory part)."""
         if self.num_layers == 0:
             raise ValueError("trajectory search: no layer observed yet")
         self._check_store_unchanged()
         new = np.maximum(np.sqrt(self.new_sq), _EPS)[:, None]
-        return latest_best(self.dots / (new * self._norms[self.num_layers - 1]), self._stamps)
+        return self.dots / (new * self._norms[self.num_layers - 1])
+
+    @property
+    def complete(self) -> bool:
+        """Every layer has been added."""
+        return self.num_layers == self.store.num_layers
+
+    def restart(self, batch: int) -> bool:
+        """Begin a new iteration's search of `batch` iterations in the same buffers (the kernel's
+        binding stays valid) if the store still holds as many records and the batch is as large;
+        the stored norms are read again (records may have been replaced). False: make a new search."""
+        if len(self.store) != self.size or self.dots.shape[0] != batch:
+            return False
+        np.maximum(self.store._trajectory_norms[:, : self.size], _EPS, out=self._norms)
+        self.dots.fill(0.0)
+        self.new_sq.fill(0.0)
+        self.num_layers = 0
+        return True
 
     def _check_a_layer_is_left(self) -> None:
         if self.num_layers >= self.store.num_layers:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
-from elasticmoe.offload.map_store import ExpertMapStore
+from elasticmoe.offload.map_store import ExpertMapStore, SearchedScores
 from elasticmoe.offload.routing_map import RoutingMapRecord, request_layer_probs
 from elasticmoe.offload.search_schedule import trajectory_length, trajectory_target, uses_semantic_search
 from elasticmoe.offload.similarity import best_matches, redundancy_scores, semantic_scores, trajectory_scores
@@ -173,6 +174,54 @@ def test_the_layer_by_layer_search_scores_like_the_full_trajectory_search():
     store.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(4, 5), dim=-1)))
     with pytest.raises(RuntimeError, match="changed"):  # a record added under the search
         search.best()
+
+
+def test_a_restarted_search_scores_like_a_new_one_after_records_were_replaced():
+    torch.manual_seed(5)
+    store = ExpertMapStore(capacity=6, num_layers=3, num_experts=4, prefetch_distance=1)
+    for _ in range(6):
+        store.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(3, 4), dim=-1)))
+    search = store.trajectory_search(batch=2)
+    search.add(torch.softmax(torch.randn(2, 4), dim=-1))
+    for _ in range(3):  # replaced in place: the store's size holds, its norms change
+        store.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(3, 4), dim=-1)))
+    assert not search.restart(batch=3)  # another batch size: a new search
+    assert search.restart(batch=2) and search.num_layers == 0
+    fresh = store.trajectory_search(batch=2)
+    observed = torch.softmax(torch.randn(2, 3, 4), dim=-1)
+    for layer in range(3):
+        search.add(observed[:, layer])
+        fresh.add(observed[:, layer])
+        assert np.array_equal(search.scores(), fresh.scores())
+    assert search.complete
+    store.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(3, 4), dim=-1)))
+    grown = ExpertMapStore(capacity=8, num_layers=3, num_experts=4, prefetch_distance=1)
+    grown.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(3, 4), dim=-1)))
+    growing = grown.trajectory_search(batch=1)
+    grown.add(RoutingMapRecord(torch.randn(3), torch.softmax(torch.randn(3, 4), dim=-1)))
+    assert not growing.restart(batch=1)  # a record more: the views are too short
+
+
+def test_a_full_store_replaces_by_the_scores_its_searches_found():
+    """RDY from an iteration's own semantic and whole-map trajectory scores picks the slots the
+    store's own pass picks; scores of a store that changed since are refused."""
+    gen = torch.Generator().manual_seed(9)
+    store = ExpertMapStore(capacity=6, num_layers=3, num_experts=4, prefetch_distance=1)
+    for _ in range(6):
+        store.add(random_record(gen))
+    new = [random_record(gen) for _ in range(3)]
+    new.insert(2, new[0])  # a repeat within the batch: the later columns are the loop's own
+    embeddings = torch.stack([r.embedding for r in new]).numpy()
+    maps = torch.stack([r.probs for r in new]).numpy()
+    search = store.trajectory_search(batch=4)
+    for layer in range(3):
+        search.add(maps[:, layer])
+    searched = SearchedScores(store.semantic_scores(embeddings), search.scores(), len(store))
+    reference = copy.deepcopy(store)
+    assert store.insert_many(embeddings, maps, searched) == reference.insert_many(embeddings, maps)
+    assert torch.equal(store.maps, reference.maps)
+    with pytest.raises(RuntimeError, match="of 7 records, it now holds 6"):
+        SearchedScores(searched.semantic, searched.trajectory, 7).against(store)
 
 
 def test_the_layer_by_layer_search_breaks_ties_to_the_latest_record():

@@ -127,6 +127,42 @@ def test_finemoe_stores_each_complete_iteration_per_request():
     assert len(policy.store) == 2
 
 
+@pytest.mark.parametrize("batches", [(1, 1, 1, 2, 2, 1), (3, 3, 1, 3)])
+def test_finemoe_on_a_full_store_decides_and_stores_as_with_fresh_searches(monkeypatch, batches):
+    """A full store's iterations restart the last search in place and store their maps by the RDY of
+    their own searches' scores; without either (a new search each time, the store's own RDY pass)
+    the plans, victims, replaced slots and stored maps are the same, batch sizes changing or not."""
+    from elasticmoe.offload import map_store
+
+    cfg = make_config(num_layers=4, num_experts=6, top_k=2, store_capacity=40)
+    outcomes = []
+    for shortcuts in (True, False):
+        rng = np.random.default_rng(11)
+        with monkeypatch.context() as patch:
+            if not shortcuts:
+                patch.setattr(map_store.TrajectorySearch, "restart", lambda self, batch: False)
+                patch.setattr(FineMoEPolicy, "_searched_scores", lambda self: None)
+            policy = FineMoEPolicy(cfg)
+            for _ in range(cfg.store_capacity):  # full from the start
+                policy.store.insert(rng.standard_normal(5).astype(np.float32),
+                                    rng.dirichlet(np.full(6, 0.3), size=4).astype(np.float32))
+            cache = CacheState.empty(4, 6, 8)
+            seen = []
+            for batch in batches:
+                requests = [RequestContext(f"r{b}", 1, torch.from_numpy(rng.standard_normal(5).astype(np.float32)))
+                            for b in range(batch)]
+                policy.begin_iteration(requests)
+                for layer in range(4):
+                    probs = torch.from_numpy(rng.dirichlet(np.full(6, 0.3), size=batch).astype(np.float32))
+                    policy.observe_layer(layer, probs, torch.topk(probs, 2).indices)
+                    seen.append((plan_keys(policy, cache), policy.choose_victims(cache.load([(3, 0), (3, 1)]), 1, ())))
+                policy.end_iteration()
+            outcomes.append((seen, policy.store.maps, policy.store.num_replaced))
+    (seen, maps, replaced), (want_seen, want_maps, want_replaced) = outcomes
+    assert seen == want_seen and replaced == want_replaced == sum(batches)
+    assert torch.equal(maps, want_maps)
+
+
 # ---- baselines ---------------------------------------------------------------------------
 
 
