@@ -6,8 +6,11 @@ Every configuration runs in a fresh engine (`LLMEngine`, this process) over the 
 the held-out prompts of a trained checkpoint (`DIR/heldout_prompts.jsonl`, written by
 `python -m elasticmoe.tools.train_model`), else generated ones. A warm-up set of requests runs
 first and is not measured: FineMoE's Expert Map Store and LFU's activation matrices learn from
-past requests (FineMoE §6.1 does the same with its training split). Then the measured requests run
-`--batch` at a time (a closed loop: one finishes, the next starts), greedy, `--max-tokens` each.
+past requests (FineMoE §6.1 does the same with its training split). By default the warm-up fills
+a store of 1,000 maps (72 requests of 16 tokens: ~1,150 iterations), the state a serving engine's
+store is in within seconds of traffic; a store with room appends where a full one deduplicates.
+Then the measured requests run `--batch` at a time (a closed loop: one finishes, the next
+starts), greedy, `--max-tokens` each.
 
 Per run: expert hit rate (lookups found resident or being prefetched), on-demand loads,
 prefetches useful / wasted, TTFT and TPOT p50 (engine time, no HTTP), the forward thread's time
@@ -278,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="FineMoE's semantic embedding: over the tokens each iteration feeds (default), or the "
                         "prompt's at every iteration")
     p.add_argument("--sweep-budget", type=float, default=0.25, help="cache budget of the d and C sweeps")
-    p.add_argument("--warmup", type=int, default=16, help="requests run first, not measured (default 16)")
+    p.add_argument("--warmup", type=int, default=72,
+                   help="requests run first, not measured (default 72: at 16 tokens each, enough iterations to\n"
+                        "fill a map store of 1,000, as a serving engine's is within seconds)")
     p.add_argument("--requests", type=int, default=16, help="measured requests per run (default 16)")
     p.add_argument("--batch", type=int, default=1, help="requests in flight at once (default 1, as FineMoE)")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (default 16)")
