@@ -105,11 +105,11 @@ class FineMoEPolicy:
         self._one_token_each = False  # a decode iteration: each request's P_l is its token's distribution
         self._observed = np.zeros((0, *shape), dtype=np.float32)  # [B, L, E] this iteration's P_l per request
         self._current_layer = -1  # the last layer observed
-        self._trajectory: TrajectorySearch | None = None  # this iteration's, layer by layer
-        self._planner: KernelPlanner | None = None  # its kernel form, where built
-        # The last iteration's search and kernel binding, restarted in place while the batch size and
-        # the store's size hold (a full store in steady traffic): binding checks a dozen arrays.
-        self._bound: tuple[TrajectorySearch, KernelPlanner | None] | None = None
+        # The trajectory search, layer by layer, and its kernel form where built (None while the store
+        # is empty). Each iteration restarts the last one's in place while the batch size and the
+        # store's size hold (a full store in steady traffic): binding the kernel checks a dozen arrays.
+        self._trajectory: TrajectorySearch | None = None
+        self._planner: KernelPlanner | None = None
         self._semantic_scores: np.ndarray | None = None  # [B, C] eq. 4 of this iteration, for RDY at its end
         self._planned = np.zeros(shape, dtype=np.bool_)
         self._planned_probs = np.zeros(shape, dtype=np.float64)
@@ -127,21 +127,18 @@ class FineMoEPolicy:
         if batch != len(self._observed):  # else the same buffers: the kernel's binding holds their addresses
             self._observed = np.zeros((batch, cfg.num_layers, cfg.num_experts), dtype=np.float32)
             self._num_tokens = np.zeros(batch, dtype=np.int32)
-            self._bound = None
+            self._trajectory = self._planner = None  # bound to the old buffers
         self._num_tokens[:] = num_tokens
         self._current_layer = -1
         self._planned[:] = False
         self._planned_probs[:] = 0.0
-        self._trajectory = None
-        self._planner = None
         self._semantic_scores = None
         if len(self.store) == 0:
             return
-        if self._bound is None or not self._bound[0].restart(batch):
-            search = self.store.trajectory_search(batch)
-            self._bound = (search, search.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
-                                                  self._planned_probs, self._guide))
-        self._trajectory, self._planner = self._bound
+        if self._trajectory is None or not self._trajectory.restart(batch):
+            self._trajectory = self.store.trajectory_search(batch)
+            self._planner = self._trajectory.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
+                                                     self._planned_probs, self._guide)
         self._semantic_scores = self.store.semantic_scores(self._embeddings)
         index, scores = self.store.best_of(self._semantic_scores)
         self.store.mark_matched(index)
@@ -196,9 +193,7 @@ class FineMoEPolicy:
         if self._current_layer == self.config.num_layers - 1:  # the maps are distributions by construction
             self.store.insert_many(self._embeddings, self._observed, self._searched_scores())
         self._requests = []
-        self._trajectory = None
-        self._planner = None
-        self._semantic_scores = None
+        self._semantic_scores = None  # the iteration is over (its search is kept for the next to restart)
         self._current_layer = -1
         self._planned[:] = False  # nothing to prefetch until the next iteration's search
 
@@ -207,10 +202,9 @@ class FineMoEPolicy:
         known when the store was full (a store with room appends) and its trajectory search saw
         every layer. Equal to what the store would compute (up to float32 summation order)."""
         search = self._trajectory
-        if (self._semantic_scores is None or search is None or not search.complete
-                or search.size != self.store.capacity):
+        if self._semantic_scores is None or search is None or not search.complete or search.size != self.store.capacity:
             return None
-        return SearchedScores(self._semantic_scores, search.scores(), search.size)
+        return SearchedScores(self._semantic_scores, search.scores())
 
     def _plan_layer(self, layer: int, probs: np.ndarray, scores: np.ndarray) -> None:
         """Plan `layer` from each request's searched distribution `probs` [B, E] and its

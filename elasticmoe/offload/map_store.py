@@ -270,17 +270,17 @@ class ExpertMapStore:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SearchedScores:
-    """An iteration's scores against the store, from its searches: eq. 4 [B, C] (`semantic`) and
-    eq. 5 over every layer [B, C] (`trajectory`), C = `size` records. What §4.4's RDY of the
+    """An iteration's scores against the store's C records, from its searches: eq. 4 [B, C]
+    (`semantic`) and eq. 5 over every layer [B, C] (`trajectory`). What §4.4's RDY of the
     iteration's maps needs when they are stored at its end, if the store has not changed since."""
 
     semantic: npt.NDArray[np.float32]
     trajectory: npt.NDArray[np.float32]
-    size: int
 
     def against(self, store: ExpertMapStore) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        if len(store) != self.size:
-            raise RuntimeError(f"searched scores: of a store of {self.size} records, it now holds {len(store)}")
+        size = self.semantic.shape[1]
+        if len(store) != size:
+            raise RuntimeError(f"searched scores: of a store of {size} records, it now holds {len(store)}")
         return self.semantic, self.trajectory
 
 
@@ -300,11 +300,11 @@ class TrajectorySearch:
         self.size = len(store)
         self._maps = store._maps[:, : self.size]  # [L, C, E] views, no copies
         self._columns = store._columns[:, :, : self.size]  # [L, E, C]
-        self._norms = np.maximum(store._trajectory_norms[:, : self.size], _EPS)  # [L, C]
+        self._norms = np.empty((store.num_layers, self.size), dtype=np.float32)  # [L, C], floored at _EPS
         self._stamps = store._stamps[: self.size]
-        self.dots = np.zeros((batch, self.size), dtype=np.float32)
-        self.new_sq = np.zeros(batch, dtype=np.float32)
-        self.num_layers = 0
+        self.dots = np.empty((batch, self.size), dtype=np.float32)
+        self.new_sq = np.empty(batch, dtype=np.float32)
+        self._start()
 
     def add(self, probs: npt.ArrayLike) -> None:
         """The next layer's gate distributions `probs` [B, E] of the B iterations."""
@@ -348,11 +348,15 @@ class TrajectorySearch:
         the stored norms are read again (records may have been replaced). False: make a new search."""
         if len(self.store) != self.size or self.dots.shape[0] != batch:
             return False
+        self._start()
+        return True
+
+    def _start(self) -> None:
+        """No layer added yet; the stored records' norms as they are now."""
         np.maximum(self.store._trajectory_norms[:, : self.size], _EPS, out=self._norms)
         self.dots.fill(0.0)
         self.new_sq.fill(0.0)
         self.num_layers = 0
-        return True
 
     def _check_a_layer_is_left(self) -> None:
         if self.num_layers >= self.store.num_layers:

@@ -216,12 +216,12 @@ def test_a_full_store_replaces_by_the_scores_its_searches_found():
     search = store.trajectory_search(batch=4)
     for layer in range(3):
         search.add(maps[:, layer])
-    searched = SearchedScores(store.semantic_scores(embeddings), search.scores(), len(store))
+    searched = SearchedScores(store.semantic_scores(embeddings), search.scores())
     reference = copy.deepcopy(store)
     assert store.insert_many(embeddings, maps, searched) == reference.insert_many(embeddings, maps)
     assert torch.equal(store.maps, reference.maps)
     with pytest.raises(RuntimeError, match="of 7 records, it now holds 6"):
-        SearchedScores(searched.semantic, searched.trajectory, 7).against(store)
+        SearchedScores(np.zeros((4, 7), dtype=np.float32), np.zeros((4, 7), dtype=np.float32)).against(store)
 
 
 def test_the_layer_by_layer_search_breaks_ties_to_the_latest_record():
