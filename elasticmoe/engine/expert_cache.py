@@ -9,10 +9,10 @@ consults; `CacheState` (`elasticmoe.offload`) is the policy-facing view of the s
 Every decision is made on the forward thread; the copies are made on two:
 - `ensure` (on demand): the experts a layer needs now, copied by the forward thread itself (and,
   where the copier polls on a core of its own, half of them by the copier: `_copy_all`);
-- `replan` (after each layer's router and at an iteration's start): the policy's plan becomes a
-  queue of copies, each with its row and its victim, submitted to a copier (`expert_copier`) that
-  copies beside the forward without taking the GIL. A new plan cancels the copies not started and
-  queues its own.
+- `replan` (at an iteration's start, and after each layer's experts were ensured): the policy's
+  plan becomes a queue of copies, each with its row and its victim, submitted to a copier
+  (`expert_copier`) that copies beside the forward without taking the GIL. A new plan cancels the
+  copies not started and queues its own.
 The rules that keep the two apart:
 - a queued copy's victim leaves `slot_of` at once (its row will be written), but a copy cancelled
   before it started gives the victim its row back: the row was never written (`CacheState.
@@ -23,8 +23,8 @@ The rules that keep the two apart:
   being written); it waits for that copy only when it needs that expert, or that row (a cache
   barely larger than the layer's experts). Then the plan is queued again;
 - a copy is published in `slot_of` only once it has finished (`_publish_finished`, at the next
-  lookup or plan), and an expert the forward thread is computing with, or that the current layer's
-  router just chose (`protected`), is never a prefetch's victim;
+  lookup or plan), and an expert the forward thread is computing with (`protected`: the last
+  `ensure`'s) is never a prefetch's victim;
 - a failed copy leaves the expert not resident and its row free, so a read error costs the
   request that needed it, never the cache's consistency.
 One lock guards the map, the state and the policy (other threads read the stats).
@@ -297,17 +297,11 @@ class ExpertCache:
 
     # ---- prefetches (decided on the forward thread, copied by the copier) ---------------------
 
-    def replan(self, routed: tuple[int, Sequence[int]] | None = None) -> None:
-        """Take the policy's current plan (after it observed a layer or began an iteration) and
-        queue its copies in place of the queued ones. `routed` (layer, global expert ids): the
-        experts that layer's router just chose, which its `ensure` asks for next; from now on they
-        are no prefetch's victims. (Before, a copy for the next layer could evict one of them in the
-        moment between the router and `ensure`: LRU ranks them oldest, having last used them an
-        iteration ago.)"""
+    def replan(self) -> None:
+        """Take the policy's current plan (after it began an iteration, or observed a layer whose
+        experts were then ensured: those stay protected) and queue its copies in place of the
+        queued ones."""
         with self._lock:
-            if routed is not None:
-                layer, experts = routed
-                self._protected = frozenset((layer, e) for e in experts if e in self.local_of)
             self._plan = self._policy_plan()
             self._publish_finished()
             self._queue_plan()

@@ -15,13 +15,14 @@ of the pool they sit in differs. Under expert parallelism each rank caches its o
 `run_experts` runs on the rank that owns them (after the all-to-all), `observe` sees the
 rank's own tokens.
 
-The policy's work runs on the forward thread by default, each layer's observation and plan
-before that layer's experts are ensured (the order of the paper's loop in `policy`).
-`EngineConfig.offload_policy_thread=True` runs the same jobs on a thread beside the forward
-(`policy_worker`), in order: the iteration's begin (its search and first plan) while the forward
-embeds and runs layer 0's attention; each layer's observation and plan once that layer's experts
-are ensured, while the forward runs their GEMM and the next layer's attention (both release the
-GIL); the iteration's end. There the forward never waits for its plans: a lookup takes whatever
+The policy's work runs on the forward thread by default: the iteration's begin (its search and
+first plan) before layer 0, each layer's observation and plan once that layer's experts are
+ensured (the order of the paper's loop in `policy`: the layer's own loads come first, then the
+plan for the next layers, whose copies run beside its GEMM), the iteration's end after the last
+layer. `EngineConfig.offload_policy_thread=True` runs the same jobs in the same order on a thread
+beside the forward (`policy_worker`): the begin while the forward embeds and runs layer 0's
+attention; each layer's job while the forward runs its GEMM and the next layer's attention (both
+release the GIL). There the forward never waits for its plans: a lookup takes whatever
 the cache holds when it comes, and the cache's lock keeps the two consistent (a lookup may wait
 on it for a job in progress). The thread takes the policy's ~1 ms per output token off the
 forward, but on the 2-vCPU hosts measured the forward pays about as much back: waking the thread
@@ -54,7 +55,6 @@ from elasticmoe.engine.policy_worker import Job, PolicyWorker
 from elasticmoe.engine.request import Request
 from elasticmoe.layers.experts import grouped_experts_at_rows, grouped_experts_sorted
 from elasticmoe.models.common import ExpertsHook
-from elasticmoe.offload.cache_ops import routed_experts
 from elasticmoe.offload.policy import RequestContext
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class ExpertOffload:
                  semantic: str = "iteration", policy_thread: bool = False) -> None:
         """`semantic`: one of `SEMANTIC_SOURCES` (`EngineConfig.offload_semantic`, checked there);
         `policy_thread`: the policy's jobs run on a thread beside the forward (see the module
-        docstring), else on the forward thread before each layer's experts."""
+        docstring), else on the forward thread."""
         self.cache = cache
         self.policy = cache.policy
         self.routers = [r.float() for r in routers]  # [E, H] per MoE layer: the next layer's gate on this input (lru)
@@ -109,15 +109,13 @@ class ExpertOffload:
         next_probs = None
         if self.policy.needs_next_layer_gate and layer + 1 < len(self.routers):
             next_probs = torch.softmax(x.float() @ self.routers[layer + 1].T, dim=-1)
-        job = partial(self._observe_layer, layer, probs, topk_ids, next_probs)
-        if self._worker is None:
-            job()
-            return
         # Held until this layer's `ensure` (`run_experts`) has taken what it needs: the job's plan is
-        # for later layers, and started now it would hold the cache's lock against that `ensure`. A
-        # rank that computes no row of the layer (EP) releases it at the next router or step end.
+        # for later layers. Inline, planned first, its copies would be cancelled and queued again by
+        # every `ensure` that loads (and their victims chosen twice); on the worker, started now, it
+        # would hold the cache's lock against that `ensure`. A rank that computes no row of the
+        # layer (EP) releases it at the next router or step end.
         self._release_deferred()
-        self._deferred = job
+        self._deferred = partial(self._observe_layer, layer, probs, topk_ids, next_probs)
 
     def end_step(self, live_request_ids: Collection[str]) -> None:
         """After the step: requests no longer live are forgotten (LFU keeps their matrices)."""
@@ -158,10 +156,9 @@ class ExpertOffload:
     def _observe_layer(self, layer: int, probs: torch.Tensor, topk_ids: torch.Tensor,
                        next_probs: torch.Tensor | None) -> None:
         if self._call_policy(lambda: self.policy.observe_layer(layer, probs, topk_ids, next_probs)):
-            # On the forward thread this runs before the layer's `ensure`: its experts are no
-            # prefetch's victims from now on. On the worker that `ensure` came first and protects
-            # what the layer computes with (under EP not the rank's own tokens' experts).
-            self.cache.replan(routed=None if self._worker is not None else (layer, routed_experts(topk_ids)))
+            # After the layer's `ensure`, which protects what the layer computes with from the
+            # plan's victims (under EP the experts this rank computes for every rank's tokens)
+            self.cache.replan()
 
     def _end_iteration(self, finished: list[str]) -> None:
         self._policy_ok = True  # end every iteration that began, even one a policy error cut short

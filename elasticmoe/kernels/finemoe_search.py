@@ -5,12 +5,14 @@ form is ~25 small array operations whose dispatch costs far more than their arit
 does the same steps (see its header for the precision it keeps), and plans the iteration's first
 layers from the semantic search's matches the same way. `bind` checks the arrays of one iteration
 once and returns the calls (None where the kernel is not available: the caller runs the NumPy
-reference); each call then passes only integers and cached addresses.
+reference); each call then passes only integers and cached addresses. `victim_picker` binds
+FineMoE's eviction order (§4.5) over the policy's guide the same way.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Collection
 from functools import cache
 
 import numpy as np
@@ -25,10 +27,13 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return declare(lib, {"emoe_finemoe_observe": [ptr, i64, i64, i64, c_int, c_int, ptr, i64, i64, ptr, ptr, ptr, c_int,
-                                                  ptr, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr],
-                         "emoe_finemoe_plan": [ptr, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, c_int, ptr,
-                                               ptr, ptr, ptr]})
+    lib = declare(lib, {"emoe_finemoe_observe": [ptr, i64, i64, i64, c_int, c_int, ptr, i64, i64, ptr, ptr, ptr, c_int,
+                                                 ptr, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr],
+                        "emoe_finemoe_plan": [ptr, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, c_int, ptr,
+                                              ptr, ptr, ptr],
+                        "emoe_finemoe_victims": [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, ptr]})
+    lib.emoe_finemoe_victims.restype = i64
+    return lib
 
 
 def available() -> bool:
@@ -124,3 +129,52 @@ def bind(maps: npt.NDArray[np.float32], columns: npt.NDArray[np.float32], norms:
         return None
     return LayerStep(lib, maps, columns, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, top_k,
                      num_tokens)
+
+
+class VictimPicker:
+    """`pick(resident, last_used, num_uses, num_victims, protected)`: FineMoE's victims (§4.5) by the
+    guide `guide` [L, E] (fp64, used in place: the policy rewrites it each layer) and the cache's
+    arrays [L, E] (bool, int64, int64), exactly as `ranking.pick_victims` orders
+    `selection.eviction_priority(guide, num_uses)`: one call instead of ~15 NumPy operations after
+    every MoE layer's plan."""
+
+    def __init__(self, lib: ctypes.CDLL, guide: npt.NDArray[np.float64], prob_floor: float) -> None:
+        if guide.dtype != np.float64 or guide.ndim != 2 or not guide.flags.c_contiguous:
+            raise ValueError(f"finemoe victims kernel: guide must be contiguous float64 [L, E], got {guide.dtype} "
+                             f"{guide.shape}")
+        self._fn = lib.emoe_finemoe_victims
+        self._guide = guide  # kept alive
+        self._shape = guide.shape
+        self._num_experts = guide.shape[1]
+        self._protected = np.zeros(guide.shape, dtype=np.uint8)
+        self._out = np.zeros(guide.size, dtype=np.int64)
+        self._head = (guide.ctypes.data,)
+        self._tail = (self._protected.ctypes.data, guide.size)
+        self._floor_out = (prob_floor, self._out.ctypes.data)
+
+    def pick(self, resident: npt.NDArray[np.bool_], last_used: npt.NDArray[np.int64],
+             num_uses: npt.NDArray[np.int64], num_victims: int, protected: Collection[tuple[int, int]]
+             ) -> list[tuple[int, int]]:
+        if num_victims <= 0:
+            return []
+        for array, dtype in ((resident, np.bool_), (last_used, np.int64), (num_uses, np.int64)):
+            if array.dtype != dtype or array.shape != self._shape or not array.flags.c_contiguous:
+                raise ValueError(f"finemoe victims kernel: need contiguous {np.dtype(dtype)} {self._shape}, got "
+                                 f"{array.dtype} {array.shape}")
+        mask = self._protected
+        marked = list(protected)
+        try:
+            for key in marked:
+                mask[key] = 1
+            count = self._fn(*self._head, num_uses.ctypes.data, last_used.ctypes.data, resident.ctypes.data,
+                             *self._tail, num_victims, *self._floor_out)
+        finally:
+            for key in marked:
+                mask[key] = 0
+        return [divmod(index, self._num_experts) for index in self._out[:count].tolist()]
+
+
+def victim_picker(guide: npt.NDArray[np.float64], prob_floor: float) -> VictimPicker | None:
+    """A `VictimPicker` over `guide`, or None where the kernel is not available."""
+    lib = _library()
+    return None if lib is None else VictimPicker(lib, guide, prob_floor)

@@ -29,7 +29,7 @@ snapshot while the forward thread builds the next.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -58,6 +58,8 @@ class CacheState:
     clock: int = 0  # the next stamp; advances once per `load` / `use`
     ageing_window: int = 0  # visits between two halvings of `num_uses`; 0: never halved
     visits_since_ageing: int = 0
+    # `resident`'s count, kept by the transitions: the engine asks for the free slots at every plan
+    num_resident: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -68,6 +70,7 @@ class CacheState:
         if len(shape) != 2 or self.last_used.shape != shape or self.num_uses.shape != shape:
             raise ValueError(f"cache arrays: need three [L, E] arrays, got {shape}, {self.last_used.shape}, "
                              f"{self.num_uses.shape}")
+        object.__setattr__(self, "num_resident", int(self.resident.sum()))
         if self.num_resident > self.capacity:
             raise ValueError(f"cache: {self.num_resident} resident experts exceed the capacity {self.capacity}")
         if self.ageing_window < 0 or self.visits_since_ageing < 0:
@@ -94,10 +97,6 @@ class CacheState:
     @property
     def num_experts(self) -> int:
         return int(self.resident.shape[1])
-
-    @property
-    def num_resident(self) -> int:
-        return int(self.resident.sum())
 
     @property
     def num_free(self) -> int:
@@ -131,9 +130,9 @@ class CacheState:
                 raise ValueError(f"load: expert {key} is already resident")
             resident[key] = True
             last_used[key] = self.clock
-        if int(resident.sum()) > self.capacity:
+        if len(keys) > self.num_free:
             raise ValueError(f"load: {len(keys)} experts do not fit in {self.num_free} free slots")
-        return self._successor(resident, last_used, self.num_uses, self.clock + 1)
+        return self._successor(resident, last_used, self.num_uses, self.clock + 1, self.num_resident + len(keys))
 
     def evict(self, keys: Sequence[ExpertKey]) -> CacheState:
         """`keys` leave the cache; their visit counts stay (see the module docstring)."""
@@ -144,7 +143,7 @@ class CacheState:
             if not resident[key]:
                 raise ValueError(f"evict: expert {key} is not resident")
             resident[key] = False
-        return self._successor(resident, self.last_used, self.num_uses, self.clock)
+        return self._successor(resident, self.last_used, self.num_uses, self.clock, self.num_resident - len(keys))
 
     def reinstate(self, keys: Sequence[ExpertKey]) -> CacheState:
         """`keys`, evicted for a copy that was cancelled before it wrote their rows, are resident
@@ -156,9 +155,9 @@ class CacheState:
             if resident[key]:
                 raise ValueError(f"reinstate: expert {key} is already resident")
             resident[key] = True
-        if int(resident.sum()) > self.capacity:
+        if len(keys) > self.num_free:
             raise ValueError(f"reinstate: {len(keys)} experts do not fit in {self.num_free} free slots")
-        return self._successor(resident, self.last_used, self.num_uses, self.clock)
+        return self._successor(resident, self.last_used, self.num_uses, self.clock, self.num_resident + len(keys))
 
     def use(self, layer: int, expert_ids: Iterable[int]) -> CacheState:
         """Layer `layer` ran its experts `expert_ids` (all resident): one visit each, whatever
@@ -181,9 +180,9 @@ class CacheState:
         if self.ageing_window and since >= self.ageing_window:
             num_uses //= 2
             since = 0
-        return self._successor(self.resident, last_used, num_uses, self.clock + 1, since)
+        return self._successor(self.resident, last_used, num_uses, self.clock + 1, self.num_resident, since)
 
-    def _successor(self, resident: BoolGrid, last_used: IntGrid, num_uses: IntGrid, clock: int,
+    def _successor(self, resident: BoolGrid, last_used: IntGrid, num_uses: IntGrid, clock: int, num_resident: int,
                    visits_since_ageing: int | None = None) -> CacheState:
         """A transition's result, whose invariants the transition kept: made without the checks
         of construction (a transition runs per MoE layer of every engine step)."""
@@ -191,7 +190,7 @@ class CacheState:
         since = self.visits_since_ageing if visits_since_ageing is None else visits_since_ageing
         for name, value in (("capacity", self.capacity), ("resident", resident), ("last_used", last_used),
                             ("num_uses", num_uses), ("clock", clock), ("ageing_window", self.ageing_window),
-                            ("visits_since_ageing", since)):
+                            ("visits_since_ageing", since), ("num_resident", num_resident)):
             object.__setattr__(successor, name, value)
         for arr in (resident, last_used, num_uses):
             arr.flags.writeable = False
@@ -199,6 +198,8 @@ class CacheState:
 
     def check_integrity(self) -> None:
         """The invariants construction does not check (O(L * E)); tests and debug runs call it."""
+        if self.num_resident != int(self.resident.sum()):
+            raise ValueError(f"cache: counts {self.num_resident} resident experts, holds {int(self.resident.sum())}")
         if self.num_resident > self.capacity:
             raise ValueError(f"cache: {self.num_resident} resident experts exceed the capacity {self.capacity}")
         if self.last_used.size and int(self.last_used.max()) >= self.clock:

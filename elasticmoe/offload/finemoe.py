@@ -17,7 +17,8 @@ Per iteration:
    its tokens' top-K (`selection.iteration_floor`, ours: the paper does not say).
 4. Victims go by `1 / (p * freq)` (§4.5), `p` from the maps searched for the iteration
    (the semantic match for all layers, replaced from layer l + d on by each trajectory
-   match), `freq` the cache's visit count (`CacheState.num_uses`).
+   match), `freq` the cache's visit count (`CacheState.num_uses`); picked in one kernel call
+   where the kernels build (~15 NumPy operations after every layer's plan otherwise).
 5. `end_iteration`: each request's map {P_0..P_{L-1}} and embedding are stored; the store
    deduplicates by RDY once full (§4.4). RDY weighs the semantic and the whole-map trajectory
    similarity against every stored map, which the iteration's own searches computed (eq. 4 at
@@ -42,13 +43,19 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
+from elasticmoe.kernels import finemoe_search
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.map_store import ExpertMapStore, KernelPlanner, SearchedScores, TrajectorySearch
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
 from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
 from elasticmoe.offload.routing_map import request_layer_probs
 from elasticmoe.offload.search_schedule import trajectory_target
-from elasticmoe.offload.selection import eviction_priority, minimum_expert_sets, selection_threshold
+from elasticmoe.offload.selection import (
+    PROB_FLOOR,
+    eviction_priority,
+    minimum_expert_sets,
+    selection_threshold,
+)
 
 
 class SearchLog:
@@ -113,7 +120,8 @@ class FineMoEPolicy:
         self._semantic_scores: np.ndarray | None = None  # [B, C] eq. 4 of this iteration, for RDY at its end
         self._planned = np.zeros(shape, dtype=np.bool_)
         self._planned_probs = np.zeros(shape, dtype=np.float64)
-        self._guide = np.zeros(shape, dtype=np.float64)  # p_{l,j} of the searched maps, for eviction
+        self._guide = np.zeros(shape, dtype=np.float64)  # p_{l,j} of the searched maps, for eviction (in place)
+        self._victims = finemoe_search.victim_picker(self._guide, PROB_FLOOR)  # None: NumPy's `pick_victims`
 
     def begin_iteration(self, requests: Sequence[RequestContext]) -> None:
         if not requests:
@@ -186,6 +194,8 @@ class FineMoEPolicy:
 
     def choose_victims(self, cache: CacheState, num_victims: int,
                        protected: Collection[ExpertKey]) -> list[ExpertKey]:
+        if self._victims is not None:
+            return self._victims.pick(cache.resident, cache.last_used, cache.num_uses, num_victims, protected)
         return pick_victims(cache, eviction_priority(self._guide, cache.num_uses), num_victims, protected)
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import threading
+from collections import Counter
 
 import pytest
 import torch
@@ -81,36 +82,35 @@ def test_every_policy_gives_the_resident_outputs(policy, tiny_model_dirs, reside
 def test_the_policy_runs_beside_the_forward_or_on_it_in_layer_order(policy_thread, tiny_model_dir, resident,
                                                                      caplog):
     """On its thread (the default) or on the forward's, the policy sees every iteration's layers in
-    order, once each (FineMoE's `observe_layer` refuses any other order, which would be logged)."""
+    order, once each (FineMoE's `observe_layer` refuses any other order, which would be logged),
+    and each layer's observation and plan come after that layer's experts were ensured (a plan
+    made before would queue copies that the layer's own loads cancel, and protect nothing)."""
     engine = _engine(tiny_model_dir, expert_cache_fraction=0.25, offload_policy="finemoe",
                      offload_policy_thread=policy_thread)
-    policy = engine.offload.policy
+    policy, cache = engine.offload.policy, engine.offload.cache
     threads: set[str] = set()
-    observe = policy.observe_layer
+    ensured, observed, early = Counter(), Counter(), []
+    observe, ensure = policy.observe_layer, cache.ensure
 
     def recording(layer, *args):
         threads.add(threading.current_thread().name)
+        observed[layer] += 1
+        if observed[layer] > ensured[layer]:
+            early.append(layer)
         return observe(layer, *args)
 
-    policy.observe_layer = recording
-    # A plan made beside the forward keeps what the last `ensure` protects (the experts the layer's
-    # GEMM is computing with; under EP not the router's own): it passes no router's experts.
-    cache = engine.offload.cache
-    replan, routed_args = cache.replan, []
+    def recording_ensure(layer, experts):
+        ensured[layer] += 1
+        return ensure(layer, experts)
 
-    def recording_replan(routed=None):
-        routed_args.append(routed)
-        replan(routed)
-
-    cache.replan = recording_replan
+    policy.observe_layer, cache.ensure = recording, recording_ensure
     try:
         with caplog.at_level(logging.ERROR):
             _assert_same(_run(engine), resident["qwen3_moe"])
             _assert_same(_run(engine), resident["qwen3_moe"])  # with the store's maps
             engine.offload.drain()
         assert threads == ({"expert-policy"} if policy_thread else {threading.current_thread().name})
-        given = {routed is None for routed in routed_args}
-        assert given == ({True} if policy_thread else {True, False})  # inline: None at a begin only
+        assert sum(observed.values()) > 0 and early == []
         assert "failed" not in caplog.text
         stats = engine.offload.stats()
         assert stats["policy_s"] > 0 and stats["lookups"] > 0

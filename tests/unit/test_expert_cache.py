@@ -160,13 +160,13 @@ def test_prefetch_skips_experts_another_rank_holds():
     assert_rows_hold(cache, 0, [4], cache.ensure(0, [4]))
 
 
-def test_a_prefetch_never_evicts_what_the_layers_router_just_chose():
-    """Between a layer's router and its `ensure`, the experts it routed to are no prefetch's
-    victims: LRU would pick (0, 0) first, used longest ago, though layer 0 asks for it next."""
+def test_a_prefetch_never_evicts_what_the_last_ensure_computes_with():
+    """A plan comes after its layer's `ensure` (`ExpertOffload` defers it there), whose experts are
+    no prefetch's victims: LRU would pick (0, 0) first, used longest ago."""
     cache = make_cache(capacity=2)
-    cache.ensure(0, [0])
     cache.ensure(1, [1])
-    cache.replan(routed=(0, [0]))  # the next iteration's layer 0 routed to expert 0
+    cache.ensure(0, [0])  # the next iteration's layer 0
+    cache.state = cache.state.use(1, [1])  # (1, 1) now the more recently used: LRU's victim is (0, 0)
     queue_plan(cache, 0, (1, 2, 1.0))
     assert cache.copier.run_one()
     assert cache.state.resident_keys() == [(0, 0), (1, 2)]  # (1, 1) went instead
@@ -254,7 +254,7 @@ def test_replanning_the_same_plan_keeps_its_queued_copies():
     cache = ExpertCache(FixedPlanPolicy([(1, 1), (2, 2)]), tier, w13, w2, tuple(range(EXPERTS)), LAYERS,
                         EXPERTS, copier=ThreadCopier(tier, w13, w2, start=False))
     cache.replan()
-    cache.replan(routed=(0, [0]))  # the next layer: the same plan
+    cache.replan()  # the next layer: the same plan
     assert cache.stats()["prefetches_cancelled"] == 0
     assert cache.copier.run_one() and cache.copier.run_one() and not cache.copier.run_one()
     assert_rows_hold(cache, 2, [2], cache.ensure(2, [2]))

@@ -1,7 +1,8 @@
 """FineMoE's per-layer search and plan in one kernel call (csrc/finemoe_search.cpp) equals the
 NumPy reference it replaces: the same matches, plans, eviction guide and victims, over whole
 iterations on random stores (requests of one token and of several: eq. 8's floor), with ties
-among records and among experts, and refuses arguments it would read out of bounds."""
+among records and among experts, and refuses arguments it would read out of bounds. Likewise
+its victim picker against `pick_victims` over `eviction_priority`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from elasticmoe.kernels import finemoe_search
 from elasticmoe.offload.cache_state import CacheState
 from elasticmoe.offload.finemoe import FineMoEPolicy
 from elasticmoe.offload.policy import PolicyConfig, RequestContext
+from elasticmoe.offload.ranking import pick_victims
+from elasticmoe.offload.selection import PROB_FLOOR, eviction_priority
 
 pytestmark = pytest.mark.skipif(not finemoe_search.available(), reason="no C++ compiler: the NumPy path runs")
 
@@ -25,6 +28,7 @@ def both_ways(monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
         with monkeypatch.context() as patch:
             if not use_kernel:
                 patch.setattr(finemoe_search, "bind", lambda *args, **kwargs: None)
+                patch.setattr(finemoe_search, "victim_picker", lambda *args, **kwargs: None)
             yield use_kernel
 
 
@@ -134,3 +138,37 @@ def test_the_kernel_refuses_a_layer_or_record_out_of_range_and_a_wrong_layout():
         finemoe_search.bind(**{**arrays, "num_tokens": np.ones(1, np.int64)}, top_k=1)
     with pytest.raises(ValueError, match="every request has >= 1 token"):
         finemoe_search.bind(**{**arrays, "num_tokens": np.zeros(1, np.int32)}, top_k=1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_victim_picker_evicts_as_the_numpy_ranking(seed):
+    """Random caches where priorities tie (guide values and visit counts from small sets, guide 0
+    under the floor) and stamps tie (experts loaded together), any number of victims, protected
+    experts resident or not."""
+    rng = np.random.default_rng(seed)
+    shape = (4, 6)
+    guide = np.zeros(shape)
+    picker = finemoe_search.victim_picker(guide, PROB_FLOOR)
+    for _ in range(40):
+        guide[:] = rng.choice([0.0, 1e-7, 0.1, 0.25, 0.5], size=shape)
+        resident = rng.random(shape) < 0.6
+        cache = CacheState(int(resident.sum()) + 1, resident, rng.integers(-1, 4, size=shape),
+                           rng.integers(0, 3, size=shape), clock=5)
+        protected = {(int(layer), int(e)) for layer, e in zip(rng.integers(0, 4, 3), rng.integers(0, 6, 3), strict=True)}
+        for num_victims in (0, 1, 2, 5, cache.num_resident + 2):
+            want = pick_victims(cache, eviction_priority(guide, cache.num_uses), num_victims, protected)
+            got = picker.pick(cache.resident, cache.last_used, cache.num_uses, num_victims, protected)
+            assert got == want
+    assert not picker._protected.any()  # the marks are cleared after every call
+
+
+def test_the_victim_picker_refuses_arrays_of_another_shape_or_dtype():
+    picker = finemoe_search.victim_picker(np.zeros((2, 3)), PROB_FLOOR)
+    resident, stamps = np.ones((2, 3), dtype=np.bool_), np.zeros((2, 3), dtype=np.int64)
+    assert picker.pick(resident, stamps, stamps, 2, {(0, 0)}) == [(0, 1), (0, 2)]
+    with pytest.raises(ValueError, match="need contiguous int64"):
+        picker.pick(resident, stamps.astype(np.int32), stamps, 1, ())
+    with pytest.raises(ValueError, match=r"need contiguous bool \(2, 3\)"):
+        picker.pick(np.ones((3, 2), dtype=np.bool_), stamps, stamps, 1, ())
+    with pytest.raises(ValueError, match="guide must be contiguous float64"):
+        finemoe_search.victim_picker(np.zeros((2, 3), dtype=np.float32), PROB_FLOOR)

@@ -29,6 +29,21 @@ def test_load_evict_and_the_global_budget():
     assert cache.resident_keys() == [(0, 1), (1, 2)]  # transitions never touch the old snapshot
 
 
+def test_the_resident_count_follows_every_transition():
+    """The count is kept by the transitions, not recounted: each one must move it exactly."""
+    cache = make_cache(capacity=4, resident=[(0, 0), (0, 1)])
+    steps = [lambda c: c.load([(1, 0), (1, 1)]), lambda c: c.evict([(0, 1), (1, 0)]),
+             lambda c: c.reinstate([(0, 1)]), lambda c: c.use(0, [0, 1]), lambda c: c.evict([(0, 0)])]
+    for step in steps:
+        cache = step(cache)
+        assert cache.num_resident == int(cache.resident.sum())
+        assert cache.num_free == cache.capacity - cache.num_resident
+        cache.check_integrity()
+    assert cache.resident_keys() == [(0, 1), (1, 1)]
+    with pytest.raises(ValueError, match="do not fit"):
+        cache.load([(0, 0), (0, 2), (1, 0)])  # 3 into 2 free slots
+
+
 def test_a_visit_is_one_lookup_whatever_the_number_of_tokens():
     cache = make_cache(resident=[(0, 0), (0, 1)])
     # a prefill routing 5 tokens to expert 0 and 1 token to expert 1: one visit each

@@ -4,6 +4,8 @@
 // entry point plans a layer from matches found elsewhere: the semantic search's, for the
 // iteration's first d layers (§4.2.1).
 //
+// A third entry point picks the eviction victims (§4.5) by the same guide.
+//
 // It runs on the forward thread after every MoE layer of every step. In NumPy it is ~25 small
 // array operations (~90-130 us per layer on a few thousand numbers, nearly all of it dispatch);
 // here it is one pass. The arithmetic follows the NumPy reference step by step in the same
@@ -172,6 +174,39 @@ int emoe_finemoe_plan(const float* maps, int64_t layer_stride, int64_t record_st
   plan_layer(maps, layer_stride, record_stride, num_layers, num_experts, batch, best_index, best_score, target, top_k,
              num_tokens, planned, planned_probs, guide);
   return 0;
+}
+
+// FineMoE's victims (§4.5): up to `num_victims` of the `size` experts (flat [L, E] index) that are
+// `resident` and not `protected_mask`ed, first to go first: by descending 1 / (max(p, prob_floor) *
+// (visits + 1)) with p from `guide` and visits from `num_uses` (`selection.eviction_priority`, the
+// same fp64 operations in the same order), ties to the oldest `last_used`, then to the lower index
+// (`ranking.pick_victims`). Writes their indices to `out`; returns how many (fewer when fewer are
+// candidates), or -1 for arguments out of range.
+int64_t emoe_finemoe_victims(const double* guide, const int64_t* num_uses, const int64_t* last_used,
+                             const uint8_t* resident, const uint8_t* protected_mask, int64_t size, int64_t num_victims,
+                             double prob_floor, int64_t* out) {
+  if (size < 0 || num_victims < 0) return -1;
+  struct Candidate {
+    double priority;
+    int64_t stamp;
+    int64_t index;
+  };
+  std::vector<Candidate> candidates;
+  candidates.reserve(static_cast<size_t>(size));
+  for (int64_t i = 0; i < size; ++i) {
+    if (!resident[i] || protected_mask[i]) continue;
+    const double p = std::max(guide[i], prob_floor);
+    candidates.push_back({1.0 / (p * (static_cast<double>(num_uses[i]) + 1.0)), last_used[i], i});
+  }
+  const int64_t count = std::min<int64_t>(num_victims, static_cast<int64_t>(candidates.size()));
+  std::partial_sort(candidates.begin(), candidates.begin() + count, candidates.end(),
+                    [](const Candidate& a, const Candidate& b) {
+                      if (a.priority != b.priority) return a.priority > b.priority;
+                      if (a.stamp != b.stamp) return a.stamp < b.stamp;
+                      return a.index < b.index;
+                    });
+  for (int64_t j = 0; j < count; ++j) out[j] = candidates[j].index;
+  return count;
 }
 
 }  // extern "C"
