@@ -136,8 +136,9 @@ class ServeSettings(BaseModel):
         json_schema_extra=cli(metavar="F"))
     offload_policy: Literal["finemoe", "lru", "lfu", "on_demand"] = Field(
         "finemoe", description="what the expert cache prefetches and evicts: finemoe (expert maps, semantic and "
-        "trajectory search), lru (Mixtral-Offloading: next-layer speculation), lfu (MoE-Infinity: request-level "
-        "activation matrices) or on_demand (no prefetching); docs/operations.md says which to pick")
+        "trajectory search), lru (Mixtral-Offloading: next-layer speculation, LRU within each layer's share), lfu "
+        "(MoE-Infinity: request-level activation matrices) or on_demand (no prefetching, LRU within each layer's "
+        "share); docs/operations.md says which to pick")
     offload_prefetch_distance: int = Field(
         1, description="how many layers ahead finemoe and lfu predict and prefetch (FineMoE's d)",
         json_schema_extra=cli(metavar="D"))

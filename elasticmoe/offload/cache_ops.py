@@ -54,7 +54,8 @@ def load_on_demand(cache: CacheState, policy: OffloadPolicy, layer: int, expert_
     num_short = len(missing) - cache.num_free
     victims: list[ExpertKey] = []
     if num_short > 0:
-        victims = policy.choose_victims(cache, num_short, {(layer, int(e)) for e in expert_ids} | set(protected))
+        victims = policy.choose_victims(cache, num_short, {(layer, int(e)) for e in expert_ids} | set(protected),
+                                        for_layers=[layer] * num_short)
         if len(victims) < num_short:
             raise CacheTooSmallError(f"layer {layer} needs {len(set(expert_ids))} experts resident at once; "
                                      f"the cache holds {cache.capacity}")
@@ -79,6 +80,8 @@ def run_prefetch(cache: CacheState, policy: OffloadPolicy, plan: PrefetchPlan, m
     num_short = len(items) - cache.num_free
     victims: list[ExpertKey] = []
     if num_short > 0:
-        victims = policy.choose_victims(cache, num_short, set(protected) | plan.keys)
+        # the victims' rows go to the items after those the free rows take
+        victims = policy.choose_victims(cache, num_short, set(protected) | plan.keys,
+                                        for_layers=[layer for layer, _ in items[cache.num_free :]])
         items = items[: cache.num_free + len(victims)]  # the plan ends where nothing more may go
     return CacheUpdate(cache.evict(victims).load(items), tuple(items), tuple(victims))

@@ -192,8 +192,8 @@ class FineMoEPolicy:
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
         return plan_from_predictions(self._planned, self._planned_probs, self._current_layer, cache)
 
-    def choose_victims(self, cache: CacheState, num_victims: int,
-                       protected: Collection[ExpertKey]) -> list[ExpertKey]:
+    def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
+                       for_layers: Sequence[int] = ()) -> list[ExpertKey]:
         if self._victims is not None:
             return self._victims.pick(cache.resident, cache.last_used, cache.num_uses, num_victims, protected)
         return pick_victims(cache, eviction_priority(self._guide, cache.num_uses), num_victims, protected)

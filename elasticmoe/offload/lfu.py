@@ -120,8 +120,8 @@ class LFUPolicy:
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
         return plan_from_predictions(self._planned, self._planned_probs, self._current_layer, cache)
 
-    def choose_victims(self, cache: CacheState, num_victims: int,
-                       protected: Collection[ExpertKey]) -> list[ExpertKey]:
+    def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
+                       for_layers: Sequence[int] = ()) -> list[ExpertKey]:
         return pick_victims(cache, -cache.num_uses.astype(np.float64), num_victims, protected)
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:

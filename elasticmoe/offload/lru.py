@@ -13,12 +13,16 @@ the guess for layer l+1 is the set of experts layer l+1 ran in the previous iter
 consecutive decode tokens of one request tend to repeat experts, and it needs nothing but
 the routing already observed. This fallback is ours, not Mixtral-Offloading's.
 
-Mixtral-Offloading keeps an LRU cache of k experts per layer; here the LRU spans the global
-slot budget of `CacheState`, as every policy here does, so they compare at equal memory.
+Mixtral-Offloading keeps an LRU cache of k experts per layer; here each layer keeps its share
+of the global slot budget of `CacheState` (`ranking.pick_victims_by_layer`: the same memory as
+every policy, rows lent between layers where a layer needs more than its share at once), and
+`PolicyConfig.lru_per_layer=False` ranks every layer's experts in one LRU order instead. One order
+cycles under load: when an iteration routes to more experts than the cache holds, each pass over
+the layers evicts the next layers' experts, whatever the cache's size.
 
 `on_demand` — DeepSpeed-Inference-like: no prefetching at all, experts loaded when routed,
-evicted least recently used (FineMoE §6.1 adds this expert cache to DeepSpeed-Inference for
-a fair comparison).
+evicted least recently used within each layer's share as `lru` (FineMoE §6.1 adds this expert
+cache to DeepSpeed-Inference for a fair comparison).
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ import torch
 
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
-from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
+from elasticmoe.offload.ranking import pick_victims, pick_victims_by_layer, plan_from_predictions
 
 
-def lru_victims(cache: CacheState, num_victims: int, protected: Collection[ExpertKey]) -> list[ExpertKey]:
-    """The least recently used (or loaded) unprotected experts first."""
-    return pick_victims(cache, -cache.last_used.astype(np.float64), num_victims, protected)
+def lru_victims(cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
+                for_layers: Sequence[int] = ()) -> list[ExpertKey]:
+    """The least recently used (or loaded) unprotected experts first; with `for_layers` (the layer
+    each victim's row goes to), within each layer's share of the cache (`pick_victims_by_layer`)."""
+    newest_last = -cache.last_used.astype(np.float64)
+    if for_layers:
+        return pick_victims_by_layer(cache, newest_last, for_layers[:num_victims], protected)
+    return pick_victims(cache, newest_last, num_victims, protected)
 
 
 def speculative_guess(next_gate_probs: torch.Tensor, top_k: int) -> dict[int, float]:
@@ -91,9 +100,9 @@ class LRUPolicy:
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
         return plan_from_predictions(self._planned, self._planned_probs, self._current_layer, cache)
 
-    def choose_victims(self, cache: CacheState, num_victims: int,
-                       protected: Collection[ExpertKey]) -> list[ExpertKey]:
-        return lru_victims(cache, num_victims, protected)
+    def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
+                       for_layers: Sequence[int] = ()) -> list[ExpertKey]:
+        return lru_victims(cache, num_victims, protected, for_layers if self.config.lru_per_layer else ())
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:
         if self._current_layer == self.config.num_layers - 1:
@@ -123,9 +132,9 @@ class OnDemandPolicy:
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
         return PrefetchPlan(self._current_layer)
 
-    def choose_victims(self, cache: CacheState, num_victims: int,
-                       protected: Collection[ExpertKey]) -> list[ExpertKey]:
-        return lru_victims(cache, num_victims, protected)
+    def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
+                       for_layers: Sequence[int] = ()) -> list[ExpertKey]:
+        return lru_victims(cache, num_victims, protected, for_layers if self.config.lru_per_layer else ())
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:
         self._current_layer = -1

@@ -135,6 +135,9 @@ class PolicyConfig:
     top_k: int
     prefetch_distance: int = 1
     store_capacity: int = 1000
+    # `lru` and `on_demand` evict by layer: each layer keeps its share of the rows (Mixtral-Offloading's
+    # k experts per layer, at the same total); False: one LRU order over every layer's experts
+    lru_per_layer: bool = True
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.num_experts < 1:
@@ -176,11 +179,13 @@ class OffloadPolicy(Protocol):
         already in `cache` are left out."""
         ...
 
-    def choose_victims(self, cache: CacheState, num_victims: int,
-                       protected: Collection[ExpertKey]) -> list[ExpertKey]:
+    def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
+                       for_layers: Sequence[int] = ()) -> list[ExpertKey]:
         """Up to `num_victims` resident experts to evict, first victim first, none of them in
         `protected` (the engine passes at least the experts the current layer routed to).
-        Fewer come back only when fewer unprotected experts are resident."""
+        Fewer come back only when fewer unprotected experts are resident. `for_layers` (when
+        given, `num_victims` of them): the layer each victim's row goes to, which a policy that
+        partitions the cache by layer needs (`PolicyConfig.lru_per_layer`)."""
         ...
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:

@@ -5,7 +5,7 @@ differ only in the numbers they feed in.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +63,61 @@ def pick_victims(cache: CacheState, evict_first: FloatGrid, num_victims: int,
     # np.lexsort sorts by the last key first.
     order = np.lexsort((experts, layers, cache.last_used[layers, experts], -evict_first[layers, experts]))
     return [(int(layers[i]), int(experts[i])) for i in order[:num_victims]]
+
+
+def layer_shares(capacity: int, num_layers: int) -> list[int]:
+    """Each layer's share of `capacity` rows under a per-layer partition: `capacity // L`, the first
+    `capacity % L` layers one more (the shares sum to the capacity)."""
+    base, extra = divmod(capacity, num_layers)
+    return [base + (layer < extra) for layer in range(num_layers)]
+
+
+def pick_victims_by_layer(cache: CacheState, evict_first: FloatGrid, for_layers: Sequence[int],
+                          protected: Collection[ExpertKey]) -> list[ExpertKey]:
+    """`pick_victims` under per-layer shares of the cache (`layer_shares`; Mixtral-Offloading keeps k
+    experts per layer): one victim for each row to fill, `for_layers[i]` the layer victim i's row
+    goes to. A layer holding its share or more gives up its own first candidate; one below its share
+    takes the first candidate of the layers above theirs; failing both, the first candidate of any
+    layer. Each candidate ranks as in `pick_victims` (descending `evict_first`, then least recently
+    used, then the lower (layer, expert)). Fewer come back only when fewer candidates are resident.
+
+    A global order would cycle: with an iteration's experts more than the cache holds, a pass over
+    the layers evicts exactly the next layers' experts, whatever the cache's size (docs/offload.md,
+    the batch-16 section)."""
+    if not for_layers:
+        return []
+    candidates = cache.resident.copy()
+    for key in protected:
+        candidates[key] = False
+    layers, experts = np.nonzero(candidates)
+    order = np.lexsort((experts, layers, cache.last_used[layers, experts], -evict_first[layers, experts]))
+    # each layer's candidates in rank order, as (rank, expert); a layer's head is its first
+    queues: list[list[tuple[int, int]]] = [[] for _ in range(cache.num_layers)]
+    for rank, i in enumerate(order.tolist()):
+        queues[int(layers[i])].append((rank, int(experts[i])))
+    heads = [0] * cache.num_layers
+    held = cache.resident.sum(axis=1).tolist()
+    shares = layer_shares(cache.capacity, cache.num_layers)
+
+    def best_of(donors: list[int]) -> int | None:
+        open_ = [d for d in donors if heads[d] < len(queues[d])]
+        return min(open_, key=lambda d: queues[d][heads[d]][0]) if open_ else None
+
+    victims = []
+    every_layer = list(range(cache.num_layers))
+    for layer in for_layers:
+        donor = best_of([layer]) if held[layer] >= shares[layer] else None
+        if donor is None:
+            donor = best_of([d for d in every_layer if d != layer and held[d] > shares[d]])
+        if donor is None:
+            donor = best_of(every_layer)
+        if donor is None:
+            break
+        victims.append((donor, queues[donor][heads[donor]][1]))
+        heads[donor] += 1
+        held[donor] -= 1
+        held[layer] += 1
+    return victims
 
 
 def _first_victim(candidates: BoolGrid, evict_first: FloatGrid, last_used: npt.NDArray[np.int64]

@@ -58,24 +58,29 @@ def test_a_prefetch_never_evicts_what_its_plan_holds():
     assert run_prefetch(update.cache, POLICY, plan, None).loaded == ((2, 1),)  # (0, 0) once its layer is done
 
 
-def test_run_prefetch_makes_the_same_decisions_as_one_step_at_a_time():
+@pytest.mark.parametrize(("per_layer", "victims"), [(False, [(0, 0), (1, 2), (2, 3)]),
+                                                    (True, [(1, 2), (0, 0), (2, 3)])])
+def test_run_prefetch_makes_the_same_decisions_as_one_step_at_a_time(per_layer, victims):
     """Victims asked for at once equal victims asked for before each copy (the policy's rank of
-    the others does not change when a planned, protected expert arrives)."""
+    the others does not change when a planned, protected expert arrives). Per layer (shares 2, 1,
+    1 of 4 rows): layer 1 gives up its own (1, 2) for its first row; for its second it has no
+    candidate left and no layer holds more than its share, so the oldest of any goes."""
+    policy = OnDemandPolicy(PolicyConfig(num_layers=3, num_experts=4, top_k=2, lru_per_layer=per_layer))
     cache = make_cache(4, [(0, 0)], [(0, 1)], [(1, 2)], [(2, 3)])
     plan = make_plan(0, (1, 0), (1, 1), (2, 0), (2, 1))
-    update = run_prefetch(cache, POLICY, plan, max_loads=3, protected={(0, 1)})
+    update = run_prefetch(cache, policy, plan, max_loads=3, protected={(0, 1)})
     stepped, loaded, evicted = cache, [], []
     for item in plan.items[:3]:
         if stepped.is_full:
-            victim = POLICY.choose_victims(stepped, 1, {(0, 1)} | plan.keys)[0]
+            victim = policy.choose_victims(stepped, 1, {(0, 1)} | plan.keys, for_layers=[item.layer])[0]
             stepped = stepped.evict([victim])
             evicted.append(victim)
         stepped = stepped.load([item.key])
         loaded.append(item.key)
     assert list(update.loaded) == loaded == [(1, 0), (1, 1), (2, 0)]
-    assert list(update.evicted) == evicted == [(0, 0), (1, 2), (2, 3)]
+    assert list(update.evicted) == evicted == victims
     assert update.cache.resident_keys() == stepped.resident_keys()
-    assert run_prefetch(cache, POLICY, plan, None, {(0, 1)}).loaded == ((1, 0), (1, 1), (2, 0))  # then full
+    assert run_prefetch(cache, policy, plan, None, {(0, 1)}).loaded == ((1, 0), (1, 1), (2, 0))  # then full
 
 
 def test_plans_are_ordered_and_for_later_layers():

@@ -10,6 +10,7 @@ from elasticmoe.offload import POLICIES, CacheState, PolicyConfig, RequestContex
 from elasticmoe.offload.finemoe import FineMoEPolicy, SearchLog
 from elasticmoe.offload.lfu import LFUPolicy, count_activations
 from elasticmoe.offload.lru import LRUPolicy, OnDemandPolicy, speculative_guess
+from elasticmoe.offload.ranking import layer_shares
 from elasticmoe.offload.routing_map import RoutingMapRecord
 
 
@@ -194,6 +195,34 @@ def test_lru_and_on_demand_evict_the_least_recently_used():
     for policy in (LRUPolicy(make_config()), OnDemandPolicy(make_config())):
         assert policy.choose_victims(cache, 3, ()) == [(1, 1), (2, 2), (0, 0)]
         assert policy.choose_victims(cache, 3, {(1, 1)}) == [(2, 2), (0, 0)]
+
+
+def test_lru_and_on_demand_evict_within_each_layers_share():
+    """Shares of 6 rows over 3 layers: 2 each. Layer 0 holds 3, layer 1 holds 2, layer 2 holds 1
+    (stamps: (1, 0) oldest, then (0, 0), (0, 1), (1, 1), (2, 0), (0, 2))."""
+    cache = empty_cache(6)
+    for key in [(1, 0), (0, 0), (0, 1), (1, 1), (2, 0), (0, 2)]:
+        cache = cache.load([key])
+    for policy in (LRUPolicy(make_config()), OnDemandPolicy(make_config())):
+        # layer 1 holds its share: its own oldest goes, though layer 0 holds more
+        assert policy.choose_victims(cache, 1, (), for_layers=[1]) == [(1, 0)]
+        # layer 2 is below its share: the oldest of the layers above theirs (layer 0) goes
+        assert policy.choose_victims(cache, 1, (), for_layers=[2]) == [(0, 0)]
+        # two rows for layer 2: after the first, layer 0 and layer 2 both hold their shares, so
+        # layer 2's own goes next
+        assert policy.choose_victims(cache, 2, (), for_layers=[2, 2]) == [(0, 0), (2, 0)]
+        # layer 1 at its share with both of its experts protected: it borrows, first from a layer
+        # above its share, the oldest there
+        assert policy.choose_victims(cache, 1, {(1, 0), (1, 1)}, for_layers=[1]) == [(0, 0)]
+        # nothing left anywhere but one expert
+        rest = {(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)}
+        assert policy.choose_victims(cache, 2, rest, for_layers=[1, 1]) == [(2, 0)]
+    global_lru = OnDemandPolicy(make_config(lru_per_layer=False))
+    assert global_lru.choose_victims(cache, 1, (), for_layers=[2]) == [(1, 0)]  # one order over every layer
+
+
+def test_layer_shares_split_the_capacity():
+    assert layer_shares(8, 3) == [3, 3, 2] and layer_shares(2, 3) == [1, 1, 0] and sum(layer_shares(64, 8)) == 64
 
 
 def test_on_demand_never_prefetches():

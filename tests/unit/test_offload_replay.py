@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from offload_factories import cyclic_request, make_trace, mixed_routes
@@ -39,10 +41,11 @@ def test_with_room_for_every_expert_only_first_uses_miss():
 
 
 def test_finemoe_prefetches_a_repeated_request_that_defeats_lru():
-    # two identical requests cycling through 3 experts with room for 2: LRU always evicts the next one
+    # two identical requests cycling through 3 experts with room for 2: one LRU order over every
+    # layer always evicts the next one (per layer, shares of 1, 1 and 0 rows, some come back)
     trace = make_trace([cyclic_request(), cyclic_request()], embeddings=[[1.0, 0.0], [1.0, 0.0]])
     run = ReplayConfig(capacity=2, prefetch_per_layer=1, warmup_requests=1)
-    on_demand = replay(trace, make_policy("on_demand", config_for(trace)), run)
+    on_demand = replay(trace, make_policy("on_demand", replace(config_for(trace), lru_per_layer=False)), run)
     finemoe = replay(trace, make_policy("finemoe", config_for(trace)), run)
     assert on_demand.hit_rate == 0.0
     assert finemoe.hit_rate == 1.0 and finemoe.prefetch_loads == 9 and finemoe.prefetch_wasted == 0
