@@ -238,8 +238,8 @@ class EngineConfig:
     # FineMoE's semantic embedding (§4.2.1): over the tokens each iteration feeds ("iteration") or
     # the prompt's at every iteration ("prompt"); `elasticmoe.offload.policy.SEMANTIC_SOURCES`.
     offload_semantic: str = "iteration"
-    # The policy's searches and plans run on the forward thread before each layer's experts
-    # (False), or on a thread beside the forward (True; `elasticmoe.engine.expert_offload`).
+    # The policy's searches and plans run on the forward thread, each layer's once its experts are
+    # ensured (False), or on a thread beside the forward (True; `elasticmoe.engine.expert_offload`).
     offload_policy_thread: bool = False
     # Where the experts the cache does not hold are read from: "host" (a provider's full stacks,
     # the elastic server's node memory, when given; else the checkpoint) or "disk" (the checkpoint

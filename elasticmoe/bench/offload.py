@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="FineMoE map store capacities C to sweep (Fig. 16; empty: no sweep)")
     p.add_argument("--policy-thread", action="store_true",
                    help="run the policies' searches and plans on a thread beside the forward (default: on the "
-                        "forward thread, before each layer's experts)")
+                        "forward thread, each layer's once its experts are resident)")
     p.add_argument("--semantic", choices=SEMANTIC_SOURCES, default=SEMANTIC_SOURCES[0],
                    help="FineMoE's semantic embedding: over the tokens each iteration feeds (default), or the "
                         "prompt's at every iteration")
