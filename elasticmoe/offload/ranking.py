@@ -76,9 +76,9 @@ def pick_victims_by_layer(cache: CacheState, evict_first: FloatGrid, for_layers:
                           protected: Collection[ExpertKey]) -> list[ExpertKey]:
     """`pick_victims` under per-layer shares of the cache (`layer_shares`; Mixtral-Offloading keeps k
     experts per layer): one victim for each row to fill, `for_layers[i]` the layer victim i's row
-    goes to. A layer holding its share or more gives up its own first candidate; one below its share
-    takes the first candidate of the layers above theirs; failing both, the first candidate of any
-    layer. Each candidate ranks as in `pick_victims` (descending `evict_first`, then least recently
+    goes to. A layer holding its share or more gives up its own first candidate; otherwise (or when
+    none of its own is left) the first candidate of the layers above their shares goes; failing
+    that, the first candidate of any layer. Each candidate ranks as in `pick_victims` (descending `evict_first`, then least recently
     used, then the lower (layer, expert)). Fewer come back only when fewer candidates are resident.
 
     A global order would cycle: with an iteration's experts more than the cache holds, a pass over
