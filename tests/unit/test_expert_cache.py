@@ -69,7 +69,9 @@ def make_cache(capacity: int, policy: str = "lru", tier: FakeTier | HostExperts 
     """`copier`: "manual" (the Python copier without its thread: `cache.copier.run_one()` copies),
     "thread" (with it), "native" (the copy engine; needs a `HostExperts` tier), or "native-polling"
     (its thread polls, so on-demand loads give it half of their copies)."""
-    config = PolicyConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K)
+    # one LRU order over every layer: these tests name victims by age alone (the per-layer shares
+    # are tested in test_offload_policies.py)
+    config = PolicyConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, lru_per_layer=False)
     tier = tier or FakeTier()
     w13, w2 = torch.zeros(capacity, *row), torch.zeros(capacity, row[1], row[1])
     made = (ThreadCopier(tier, w13, w2, start=copier == "thread") if copier in ("manual", "thread")
@@ -238,7 +240,7 @@ class FixedPlanPolicy(OnDemandPolicy):
     name = "fixed"
 
     def __init__(self, wanted: list[tuple[int, int]]) -> None:
-        super().__init__(PolicyConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K))
+        super().__init__(PolicyConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, lru_per_layer=False))
         self.wanted = wanted
 
     def prefetch_plan(self, cache):
