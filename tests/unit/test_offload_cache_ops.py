@@ -19,7 +19,7 @@ from elasticmoe.offload import (
 from elasticmoe.offload.lru import OnDemandPolicy
 from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
 
-POLICY = OnDemandPolicy(PolicyConfig(num_layers=3, num_experts=4, top_k=2))  # LRU victims
+POLICY = OnDemandPolicy(PolicyConfig(num_layers=3, num_experts=4, top_k=2, lru_per_layer=False))  # LRU victims by age
 
 
 def make_cache(capacity: int, *loads: list[tuple[int, int]]) -> CacheState:
