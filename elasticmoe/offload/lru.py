@@ -40,10 +40,11 @@ from elasticmoe.offload.ranking import pick_victims, pick_victims_by_layer, plan
 def lru_victims(cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
                 for_layers: Sequence[int] = ()) -> list[ExpertKey]:
     """The least recently used (or loaded) unprotected experts first; with `for_layers` (the layer
-    each victim's row goes to), within each layer's share of the cache (`pick_victims_by_layer`)."""
+    each victim's row goes to, `num_victims` of them), within each layer's share of the cache
+    (`pick_victims_by_layer`)."""
     newest_last = -cache.last_used.astype(np.float64)
     if for_layers:
-        return pick_victims_by_layer(cache, newest_last, for_layers[:num_victims], protected)
+        return pick_victims_by_layer(cache, newest_last, for_layers, protected)
     return pick_victims(cache, newest_last, num_victims, protected)
 
 

@@ -52,17 +52,28 @@ def pick_victims(cache: CacheState, evict_first: FloatGrid, num_victims: int,
     ties go to the least recently used, then to the lower (layer, expert)."""
     if num_victims <= 0:
         return []
+    candidates = _candidates(cache, protected)
+    if num_victims == 1:  # a prefetch's victim: the same choice without sorting every candidate
+        return _first_victim(candidates, evict_first, cache.last_used)
+    layers, experts, order = _ranked(candidates, evict_first, cache.last_used)
+    return [(int(layers[i]), int(experts[i])) for i in order[:num_victims]]
+
+
+def _candidates(cache: CacheState, protected: Collection[ExpertKey]) -> BoolGrid:
+    """The resident experts not `protected` [L, E]."""
     candidates = cache.resident.copy()
     for key in protected:
         candidates[key] = False
-    if num_victims == 1:  # a prefetch's victim: the same choice without sorting every candidate
-        return _first_victim(candidates, evict_first, cache.last_used)
+    return candidates
+
+
+def _ranked(candidates: BoolGrid, evict_first: FloatGrid, last_used: npt.NDArray[np.int64]
+            ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """`candidates`' (layers, experts) and the order that ranks them first victim first: by
+    descending `evict_first`, then least recently used, then the lower (layer, expert)."""
     layers, experts = np.nonzero(candidates)
-    if layers.size == 0:
-        return []
     # np.lexsort sorts by the last key first.
-    order = np.lexsort((experts, layers, cache.last_used[layers, experts], -evict_first[layers, experts]))
-    return [(int(layers[i]), int(experts[i])) for i in order[:num_victims]]
+    return layers, experts, np.lexsort((experts, layers, last_used[layers, experts], -evict_first[layers, experts]))
 
 
 def layer_shares(capacity: int, num_layers: int) -> list[int]:
@@ -78,19 +89,16 @@ def pick_victims_by_layer(cache: CacheState, evict_first: FloatGrid, for_layers:
     experts per layer): one victim for each row to fill, `for_layers[i]` the layer victim i's row
     goes to. A layer holding its share or more gives up its own first candidate; otherwise (or when
     none of its own is left) the first candidate of the layers above their shares goes; failing
-    that, the first candidate of any layer. Each candidate ranks as in `pick_victims` (descending `evict_first`, then least recently
-    used, then the lower (layer, expert)). Fewer come back only when fewer candidates are resident.
+    that, the first candidate of any layer. Each candidate ranks as in `pick_victims` (descending
+    `evict_first`, then least recently used, then the lower (layer, expert)). Fewer come back only
+    when fewer candidates are resident.
 
     A global order would cycle: with an iteration's experts more than the cache holds, a pass over
     the layers evicts exactly the next layers' experts, whatever the cache's size (docs/offload.md,
     the batch-16 section)."""
     if not for_layers:
         return []
-    candidates = cache.resident.copy()
-    for key in protected:
-        candidates[key] = False
-    layers, experts = np.nonzero(candidates)
-    order = np.lexsort((experts, layers, cache.last_used[layers, experts], -evict_first[layers, experts]))
+    layers, experts, order = _ranked(_candidates(cache, protected), evict_first, cache.last_used)
     # each layer's candidates in rank order, as (rank, expert); a layer's head is its first
     queues: list[list[tuple[int, int]]] = [[] for _ in range(cache.num_layers)]
     for rank, i in enumerate(order.tolist()):
