@@ -186,6 +186,16 @@ def test_a_stopped_worker_drains_its_own_node_first(tmp_path):
     assert log.read_text().splitlines() == ["sleep 65"]
 
 
+def test_every_ray_container_caps_malloc_arenas_as_a_local_ray_does():
+    from coordinator.launch import LOCAL_RAY_DEFAULTS
+
+    templates = pod_templates(render())
+    assert set(templates) == {"head", "worker"}
+    for group, template in templates.items():
+        env = {e["name"]: e.get("value") for e in ray_container(template)["env"]}
+        assert env["MALLOC_ARENA_MAX"] == LOCAL_RAY_DEFAULTS["MALLOC_ARENA_MAX"] == "2", group
+
+
 def test_ray_token_authentication_from_the_operator_or_a_secret():
     def ray_env(objs: list[dict]) -> list[dict]:
         return [e for t in pod_templates(objs).values() for e in ray_container(t)["env"] if e["name"].startswith("RAY_")]

@@ -1,6 +1,7 @@
 """A local Ray started by the elastic server (or a test module, or a bench): its environment
-(Serve's control loop at 0.5 s unless the operator chose otherwise), and a start that misses
-Ray's own deadlines is made again once, while one refused for its arguments is not."""
+(Serve's control loop at 0.5 s, glibc's malloc at two arenas, unless the operator chose otherwise),
+and a start that misses Ray's own deadlines is made again once, while one refused for its
+arguments is not."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from hmm.local_ray import init_local_ray
 def test_defaults_fill_only_what_the_environment_leaves_unset():
     environ = {"PATH": "/bin"}
     apply_local_ray_defaults(environ)
-    assert environ == {"PATH": "/bin", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
-    assert LOCAL_RAY_DEFAULTS == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+    assert environ == {"PATH": "/bin", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "MALLOC_ARENA_MAX": "2"}
+    assert LOCAL_RAY_DEFAULTS == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "MALLOC_ARENA_MAX": "2"}
 
-    chosen = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}  # the operator's value wins
+    chosen = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "MALLOC_ARENA_MAX": "4"}  # the operator's values win
     apply_local_ray_defaults(chosen)
-    assert chosen == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+    assert chosen == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "MALLOC_ARENA_MAX": "4"}
 
 
 class FakeRay:

@@ -197,6 +197,9 @@ applications:
 {{- define "elasticmoe.env" -}}
 - name: PYTHONUNBUFFERED
   value: "1"
+{{- /* glibc's malloc at two arenas in every Ray process of the pod (coordinator/launch.py, LOCAL_RAY_DEFAULTS) */}}
+- name: MALLOC_ARENA_MAX
+  value: "2"
 {{- include "elasticmoe.authEnv" . }}
 {{- include "elasticmoe.rayAuthEnv" . }}
 {{- with .Values.extraEnv }}
