@@ -34,6 +34,7 @@ from helm_chart_checks import (
     validate,
 )
 
+from coordinator.launch import LOCAL_RAY_DEFAULTS
 from hmm.placement import DEVICE_RESOURCE
 
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
@@ -187,8 +188,6 @@ def test_a_stopped_worker_drains_its_own_node_first(tmp_path):
 
 
 def test_every_ray_container_caps_malloc_arenas_as_a_local_ray_does():
-    from coordinator.launch import LOCAL_RAY_DEFAULTS
-
     templates = pod_templates(render())
     assert set(templates) == {"head", "worker"}
     for group, template in templates.items():
