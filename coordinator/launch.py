@@ -67,7 +67,7 @@ HEAD_RESOURCE = "node:__internal_head__"
 # meets a locked one, and Ray's threads allocate on many): over stretches of 1,600 requests the
 # coordinator's resident memory grew by ~0.4 MB each with glibc's default and not at all with two,
 # the ingress's by ~1.1 and ~0.6 MB, levelling off after ~30,000 requests (docs/resilience.md, "A
-# long run does not grow"); the ranks' throughput did not change. The Helm chart sets it in its pods.
+# long run does not grow"); an engine's TPOT did not change. The Helm chart sets it in its pods.
 LOCAL_RAY_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "MALLOC_ARENA_MAX": "2"}
 _ON_HEAD = {"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}}
 # Serve logs every call a replica answers; the coordinator's are internal (the ingress reports its
