@@ -191,7 +191,8 @@ class ElasticServer:
 def coordinator_app(config: CoordinatorConfig, http: HttpBinding | None = None) -> Any:
     """The Serve application for `config`: the coordinator, and the ingress that follows it (and
     listens on `http` itself; without it, Serve's proxy is the way in)."""
-    coordinator = Coordinator.options(ray_actor_options=_ON_HEAD, logging_config=_QUIET).bind(config)  # type: ignore[attr-defined]
+    coordinator = Coordinator.options(  # type: ignore[attr-defined]
+        ray_actor_options=_ON_HEAD, logging_config=_QUIET).bind(config)
     ingress = Ingress.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.max_queued + _ADMIN_SLACK, ray_actor_options=_ON_HEAD)
     return ingress.bind(config, coordinator, http)

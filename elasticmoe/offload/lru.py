@@ -38,12 +38,12 @@ from elasticmoe.offload.ranking import pick_victims, pick_victims_by_layer, plan
 
 
 def lru_victims(cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
-                for_layers: Sequence[int] = ()) -> list[ExpertKey]:
-    """The least recently used (or loaded) unprotected experts first; with `for_layers` (the layer
-    each victim's row goes to, `num_victims` of them), within each layer's share of the cache
-    (`pick_victims_by_layer`)."""
+                for_layers: Sequence[int] = (), per_layer: bool = True) -> list[ExpertKey]:
+    """The least recently used (or loaded) unprotected experts first; `per_layer` with `for_layers`
+    (the layer each victim's row goes to, `num_victims` of them): within each layer's share of the
+    cache (`pick_victims_by_layer`, `PolicyConfig.lru_per_layer`)."""
     newest_last = -cache.last_used.astype(np.float64)
-    if for_layers:
+    if per_layer and for_layers:
         return pick_victims_by_layer(cache, newest_last, for_layers, protected)
     return pick_victims(cache, newest_last, num_victims, protected)
 
@@ -103,7 +103,7 @@ class LRUPolicy:
 
     def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
                        for_layers: Sequence[int] = ()) -> list[ExpertKey]:
-        return lru_victims(cache, num_victims, protected, for_layers if self.config.lru_per_layer else ())
+        return lru_victims(cache, num_victims, protected, for_layers, self.config.lru_per_layer)
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:
         if self._current_layer == self.config.num_layers - 1:
@@ -135,7 +135,7 @@ class OnDemandPolicy:
 
     def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
                        for_layers: Sequence[int] = ()) -> list[ExpertKey]:
-        return lru_victims(cache, num_victims, protected, for_layers if self.config.lru_per_layer else ())
+        return lru_victims(cache, num_victims, protected, for_layers, self.config.lru_per_layer)
 
     def end_iteration(self, finished_request_ids: Collection[str] = ()) -> None:
         self._current_layer = -1
