@@ -6,7 +6,10 @@ does the same steps (see its header for the precision it keeps), and plans the i
 layers from the semantic search's matches the same way. `bind` checks the arrays of one iteration
 once and returns the calls (None where the kernel is not available: the caller runs the NumPy
 reference); each call then passes only integers and cached addresses. `victim_picker` binds
-FineMoE's eviction order (§4.5) over the policy's guide the same way.
+FineMoE's eviction order (§4.5) over the policy's guide the same way, and `store_placer` the Expert
+Map Store's placement of new records once it is full (§4.4: ~15 NumPy operations per record
+otherwise, each starting cold after the forward's kernels; docs/offload.md, "Why the policy's
+Python costs five times its own time in the forward").
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def _library() -> ctypes.CDLL | None:
                                               ptr, ptr, ptr],
                         "emoe_finemoe_victims": [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, ptr]})
     lib.emoe_finemoe_victims.restype = i64
+    lib.emoe_finemoe_place.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
+                                       c_int, ptr, ctypes.c_double, i64, ptr]
+    lib.emoe_finemoe_place.restype = i64
     return lib
 
 
@@ -178,3 +184,65 @@ def victim_picker(guide: npt.NDArray[np.float64], prob_floor: float) -> VictimPi
     """A `VictimPicker` over `guide`, or None where the kernel is not available."""
     lib = _library()
     return None if lib is None else VictimPicker(lib, guide, prob_floor)
+
+
+class StorePlacer:
+    """`place(...)`: §4.4's placement of new records in a full Expert Map Store, one at a time in
+    order, as `ExpertMapStore.insert_many`'s NumPy loop does (see `emoe_finemoe_place`), over the
+    store's arrays bound once (they keep their buffers for the store's life): `embeddings` [C, h],
+    `embedding_norms` [C], `maps` [L, C, E], `columns` [L, E, C], `trajectory_norms` [L, C],
+    `stamps` and `last_matched` [C]."""
+
+    def __init__(self, lib: ctypes.CDLL, embeddings: npt.NDArray[np.float32], embedding_norms: npt.NDArray[np.float32],
+                 maps: npt.NDArray[np.float32], columns: npt.NDArray[np.float32],
+                 trajectory_norms: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64],
+                 last_matched: npt.NDArray[np.int64]) -> None:
+        num_layers, capacity, num_experts = maps.shape
+        self.hidden = embeddings.shape[1]
+        shapes: dict[str, tuple[np.ndarray, type, tuple[int, ...]]] = {
+            "embeddings": (embeddings, np.float32, (capacity, self.hidden)),
+            "embedding_norms": (embedding_norms, np.float32, (capacity,)),
+            "maps": (maps, np.float32, (num_layers, capacity, num_experts)),
+            "columns": (columns, np.float32, (num_layers, num_experts, capacity)),
+            "trajectory_norms": (trajectory_norms, np.float32, (num_layers, capacity)),
+            "stamps": (stamps, np.int64, (capacity,)),
+            "last_matched": (last_matched, np.int64, (capacity,)),
+        }
+        for name, (array, dtype, shape) in shapes.items():
+            if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+                raise ValueError(f"finemoe placement kernel: {name} must be contiguous {np.dtype(dtype)} {shape}, "
+                                 f"got {array.dtype} {array.shape}")
+        self._fn = lib.emoe_finemoe_place
+        self._arrays = tuple(array for array, _, _ in shapes.values())  # kept alive
+        self.capacity, self.map_size = capacity, num_layers * num_experts
+        self._head = (*(array.ctypes.data for array in self._arrays), capacity, num_layers, num_experts, self.hidden)
+
+    def place(self, embeddings: npt.NDArray[np.float32], maps: npt.NDArray[np.float32],
+              embedding_norms: npt.NDArray[np.float32], map_norms: npt.NDArray[np.float32],
+              redundancy: npt.NDArray[np.float32], w_sem: float, num_added: int) -> tuple[list[int], int]:
+        """Place the records `embeddings` [B, h] and `maps` [B, L * E] (their norms [B]) whose RDY
+        against the store as it stands is `redundancy` [B, C] (updated in place); returns their
+        slots and the store's new count of records added."""
+        batch = embeddings.shape[0]
+        for name, array, shape in (("embeddings", embeddings, (batch, self.hidden)),
+                                   ("maps", maps, (batch, self.map_size)), ("embedding_norms", embedding_norms, (batch,)),
+                                   ("map_norms", map_norms, (batch,)), ("redundancy", redundancy, (batch, self.capacity))):
+            if array.dtype != np.float32 or array.shape != shape or not array.flags.c_contiguous:
+                raise ValueError(f"finemoe placement kernel: {name} must be contiguous float32 {shape}, "
+                                 f"got {array.dtype} {array.shape}")
+        slots = np.zeros(batch, dtype=np.int64)
+        added = self._fn(*self._head, embeddings.ctypes.data, maps.ctypes.data, embedding_norms.ctypes.data,
+                         map_norms.ctypes.data, batch, redundancy.ctypes.data, w_sem, num_added, slots.ctypes.data)
+        if added < 0:
+            raise ValueError(f"finemoe placement kernel: arguments out of range (batch {batch})")
+        return slots.tolist(), int(added)
+
+
+def store_placer(embeddings: npt.NDArray[np.float32], embedding_norms: npt.NDArray[np.float32],
+                 maps: npt.NDArray[np.float32], columns: npt.NDArray[np.float32],
+                 trajectory_norms: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64],
+                 last_matched: npt.NDArray[np.int64]) -> StorePlacer | None:
+    """A `StorePlacer` over a store's arrays, or None where the kernel is not available."""
+    lib = _library()
+    return None if lib is None else StorePlacer(lib, embeddings, embedding_norms, maps, columns, trajectory_norms,
+                                                stamps, last_matched)

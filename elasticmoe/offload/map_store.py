@@ -31,6 +31,7 @@ request is the best guess of the next one. The paper does not say; this is our c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -90,6 +91,7 @@ class ExpertMapStore:
         self._num_added = 0
         self._size = 0
         self.num_replaced = 0  # records dropped as redundant
+        self._bound_placer: finemoe_search.StorePlacer | Literal[False] | None = None  # False: no kernel
 
     def __len__(self) -> int:
         return self._size
@@ -135,7 +137,11 @@ class ExpertMapStore:
         `searched`: the records' semantic and whole-map trajectory scores against the store as it
         stands, from the iteration's own searches (`SearchedScores`): a full store then needs no
         pass over its records (each pass reads the embeddings and maps, ~3 MB at C = 1,000 on the
-        small model, which the forward has just pushed out of the caches: ~250 us per decode step)."""
+        small model, which the forward has just pushed out of the caches: ~250 us per decode step).
+
+        A full store places the records in one kernel call where the kernels build
+        (`finemoe_search.StorePlacer`, the same slots as the loop below: tested), ~15 NumPy
+        operations per record otherwise."""
         if maps.ndim != 3 or maps.shape[1:] != (self.num_layers, self.num_experts):
             raise ValueError(f"expert map store: map must be [{self.num_layers}, {self.num_experts}], "
                              f"got {tuple(maps.shape[1:])}")
@@ -147,30 +153,48 @@ class ExpertMapStore:
         if len(embeddings) != len(maps):
             raise ValueError(f"expert map store: {len(embeddings)} embeddings for {len(maps)} maps")
         slots = []
-        first_full = None  # the first record that replaces one, and the batch's RDY [B - first_full, C] from it
-        redundancy = np.zeros((0, 0), dtype=np.float32)
-        flat = maps.reshape(len(maps), -1)  # [B, L * E]: eq. 5 over every layer
+        num_appended = min(len(maps), self.capacity - self._size)
+        for i in range(num_appended):  # a store with room appends
+            slots.append(self._size)
+            self._size += 1
+            self._write(slots[-1], embeddings[i], maps[i])
+        if num_appended == len(maps):
+            return slots
+        # The rest replace records, one at a time: RDY [B', C] against the store as it stands
+        embeddings, maps = embeddings[num_appended:], maps[num_appended:]
+        redundancy = (self._redundancy(embeddings, maps) if searched is None or num_appended
+                      else self._rdy(*searched.against(self)))
+        flat = maps.reshape(len(maps), -1)  # [B', L * E]: eq. 5 over every layer
         embedding_norms, map_norms = _norms(embeddings), _norms(flat)
+        placer = self._placer()
+        if placer is not None:
+            placed, self._num_added = placer.place(
+                np.ascontiguousarray(embeddings, dtype=np.float32), np.ascontiguousarray(flat, dtype=np.float32),
+                embedding_norms.astype(np.float32, copy=False), map_norms.astype(np.float32, copy=False),
+                np.ascontiguousarray(redundancy, dtype=np.float32), self.prefetch_distance / self.num_layers,
+                self._num_added)
+            self.num_replaced += len(placed)
+            return slots + placed
         for i, (embedding, probs) in enumerate(zip(embeddings, maps, strict=True)):
-            if self._size < self.capacity:
-                slot = self._size
-                self._size += 1
-            else:
-                if first_full is None:
-                    first_full = i
-                    redundancy = (self._redundancy(embeddings[i:], maps[i:]) if searched is None or i > 0
-                                  else self._rdy(*searched.against(self)))
-                row = i - first_full
-                slot = int(self._best(redundancy[row : row + 1] + self._staleness())[0][0])
-                self.num_replaced += 1
+            self.num_replaced += 1
+            slot = int(self._best(redundancy[i : i + 1] + self._staleness())[0][0])
             self._write(slot, embedding, probs)
             slots.append(slot)
-            if first_full is not None and i + 1 < len(embeddings):  # the later records now meet this one there
+            if i + 1 < len(embeddings):  # the later records now meet this one there
                 later = slice(i + 1, None)
-                redundancy[i + 1 - first_full :, slot] = self._rdy(
+                redundancy[later, slot] = self._rdy(
                     _cosine(embeddings[later] @ embedding, embedding_norms[later], self._embedding_norms[slot]),
                     _cosine(flat[later] @ flat[i], map_norms[later], self._trajectory_norms[-1, slot]))
         return slots
+
+    def _placer(self) -> finemoe_search.StorePlacer | None:
+        """The placement kernel bound to this store's arrays (once), or None where it is not built."""
+        if self._bound_placer is None:
+            assert self._embeddings is not None
+            self._bound_placer = finemoe_search.store_placer(
+                self._embeddings, self._embedding_norms, self._maps, self._columns, self._trajectory_norms,
+                self._stamps, self._last_matched) or False
+        return self._bound_placer or None
 
     def _write(self, slot: int, embedding: npt.NDArray[np.float32], probs: npt.NDArray[np.float32]) -> None:
         assert self._embeddings is not None

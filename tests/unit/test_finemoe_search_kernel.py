@@ -6,6 +6,7 @@ its victim picker against `pick_victims` over `eviction_priority`."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from elasticmoe.kernels import finemoe_search
 from elasticmoe.offload.cache_state import CacheState
 from elasticmoe.offload.finemoe import FineMoEPolicy
+from elasticmoe.offload.map_store import ExpertMapStore
 from elasticmoe.offload.policy import PolicyConfig, RequestContext
 from elasticmoe.offload.ranking import pick_victims
 from elasticmoe.offload.selection import PROB_FLOOR, eviction_priority
@@ -29,6 +31,7 @@ def both_ways(monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
             if not use_kernel:
                 patch.setattr(finemoe_search, "bind", lambda *args, **kwargs: None)
                 patch.setattr(finemoe_search, "victim_picker", lambda *args, **kwargs: None)
+                patch.setattr(finemoe_search, "store_placer", lambda *args, **kwargs: None)
             yield use_kernel
 
 
@@ -65,8 +68,9 @@ def run_iterations(policy: FineMoEPolicy, gate_probs: list[list[torch.Tensor]], 
 
 @pytest.mark.parametrize(("tokens", "distance", "records"),
                          [((1,), 1, 50), ((1, 1, 1), 1, 200), ((1, 1), 2, 30), ((1,), 3, 1), ((6,), 1, 50),
-                          ((3, 1, 20), 1, 200), ((2, 9), 2, 30)])
+                          ((3, 1, 20), 1, 200), ((2, 9), 2, 30), ((1, 1, 1), 1, 400), ((3, 1, 20), 2, 400)])
 def test_the_kernel_decides_as_the_numpy_steps(monkeypatch, tokens, distance, records):
+    """Whole iterations; with 400 records the store is full and each iteration's maps replace records."""
     cfg = PolicyConfig(num_layers=5, num_experts=8, top_k=2, prefetch_distance=distance, store_capacity=400)
     batch = len(tokens)
     rng = np.random.default_rng(sum(tokens) * 10 + distance)
@@ -172,3 +176,49 @@ def test_the_victim_picker_refuses_arrays_of_another_shape_or_dtype():
         picker.pick(np.ones((3, 2), dtype=np.bool_), stamps, stamps, 1, ())
     with pytest.raises(ValueError, match="guide must be contiguous float64"):
         finemoe_search.victim_picker(np.zeros((2, 3), dtype=np.float32), PROB_FLOOR)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_placement_kernel_fills_a_full_store_as_the_numpy_loop(seed):
+    """Batches of 1-6 new records into a store that fills on the way (the first batches append, then
+    replace), with a record repeated inside a batch (it replaces its twin) and records matched now
+    and then (the others grow stale): the same slots, store arrays and counters both ways."""
+    rng = np.random.default_rng(seed)
+    num_layers, num_experts, hidden = 4, 8, 6
+    kernel = ExpertMapStore(24, num_layers, num_experts, prefetch_distance=1 + seed % 2)
+    numpy_only = copy.deepcopy(kernel)
+    numpy_only._bound_placer = False  # as where the kernels do not build
+    for iteration in range(60):
+        batch = int(rng.integers(1, 7))
+        embeddings = rng.standard_normal((batch, hidden)).astype(np.float32)
+        maps = rng.dirichlet(np.full(num_experts, 0.3), size=(batch, num_layers)).astype(np.float32)
+        if batch > 2:
+            embeddings[2], maps[2] = embeddings[0], maps[0]
+        if iteration % 4 == 0 and len(kernel):
+            for store in (kernel, numpy_only):
+                store.mark_matched(np.array([iteration % len(store)]))
+        assert kernel.insert_many(embeddings, maps) == numpy_only.insert_many(embeddings, maps)
+    assert kernel._bound_placer, "the kernel placed the records"
+    for name in ("_embeddings", "_embedding_norms", "_maps", "_columns", "_trajectory_norms"):
+        np.testing.assert_allclose(getattr(kernel, name), getattr(numpy_only, name), rtol=1e-6, atol=1e-7)
+    for name in ("_stamps", "_last_matched", "_num_added", "num_replaced", "_size"):
+        np.testing.assert_array_equal(getattr(kernel, name), getattr(numpy_only, name))
+    assert kernel.num_replaced > 100
+
+
+def test_the_placement_kernel_refuses_arrays_of_another_shape_or_dtype():
+    store = ExpertMapStore(4, 2, 3, prefetch_distance=1)
+    for _ in range(4):
+        store.insert(np.ones(5, dtype=np.float32), np.full((2, 3), 1 / 3, dtype=np.float32))
+    placer = store._placer()
+    ok = {"embeddings": np.ones((1, 5), np.float32), "maps": np.ones((1, 6), np.float32),
+          "embedding_norms": np.ones(1, np.float32), "map_norms": np.ones(1, np.float32),
+          "redundancy": np.zeros((1, 4), np.float32)}
+    assert placer.place(**ok, w_sem=0.5, num_added=4) == ([3], 5)  # equal scores: the latest record
+    for name, bad in (("maps", np.ones((1, 5), np.float32)), ("redundancy", np.zeros((1, 4), np.float64)),
+                      ("embeddings", np.ones((1, 5), np.float32)[:, ::-1])):
+        with pytest.raises(ValueError, match=f"{name} must be contiguous float32"):
+            placer.place(**{**ok, name: bad}, w_sem=0.5, num_added=4)
+    with pytest.raises(ValueError, match="stamps must be contiguous int64"):
+        finemoe_search.store_placer(store._embeddings, store._embedding_norms, store._maps, store._columns,
+                                    store._trajectory_norms, store._stamps.astype(np.int32), store._last_matched)

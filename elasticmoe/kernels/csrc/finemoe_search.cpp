@@ -4,7 +4,8 @@
 // entry point plans a layer from matches found elsewhere: the semantic search's, for the
 // iteration's first d layers (§4.2.1).
 //
-// A third entry point picks the eviction victims (§4.5) by the same guide.
+// A third entry point picks the eviction victims (§4.5) by the same guide; a fourth places an
+// iteration's new records in a full Expert Map Store (§4.4).
 //
 // It runs on the forward thread after every MoE layer of every step. In NumPy it is ~25 small
 // array operations (~90-130 us per layer on a few thousand numbers, nearly all of it dispatch);
@@ -207,6 +208,81 @@ int64_t emoe_finemoe_victims(const double* guide, const int64_t* num_uses, const
                     });
   for (int64_t j = 0; j < count; ++j) out[j] = candidates[j].index;
   return count;
+}
+
+// §4.4's placement of `batch` new records in a full Expert Map Store of `capacity` records, one at
+// a time in order (`ExpertMapStore.insert_many`'s loop for a full store): record r replaces the
+// stored record of the highest `redundancy[r] + staleness` (ties to the highest stamp), is written
+// there, and the later records' redundancy with that slot is updated. The store's arrays:
+// `embeddings` [cap, h] and `embedding_norms` [cap]; `maps` [L, cap, E] and `columns` [L, E, cap]
+// (contiguous); `trajectory_norms` [L, cap]; `stamps` and `last_matched` [cap]; `num_added` the
+// records added so far. The new records: `new_embeddings` [B, h], `new_maps` [B, L * E] and their
+// norms [B]; `redundancy` [B, cap] (fp32 RDY against the store as it stood, updated in place);
+// `w_sem` RDY's semantic weight d / L. The arithmetic is the NumPy reference's, operation by
+// operation in the same precision (staleness in fp64, rounded to fp32 before the sum); only the
+// dot products' and norms' sums run in another order. Writes the slots to `slots`; returns the new
+// `num_added`, or -1 for arguments out of range (nothing written).
+int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* maps, float* columns,
+                           float* trajectory_norms, int64_t* stamps, int64_t* last_matched, int64_t capacity,
+                           int num_layers, int num_experts, int hidden, const float* new_embeddings,
+                           const float* new_maps, const float* new_embedding_norms, const float* new_map_norms,
+                           int batch, float* redundancy, double w_sem, int64_t num_added, int64_t* slots) {
+  if (capacity < 1 || num_layers < 1 || num_experts < 1 || hidden < 1 || batch < 0) return -1;
+  const int64_t map_size = static_cast<int64_t>(num_layers) * num_experts;
+  const float w_semantic = static_cast<float>(w_sem);
+  const float w_trajectory = static_cast<float>(1.0 - w_sem);
+  for (int r = 0; r < batch; ++r) {
+    const float* row = redundancy + static_cast<int64_t>(r) * capacity;
+    int64_t slot = 0;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < capacity; ++c) {
+      const double age = static_cast<double>(num_added - last_matched[c]);
+      const float staleness = static_cast<float>(std::max(age / static_cast<double>(capacity) - 1.0, 0.0));
+      const float total = row[c] + staleness;
+      if (total > best || (total == best && stamps[c] > stamps[slot])) {
+        slot = c;
+        best = total;
+      }
+    }
+    slots[r] = slot;
+    // the record, as `ExpertMapStore._write`
+    const float* e = new_embeddings + static_cast<int64_t>(r) * hidden;
+    const float* p = new_maps + r * map_size;
+    float e_sq = 0.f;
+    for (int k = 0; k < hidden; ++k) {
+      embeddings[slot * hidden + k] = e[k];
+      e_sq += e[k] * e[k];
+    }
+    embedding_norms[slot] = std::sqrt(e_sq);
+    float cumulative = 0.f;
+    for (int l = 0; l < num_layers; ++l) {
+      float layer_sq = 0.f;
+      for (int x = 0; x < num_experts; ++x) {
+        const float v = p[l * num_experts + x];
+        maps[(static_cast<int64_t>(l) * capacity + slot) * num_experts + x] = v;
+        columns[(static_cast<int64_t>(l) * num_experts + x) * capacity + slot] = v;
+        layer_sq += v * v;
+      }
+      cumulative += layer_sq;
+      trajectory_norms[static_cast<int64_t>(l) * capacity + slot] = std::sqrt(cumulative);
+    }
+    stamps[slot] = last_matched[slot] = num_added++;
+    // the later records now meet this one in its slot (`_rdy` of two `_cosine`s)
+    const float slot_norm = std::max(embedding_norms[slot], kEps);
+    const float slot_map_norm = std::max(trajectory_norms[static_cast<int64_t>(num_layers - 1) * capacity + slot], kEps);
+    for (int later = r + 1; later < batch; ++later) {
+      const float* e2 = new_embeddings + static_cast<int64_t>(later) * hidden;
+      const float* p2 = new_maps + later * map_size;
+      float sem_dot = 0.f;
+      for (int k = 0; k < hidden; ++k) sem_dot += e2[k] * e[k];
+      float map_dot = 0.f;
+      for (int64_t x = 0; x < map_size; ++x) map_dot += p2[x] * p[x];
+      const float semantic = sem_dot / (std::max(new_embedding_norms[later], kEps) * slot_norm);
+      const float trajectory = map_dot / (std::max(new_map_norms[later], kEps) * slot_map_norm);
+      redundancy[static_cast<int64_t>(later) * capacity + slot] = w_semantic * semantic + w_trajectory * trajectory;
+    }
+  }
+  return num_added;
 }
 
 }  // extern "C"
