@@ -15,7 +15,7 @@ Python costs five times its own time in the forward").
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from functools import cache
 
 import numpy as np
@@ -31,13 +31,14 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib = declare(lib, {"emoe_finemoe_observe": [ptr, i64, i64, i64, c_int, c_int, ptr, i64, i64, ptr, ptr, ptr, c_int,
-                                                 ptr, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr],
+                                                 ptr, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                                                 i64],
                         "emoe_finemoe_plan": [ptr, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, c_int, ptr,
                                               ptr, ptr, ptr],
                         "emoe_finemoe_victims": [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, ptr]})
     lib.emoe_finemoe_victims.restype = i64
-    lib.emoe_finemoe_place.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
-                                       c_int, ptr, ctypes.c_double, i64, ptr]
+    lib.emoe_finemoe_place.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, c_int, c_int, c_int, ptr, ptr, c_int,
+                                       ptr, ptr, ptr, ptr, ptr, ctypes.c_double, i64, ptr]
     lib.emoe_finemoe_place.restype = i64
     return lib
 
@@ -56,14 +57,15 @@ class LayerStep:
     target; `num_tokens` [B] are the requests' tokens in the iteration (eq. 8's floor, see
     `selection.iteration_floor`). `step.plan(target, index, score)` plans layer `target` the same
     way from matches found elsewhere (the semantic search, eq. 4). The arrays are used in place:
-    they must outlive the step and keep their buffers."""
+    they must outlive the step and keep their buffers. With `last_matched` (the store's [C] stamps,
+    int64) a step that plans also marks its matches as the store's `mark_matched` does."""
 
     def __init__(self, lib: ctypes.CDLL, maps: npt.NDArray[np.float32], columns: npt.NDArray[np.float32],
                  norms: npt.NDArray[np.float32],
                  stamps: npt.NDArray[np.int64], observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32],
                  new_sq: npt.NDArray[np.float32], planned: npt.NDArray[np.bool_],
                  planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64], top_k: int,
-                 num_tokens: npt.NDArray[np.int32]) -> None:
+                 num_tokens: npt.NDArray[np.int32], last_matched: npt.NDArray[np.int64] | None = None) -> None:
         num_layers, num_records, num_experts = maps.shape
         batch = observed.shape[0]
         shapes: dict[str, tuple[np.ndarray, type, tuple[int, ...]]] = {
@@ -89,12 +91,19 @@ class LayerStep:
             raise ValueError(f"finemoe search kernel: columns must be float32 [{num_layers}, {num_experts}, "
                              f"{num_records}] with the records contiguous, got {columns.dtype} {columns.shape} "
                              f"strides {columns.strides}")
+        if last_matched is not None and (last_matched.dtype != np.int64 or last_matched.ndim != 1
+                                         or last_matched.shape[0] < num_records or not last_matched.flags.c_contiguous):
+            raise ValueError(f"finemoe search kernel: last_matched must be contiguous int64 [>= {num_records}], got "
+                             f"{last_matched.dtype} {last_matched.shape}")
         if (num_tokens < 1).any():
             raise ValueError(f"finemoe search kernel: every request has >= 1 token, got {num_tokens}")
         self._fn = lib.emoe_finemoe_observe
         self._plan_fn = lib.emoe_finemoe_plan
         # kept alive
-        self._arrays = (maps, columns, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, num_tokens)
+        self._arrays = (maps, columns, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, num_tokens,
+                        last_matched)
+        self._last_matched = 0 if last_matched is None else last_matched.ctypes.data
+        self.batch, self.num_experts = batch, num_experts
         self.index = np.zeros(batch, dtype=np.int64)
         self.score = np.zeros(batch, dtype=np.float32)
         address = {name: array.ctypes.data for name, (array, _, _) in shapes.items()}
@@ -108,12 +117,17 @@ class LayerStep:
         self._plan_head = (*self._head[:6], batch, self.index.ctypes.data, self.score.ctypes.data)
         self._plan_tail = self._tail[:5]
 
-    def __call__(self, layer: int, target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-        if self._fn(*self._head, layer, -1 if target is None else target, *self._tail) != 0:
+    def __call__(self, layer: int, target: int | None, probs: int = 0, num_added: int = 0
+                 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """`probs`: the address of the layer's gate distributions, contiguous float32 [B, E], which
+        the kernel copies into `observed` first (0: `observed` holds them); `num_added`: the stamp
+        the matches get in `last_matched`. The matches returned are views, valid until the next call."""
+        if self._fn(*self._head, layer, -1 if target is None else target, *self._tail, probs, self._last_matched,
+                    num_added) != 0:
             raise ValueError(f"finemoe search kernel: layer {layer} or target {target} out of range")
         if target is None:
             return self.index[:0], self.score[:0]
-        return self.index.copy(), self.score.copy()
+        return self.index, self.score
 
     def plan(self, target: int, index: npt.ArrayLike, score: npt.ArrayLike) -> None:
         """Plan layer `target` (and the guide from it on) from the records `index` [B] matched with
@@ -128,13 +142,14 @@ def bind(maps: npt.NDArray[np.float32], columns: npt.NDArray[np.float32], norms:
          stamps: npt.NDArray[np.int64], observed: npt.NDArray[np.float32], dots: npt.NDArray[np.float32],
          new_sq: npt.NDArray[np.float32],
          planned: npt.NDArray[np.bool_], planned_probs: npt.NDArray[np.float64], guide: npt.NDArray[np.float64],
-         top_k: int, num_tokens: npt.NDArray[np.int32]) -> LayerStep | None:
+         top_k: int, num_tokens: npt.NDArray[np.int32], last_matched: npt.NDArray[np.int64] | None = None
+         ) -> LayerStep | None:
     """A `LayerStep` over these arrays, or None where the kernel is not available."""
     lib = _library()
     if lib is None:
         return None
     return LayerStep(lib, maps, columns, norms, stamps, observed, dots, new_sq, planned, planned_probs, guide, top_k,
-                     num_tokens)
+                     num_tokens, last_matched)
 
 
 class VictimPicker:
@@ -218,21 +233,31 @@ class StorePlacer:
         self._head = (*(array.ctypes.data for array in self._arrays), capacity, num_layers, num_experts, self.hidden)
 
     def place(self, embeddings: npt.NDArray[np.float32], maps: npt.NDArray[np.float32],
-              embedding_norms: npt.NDArray[np.float32], map_norms: npt.NDArray[np.float32],
-              redundancy: npt.NDArray[np.float32], w_sem: float, num_added: int) -> tuple[list[int], int]:
-        """Place the records `embeddings` [B, h] and `maps` [B, L * E] (their norms [B]) whose RDY
-        against the store as it stands is `redundancy` [B, C] (updated in place); returns their
-        slots and the store's new count of records added."""
+              redundancy: npt.NDArray[np.float32] | None, searched: Sequence[npt.NDArray[np.float32]] | None,
+              w_sem: float, num_added: int) -> tuple[list[int], int]:
+        """Place the records `embeddings` [B, h] and `maps` [B, L * E] given their RDY against the
+        store as it stands: `redundancy` [B, C] (updated in place), or the iteration's searches it
+        comes from, `searched` = (eq. 4's scores [B, C], eq. 5's dot products [B, C], the records'
+        squared norms [B], the stored maps' norms floored [C]; see `map_store.SearchedScores`).
+        Returns their slots and the store's new count of records added."""
         batch = embeddings.shape[0]
-        for name, array, shape in (("embeddings", embeddings, (batch, self.hidden)),
-                                   ("maps", maps, (batch, self.map_size)), ("embedding_norms", embedding_norms, (batch,)),
-                                   ("map_norms", map_norms, (batch,)), ("redundancy", redundancy, (batch, self.capacity))):
+        inputs = [("embeddings", embeddings, (batch, self.hidden)), ("maps", maps, (batch, self.map_size))]
+        if searched is not None:
+            redundancy = np.empty((batch, self.capacity), dtype=np.float32)
+            inputs += [(name, array, shape) for name, array, shape in zip(
+                ("semantic", "trajectory_dots", "trajectory_sq", "trajectory_norms"), searched,
+                ((batch, self.capacity), (batch, self.capacity), (batch,), (self.capacity,)), strict=True)]
+        if redundancy is None:
+            raise ValueError("finemoe placement kernel: needs the redundancy or the searches it comes from")
+        inputs.append(("redundancy", redundancy, (batch, self.capacity)))
+        for name, array, shape in inputs:
             if array.dtype != np.float32 or array.shape != shape or not array.flags.c_contiguous:
                 raise ValueError(f"finemoe placement kernel: {name} must be contiguous float32 {shape}, "
                                  f"got {array.dtype} {array.shape}")
+        from_searches = (0, 0, 0, 0) if searched is None else tuple(array.ctypes.data for array in searched)
         slots = np.zeros(batch, dtype=np.int64)
-        added = self._fn(*self._head, embeddings.ctypes.data, maps.ctypes.data, embedding_norms.ctypes.data,
-                         map_norms.ctypes.data, batch, redundancy.ctypes.data, w_sem, num_added, slots.ctypes.data)
+        added = self._fn(*self._head, embeddings.ctypes.data, maps.ctypes.data, batch, redundancy.ctypes.data,
+                         *from_searches, w_sem, num_added, slots.ctypes.data)
         if added < 0:
             raise ValueError(f"finemoe placement kernel: arguments out of range (batch {batch})")
         return slots.tolist(), int(added)

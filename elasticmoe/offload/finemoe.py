@@ -165,19 +165,22 @@ class FineMoEPolicy:
                       next_gate_probs: torch.Tensor | None = None) -> None:
         if layer != self._current_layer + 1:
             raise ValueError(f"observe_layer: expected layer {self._current_layer + 1}, got {layer}")
-        if self._one_token_each and gate_probs.shape[0] == len(self._requests):  # decode: P_l is the token's
+        decode = self._one_token_each and gate_probs.shape[0] == len(self._requests)  # P_l is the token's
+        target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
+        if (self._planner is not None and decode and gate_probs.dtype == torch.float32
+                and gate_probs.is_contiguous()):  # the kernel copies the rows too: one call per layer
+            self._current_layer = layer
+            self.search_log.add_trajectory(self._planner.observe(target, gate_probs)[1])
+            return
+        if decode:
             self._observed[:, layer] = gate_probs.float().numpy()
         else:
             self._observed[:, layer] = request_layer_probs(gate_probs, self._num_tokens.tolist()).numpy()
         self._current_layer = layer
         if self._trajectory is None:
             return
-        target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
-        if self._planner is not None:  # the kernel does all of the below in one call
-            index, best = self._planner.observe(target)
-            if target is not None:
-                self.store.mark_matched(index)
-            self.search_log.add_trajectory(best)
+        if self._planner is not None:  # the kernel does all of the below in one call (and marks the matches)
+            self.search_log.add_trajectory(self._planner.observe(target)[1])
             return
         self._trajectory.add(self._observed[:, layer])
         if target is None:
@@ -214,7 +217,7 @@ class FineMoEPolicy:
         search = self._trajectory
         if self._semantic_scores is None or search is None or not search.complete or search.size != self.store.capacity:
             return None
-        return SearchedScores(self._semantic_scores, search.scores())
+        return search.searched(self._semantic_scores)
 
     def _plan_layer(self, layer: int, probs: np.ndarray, scores: np.ndarray) -> None:
         """Plan `layer` from each request's searched distribution `probs` [B, E] and its

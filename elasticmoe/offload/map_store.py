@@ -160,21 +160,23 @@ class ExpertMapStore:
             self._write(slots[-1], embeddings[i], maps[i])
         if num_appended == len(maps):
             return slots
-        # The rest replace records, one at a time: RDY [B', C] against the store as it stands
+        # The rest replace records, one at a time, by their RDY [B', C] against the store as it stands
         embeddings, maps = embeddings[num_appended:], maps[num_appended:]
-        redundancy = (self._redundancy(embeddings, maps) if searched is None or num_appended
-                      else self._rdy(*searched.against(self)))
         flat = maps.reshape(len(maps), -1)  # [B', L * E]: eq. 5 over every layer
-        embedding_norms, map_norms = _norms(embeddings), _norms(flat)
+        searched = None if num_appended else searched  # the searches were against the store before the appends
+        if searched is not None:
+            searched.check_against(self)
         placer = self._placer()
         if placer is not None:
             placed, self._num_added = placer.place(
                 np.ascontiguousarray(embeddings, dtype=np.float32), np.ascontiguousarray(flat, dtype=np.float32),
-                embedding_norms.astype(np.float32, copy=False), map_norms.astype(np.float32, copy=False),
-                np.ascontiguousarray(redundancy, dtype=np.float32), self.prefetch_distance / self.num_layers,
-                self._num_added)
+                None if searched is not None else self._redundancy(embeddings, maps),
+                None if searched is None else (searched.semantic, searched.dots, searched.new_sq, searched.norms),
+                self.prefetch_distance / self.num_layers, self._num_added)
             self.num_replaced += len(placed)
             return slots + placed
+        redundancy = self._redundancy(embeddings, maps) if searched is None else self._rdy(*searched.against(self))
+        embedding_norms, map_norms = _norms(embeddings), _norms(flat)
         for i, (embedding, probs) in enumerate(zip(embeddings, maps, strict=True)):
             self.num_replaced += 1
             slot = int(self._best(redundancy[i : i + 1] + self._staleness())[0][0])
@@ -294,18 +296,39 @@ class ExpertMapStore:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SearchedScores:
-    """An iteration's scores against the store's C records, from its searches: eq. 4 [B, C]
-    (`semantic`) and eq. 5 over every layer [B, C] (`trajectory`). What §4.4's RDY of the
-    iteration's maps needs when they are stored at its end, if the store has not changed since."""
+    """An iteration's searches against the store's C records: eq. 4's scores [B, C] (`semantic`)
+    and eq. 5 over every layer as the trajectory search's sums: dot products [B, C] (`dots`), the
+    iteration's squared norms [B] (`new_sq`) and the stored maps' norms floored at eps [C]
+    (`norms`). What §4.4's RDY of the iteration's maps needs when they are stored at its end, if
+    the store has not changed since. The arrays may be the search's own buffers: use it before the
+    search restarts."""
 
     semantic: npt.NDArray[np.float32]
-    trajectory: npt.NDArray[np.float32]
+    dots: npt.NDArray[np.float32]
+    new_sq: npt.NDArray[np.float32]
+    norms: npt.NDArray[np.float32]
 
-    def against(self, store: ExpertMapStore) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    @property
+    def trajectory(self) -> npt.NDArray[np.float32]:
+        """Eq. 5's cosines [B, C] over every layer."""
+        return _trajectory_cosines(self.dots, self.new_sq, self.norms)
+
+    def check_against(self, store: ExpertMapStore) -> None:
         size = self.semantic.shape[1]
         if len(store) != size:
             raise RuntimeError(f"searched scores: of a store of {size} records, it now holds {len(store)}")
+
+    def against(self, store: ExpertMapStore) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """(semantic, trajectory) [B, C], checked to be of `store` as it stands."""
+        self.check_against(store)
         return self.semantic, self.trajectory
+
+
+def _trajectory_cosines(dots: npt.NDArray[np.float32], new_sq: npt.NDArray[np.float32],
+                        norms: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Eq. 5's cosines [B, C] from the trajectory search's sums: dot products [B, C], the
+    iteration's squared norms [B] and the stored maps' norms floored at eps [C]."""
+    return _cosine(dots, np.sqrt(new_sq)[:, None], norms)
 
 
 class TrajectorySearch:
@@ -345,7 +368,7 @@ class TrajectorySearch:
         the plan arrays (see `KernelPlanner`); None where the kernel is not available (the caller
         runs `add`, `best` and the NumPy plan)."""
         step = finemoe_search.bind(self._maps, self._columns, self._norms, self._stamps, observed, self.dots, self.new_sq, planned,
-                                   planned_probs, guide, top_k, num_tokens)
+                                   planned_probs, guide, top_k, num_tokens, self.store._last_matched)
         return None if step is None else KernelPlanner(self, step)
 
     def best(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
@@ -358,8 +381,15 @@ class TrajectorySearch:
         if self.num_layers == 0:
             raise ValueError("trajectory search: no layer observed yet")
         self._check_store_unchanged()
-        new = np.maximum(np.sqrt(self.new_sq), _EPS)[:, None]
-        return self.dots / (new * self._norms[self.num_layers - 1])
+        return _trajectory_cosines(self.dots, self.new_sq, self._norms[self.num_layers - 1])
+
+    def searched(self, semantic: npt.NDArray[np.float32]) -> SearchedScores:
+        """The iteration's searches for RDY (`SearchedScores`): eq. 4's `semantic` [B, C] and this
+        search over every layer. Its buffers, not copies: valid until `restart`."""
+        if not self.complete:
+            raise ValueError(f"trajectory search: {self.num_layers} of {self.store.num_layers} layers observed")
+        self._check_store_unchanged()
+        return SearchedScores(semantic, self.dots, self.new_sq, self._norms[-1])
 
     @property
     def complete(self) -> bool:
@@ -404,13 +434,21 @@ class KernelPlanner:
         self.search = search
         self.step = step
 
-    def observe(self, target: int | None) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-        """`add` the next layer of `observed` and, for a `target` layer (None: none), `best()` and
-        the plan of that layer from the matches; returns them (index [B], score [B], empty
-        without a target)."""
+    def observe(self, target: int | None, probs: torch.Tensor | None = None
+                ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """`add` the next layer of `observed` and, for a `target` layer (None: none), `best()`, the
+        plan of that layer from the matches and the store's `mark_matched` of them; returns the
+        matches (index [B], score [B], empty without a target; views, valid until the next call).
+        `probs` (contiguous float32 [B, E]): the layer's rows, which the kernel copies into
+        `observed` itself (None: `observed` holds them)."""
         self.search._check_a_layer_is_left()
         self.search._check_store_unchanged()
-        matches = self.step(self.search.num_layers, target)
+        if probs is not None and (probs.dtype != torch.float32 or not probs.is_contiguous()
+                                  or tuple(probs.shape) != (self.step.batch, self.step.num_experts)):
+            raise ValueError(f"kernel planner: probs must be contiguous float32 [{self.step.batch}, "
+                             f"{self.step.num_experts}], got {probs.dtype} {tuple(probs.shape)}")
+        matches = self.step(self.search.num_layers, target, 0 if probs is None else probs.data_ptr(),
+                            self.search.store._num_added)
         self.search.num_layers += 1
         return matches
 

@@ -81,8 +81,10 @@ def test_the_kernel_decides_as_the_numpy_steps(monkeypatch, tokens, distance, re
     for _ in both_ways(monkeypatch):
         policy = FineMoEPolicy(cfg)
         fill_store(policy, np.random.default_rng(7), records)
-        results.append((run_iterations(policy, gate, embeddings, tokens), policy.search_log.trajectory))
-    (kernel, kernel_scores), (reference, reference_scores) = results
+        results.append((run_iterations(policy, gate, embeddings, tokens), policy.search_log.trajectory,
+                        policy.store._last_matched.copy()))
+    (kernel, kernel_scores, kernel_marks), (reference, reference_scores, reference_marks) = results
+    assert np.array_equal(kernel_marks, reference_marks)  # the same maps marked as in use
     assert len(kernel) == len(reference) and kernel_scores  # searches did run
     for (layer, plan, guide, victims), (want_layer, want_plan, want_guide, want_victims) in zip(kernel, reference, strict=True):
         assert (layer, plan, victims) == (want_layer, want_plan, want_victims)
@@ -181,8 +183,9 @@ def test_the_victim_picker_refuses_arrays_of_another_shape_or_dtype():
 @pytest.mark.parametrize("seed", range(8))
 def test_the_placement_kernel_fills_a_full_store_as_the_numpy_loop(seed):
     """Batches of 1-6 new records into a store that fills on the way (the first batches append, then
-    replace), with a record repeated inside a batch (it replaces its twin) and records matched now
-    and then (the others grow stale): the same slots, store arrays and counters both ways."""
+    replace), with a record repeated inside a batch (it replaces its twin), records matched now
+    and then (the others grow stale), and RDY from the store's own pass or from the iteration's
+    searches: the same slots, store arrays and counters both ways."""
     rng = np.random.default_rng(seed)
     num_layers, num_experts, hidden = 4, 8, 6
     kernel = ExpertMapStore(24, num_layers, num_experts, prefetch_distance=1 + seed % 2)
@@ -197,6 +200,15 @@ def test_the_placement_kernel_fills_a_full_store_as_the_numpy_loop(seed):
         if iteration % 4 == 0 and len(kernel):
             for store in (kernel, numpy_only):
                 store.mark_matched(np.array([iteration % len(store)]))
+        if iteration % 2 and len(kernel) == kernel.capacity:  # RDY from the iteration's own searches
+            slots = []
+            for store in (kernel, numpy_only):
+                search = store.trajectory_search(batch)
+                for layer in range(num_layers):
+                    search.add(maps[:, layer])
+                slots.append(store.insert_many(embeddings, maps, search.searched(store.semantic_scores(embeddings))))
+            assert slots[0] == slots[1]
+            continue
         assert kernel.insert_many(embeddings, maps) == numpy_only.insert_many(embeddings, maps)
     assert kernel._bound_placer, "the kernel placed the records"
     for name in ("_embeddings", "_embedding_norms", "_maps", "_columns", "_trajectory_norms"):
@@ -211,14 +223,23 @@ def test_the_placement_kernel_refuses_arrays_of_another_shape_or_dtype():
     for _ in range(4):
         store.insert(np.ones(5, dtype=np.float32), np.full((2, 3), 1 / 3, dtype=np.float32))
     placer = store._placer()
-    ok = {"embeddings": np.ones((1, 5), np.float32), "maps": np.ones((1, 6), np.float32),
-          "embedding_norms": np.ones(1, np.float32), "map_norms": np.ones(1, np.float32),
-          "redundancy": np.zeros((1, 4), np.float32)}
-    assert placer.place(**ok, w_sem=0.5, num_added=4) == ([3], 5)  # equal scores: the latest record
-    for name, bad in (("maps", np.ones((1, 5), np.float32)), ("redundancy", np.zeros((1, 4), np.float64)),
-                      ("embeddings", np.ones((1, 5), np.float32)[:, ::-1])):
+    new = {"embeddings": np.ones((1, 5), np.float32), "maps": np.ones((1, 6), np.float32)}
+    redundancy = np.zeros((1, 4), np.float32)
+    assert placer.place(**new, redundancy=redundancy, searched=None, w_sem=0.5, num_added=4) == ([3], 5)  # ties: latest
+    searched = [np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32), np.ones(1, np.float32),
+                np.ones(4, np.float32)]
+    # RDY 0 everywhere again, but record 0 is now older than the store's capacity: the stalest goes
+    assert placer.place(**new, redundancy=None, searched=searched, w_sem=0.5, num_added=5) == ([0], 6)
+    for name, bad in (("maps", np.ones((1, 5), np.float32)), ("embeddings", np.ones((1, 5), np.float32)[:, ::-1])):
         with pytest.raises(ValueError, match=f"{name} must be contiguous float32"):
-            placer.place(**{**ok, name: bad}, w_sem=0.5, num_added=4)
+            placer.place(**{**new, name: bad}, redundancy=redundancy, searched=None, w_sem=0.5, num_added=4)
+    with pytest.raises(ValueError, match="redundancy must be contiguous float32"):
+        placer.place(**new, redundancy=redundancy.astype(np.float64), searched=None, w_sem=0.5, num_added=4)
+    with pytest.raises(ValueError, match="trajectory_sq must be contiguous float32"):
+        placer.place(**new, redundancy=None, searched=[*searched[:2], np.ones(2, np.float32), searched[3]], w_sem=0.5,
+                     num_added=4)
+    with pytest.raises(ValueError, match="needs the redundancy or the searches"):
+        placer.place(**new, redundancy=None, searched=None, w_sem=0.5, num_added=4)
     with pytest.raises(ValueError, match="stamps must be contiguous int64"):
         finemoe_search.store_placer(store._embeddings, store._embedding_norms, store._maps, store._columns,
                                     store._trajectory_norms, store._stamps.astype(np.int32), store._last_matched)

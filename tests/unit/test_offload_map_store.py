@@ -216,12 +216,13 @@ def test_a_full_store_replaces_by_the_scores_its_searches_found():
     search = store.trajectory_search(batch=4)
     for layer in range(3):
         search.add(maps[:, layer])
-    searched = SearchedScores(store.semantic_scores(embeddings), search.scores())
+    searched = search.searched(store.semantic_scores(embeddings))
+    np.testing.assert_array_equal(searched.trajectory, search.scores())
     reference = copy.deepcopy(store)
     assert store.insert_many(embeddings, maps, searched) == reference.insert_many(embeddings, maps)
     assert torch.equal(store.maps, reference.maps)
     with pytest.raises(RuntimeError, match="of 7 records, it now holds 6"):
-        SearchedScores(np.zeros((4, 7), dtype=np.float32), np.zeros((4, 7), dtype=np.float32)).against(store)
+        SearchedScores(*(np.zeros(shape, dtype=np.float32) for shape in ((4, 7), (4, 7), (4,), (7,)))).against(store)
 
 
 def test_the_layer_by_layer_search_breaks_ties_to_the_latest_record():

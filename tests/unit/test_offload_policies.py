@@ -69,12 +69,18 @@ def test_finemoe_marks_the_maps_its_plans_come_from_as_in_use():
     policy = FineMoEPolicy(make_config(prefetch_distance=1))
     policy.store.add(RoutingMapRecord(torch.tensor([1.0, 0.0]), one_hot([0, 1, 2])))
     policy.store.add(RoutingMapRecord(torch.tensor([0.0, 1.0]), one_hot([3, 3, 3])))
-    marked = []
-    policy.store.mark_matched = lambda index: marked.append(index.tolist())
+    stamps = policy.store._last_matched  # when each record was stored or last matched, in records added
+    assert stamps[:2].tolist() == [0, 1] and len(policy.store) == 2
     policy.begin_iteration(make_requests([1.0, 0.0]))  # the semantic match: record 0
-    for layer in range(3):
-        policy.observe_layer(layer, one_hot([3]), torch.tensor([[3]]))  # the trajectory: record 1
-    assert marked == [[0], [1], [1]]  # after layers 0 and 1 their matches plan layers 1 and 2; after 2, none
+    assert stamps[:2].tolist() == [2, 1]
+    policy.observe_layer(0, one_hot([3]), torch.tensor([[3]]))  # the trajectory: record 1, planning layer 1
+    assert stamps[:2].tolist() == [2, 2]
+    stamps[:2] = -1
+    policy.observe_layer(1, one_hot([3]), torch.tensor([[3]]))  # record 1 again, planning layer 2
+    assert stamps[:2].tolist() == [-1, 2]
+    stamps[:2] = -1
+    policy.observe_layer(2, one_hot([3]), torch.tensor([[3]]))  # the last layer plans nothing: no mark
+    assert stamps[:2].tolist() == [-1, -1]
 
 
 def test_finemoe_prefetches_more_experts_when_the_match_is_weak():

@@ -117,17 +117,28 @@ extern "C" {
 // the iteration (>= 1, eq. 8's floor). planned [L, E] (uint8),
 // planned_probs [L, E] and guide [L, E] (fp64) are updated as `FineMoEPolicy` does.
 // best_index [B], best_score [B]: the matches found (when planning).
+// probs_in (may be null): the layer's gate distributions [B, E], copied into `observed` first (a
+// decode step's router output, one row per request: the caller's NumPy copy saved).
+// last_matched (may be null): the store's [C] stamps of the last match; the matched records get
+// `num_added` (`ExpertMapStore.mark_matched`) when planning.
 // Returns 0, or 1 for arguments out of range (nothing written).
 int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record_stride, int64_t num_records,
                          int num_layers, int num_experts, const float* columns, int64_t column_layer_stride,
                          int64_t column_expert_stride, const float* norms, const int64_t* stamps,
-                         const float* observed, int batch, float* dots, float* new_sq, int layer, int target,
+                         float* observed, int batch, float* dots, float* new_sq, int layer, int target,
                          int top_k, const int32_t* num_tokens, uint8_t* planned, double* planned_probs,
-                         double* guide, int64_t* best_index, float* best_score) {
+                         double* guide, int64_t* best_index, float* best_score, const float* probs_in,
+                         int64_t* last_matched, int64_t num_added) {
   const int E = num_experts;
   if (num_records < 1 || batch < 1 || E < 1 || layer < 0 || layer >= num_layers || target >= num_layers ||
       (target >= 0 && (target <= layer || top_k < 1 || top_k > E))) {
     return 1;
+  }
+  if (probs_in != nullptr) {
+    for (int b = 0; b < batch; ++b) {
+      std::copy(probs_in + static_cast<int64_t>(b) * E, probs_in + static_cast<int64_t>(b + 1) * E,
+                observed + (static_cast<int64_t>(b) * num_layers + layer) * E);
+    }
   }
   const float* layer_columns = columns + layer * column_layer_stride;
   const float* probs = observed + layer * num_experts;  // observed [B, L, E]: this layer's rows
@@ -152,6 +163,9 @@ int emoe_finemoe_observe(const float* maps, int64_t layer_stride, int64_t record
 
   for (int b = 0; b < batch; ++b) {
     best_index[b] = best_record(dots + b * num_records, new_sq[b], norms, stamps, num_records, &best_score[b]);
+  }
+  if (last_matched != nullptr) {
+    for (int b = 0; b < batch; ++b) last_matched[best_index[b]] = num_added;
   }
   plan_layer(maps, layer_stride, record_stride, num_layers, E, batch, best_index, best_score, target, top_k, num_tokens,
              planned, planned_probs, guide);
@@ -216,21 +230,46 @@ int64_t emoe_finemoe_victims(const double* guide, const int64_t* num_uses, const
 // there, and the later records' redundancy with that slot is updated. The store's arrays:
 // `embeddings` [cap, h] and `embedding_norms` [cap]; `maps` [L, cap, E] and `columns` [L, E, cap]
 // (contiguous); `trajectory_norms` [L, cap]; `stamps` and `last_matched` [cap]; `num_added` the
-// records added so far. The new records: `new_embeddings` [B, h], `new_maps` [B, L * E] and their
-// norms [B]; `redundancy` [B, cap] (fp32 RDY against the store as it stood, updated in place);
-// `w_sem` RDY's semantic weight d / L. The arithmetic is the NumPy reference's, operation by
+// records added so far. The new records: `new_embeddings` [B, h] and `new_maps` [B, L * E];
+// `redundancy` [B, cap]: their fp32 RDY against the store as it stood (updated in place), or, with
+// `semantic` given, written first from the iteration's searches: eq. 4's scores `semantic` [B, cap]
+// and eq. 5's sums over every layer (`trajectory_dots` [B, cap], the records' squared norms
+// `trajectory_sq` [B], the stored maps' norms floored at eps `trajectory_norms_in` [cap]), as
+// `SearchedScores` and `ExpertMapStore._rdy` combine them; `w_sem` RDY's semantic weight d / L. The arithmetic is the NumPy reference's, operation by
 // operation in the same precision (staleness in fp64, rounded to fp32 before the sum); only the
 // dot products' and norms' sums run in another order. Writes the slots to `slots`; returns the new
 // `num_added`, or -1 for arguments out of range (nothing written).
 int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* maps, float* columns,
                            float* trajectory_norms, int64_t* stamps, int64_t* last_matched, int64_t capacity,
                            int num_layers, int num_experts, int hidden, const float* new_embeddings,
-                           const float* new_maps, const float* new_embedding_norms, const float* new_map_norms,
-                           int batch, float* redundancy, double w_sem, int64_t num_added, int64_t* slots) {
+                           const float* new_maps, int batch, float* redundancy, const float* semantic,
+                           const float* trajectory_dots, const float* trajectory_sq, const float* trajectory_norms_in,
+                           double w_sem, int64_t num_added, int64_t* slots) {
   if (capacity < 1 || num_layers < 1 || num_experts < 1 || hidden < 1 || batch < 0) return -1;
   const int64_t map_size = static_cast<int64_t>(num_layers) * num_experts;
   const float w_semantic = static_cast<float>(w_sem);
   const float w_trajectory = static_cast<float>(1.0 - w_sem);
+  if (semantic != nullptr) {  // RDY from the iteration's own searches (`SearchedScores`)
+    for (int r = 0; r < batch; ++r) {
+      const float new_norm = std::max(std::sqrt(trajectory_sq[r]), kEps);
+      const int64_t row = static_cast<int64_t>(r) * capacity;
+      for (int64_t c = 0; c < capacity; ++c) {
+        const float trajectory_cos = trajectory_dots[row + c] / (new_norm * trajectory_norms_in[c]);
+        redundancy[row + c] = w_semantic * semantic[row + c] + w_trajectory * trajectory_cos;
+      }
+    }
+  }
+  // the new records' norms (`map_store._norms`): their embeddings' and their whole maps'
+  std::vector<float> new_embedding_norms(batch), new_map_norms(batch);
+  for (int r = 0; r < batch; ++r) {
+    const float* e = new_embeddings + static_cast<int64_t>(r) * hidden;
+    const float* p = new_maps + r * map_size;
+    float e_sq = 0.f, p_sq = 0.f;
+    for (int k = 0; k < hidden; ++k) e_sq += e[k] * e[k];
+    for (int64_t x = 0; x < map_size; ++x) p_sq += p[x] * p[x];
+    new_embedding_norms[r] = std::sqrt(e_sq);
+    new_map_norms[r] = std::sqrt(p_sq);
+  }
   for (int r = 0; r < batch; ++r) {
     const float* row = redundancy + static_cast<int64_t>(r) * capacity;
     int64_t slot = 0;
@@ -248,12 +287,8 @@ int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* map
     // the record, as `ExpertMapStore._write`
     const float* e = new_embeddings + static_cast<int64_t>(r) * hidden;
     const float* p = new_maps + r * map_size;
-    float e_sq = 0.f;
-    for (int k = 0; k < hidden; ++k) {
-      embeddings[slot * hidden + k] = e[k];
-      e_sq += e[k] * e[k];
-    }
-    embedding_norms[slot] = std::sqrt(e_sq);
+    std::copy(e, e + hidden, embeddings + slot * hidden);
+    embedding_norms[slot] = new_embedding_norms[r];
     float cumulative = 0.f;
     for (int l = 0; l < num_layers; ++l) {
       float layer_sq = 0.f;
@@ -277,9 +312,9 @@ int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* map
       for (int k = 0; k < hidden; ++k) sem_dot += e2[k] * e[k];
       float map_dot = 0.f;
       for (int64_t x = 0; x < map_size; ++x) map_dot += p2[x] * p[x];
-      const float semantic = sem_dot / (std::max(new_embedding_norms[later], kEps) * slot_norm);
-      const float trajectory = map_dot / (std::max(new_map_norms[later], kEps) * slot_map_norm);
-      redundancy[static_cast<int64_t>(later) * capacity + slot] = w_semantic * semantic + w_trajectory * trajectory;
+      const float semantic_cos = sem_dot / (std::max(new_embedding_norms[later], kEps) * slot_norm);
+      const float trajectory_cos = map_dot / (std::max(new_map_norms[later], kEps) * slot_map_norm);
+      redundancy[static_cast<int64_t>(later) * capacity + slot] = w_semantic * semantic_cos + w_trajectory * trajectory_cos;
     }
   }
   return num_added;
