@@ -218,6 +218,28 @@ def test_the_placement_kernel_fills_a_full_store_as_the_numpy_loop(seed):
     assert kernel.num_replaced > 100
 
 
+def test_the_observation_copies_a_decode_steps_rows_and_marks_its_matches():
+    """`KernelPlanner.observe` with the layer's gate rows: they land in `observed`, the matches are
+    stamped in the store's `last_matched`; rows of another layout are refused, nothing written."""
+    store = ExpertMapStore(3, 2, 4, prefetch_distance=1)
+    for e in range(3):
+        store.insert(np.eye(3, dtype=np.float32)[e], np.tile(np.eye(4, dtype=np.float32)[e], (2, 1)))
+    observed = np.zeros((2, 2, 4), dtype=np.float32)
+    planned, probs = np.zeros((2, 4), dtype=np.bool_), np.zeros((2, 4))
+    planner = store.trajectory_search(2).planner(observed, 1, np.ones(2, dtype=np.int32), planned, probs,
+                                                 np.zeros((2, 4)))
+    rows = torch.tensor([[0.0, 0.9, 0.1, 0.0], [0.0, 0.0, 0.2, 0.8]])
+    for bad in (rows.double(), rows.T.contiguous().T, rows[:1]):
+        with pytest.raises(ValueError, match="probs must be contiguous float32"):
+            planner.observe(1, bad)
+    assert not observed.any() and planner.search.num_layers == 0
+    store._last_matched[:] = -1
+    index, _ = planner.observe(1, rows)
+    np.testing.assert_array_equal(observed[:, 0], rows.numpy())
+    assert index.tolist() == [1, 2]  # routed like the second and the third record
+    assert store._last_matched.tolist() == [-1, 3, 3]  # stamped with the records added so far
+
+
 def test_the_placement_kernel_refuses_arrays_of_another_shape_or_dtype():
     store = ExpertMapStore(4, 2, 3, prefetch_distance=1)
     for _ in range(4):
