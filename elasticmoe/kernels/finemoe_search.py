@@ -6,8 +6,9 @@ does the same steps (see its header for the precision it keeps), and plans the i
 layers from the semantic search's matches the same way. `bind` checks the arrays of one iteration
 once and returns the calls (None where the kernel is not available: the caller runs the NumPy
 reference); each call then passes only integers and cached addresses. `victim_picker` binds
-FineMoE's eviction order (§4.5) over the policy's guide the same way, and `store_placer` the Expert
-Map Store's placement of new records once it is full (§4.4: ~15 NumPy operations per record
+FineMoE's eviction order (§4.5) over the policy's guide the same way, `semantic_best` finishes the
+semantic search (eq. 4) after its matrix product, and `store_placer` the Expert Map Store's
+placement of new records once it is full (§4.4: ~15 NumPy operations per record
 otherwise, each starting cold after the forward's kernels; docs/offload.md, "Why the policy's
 Python costs five times its own time in the forward").
 """
@@ -40,6 +41,7 @@ def _library() -> ctypes.CDLL | None:
     lib.emoe_finemoe_place.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, c_int, c_int, c_int, ptr, ptr, c_int,
                                        ptr, ptr, ptr, ptr, ptr, ctypes.c_double, i64, ptr]
     lib.emoe_finemoe_place.restype = i64
+    declare(lib, {"emoe_finemoe_semantic_best": [ptr, ptr, c_int, c_int, ptr, ptr, i64, ptr, ptr, ptr, i64]})
     return lib
 
 
@@ -271,3 +273,37 @@ def store_placer(embeddings: npt.NDArray[np.float32], embedding_norms: npt.NDArr
     lib = _library()
     return None if lib is None else StorePlacer(lib, embeddings, embedding_norms, maps, columns, trajectory_norms,
                                                 stamps, last_matched)
+
+
+def semantic_best(dots: npt.NDArray[np.float32], queries: npt.NDArray[np.float32],
+                  stored_norms: npt.NDArray[np.float32], stamps: npt.NDArray[np.int64],
+                  last_matched: npt.NDArray[np.int64], num_added: int
+                  ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
+    """Eq. 4 after its matrix product: `dots` [B, C] (the `queries` [B, h] times the C stored
+    embeddings, whose norms are `stored_norms` [C]) become the cosines in place; per query the best
+    record, ties to the highest of `stamps` [C], is returned (index [B], score [B]) and stamped
+    `num_added` in `last_matched` (the store's `mark_matched`). One call for the ten small NumPy
+    operations of the cosines and the best match. None where the kernel is not available (nothing
+    done)."""
+    lib = _library()
+    if lib is None:
+        return None
+    batch, hidden = queries.shape
+    num_records = dots.shape[1]
+    for name, array, dtype, shape in (("dots", dots, np.float32, (batch, num_records)),
+                                      ("queries", queries, np.float32, (batch, hidden)),
+                                      ("stored_norms", stored_norms, np.float32, (num_records,)),
+                                      ("stamps", stamps, np.int64, (num_records,))):
+        if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+            raise ValueError(f"finemoe semantic kernel: {name} must be contiguous {np.dtype(dtype)} {shape}, "
+                             f"got {array.dtype} {array.shape}")
+    if last_matched.dtype != np.int64 or last_matched.shape[0] < num_records or not last_matched.flags.c_contiguous:
+        raise ValueError(f"finemoe semantic kernel: last_matched must be contiguous int64 [>= {num_records}], "
+                         f"got {last_matched.dtype} {last_matched.shape}")
+    index = np.empty(batch, dtype=np.int64)
+    best = np.empty(batch, dtype=np.float32)
+    if lib.emoe_finemoe_semantic_best(dots.ctypes.data, queries.ctypes.data, batch, hidden, stored_norms.ctypes.data,
+                                      stamps.ctypes.data, num_records, index.ctypes.data, best.ctypes.data,
+                                      last_matched.ctypes.data, num_added) != 0:
+        raise ValueError(f"finemoe semantic kernel: empty arguments: dots {dots.shape}, queries {queries.shape}")
+    return index, best

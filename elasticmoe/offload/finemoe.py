@@ -147,9 +147,7 @@ class FineMoEPolicy:
             self._trajectory = self.store.trajectory_search(batch)
             self._planner = self._trajectory.planner(self._observed, cfg.top_k, self._num_tokens, self._planned,
                                                      self._planned_probs, self._guide)
-        self._semantic_scores = self.store.semantic_scores(self._embeddings)
-        index, scores = self.store.best_of(self._semantic_scores)
-        self.store.mark_matched(index)
+        self._semantic_scores, index, scores = self.store.match_semantic(self._embeddings)
         self.search_log.add_semantic(scores)
         first_layers = range(min(cfg.prefetch_distance, cfg.num_layers))
         if self._planner is not None:  # the kernel plans and sets the guide from layer 0 on

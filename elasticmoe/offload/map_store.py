@@ -223,6 +223,26 @@ class ExpertMapStore:
         self._check_searchable()
         return self._semantic(embeddings)
 
+    def match_semantic(self, embeddings: npt.NDArray[np.float32]
+                       ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """Eq. 4 for `embeddings` [B, h] (float32): the scores [B, len], and per row the best stored
+        record (index [B], score [B]; ties to the most recently stored record), marked as in use
+        (`mark_matched`). After the matrix product, one kernel call where the kernels build. Needs a
+        non-empty store."""
+        self._check_searchable()
+        assert self._embeddings is not None
+        size = self._size
+        queries = np.ascontiguousarray(embeddings, dtype=np.float32)
+        dots = queries @ self._embeddings[:size].T
+        found = finemoe_search.semantic_best(dots, queries, self._embedding_norms[:size], self._stamps[:size],
+                                             self._last_matched, self._num_added)
+        if found is not None:
+            return dots, *found
+        scores = _cosine(dots, _norms(queries)[:, None], self._embedding_norms[:size])
+        index, best = self._best(scores)
+        self.mark_matched(index)
+        return scores, index, best
+
     def best_of(self, scores: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """The best stored record per row of `scores` [B, len]: (index [B], score [B]), ties to the
         most recently stored record."""

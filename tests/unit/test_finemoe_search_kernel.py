@@ -32,6 +32,7 @@ def both_ways(monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
                 patch.setattr(finemoe_search, "bind", lambda *args, **kwargs: None)
                 patch.setattr(finemoe_search, "victim_picker", lambda *args, **kwargs: None)
                 patch.setattr(finemoe_search, "store_placer", lambda *args, **kwargs: None)
+                patch.setattr(finemoe_search, "semantic_best", lambda *args, **kwargs: None)
             yield use_kernel
 
 
@@ -238,6 +239,32 @@ def test_the_observation_copies_a_decode_steps_rows_and_marks_its_matches():
     np.testing.assert_array_equal(observed[:, 0], rows.numpy())
     assert index.tolist() == [1, 2]  # routed like the second and the third record
     assert store._last_matched.tolist() == [-1, 3, 3]  # stamped with the records added so far
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_the_semantic_search_matches_and_marks_as_numpy(monkeypatch, batch):
+    """Eq. 4's scores, best matches (one embedding stored three times, matched by a query along it;
+    a zero query scores 0 everywhere) and the marks of the matched records, with and without the
+    kernel. (Which of the three wins depends on BLAS's rounding of equal rows; both ways agree.)"""
+    results = []
+    for use_kernel in both_ways(monkeypatch):
+        store = ExpertMapStore(12, 2, 3, prefetch_distance=1)
+        twin = np.random.default_rng(batch).standard_normal(7).astype(np.float32)
+        for i in range(10):
+            embedding = twin if i in (2, 5, 8) else np.random.default_rng(i).standard_normal(7).astype(np.float32)
+            store.insert(embedding, np.full((2, 3), 1 / 3, dtype=np.float32))
+        queries = np.random.default_rng(99).standard_normal((batch, 7)).astype(np.float32)
+        queries[0] = 2 * twin
+        if batch > 1:
+            queries[1] = 0.0
+        store._last_matched[:] = -1
+        results.append((*store.match_semantic(queries), store._last_matched.copy(), use_kernel))
+    (scores, index, best, marks, _), (want_scores, want_index, want_best, want_marks, _) = results
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(best, want_best, rtol=1e-6, atol=1e-7)
+    assert index.tolist() == want_index.tolist() and index[0] in (2, 5, 8) and best[0] == pytest.approx(1.0)
+    np.testing.assert_array_equal(marks, want_marks)
+    assert marks[index[0]] == 10 and (marks >= 0).sum() == len(set(index.tolist()))
 
 
 def test_the_placement_kernel_refuses_arrays_of_another_shape_or_dtype():

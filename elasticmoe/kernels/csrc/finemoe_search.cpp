@@ -5,7 +5,8 @@
 // iteration's first d layers (§4.2.1).
 //
 // A third entry point picks the eviction victims (§4.5) by the same guide; a fourth places an
-// iteration's new records in a full Expert Map Store (§4.4).
+// iteration's new records in a full Expert Map Store (§4.4); a fifth turns the semantic search's
+// dot products into its scores and best matches (eq. 4).
 //
 // It runs on the forward thread after every MoE layer of every step. In NumPy it is ~25 small
 // array operations (~90-130 us per layer on a few thousand numbers, nearly all of it dispatch);
@@ -318,6 +319,35 @@ int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* map
     }
   }
   return num_added;
+}
+
+// Eq. 4's epilogue: `scores` [B, C] holds the dot products of the queries [B, h] with the first
+// `num_records` stored embeddings (BLAS's matrix product: it reads the store once for the whole
+// batch) and becomes their cosines, dot / (max(|q|, eps) * max(|s|, eps)) in fp32 as
+// `map_store._cosine`, with `stored_norms` [C] the |s|; per query the best record goes to
+// `best_index`/`best_score` [B] (equal scores to the highest `stamps`, as `map_store.latest_best`)
+// and, with `last_matched` (may be null), is stamped `num_added` (`ExpertMapStore.mark_matched`).
+// Returns 0, or 1 for arguments out of range.
+int emoe_finemoe_semantic_best(float* scores, const float* queries, int batch, int hidden, const float* stored_norms,
+                               const int64_t* stamps, int64_t num_records, int64_t* best_index, float* best_score,
+                               int64_t* last_matched, int64_t num_added) {
+  if (batch < 1 || hidden < 1 || num_records < 1) return 1;
+  for (int b = 0; b < batch; ++b) {
+    const float* q = queries + static_cast<int64_t>(b) * hidden;
+    float q_sq = 0.f;
+    for (int k = 0; k < hidden; ++k) q_sq += q[k] * q[k];
+    const float q_norm = std::max(std::sqrt(q_sq), kEps);
+    float* row = scores + b * num_records;
+    int64_t best = 0;
+    for (int64_t c = 0; c < num_records; ++c) {
+      row[c] = row[c] / (q_norm * std::max(stored_norms[c], kEps));
+      if (c > 0 && (row[c] > row[best] || (row[c] == row[best] && stamps[c] > stamps[best]))) best = c;
+    }
+    best_index[b] = best;
+    best_score[b] = row[best];
+    if (last_matched != nullptr) last_matched[best] = num_added;
+  }
+  return 0;
 }
 
 }  // extern "C"
