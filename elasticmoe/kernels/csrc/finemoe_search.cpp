@@ -236,10 +236,11 @@ int64_t emoe_finemoe_victims(const double* guide, const int64_t* num_uses, const
 // `semantic` given, written first from the iteration's searches: eq. 4's scores `semantic` [B, cap]
 // and eq. 5's sums over every layer (`trajectory_dots` [B, cap], the records' squared norms
 // `trajectory_sq` [B], the stored maps' norms floored at eps `trajectory_norms_in` [cap]), as
-// `SearchedScores` and `ExpertMapStore._rdy` combine them; `w_sem` RDY's semantic weight d / L. The arithmetic is the NumPy reference's, operation by
-// operation in the same precision (staleness in fp64, rounded to fp32 before the sum); only the
-// dot products' and norms' sums run in another order. Writes the slots to `slots`; returns the new
-// `num_added`, or -1 for arguments out of range (nothing written).
+// `SearchedScores` and `ExpertMapStore._rdy` combine them; `w_sem` RDY's semantic weight d / L.
+// The arithmetic is the NumPy reference's, operation by operation in the same precision (staleness
+// in fp64, rounded to fp32 before the sum); only the dot products' and norms' sums run in another
+// order, and the compiler may fuse RDY's multiply and add. Writes the slots to `slots`; returns
+// the new `num_added`, or -1 for arguments out of range (nothing written).
 int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* maps, float* columns,
                            float* trajectory_norms, int64_t* stamps, int64_t* last_matched, int64_t capacity,
                            int num_layers, int num_experts, int hidden, const float* new_embeddings,
@@ -305,7 +306,8 @@ int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* map
     stamps[slot] = last_matched[slot] = num_added++;
     // the later records now meet this one in its slot (`_rdy` of two `_cosine`s)
     const float slot_norm = std::max(embedding_norms[slot], kEps);
-    const float slot_map_norm = std::max(trajectory_norms[static_cast<int64_t>(num_layers - 1) * capacity + slot], kEps);
+    const float* last_layer_norms = trajectory_norms + static_cast<int64_t>(num_layers - 1) * capacity;
+    const float slot_map_norm = std::max(last_layer_norms[slot], kEps);
     for (int later = r + 1; later < batch; ++later) {
       const float* e2 = new_embeddings + static_cast<int64_t>(later) * hidden;
       const float* p2 = new_maps + later * map_size;
@@ -315,7 +317,8 @@ int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* map
       for (int64_t x = 0; x < map_size; ++x) map_dot += p2[x] * p[x];
       const float semantic_cos = sem_dot / (std::max(new_embedding_norms[later], kEps) * slot_norm);
       const float trajectory_cos = map_dot / (std::max(new_map_norms[later], kEps) * slot_map_norm);
-      redundancy[static_cast<int64_t>(later) * capacity + slot] = w_semantic * semantic_cos + w_trajectory * trajectory_cos;
+      float* later_row = redundancy + static_cast<int64_t>(later) * capacity;
+      later_row[slot] = w_semantic * semantic_cos + w_trajectory * trajectory_cos;
     }
   }
   return num_added;
