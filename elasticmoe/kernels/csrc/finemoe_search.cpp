@@ -27,22 +27,29 @@ namespace {
 constexpr float kEps = 1e-12f;  // a zero vector has cosine 0 with everything (as in map_store)
 constexpr double kFloorTolerance = 1e-3;  // selection.FLOOR_TOLERANCE
 
+// The record of the highest `score(c)` among `num_records`, equal scores to the highest insertion
+// stamp (`map_store.latest_best`); its score to `score_out`.
+template <typename Score>
+int64_t latest_best(Score score, const int64_t* stamps, int64_t num_records, float* score_out) {
+  int64_t best = 0;
+  float best_score = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < num_records; ++c) {
+    const float value = score(c);
+    if (value > best_score || (value == best_score && stamps[c] > stamps[best])) {
+      best = c;
+      best_score = value;
+    }
+  }
+  *score_out = best_score;
+  return best;
+}
+
 // The stored record most similar to the trajectory with dot products `dots` [C] and squared
 // norm `new_sq`; equal scores go to the highest insertion stamp.
 int64_t best_record(const float* dots, float new_sq, const float* norms, const int64_t* stamps, int64_t num_records,
                     float* score_out) {
   const float new_norm = std::max(std::sqrt(new_sq), kEps);
-  int64_t best = 0;
-  float best_score = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < num_records; ++c) {
-    const float score = dots[c] / (new_norm * norms[c]);
-    if (score > best_score || (score == best_score && stamps[c] > stamps[best])) {
-      best = c;
-      best_score = score;
-    }
-  }
-  *score_out = best_score;
-  return best;
+  return latest_best([&](int64_t c) { return dots[c] / (new_norm * norms[c]); }, stamps, num_records, score_out);
 }
 
 // Plans layer `target` from each request's matched record `best_index` [B] of similarity
@@ -274,17 +281,13 @@ int64_t emoe_finemoe_place(float* embeddings, float* embedding_norms, float* map
   }
   for (int r = 0; r < batch; ++r) {
     const float* row = redundancy + static_cast<int64_t>(r) * capacity;
-    int64_t slot = 0;
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < capacity; ++c) {
-      const double age = static_cast<double>(num_added - last_matched[c]);
-      const float staleness = static_cast<float>(std::max(age / static_cast<double>(capacity) - 1.0, 0.0));
-      const float total = row[c] + staleness;
-      if (total > best || (total == best && stamps[c] > stamps[slot])) {
-        slot = c;
-        best = total;
-      }
-    }
+    float total;
+    const int64_t slot = latest_best(
+        [&](int64_t c) {
+          const double age = static_cast<double>(num_added - last_matched[c]);
+          return row[c] + static_cast<float>(std::max(age / static_cast<double>(capacity) - 1.0, 0.0));
+        },
+        stamps, capacity, &total);
     slots[r] = slot;
     // the record, as `ExpertMapStore._write`
     const float* e = new_embeddings + static_cast<int64_t>(r) * hidden;
@@ -341,14 +344,9 @@ int emoe_finemoe_semantic_best(float* scores, const float* queries, int batch, i
     for (int k = 0; k < hidden; ++k) q_sq += q[k] * q[k];
     const float q_norm = std::max(std::sqrt(q_sq), kEps);
     float* row = scores + b * num_records;
-    int64_t best = 0;
-    for (int64_t c = 0; c < num_records; ++c) {
-      row[c] = row[c] / (q_norm * std::max(stored_norms[c], kEps));
-      if (c > 0 && (row[c] > row[best] || (row[c] == row[best] && stamps[c] > stamps[best]))) best = c;
-    }
-    best_index[b] = best;
-    best_score[b] = row[best];
-    if (last_matched != nullptr) last_matched[best] = num_added;
+    for (int64_t c = 0; c < num_records; ++c) row[c] = row[c] / (q_norm * std::max(stored_norms[c], kEps));
+    best_index[b] = latest_best([row](int64_t c) { return row[c]; }, stamps, num_records, &best_score[b]);
+    if (last_matched != nullptr) last_matched[best_index[b]] = num_added;
   }
   return 0;
 }
