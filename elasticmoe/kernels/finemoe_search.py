@@ -49,6 +49,26 @@ def available() -> bool:
     return _library() is not None
 
 
+# An array handed to a kernel as a raw pointer: (array, dtype, shape) by name.
+ArraySpec = tuple[np.ndarray, type, tuple[int, ...]]
+
+
+def _check_arrays(kernel: str, arrays: dict[str, ArraySpec]) -> None:
+    """Refuse an array of another dtype or shape, or not contiguous: the kernel reads it in place."""
+    for name, (array, dtype, shape) in arrays.items():
+        if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+            raise ValueError(f"finemoe {kernel} kernel: {name} must be contiguous {np.dtype(dtype)} {shape}, "
+                             f"got {array.dtype} {array.shape}")
+
+
+def _check_last_matched(kernel: str, last_matched: npt.NDArray[np.int64], num_records: int) -> None:
+    """The store's whole [capacity] stamps, of which the kernel writes the first `num_records`."""
+    if (last_matched.dtype != np.int64 or last_matched.ndim != 1 or last_matched.shape[0] < num_records
+            or not last_matched.flags.c_contiguous):
+        raise ValueError(f"finemoe {kernel} kernel: last_matched must be contiguous int64 [>= {num_records}], "
+                         f"got {last_matched.dtype} {last_matched.shape}")
+
+
 class LayerStep:
     """`step(layer, target)`: layer `layer` of `observed` [B, L, E] joins the trajectory sums
     `dots` [B, C] and `new_sq` [B] (dot products with `columns` [L, E, C], the same maps with the
@@ -70,7 +90,7 @@ class LayerStep:
                  num_tokens: npt.NDArray[np.int32], last_matched: npt.NDArray[np.int64] | None = None) -> None:
         num_layers, num_records, num_experts = maps.shape
         batch = observed.shape[0]
-        shapes: dict[str, tuple[np.ndarray, type, tuple[int, ...]]] = {
+        shapes: dict[str, ArraySpec] = {
             "norms": (norms, np.float32, (num_layers, num_records)),
             "stamps": (stamps, np.int64, (num_records,)),
             "observed": (observed, np.float32, (batch, num_layers, num_experts)),
@@ -81,10 +101,7 @@ class LayerStep:
             "guide": (guide, np.float64, (num_layers, num_experts)),
             "num_tokens": (num_tokens, np.int32, (batch,)),
         }
-        for name, (array, dtype, shape) in shapes.items():
-            if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
-                raise ValueError(f"finemoe search kernel: {name} must be contiguous {np.dtype(dtype)} {shape}, "
-                                 f"got {array.dtype} {array.shape}")
+        _check_arrays("search", shapes)
         if maps.dtype != np.float32 or maps.strides[2] != 4 or num_records < 1 or batch < 1:
             raise ValueError(f"finemoe search kernel: maps must be float32 [L, C >= 1, E] rows, got {maps.dtype} "
                              f"{maps.shape} strides {maps.strides}")
@@ -93,10 +110,8 @@ class LayerStep:
             raise ValueError(f"finemoe search kernel: columns must be float32 [{num_layers}, {num_experts}, "
                              f"{num_records}] with the records contiguous, got {columns.dtype} {columns.shape} "
                              f"strides {columns.strides}")
-        if last_matched is not None and (last_matched.dtype != np.int64 or last_matched.ndim != 1
-                                         or last_matched.shape[0] < num_records or not last_matched.flags.c_contiguous):
-            raise ValueError(f"finemoe search kernel: last_matched must be contiguous int64 [>= {num_records}], got "
-                             f"{last_matched.dtype} {last_matched.shape}")
+        if last_matched is not None:
+            _check_last_matched("search", last_matched, num_records)
         if (num_tokens < 1).any():
             raise ValueError(f"finemoe search kernel: every request has >= 1 token, got {num_tokens}")
         self._fn = lib.emoe_finemoe_observe
@@ -216,7 +231,7 @@ class StorePlacer:
                  last_matched: npt.NDArray[np.int64]) -> None:
         num_layers, capacity, num_experts = maps.shape
         self.hidden = embeddings.shape[1]
-        shapes: dict[str, tuple[np.ndarray, type, tuple[int, ...]]] = {
+        shapes: dict[str, ArraySpec] = {
             "embeddings": (embeddings, np.float32, (capacity, self.hidden)),
             "embedding_norms": (embedding_norms, np.float32, (capacity,)),
             "maps": (maps, np.float32, (num_layers, capacity, num_experts)),
@@ -225,10 +240,7 @@ class StorePlacer:
             "stamps": (stamps, np.int64, (capacity,)),
             "last_matched": (last_matched, np.int64, (capacity,)),
         }
-        for name, (array, dtype, shape) in shapes.items():
-            if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
-                raise ValueError(f"finemoe placement kernel: {name} must be contiguous {np.dtype(dtype)} {shape}, "
-                                 f"got {array.dtype} {array.shape}")
+        _check_arrays("placement", shapes)
         self._fn = lib.emoe_finemoe_place
         self._arrays = tuple(array for array, _, _ in shapes.values())  # kept alive
         self.capacity, self.map_size = capacity, num_layers * num_experts
@@ -242,20 +254,19 @@ class StorePlacer:
         comes from, `searched` = (eq. 4's scores [B, C], eq. 5's dot products [B, C], the records'
         squared norms [B], the stored maps' norms floored [C]; see `map_store.SearchedScores`).
         Returns their slots and the store's new count of records added."""
-        batch = embeddings.shape[0]
-        inputs = [("embeddings", embeddings, (batch, self.hidden)), ("maps", maps, (batch, self.map_size))]
+        batch, f32 = embeddings.shape[0], np.float32
+        inputs: dict[str, ArraySpec] = {"embeddings": (embeddings, f32, (batch, self.hidden)),
+                                        "maps": (maps, f32, (batch, self.map_size))}
         if searched is not None:
-            redundancy = np.empty((batch, self.capacity), dtype=np.float32)
-            inputs += [(name, array, shape) for name, array, shape in zip(
-                ("semantic", "trajectory_dots", "trajectory_sq", "trajectory_norms"), searched,
-                ((batch, self.capacity), (batch, self.capacity), (batch,), (self.capacity,)), strict=True)]
+            redundancy = np.empty((batch, self.capacity), dtype=f32)
+            for name, array, shape in zip(("semantic", "trajectory_dots", "trajectory_sq", "trajectory_norms"),
+                                          searched, ((batch, self.capacity), (batch, self.capacity), (batch,),
+                                                     (self.capacity,)), strict=True):
+                inputs[name] = (array, f32, shape)
         if redundancy is None:
             raise ValueError("finemoe placement kernel: needs the redundancy or the searches it comes from")
-        inputs.append(("redundancy", redundancy, (batch, self.capacity)))
-        for name, array, shape in inputs:
-            if array.dtype != np.float32 or array.shape != shape or not array.flags.c_contiguous:
-                raise ValueError(f"finemoe placement kernel: {name} must be contiguous float32 {shape}, "
-                                 f"got {array.dtype} {array.shape}")
+        inputs["redundancy"] = (redundancy, f32, (batch, self.capacity))
+        _check_arrays("placement", inputs)
         from_searches = (0, 0, 0, 0) if searched is None else tuple(array.ctypes.data for array in searched)
         slots = np.zeros(batch, dtype=np.int64)
         added = self._fn(*self._head, embeddings.ctypes.data, maps.ctypes.data, batch, redundancy.ctypes.data,
@@ -290,16 +301,11 @@ def semantic_best(dots: npt.NDArray[np.float32], queries: npt.NDArray[np.float32
         return None
     batch, hidden = queries.shape
     num_records = dots.shape[1]
-    for name, array, dtype, shape in (("dots", dots, np.float32, (batch, num_records)),
-                                      ("queries", queries, np.float32, (batch, hidden)),
-                                      ("stored_norms", stored_norms, np.float32, (num_records,)),
-                                      ("stamps", stamps, np.int64, (num_records,))):
-        if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
-            raise ValueError(f"finemoe semantic kernel: {name} must be contiguous {np.dtype(dtype)} {shape}, "
-                             f"got {array.dtype} {array.shape}")
-    if last_matched.dtype != np.int64 or last_matched.shape[0] < num_records or not last_matched.flags.c_contiguous:
-        raise ValueError(f"finemoe semantic kernel: last_matched must be contiguous int64 [>= {num_records}], "
-                         f"got {last_matched.dtype} {last_matched.shape}")
+    _check_arrays("semantic", {"dots": (dots, np.float32, (batch, num_records)),
+                               "queries": (queries, np.float32, (batch, hidden)),
+                               "stored_norms": (stored_norms, np.float32, (num_records,)),
+                               "stamps": (stamps, np.int64, (num_records,))})
+    _check_last_matched("semantic", last_matched, num_records)
     index = np.empty(batch, dtype=np.int64)
     best = np.empty(batch, dtype=np.float32)
     if lib.emoe_finemoe_semantic_best(dots.ctypes.data, queries.ctypes.data, batch, hidden, stored_norms.ctypes.data,
