@@ -166,16 +166,19 @@ class ExpertMapStore:
         searched = None if num_appended else searched  # the searches were against the store before the appends
         if searched is not None:
             searched.check_against(self)
+        redundancy = None if searched is not None else self._redundancy(embeddings, maps)
         placer = self._placer()
         if placer is not None:
             placed, self._num_added = placer.place(
                 np.ascontiguousarray(embeddings, dtype=np.float32), np.ascontiguousarray(flat, dtype=np.float32),
-                None if searched is not None else self._redundancy(embeddings, maps),
+                redundancy,
                 None if searched is None else (searched.semantic, searched.dots, searched.new_sq, searched.norms),
                 self.prefetch_distance / self.num_layers, self._num_added)
             self.num_replaced += len(placed)
             return slots + placed
-        redundancy = self._redundancy(embeddings, maps) if searched is None else self._rdy(*searched.against(self))
+        if redundancy is None:
+            assert searched is not None  # and checked against this store above
+            redundancy = self._rdy(searched.semantic, searched.trajectory)
         embedding_norms, map_norms = _norms(embeddings), _norms(flat)
         for i, (embedding, probs) in enumerate(zip(embeddings, maps, strict=True)):
             self.num_replaced += 1
@@ -230,15 +233,14 @@ class ExpertMapStore:
         (`mark_matched`). After the matrix product, one kernel call where the kernels build. Needs a
         non-empty store."""
         self._check_searchable()
-        assert self._embeddings is not None
         size = self._size
         queries = np.ascontiguousarray(embeddings, dtype=np.float32)
-        dots = queries @ self._embeddings[:size].T
+        dots = self._semantic_dots(queries)
         found = finemoe_search.semantic_best(dots, queries, self._embedding_norms[:size], self._stamps[:size],
                                              self._last_matched, self._num_added)
         if found is not None:
             return dots, *found
-        scores = _cosine(dots, _norms(queries)[:, None], self._embedding_norms[:size])
+        scores = self._semantic(queries, dots)
         index, best = self._best(scores)
         self.mark_matched(index)
         return scores, index, best
@@ -280,11 +282,18 @@ class ExpertMapStore:
         """`best_matches`, ties to the most recently stored record (`latest_best`)."""
         return latest_best(scores, self._stamps[: self._size])
 
-    def _semantic(self, embeddings: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        """Eq. 4's cosine of `embeddings` [B, h] with every stored record's: [B, C]."""
+    def _semantic(self, embeddings: npt.NDArray[np.float32],
+                  dots: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
+        """Eq. 4's cosine of `embeddings` [B, h] with every stored record's: [B, C]; `dots`: their
+        dot products, if already computed (`_semantic_dots`)."""
+        if dots is None:
+            dots = self._semantic_dots(embeddings)
+        return _cosine(dots, _norms(embeddings)[:, None], self._embedding_norms[: self._size])
+
+    def _semantic_dots(self, embeddings: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """`embeddings` [B, h] times every stored record's embedding: [B, C] (one BLAS product)."""
         assert self._embeddings is not None
-        stored = self._embeddings[: self._size]
-        return _cosine(embeddings @ stored.T, _norms(embeddings)[:, None], self._embedding_norms[: self._size])
+        return embeddings @ self._embeddings[: self._size].T
 
     def _trajectory(self, trajectories: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.float32]:
         """Eq. 5's cosine of `trajectories` [B, n, E] with the first n layers of every stored map:
@@ -334,14 +343,10 @@ class SearchedScores:
         return _trajectory_cosines(self.dots, self.new_sq, self.norms)
 
     def check_against(self, store: ExpertMapStore) -> None:
+        """Refuse scores of a store that has changed since the searches."""
         size = self.semantic.shape[1]
         if len(store) != size:
             raise RuntimeError(f"searched scores: of a store of {size} records, it now holds {len(store)}")
-
-    def against(self, store: ExpertMapStore) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """(semantic, trajectory) [B, C], checked to be of `store` as it stands."""
-        self.check_against(store)
-        return self.semantic, self.trajectory
 
 
 def _trajectory_cosines(dots: npt.NDArray[np.float32], new_sq: npt.NDArray[np.float32],

@@ -221,8 +221,9 @@ def test_a_full_store_replaces_by_the_scores_its_searches_found():
     reference = copy.deepcopy(store)
     assert store.insert_many(embeddings, maps, searched) == reference.insert_many(embeddings, maps)
     assert torch.equal(store.maps, reference.maps)
+    of_seven = SearchedScores(*(np.zeros(shape, dtype=np.float32) for shape in ((4, 7), (4, 7), (4,), (7,))))
     with pytest.raises(RuntimeError, match="of 7 records, it now holds 6"):
-        SearchedScores(*(np.zeros(shape, dtype=np.float32) for shape in ((4, 7), (4, 7), (4,), (7,)))).against(store)
+        of_seven.check_against(store)
 
 
 def test_the_layer_by_layer_search_breaks_ties_to_the_latest_record():
