@@ -20,7 +20,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # but for Serve's control loop, which a local Ray of the elastic server runs at 0.5 s too
 # (`coordinator.launch.LOCAL_RAY_DEFAULTS`), as it caps glibc's malloc arenas. Each node's log
 # monitor lists the session's log files at every 0.1 s poll while there are fewer than its
-# threshold of them; at 0 it lists them every 0.5 s (0.011 -> 0.005 of a core per node; the tests read no forwarded worker log).
+# threshold of them; at 0 it lists them every 0.5 s (0.011 -> 0.005 of a core per node; the tests
+# read no forwarded worker log).
 for _name, _value in (("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5"), ("RAY_task_events_report_interval_ms", "0"),
                       ("RAY_metrics_report_interval_ms", "600000"), ("RAY_event_stats", "0"),
                       ("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0"), ("MALLOC_ARENA_MAX", "2")):

@@ -164,21 +164,19 @@ class FineMoEPolicy:
         if layer != self._current_layer + 1:
             raise ValueError(f"observe_layer: expected layer {self._current_layer + 1}, got {layer}")
         decode = self._one_token_each and gate_probs.shape[0] == len(self._requests)  # P_l is the token's
-        target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
-        if (self._planner is not None and decode and gate_probs.dtype == torch.float32
-                and gate_probs.is_contiguous()):  # the kernel copies the rows too: one call per layer
-            self._current_layer = layer
-            self.search_log.add_trajectory(self._planner.observe(target, gate_probs)[1])
-            return
-        if decode:
+        # A decode step's rows as they are: the kernel copies them itself (one call per layer)
+        rows = (gate_probs if self._planner is not None and decode and gate_probs.dtype == torch.float32
+                and gate_probs.is_contiguous() else None)
+        if rows is None and decode:
             self._observed[:, layer] = gate_probs.float().numpy()
-        else:
+        elif rows is None:
             self._observed[:, layer] = request_layer_probs(gate_probs, self._num_tokens.tolist()).numpy()
         self._current_layer = layer
         if self._trajectory is None:
             return
+        target = trajectory_target(layer, self.config.prefetch_distance, self.config.num_layers)
         if self._planner is not None:  # the kernel does all of the below in one call (and marks the matches)
-            self.search_log.add_trajectory(self._planner.observe(target)[1])
+            self.search_log.add_trajectory(self._planner.observe(target, rows)[1])
             return
         self._trajectory.add(self._observed[:, layer])
         if target is None:
