@@ -99,7 +99,11 @@ class ExpertCache:
         self.capacity = int(pool_w13.shape[0])
         self.expert_bytes = pool_w13[0].nbytes + pool_w2[0].nbytes
         self.local_of = {int(e): i for i, e in enumerate(local_expert_ids)}  # global expert -> local index
-        self.state = CacheState.empty(num_layers, num_experts, self.capacity)
+        self._state = CacheState.empty(num_layers, num_experts, self.capacity)
+        # Hits not yet applied to `_state` (layer, experts): a step's lookups are applied together when
+        # something next reads the usage (`state`), mostly once per step instead of once per MoE layer
+        self._hits: list[tuple[int, Sequence[int]]] = []
+        self._num_layers = num_layers
         self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int64)
         self.counters = CacheCounters()
         self.bytes_loaded = {source.tier: 0}
@@ -118,6 +122,23 @@ class ExpertCache:
         self._protected: frozenset[ExpertKey] = frozenset()
         self._unused_prefetches: set[ExpertKey] = set()
         self._closed = False
+
+    @property
+    def state(self) -> CacheState:
+        """The cache's snapshot, every lookup so far applied. Hold the lock (or be the forward thread
+        between steps)."""
+        self._apply_hits()
+        return self._state
+
+    @state.setter
+    def state(self, state: CacheState) -> None:
+        self._hits.clear()
+        self._state = state
+
+    def _apply_hits(self) -> None:
+        if self._hits:
+            self._state = self._state.use_many(self._hits)
+            self._hits.clear()
 
     @property
     def holds_every_expert(self) -> bool:
@@ -142,7 +163,9 @@ class ExpertCache:
                 # Every expert published: the copies in progress are into other rows, so there is
                 # nothing to wait for and no reason to stop them (the common case).
                 self._count_hits(keys)
-                self.state = self.state.use(layer, experts)
+                self._hits.append((layer, experts))
+                if len(self._hits) >= self._num_layers:  # bounded: a cache without a policy reads no usage
+                    self._apply_hits()
                 self._protected = frozenset(keys)
                 return rows
             self.copier.pause(True)
@@ -158,7 +181,7 @@ class ExpertCache:
                 self._count_lookups(keys)
                 self._protected = frozenset(keys)
                 self._load_now(layer, experts)
-                self.state = self.state.use(layer, experts)
+                self._state = self.state.use(layer, experts)
                 self.counters.on_demand_s += time.perf_counter() - started
                 return [int(self.slot_of[key]) for key in keys]
             finally:
@@ -174,11 +197,11 @@ class ExpertCache:
         for key in update.evicted:
             self._release(key)
         loads = [(key, self._free.pop()) for key in update.loaded]
-        self.state = update.cache
+        self._state = update.cache
         try:
             self._copy_all(loads)
         except BaseException:
-            self.state = self.state.evict([key for key, _ in loads])
+            self._state = self._state.evict([key for key, _ in loads])
             self._free.extend(row for _, row in loads)
             raise
         for key, row in loads:
@@ -286,7 +309,7 @@ class ExpertCache:
                         logger.exception("warming expert %s failed", key)
                         self._free.append(row)
                         continue
-                    self.state = self.state.load([key])
+                    self._state = self.state.load([key])
                     self.slot_of[key] = row
                     filled += 1
             finally:
@@ -303,6 +326,8 @@ class ExpertCache:
         queued ones."""
         with self._lock:
             self._plan = self._policy_plan()
+            if self._plan is not None and not self._plan.items and not self._queued:
+                return  # nothing to copy or cancel: the usual case once the cache holds the predictions
             self._publish_finished()
             self._queue_plan()
 
@@ -311,9 +336,10 @@ class ExpertCache:
         fault costs hit rate, never a request.
         The policy sees the queued copies' experts as not resident: a plan leaves out what is
         resident, and the queued copies it still wants must be in it to stay queued."""
-        queued = [copy.key for copy in self._queued]
         try:
-            return self.policy.prefetch_plan(self.state.evict(queued) if queued else self.state)
+            # residency is all a plan reads (`OffloadPolicy.prefetch_plan`): the hits may wait
+            state = self._state
+            return self.policy.prefetch_plan(state.evict([c.key for c in self._queued]) if self._queued else state)
         except Exception:  # noqa: BLE001
             logger.exception("offload policy %s: prefetch_plan failed", self.policy.name)
             return None
@@ -353,7 +379,7 @@ class ExpertCache:
             else:
                 rows.append(int(self.slot_of[victim]))
                 self.slot_of[victim] = -1  # its row is about to be written
-        self.state = update.cache
+        self._state = update.cache
         first = self.copier.submit([(layer, self.local_of[e], row) for (layer, e), row in zip(update.loaded, rows,
                                                                                               strict=True)])
         self._queued.extend(QueuedCopy(first + i, key, row, victim)
@@ -373,11 +399,11 @@ class ExpertCache:
         first = self.copier.cancel()
         while self._queued and self._queued[-1].copy_id >= first:
             copy = self._queued.pop()
-            self.state = self.state.evict([copy.key])
+            self._state = self._state.evict([copy.key])
             if copy.victim is None:
                 self._free.append(copy.row)
             else:
-                self.state = self.state.reinstate([copy.victim])
+                self._state = self._state.reinstate([copy.victim])
                 self.slot_of[copy.victim] = copy.row
             self.counters.prefetches_cancelled += 1
 
@@ -392,7 +418,7 @@ class ExpertCache:
                 self._count_eviction(copy.victim)
             if copy.copy_id in self.copier.failed:
                 self.copier.failed.discard(copy.copy_id)
-                self.state = self.state.evict([copy.key])
+                self._state = self._state.evict([copy.key])
                 self._free.append(copy.row)
                 self.counters.prefetch_failures += 1
                 continue
@@ -447,7 +473,7 @@ class ExpertCache:
         """Evict `key` (resident, published) from the state and the map; its row becomes free."""
         row = int(self.slot_of[key])
         self.slot_of[key] = -1
-        self.state = self.state.evict([key])
+        self._state = self.state.evict([key])
         self._free.append(row)
         self._count_eviction(key)
 

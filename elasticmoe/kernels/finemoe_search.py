@@ -36,8 +36,10 @@ def _library() -> ctypes.CDLL | None:
                                                  i64],
                         "emoe_finemoe_plan": [ptr, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, c_int, ptr,
                                               ptr, ptr, ptr],
-                        "emoe_finemoe_victims": [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, ptr]})
+                        "emoe_finemoe_victims": [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, ptr],
+                        "emoe_plan_from_predictions": [ptr, ptr, ptr, c_int, c_int, c_int, ptr, ptr]})
     lib.emoe_finemoe_victims.restype = i64
+    lib.emoe_plan_from_predictions.restype = i64
     lib.emoe_finemoe_place.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, c_int, c_int, c_int, ptr, ptr, c_int,
                                        ptr, ptr, ptr, ptr, ptr, ctypes.c_double, i64, ptr]
     lib.emoe_finemoe_place.restype = i64
@@ -216,6 +218,50 @@ def victim_picker(guide: npt.NDArray[np.float64], prob_floor: float) -> VictimPi
     """A `VictimPicker` over `guide`, or None where the kernel is not available."""
     lib = _library()
     return None if lib is None else VictimPicker(lib, guide, prob_floor)
+
+
+class PlanRanker:
+    """`rank(resident, current_layer)`: the experts of layers after `current_layer` that are
+    `planned` and not `resident`, as (flat [L, E] indices, priorities), best first, exactly as
+    `ranking.plan_from_predictions` orders them (§4.5's `p / (l - l_now)` over `probs`, ties in
+    (layer, expert) order). `planned` [L, E] (bool) and `probs` (fp64) are the policy's, bound once
+    and read in place; `resident` is checked and bound when it is another array than the last call's
+    (a cache snapshot's residency array lives on through the lookups that only count visits).
+
+    Why: the NumPy mask this replaces, and even reading an array's address, start cold after every
+    MoE layer's GEMM (~30 us on the AVX2 host, for a plan that is empty nine times in ten); a
+    ctypes call on bound addresses costs ~4 us there (docs/offload.md, "Cold after the GEMM")."""
+
+    def __init__(self, lib: ctypes.CDLL, planned: npt.NDArray[np.bool_], probs: npt.NDArray[np.float64]) -> None:
+        if planned.ndim != 2:
+            raise ValueError(f"finemoe plan kernel: planned must be [L, E], got {planned.shape}")
+        self._shape = planned.shape
+        _check_arrays("plan", {"planned": (planned, np.bool_, self._shape), "probs": (probs, np.float64, self._shape)})
+        self._fn = lib.emoe_plan_from_predictions
+        self._arrays = (planned, probs)  # kept alive
+        self._index = np.zeros(planned.size, dtype=np.int64)
+        self._priority = np.zeros(planned.size, dtype=np.float64)
+        self._head = (planned.ctypes.data, probs.ctypes.data)
+        self._tail = (*self._shape, self._index.ctypes.data, self._priority.ctypes.data)
+        self._resident: npt.NDArray[np.bool_] | None = None  # the last one bound, kept alive with its address
+        self._resident_address = 0
+
+    def rank(self, resident: npt.NDArray[np.bool_], current_layer: int) -> tuple[list[int], list[float]]:
+        if resident is not self._resident:
+            _check_arrays("plan", {"resident": (resident, np.bool_, self._shape)})
+            self._resident, self._resident_address = resident, resident.ctypes.data
+        count = self._fn(*self._head, self._resident_address, current_layer, *self._tail)
+        if count < 0:
+            raise ValueError(f"finemoe plan kernel: current layer {current_layer} out of range")
+        if count == 0:
+            return [], []
+        return self._index[:count].tolist(), self._priority[:count].tolist()
+
+
+def plan_ranker(planned: npt.NDArray[np.bool_], probs: npt.NDArray[np.float64]) -> PlanRanker | None:
+    """A `PlanRanker` over a policy's `planned` and `probs`, or None where the kernel is not available."""
+    lib = _library()
+    return None if lib is None else PlanRanker(lib, planned, probs)
 
 
 class StorePlacer:

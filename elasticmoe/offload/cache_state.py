@@ -162,25 +162,38 @@ class CacheState:
     def use(self, layer: int, expert_ids: Iterable[int]) -> CacheState:
         """Layer `layer` ran its experts `expert_ids` (all resident): one visit each, whatever
         the number of tokens routed to an expert, and each stamped with the clock."""
-        ids = sorted({int(e) for e in expert_ids})
-        if not ids:
+        return self.use_many([(layer, expert_ids)])
+
+    def use_many(self, uses: Iterable[tuple[int, Iterable[int]]]) -> CacheState:
+        """`use` of each (layer, expert_ids) in order, as one transition: the same snapshot as
+        the chain of `use`s (the engine applies a step's hits together when it next needs them)."""
+        last_used: IntGrid | None = None
+        num_uses = self.num_uses
+        clock, since = self.clock, self.visits_since_ageing
+        for layer, expert_ids in uses:
+            ids = sorted({int(e) for e in expert_ids})
+            if not ids:
+                continue
+            # NOTE: element loops, not fancy indexing: this runs per MoE layer of every step on a
+            # handful of experts, where NumPy's index conversion costs more than the writes.
+            resident = self.resident[layer]
+            absent = [e for e in ids if not resident[e]]
+            if absent:
+                raise ValueError(f"use: layer {layer} experts {absent} are not resident")
+            if last_used is None:
+                last_used, num_uses = self.last_used.copy(), self.num_uses.copy()
+            stamps, visits = last_used[layer], num_uses[layer]
+            for e in ids:
+                stamps[e] = clock
+                visits[e] += 1
+            since += len(ids)
+            if self.ageing_window and since >= self.ageing_window:
+                num_uses //= 2
+                since = 0
+            clock += 1
+        if last_used is None:
             return self
-        # NOTE: element loops, not fancy indexing: this runs per MoE layer of every step on a
-        # handful of experts, where NumPy's index conversion costs more than the writes.
-        resident = self.resident[layer]
-        absent = [e for e in ids if not resident[e]]
-        if absent:
-            raise ValueError(f"use: layer {layer} experts {absent} are not resident")
-        last_used, num_uses = self.last_used.copy(), self.num_uses.copy()
-        stamps, visits = last_used[layer], num_uses[layer]
-        for e in ids:
-            stamps[e] = self.clock
-            visits[e] += 1
-        since = self.visits_since_ageing + len(ids)
-        if self.ageing_window and since >= self.ageing_window:
-            num_uses //= 2
-            since = 0
-        return self._successor(self.resident, last_used, num_uses, self.clock + 1, self.num_resident, since)
+        return self._successor(self.resident, last_used, num_uses, clock, self.num_resident, since)
 
     def _successor(self, resident: BoolGrid, last_used: IntGrid, num_uses: IntGrid, clock: int, num_resident: int,
                    visits_since_ageing: int | None = None) -> CacheState:

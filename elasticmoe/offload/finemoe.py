@@ -47,7 +47,7 @@ from elasticmoe.kernels import finemoe_search
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.map_store import ExpertMapStore, KernelPlanner, SearchedScores, TrajectorySearch
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
-from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
+from elasticmoe.offload.ranking import PlanMaker, pick_victims
 from elasticmoe.offload.routing_map import request_layer_probs
 from elasticmoe.offload.search_schedule import trajectory_target
 from elasticmoe.offload.selection import (
@@ -120,6 +120,7 @@ class FineMoEPolicy:
         self._semantic_scores: np.ndarray | None = None  # [B, C] eq. 4 of this iteration, for RDY at its end
         self._planned = np.zeros(shape, dtype=np.bool_)
         self._planned_probs = np.zeros(shape, dtype=np.float64)
+        self._plans = PlanMaker(self._planned, self._planned_probs)  # reads both in place
         self._guide = np.zeros(shape, dtype=np.float64)  # p_{l,j} of the searched maps, for eviction (in place)
         self._victims = finemoe_search.victim_picker(self._guide, PROB_FLOOR)  # None: NumPy's `pick_victims`
 
@@ -189,7 +190,7 @@ class FineMoEPolicy:
         self._guide[target:] = maps.max(axis=1)
 
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
-        return plan_from_predictions(self._planned, self._planned_probs, self._current_layer, cache)
+        return self._plans.plan(self._current_layer, cache)
 
     def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
                        for_layers: Sequence[int] = ()) -> list[ExpertKey]:

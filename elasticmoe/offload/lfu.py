@@ -26,7 +26,7 @@ import torch
 
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
-from elasticmoe.offload.ranking import pick_victims, plan_from_predictions
+from elasticmoe.offload.ranking import PlanMaker, pick_victims
 from elasticmoe.offload.search_schedule import trajectory_target
 from elasticmoe.offload.similarity import best_matches, cosine_scores
 
@@ -91,6 +91,7 @@ class LFUPolicy:
         self._current_layer = -1
         self._planned = np.zeros(shape, dtype=np.bool_)
         self._planned_probs = np.zeros(shape, dtype=np.float64)
+        self._plans = PlanMaker(self._planned, self._planned_probs)  # reads both in place
 
     def begin_iteration(self, requests: Sequence[RequestContext]) -> None:
         if not requests:
@@ -118,7 +119,7 @@ class LFUPolicy:
             self._plan_layer(target)
 
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
-        return plan_from_predictions(self._planned, self._planned_probs, self._current_layer, cache)
+        return self._plans.plan(self._current_layer, cache)
 
     def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
                        for_layers: Sequence[int] = ()) -> list[ExpertKey]:

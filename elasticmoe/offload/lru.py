@@ -34,7 +34,7 @@ import torch
 
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.policy import PolicyConfig, PrefetchPlan, RequestContext
-from elasticmoe.offload.ranking import pick_victims, pick_victims_by_layer, plan_from_predictions
+from elasticmoe.offload.ranking import PlanMaker, pick_victims, pick_victims_by_layer
 
 
 def lru_victims(cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
@@ -71,6 +71,7 @@ class LRUPolicy:
         self._current_layer = -1
         self._planned = np.zeros(shape, dtype=np.bool_)
         self._planned_probs = np.zeros(shape, dtype=np.float64)
+        self._plans = PlanMaker(self._planned, self._planned_probs)  # reads both in place
         self._routed = np.zeros(shape, dtype=np.bool_)  # this iteration
         self._previously_routed = np.zeros(shape, dtype=np.bool_)  # the last complete iteration
 
@@ -99,7 +100,7 @@ class LRUPolicy:
             self._planned_probs[target, expert] = prob
 
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
-        return plan_from_predictions(self._planned, self._planned_probs, self._current_layer, cache)
+        return self._plans.plan(self._current_layer, cache)
 
     def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],
                        for_layers: Sequence[int] = ()) -> list[ExpertKey]:

@@ -176,7 +176,8 @@ class OffloadPolicy(Protocol):
 
     def prefetch_plan(self, cache: CacheState) -> PrefetchPlan:
         """What to copy in next for layers after the last observed one, best first; experts
-        already in `cache` are left out."""
+        already in `cache` are left out. Reads `cache.resident` only: the engine may hand a
+        snapshot whose usage (stamps, visits) does not yet count the step's latest lookups."""
         ...
 
     def choose_victims(self, cache: CacheState, num_victims: int, protected: Collection[ExpertKey],

@@ -10,6 +10,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from elasticmoe.kernels import finemoe_search
 from elasticmoe.offload.cache_state import CacheState, ExpertKey
 from elasticmoe.offload.policy import PrefetchItem, PrefetchPlan
 from elasticmoe.offload.selection import prefetch_priority
@@ -40,6 +41,32 @@ def plan_from_predictions(planned: BoolGrid, probs: FloatGrid, current_layer: in
         items.append(PrefetchItem(layer, expert, prefetch_priority(prob, layer, current_layer)))
     items.sort(key=_by_priority, reverse=True)  # stable: equal priorities stay in (layer, expert) order
     return PrefetchPlan.ranked(current_layer, tuple(items))
+
+
+class PlanMaker:
+    """`plan_from_predictions` over one policy's `planned` [L, E] and `probs` arrays, which the
+    policy updates in place: by one kernel call where the kernels build (`finemoe_search.
+    PlanRanker`: the same items in the same order), else by the NumPy function. A policy plans after
+    every MoE layer of every step, on the forward thread, and the plan is mostly empty: the empty
+    plan after each layer is made once."""
+
+    def __init__(self, planned: BoolGrid, probs: FloatGrid) -> None:
+        self.planned, self.probs = planned, probs
+        self._num_experts = planned.shape[1]
+        self._ranker = finemoe_search.plan_ranker(planned, probs)
+        self._empty = [PrefetchPlan.ranked(layer, ()) for layer in range(-1, planned.shape[0])]
+
+    def plan(self, current_layer: int, cache: CacheState) -> PrefetchPlan:
+        if self._ranker is None:
+            return plan_from_predictions(self.planned, self.probs, current_layer, cache)
+        indices, priorities = self._ranker.rank(cache.resident, current_layer)
+        if not indices:
+            return self._empty[current_layer + 1]
+        items = []
+        for index, priority in zip(indices, priorities, strict=True):
+            layer, expert = divmod(index, self._num_experts)
+            items.append(PrefetchItem(layer, expert, priority))
+        return PrefetchPlan.ranked(current_layer, tuple(items))
 
 
 def _by_priority(item: PrefetchItem) -> float:

@@ -110,6 +110,34 @@ def test_ensure_loads_missing_experts_and_evicts_within_the_budget():
     cache.check_integrity()
 
 
+def test_hits_count_in_the_usage_before_anything_reads_it():
+    """A hit's visit is applied when the usage is next read (a victim choice, `state`), not at once:
+    the snapshot is the one of applying each lookup in turn, and LRU's victim is the expert hit
+    longest ago, not the one loaded longest ago. Unread hits are applied at least once per
+    iteration's worth of layers (a cache without a policy reads no usage)."""
+    cache = make_cache(capacity=3)
+    for layer, experts in ((0, [0]), (0, [1]), (1, [2])):
+        cache.ensure(layer, experts)  # loads
+    hits = [(0, [0]), (1, [2])]
+    for layer, experts in hits:
+        cache.ensure(layer, experts)
+    assert len(cache._hits) == 2
+    want = cache._state
+    for layer, experts in hits:
+        want = want.use(layer, experts)
+    for name in ("last_used", "num_uses"):
+        assert getattr(cache.state, name).tolist() == getattr(want, name).tolist(), name
+    assert cache.state.clock == want.clock and not cache._hits
+    for layer, experts in hits:
+        cache.ensure(layer, experts)
+    cache.ensure(2, [3])  # a miss: its victim is chosen on the usage with those hits
+    assert cache.state.resident_keys() == [(0, 0), (1, 2), (2, 3)]  # (0, 1) was used longest ago
+    for _ in range(10):
+        cache.ensure(0, [0])
+        assert len(cache._hits) < LAYERS
+    cache.check_integrity()
+
+
 def test_a_layer_needing_more_experts_than_the_cache_raises_and_keeps_the_cache_consistent():
     cache = make_cache(capacity=2)
     cache.ensure(0, [0])

@@ -18,7 +18,7 @@ from elasticmoe.offload.cache_state import CacheState
 from elasticmoe.offload.finemoe import FineMoEPolicy
 from elasticmoe.offload.map_store import ExpertMapStore
 from elasticmoe.offload.policy import PolicyConfig, RequestContext
-from elasticmoe.offload.ranking import pick_victims
+from elasticmoe.offload.ranking import PlanMaker, pick_victims, plan_from_predictions
 from elasticmoe.offload.selection import PROB_FLOOR, eviction_priority
 
 pytestmark = pytest.mark.skipif(not finemoe_search.available(), reason="no C++ compiler: the NumPy path runs")
@@ -292,3 +292,42 @@ def test_the_placement_kernel_refuses_arrays_of_another_shape_or_dtype():
     with pytest.raises(ValueError, match="stamps must be contiguous int64"):
         finemoe_search.store_placer(store._embeddings, store._embedding_norms, store._maps, store._columns,
                                     store._trajectory_norms, store._stamps.astype(np.int32), store._last_matched)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_kernel_plans_as_the_numpy_ranking(seed):
+    """Random predictions with tied priorities (probabilities from a small set, across layers too:
+    0.5 at distance 2 ties 0.25 at distance 1), every current layer, residency arrays replaced
+    between calls (the ranker binds each new one) and changed in place never (snapshots)."""
+    rng = np.random.default_rng(seed)
+    shape = (5, 6)
+    planned, probs = np.zeros(shape, dtype=np.bool_), np.zeros(shape)
+    maker = PlanMaker(planned, probs)
+    assert maker._ranker is not None
+    for _ in range(30):
+        planned[:] = rng.random(shape) < 0.5
+        probs[:] = rng.choice([0.0, 0.125, 0.25, 0.5, 1.0], size=shape)
+        resident = rng.random(shape) < 0.4
+        cache = CacheState(int(resident.sum()) + 1, resident, np.full(shape, -1), np.zeros(shape, dtype=np.int64))
+        for current in range(-1, shape[0]):
+            assert maker.plan(current, cache) == plan_from_predictions(planned, probs, current, cache)
+    nothing = CacheState(shape[0] * shape[1], np.ones(shape, dtype=np.bool_), np.full(shape, -1),
+                         np.zeros(shape, dtype=np.int64))
+    assert maker.plan(2, nothing) is maker.plan(2, nothing)  # the empty plan after a layer is made once
+    assert maker.plan(2, nothing) == plan_from_predictions(planned, probs, 2, nothing)
+
+
+def test_the_plan_kernel_refuses_a_layer_or_arrays_it_would_misread():
+    planned, probs = np.ones((2, 3), dtype=np.bool_), np.zeros((2, 3))
+    ranker = finemoe_search.plan_ranker(planned, probs)
+    resident = np.zeros((2, 3), dtype=np.bool_)
+    assert ranker.rank(resident, 0) == ([3, 4, 5], [0.0, 0.0, 0.0])
+    for layer in (-2, 2):
+        with pytest.raises(ValueError, match=f"current layer {layer} out of range"):
+            ranker.rank(resident, layer)
+    with pytest.raises(ValueError, match=r"resident must be contiguous bool \(2, 3\)"):
+        ranker.rank(np.zeros((3, 2), dtype=np.bool_), 0)
+    with pytest.raises(ValueError, match="resident must be contiguous bool"):
+        ranker.rank(np.zeros((2, 3), dtype=np.uint8), 0)
+    with pytest.raises(ValueError, match="probs must be contiguous float64"):
+        finemoe_search.plan_ranker(planned, probs.astype(np.float32))

@@ -102,6 +102,26 @@ def test_reinstate_puts_an_evicted_expert_back_as_it_was():
         evicted.reinstate([(0, 0)])  # (1, 2) still holds the slot
 
 
+def test_many_uses_at_once_equal_the_chain_of_uses():
+    """`use_many` (the engine applies a step's lookups together) is the chain of `use`s: stamps,
+    visits, clock and the halving inside the batch; a lookup of no experts advances nothing, and
+    one of an evicted expert is refused whole, the snapshot untouched."""
+    start = CacheState.empty(3, 4, capacity=8, ageing_window=7).load([(0, 0), (0, 1), (1, 2), (2, 3)])
+    uses = [(0, [0, 1]), (1, []), (1, [2, 2]), (0, [1]), (2, [3]), (0, [0, 1]), (1, [2])]  # the 7th visit halves
+    chained = start
+    for layer, ids in uses:
+        chained = chained.use(layer, ids)
+    batched = start.use_many(uses)
+    for name in ("resident", "last_used", "num_uses"):
+        assert getattr(batched, name).tolist() == getattr(chained, name).tolist(), name
+    assert (batched.clock, batched.visits_since_ageing) == (chained.clock, chained.visits_since_ageing) == (7, 1)
+    assert start.use_many([]) is start and start.use_many([(0, [])]) is start
+    with pytest.raises(ValueError, match=r"layer 1 experts \[0\] are not resident"):
+        start.use_many([(0, [0]), (1, [0])])
+    assert start.num_uses.sum() == 0 and start.clock == 1  # one load
+    batched.check_integrity()
+
+
 def test_visit_counts_halve_every_window_and_keep_their_order():
     cache = CacheState.empty(2, 3, capacity=6, ageing_window=10).load([(0, 0), (0, 1), (0, 2), (1, 0)])
     for _ in range(3):  # 9 visits: below the window

@@ -199,6 +199,34 @@ int emoe_finemoe_plan(const float* maps, int64_t layer_stride, int64_t record_st
   return 0;
 }
 
+// A prefetch plan (§4.5, `ranking.plan_from_predictions`): the experts of layers after
+// `current_layer` that are `planned` and not `resident` ([L, E] masks), by descending priority
+// probs / (layer - current_layer) (fp64, `selection.prefetch_priority`), ties in (layer, expert)
+// order. Writes their flat indices and priorities to `out_index` and `out_priority` (room for
+// L * E); returns how many, or -1 for arguments out of range.
+int64_t emoe_plan_from_predictions(const uint8_t* planned, const double* probs, const uint8_t* resident,
+                                   int current_layer, int num_layers, int num_experts, int64_t* out_index,
+                                   double* out_priority) {
+  if (current_layer < -1 || current_layer >= num_layers || num_experts < 1) return -1;
+  struct Item {
+    double priority;
+    int64_t index;
+  };
+  std::vector<Item> items;  // mostly none: no allocation then
+  for (int layer = current_layer + 1; layer < num_layers; ++layer) {
+    const int64_t row = static_cast<int64_t>(layer) * num_experts;
+    for (int64_t i = row; i < row + num_experts; ++i) {
+      if (planned[i] && !resident[i]) items.push_back({probs[i] / static_cast<double>(layer - current_layer), i});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.priority > b.priority; });
+  for (size_t j = 0; j < items.size(); ++j) {
+    out_index[j] = items[j].index;
+    out_priority[j] = items[j].priority;
+  }
+  return static_cast<int64_t>(items.size());
+}
+
 // FineMoE's victims (§4.5): up to `num_victims` of the `size` experts (flat [L, E] index) that are
 // `resident` and not `protected_mask`ed, first to go first: by descending 1 / (max(p, prob_floor) *
 // (visits + 1)) with p from `guide` and visits from `num_uses` (`selection.eviction_priority`, the
