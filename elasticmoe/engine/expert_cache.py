@@ -119,7 +119,8 @@ class ExpertCache:
         self._lock = threading.Lock()
         self._queued: deque[QueuedCopy] = deque()  # in copy id order
         self._plan: PrefetchPlan | None = None
-        self._protected: frozenset[ExpertKey] = frozenset()
+        # The last `ensure`'s (layer, experts): the forward computes with them, no prefetch evicts them
+        self._last_lookup: tuple[int, Sequence[int]] = (0, ())
         self._unused_prefetches: set[ExpertKey] = set()
         self._closed = False
 
@@ -151,23 +152,28 @@ class ExpertCache:
         """Make `experts` (global ids, at most `capacity` of them) of MoE layer `layer` resident
         and return their pool rows, in order. Loads what is missing now, evicting the policy's
         victims; the experts stay protected from prefetch evictions until the next `ensure`."""
-        keys = [(layer, int(e)) for e in experts]
         started = time.perf_counter()
         with self._lock:
-            self._publish_finished()
+            if self._queued:
+                self._publish_finished()
             # NOTE: Python lists, not NumPy indexing: this runs per MoE layer of every step on a
-            # handful of experts, where each NumPy call's dispatch costs more than the lookup.
+            # handful of experts, where each NumPy call's dispatch costs more than the lookup (and
+            # the hit path makes no keys: each operation after the layer's GEMM starts cold).
             layer_rows = self.slot_of[layer].tolist()
-            rows = [layer_rows[e] for _, e in keys]
+            rows = [layer_rows[e] for e in experts]
+            self._last_lookup = (layer, experts)
             if not rows or min(rows) >= 0:
                 # Every expert published: the copies in progress are into other rows, so there is
                 # nothing to wait for and no reason to stop them (the common case).
-                self._count_hits(keys)
+                self.counters.lookups += len(rows)
+                self.counters.hits += len(rows)
+                if self._unused_prefetches:
+                    self._count_useful([(layer, e) for e in experts])
                 self._hits.append((layer, experts))
                 if len(self._hits) >= self._num_layers:  # bounded: a cache without a policy reads no usage
                     self._apply_hits()
-                self._protected = frozenset(keys)
                 return rows
+            keys = [(layer, int(e)) for e in experts]
             self.copier.pause(True)
             try:
                 # Queued copies give their victims back, and a queued expert this layer needs is
@@ -179,7 +185,6 @@ class ExpertCache:
                         self.counters.waits_for_prefetch += 1
                     self._wait_for(copy)
                 self._count_lookups(keys)
-                self._protected = frozenset(keys)
                 self._load_now(layer, experts)
                 self._state = self.state.use(layer, experts)
                 self.counters.on_demand_s += time.perf_counter() - started
@@ -278,9 +283,13 @@ class ExpertCache:
         self.counters.lookups += len(keys)
         self.counters.hits += len(keys)
         if self._unused_prefetches:
-            used = self._unused_prefetches.intersection(keys)
-            self._unused_prefetches -= used
-            self.counters.prefetches_useful += len(used)
+            self._count_useful(keys)
+
+    def _count_useful(self, keys: list[ExpertKey]) -> None:
+        """`keys`, found resident, were used: those prefetched and not used before were useful."""
+        used = self._unused_prefetches.intersection(keys)
+        self._unused_prefetches -= used
+        self.counters.prefetches_useful += len(used)
 
     def warm(self, popularity: np.ndarray) -> int:
         """Fill free rows with this rank's most used experts by `popularity` [L, E] (the tokens an
@@ -361,7 +370,8 @@ class ExpertCache:
                 self._cancel_queued()
         if not plan.items:  # the usual case once the cache holds what the policy predicts
             return
-        protected = self._protected.union(c.key for c in self._queued)
+        layer, experts = self._last_lookup
+        protected = {(layer, int(e)) for e in experts}.union(c.key for c in self._queued)
         num_free = self.state.num_free
         try:
             update = run_prefetch(self.state, self.policy, plan, None, protected)
