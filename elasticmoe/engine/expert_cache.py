@@ -26,7 +26,10 @@ The rules that keep the two apart:
   lookup or plan), and an expert the forward thread is computing with (`protected`: the last
   `ensure`'s) is never a prefetch's victim;
 - a failed copy leaves the expert not resident and its row free, so a read error costs the
-  request that needed it, never the cache's consistency.
+  request that needed it, never the cache's consistency;
+- a hit's visit reaches the snapshot when its usage is next read (`state`: a victim choice, a load,
+  the stats) or after one iteration's worth of layers, all pending hits in one transition
+  (`CacheState.use_many`, the snapshot of applying them in turn); a plan reads residency only.
 One lock guards the map, the state and the policy (other threads read the stats).
 """
 
