@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import logging
 import os
@@ -78,6 +79,7 @@ class RunResult:
     cache: dict = field(default_factory=dict)  # the expert cache's counters over the measured part
     # the resident reference's TPOT p50 over the same measured requests, interleaved with these
     paired_resident_tpot_p50_ms: float | None = None
+    expert_dtype: str | None = None  # the cache rows' (a bf16 checkpoint computed in fp32 keeps bf16 rows)
 
     @property
     def hit_rate(self) -> float:
@@ -144,6 +146,7 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
                           offload_prefetch_distance=distance, offload_store_capacity=capacity,
                           offload_semantic=args.semantic, offload_policy_thread=args.policy_thread)
     assert engine.offload is not None
+    expert_dtype = str(engine.offload.cache.w13.dtype).removeprefix("torch.")
     ttft, tpot, paired_tpot, tokens, wall = [], [], [], 0, 0.0
     try:
         _drive(engine, warm, params, args.batch)
@@ -164,7 +167,8 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
         del engine
         gc.collect()  # the engine holds reference cycles: free its weights and KV before the next run
     return RunResult(policy, budget, distance, capacity, len(measured), tokens, round(wall, 3), _p50_ms(ttft),
-                     _p50_ms(tpot), cache, paired_resident_tpot_p50_ms=_p50_ms(paired_tpot))
+                     _p50_ms(tpot), cache, paired_resident_tpot_p50_ms=_p50_ms(paired_tpot),
+                     expert_dtype=expert_dtype)
 
 
 def _greedy(args: argparse.Namespace) -> SamplingParams:
@@ -201,8 +205,10 @@ def _drive(engine: LLMEngine, prompts: list[str], params: SamplingParams, batch:
     return ttft, tpot, tokens
 
 
-def measure_transfers(model_dir: str, link_gbps: float, samples: int = 8) -> dict:
-    """Seconds to copy one expert into a cache row from each tier (medians of `samples`)."""
+def measure_transfers(model_dir: str, link_gbps: float, samples: int = 8,
+                      dtype: torch.dtype = torch.float32) -> dict:
+    """Seconds to copy one expert into a cache row of `dtype` (the engine's: `RunResult.expert_dtype`)
+    from each tier (medians of `samples`)."""
     from elasticmoe.config import ModelConfig
     from elasticmoe.engine.expert_sources import DiskExperts, HostExperts
     from elasticmoe.engine.offload_setup import expert_layer_specs
@@ -212,9 +218,9 @@ def measure_transfers(model_dir: str, link_gbps: float, samples: int = 8) -> dic
     specs = model_family(cfg.arch).param_specs(cfg, tuple(range(cfg.num_experts)))
     layers = expert_layer_specs(specs)
     disk = DiskExperts(model_dir, layers)
-    w13 = torch.empty(layers[0].w13.shape[1:])
-    w2 = torch.empty(layers[0].w2.shape[1:])
-    host_stack = (torch.randn(samples, *w13.shape), torch.randn(samples, *w2.shape))
+    w13 = torch.empty(layers[0].w13.shape[1:], dtype=dtype)
+    w2 = torch.empty(layers[0].w2.shape[1:], dtype=dtype)
+    host_stack = (torch.randn(samples, *w13.shape).to(dtype), torch.randn(samples, *w2.shape).to(dtype))
     host = HostExperts([host_stack])
     files = disk.reader.files
 
@@ -347,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     resident_tpot = statistics.median(r[0].tpot_p50_ms for r in rounds)
     rows = [_merged([r[i] for r in rounds]) for i in range(len(grid))]
     rows += [_merged([result]) for result in sweep_runs]
-    transfers = measure_transfers(args.model, args.link_gbps)
+    # the rows the runs' caches held (their dtype is the engine's choice: `LLMEngine._expert_dtype`)
+    dtypes = {r.expert_dtype for r in [*itertools.chain(*rounds), *sweep_runs] if r.expert_dtype is not None}
+    row_dtype = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else torch.float32
+    transfers = measure_transfers(args.model, args.link_gbps, dtype=row_dtype)
     for row in rows[1:]:
         ondemand_bytes = row["cache"].get("on_demand_loads", 0) * transfers["expert_bytes"]
         row["cache"]["model_link_stall_per_token_ms"] = round(

@@ -33,6 +33,8 @@ def test_offload_bench_reports_every_policy_budget_and_sweep(tiny_model_dir, tmp
     assert quarter["cache_bytes"] == quarter["capacity_experts"] * quarter["expert_bytes"]
     transfers = report["transfers"]
     assert transfers["expert_bytes"] > 0 and min(transfers["host_copy_s"], transfers["disk_warm_s"]) > 0
+    # the probe copies rows as the caches hold them (a bf16 checkpoint computed in fp32 keeps bf16 rows)
+    assert transfers["expert_bytes"] == quarter["expert_bytes"] and runs[3]["expert_dtype"] in ("float32", "bfloat16")
     assert plot.stat().st_size > 0
 
 
