@@ -106,7 +106,6 @@ class ExpertCache:
         # Hits not yet applied to `_state` (layer, experts): a step's lookups are applied together when
         # something next reads the usage (`state`), mostly once per step instead of once per MoE layer
         self._hits: list[tuple[int, Sequence[int]]] = []
-        self._num_layers = num_layers
         self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int64)
         self.counters = CacheCounters()
         self.bytes_loaded = {source.tier: 0}
@@ -157,8 +156,7 @@ class ExpertCache:
         victims; the experts stay protected from prefetch evictions until the next `ensure`."""
         started = time.perf_counter()
         with self._lock:
-            if self._queued:
-                self._publish_finished()
+            self._publish_finished()
             # NOTE: Python lists, not NumPy indexing: this runs per MoE layer of every step on a
             # handful of experts, where each NumPy call's dispatch costs more than the lookup (and
             # the hit path makes no keys: each operation after the layer's GEMM starts cold).
@@ -168,12 +166,9 @@ class ExpertCache:
             if not rows or min(rows) >= 0:
                 # Every expert published: the copies in progress are into other rows, so there is
                 # nothing to wait for and no reason to stop them (the common case).
-                self.counters.lookups += len(rows)
-                self.counters.hits += len(rows)
-                if self._unused_prefetches:
-                    self._count_useful([(layer, e) for e in experts])
+                self._count_hits(layer, experts)
                 self._hits.append((layer, experts))
-                if len(self._hits) >= self._num_layers:  # bounded: a cache without a policy reads no usage
+                if len(self._hits) >= len(self.slot_of):  # bounded: a cache without a policy reads no usage
                     self._apply_hits()
                 return rows
             keys = [(layer, int(e)) for e in experts]
@@ -187,7 +182,7 @@ class ExpertCache:
                     if copy.copy_id >= self.copier.finished():
                         self.counters.waits_for_prefetch += 1
                     self._wait_for(copy)
-                self._count_lookups(keys)
+                self._count_lookups(layer, experts)
                 self._load_now(layer, experts)
                 self._state = self.state.use(layer, experts)
                 self.counters.on_demand_s += time.perf_counter() - started
@@ -275,24 +270,21 @@ class ExpertCache:
                     raise
             self._wait_for(self._queued[-1])
 
-    def _count_lookups(self, keys: list[ExpertKey]) -> None:
-        """`keys` were looked up; those published are hits."""
-        hits = [key for key in keys if self.slot_of[key] >= 0]
-        self._count_hits(hits)
-        self.counters.lookups += len(keys) - len(hits)
+    def _count_lookups(self, layer: int, experts: Sequence[int]) -> None:
+        """Layer `layer`'s `experts` were looked up; those published are hits."""
+        hits = [e for e in experts if self.slot_of[layer, e] >= 0]
+        self._count_hits(layer, hits)
+        self.counters.lookups += len(experts) - len(hits)
 
-    def _count_hits(self, keys: list[ExpertKey]) -> None:
-        """`keys` were looked up and found resident."""
-        self.counters.lookups += len(keys)
-        self.counters.hits += len(keys)
+    def _count_hits(self, layer: int, experts: Sequence[int]) -> None:
+        """Layer `layer`'s `experts` were looked up and found resident (those prefetched and not
+        used before were useful)."""
+        self.counters.lookups += len(experts)
+        self.counters.hits += len(experts)
         if self._unused_prefetches:
-            self._count_useful(keys)
-
-    def _count_useful(self, keys: list[ExpertKey]) -> None:
-        """`keys`, found resident, were used: those prefetched and not used before were useful."""
-        used = self._unused_prefetches.intersection(keys)
-        self._unused_prefetches -= used
-        self.counters.prefetches_useful += len(used)
+            used = self._unused_prefetches.intersection((layer, int(e)) for e in experts)
+            self._unused_prefetches -= used
+            self.counters.prefetches_useful += len(used)
 
     def warm(self, popularity: np.ndarray) -> int:
         """Fill free rows with this rank's most used experts by `popularity` [L, E] (the tokens an
@@ -338,8 +330,6 @@ class ExpertCache:
         queued ones."""
         with self._lock:
             self._plan = self._policy_plan()
-            if self._plan is not None and not self._plan.items and not self._queued:
-                return  # nothing to copy or cancel: the usual case once the cache holds the predictions
             self._publish_finished()
             self._queue_plan()
 
@@ -365,6 +355,8 @@ class ExpertCache:
         if self._plan is None or self._closed:
             self._cancel_queued()
             return
+        if not self._plan.items and not self._queued:
+            return  # nothing to copy or cancel: the usual case once the cache holds the predictions
         plan = self._local_plan(self._plan)
         planned = plan.keys
         if self._queued:
