@@ -29,7 +29,8 @@ The rules that keep the two apart:
   request that needed it, never the cache's consistency;
 - a hit's visit reaches the snapshot when its usage is next read (`state`: a victim choice, a load,
   the stats) or after one iteration's worth of layers, all pending hits in one transition
-  (`CacheState.use_many`, the snapshot of applying them in turn); a plan reads residency only.
+  (`CacheState.use_many`, the snapshot of applying them in turn); every other transition starts
+  from `state`, so only the hit path and a plan (which reads residency only) see `_state` as is.
 One lock guards the map, the state and the policy (other threads read the stats).
 """
 
@@ -204,7 +205,7 @@ class ExpertCache:
         try:
             self._copy_all(loads)
         except BaseException:
-            self._state = self._state.evict([key for key, _ in loads])
+            self._state = self.state.evict([key for key, _ in loads])
             self._free.extend(row for _, row in loads)
             raise
         for key, row in loads:
@@ -404,11 +405,11 @@ class ExpertCache:
         first = self.copier.cancel()
         while self._queued and self._queued[-1].copy_id >= first:
             copy = self._queued.pop()
-            self._state = self._state.evict([copy.key])
+            self._state = self.state.evict([copy.key])
             if copy.victim is None:
                 self._free.append(copy.row)
             else:
-                self._state = self._state.reinstate([copy.victim])
+                self._state = self.state.reinstate([copy.victim])
                 self.slot_of[copy.victim] = copy.row
             self.counters.prefetches_cancelled += 1
 
@@ -423,7 +424,7 @@ class ExpertCache:
                 self._count_eviction(copy.victim)
             if copy.copy_id in self.copier.failed:
                 self.copier.failed.discard(copy.copy_id)
-                self._state = self._state.evict([copy.key])
+                self._state = self.state.evict([copy.key])
                 self._free.append(copy.row)
                 self.counters.prefetch_failures += 1
                 continue
