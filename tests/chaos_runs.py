@@ -36,3 +36,23 @@ def inject(server: ElasticServer, reference: list[str], fault: str, dp: int) -> 
     result = asyncio.run(main())
     print(f"\n{result.to_dict()}")
     return result
+
+
+def assert_an_offloading_server_loses_nothing(server: ElasticServer, reference: list[str], fault: str, dp: int) -> None:
+    """`fault` at `dp` on a server whose devices hold expert caches: no request failed, every stream
+    equals `reference`, the repair shows as an event, no /dev/shm file lost its owner, and the server
+    is ready again with an expert cache on every device."""
+    r = inject(server, reference, fault, dp)
+    assert (r.failed, r.identical) == (0, r.requests), r.errors
+    assert r.recover_s is not None and r.events, "the repair left no event"
+    assert r.orphaned_shm_files == 0
+    with httpx.Client(base_url=server.url) as c:
+        assert c.get("/ready").status_code == 200
+        status = c.get("/admin/status").json()
+    assert status["expert_cache"] and all(row["capacity_experts"] > 0 for row in status["expert_cache"])
+
+
+# The kills of an offloading server: a device worker under rank 0 at dp 2, and the old instance's rank
+# while a scale 1 -> 2 prepares (`inject`'s faults).
+OFFLOAD_FAULTS = [("device", 2), ("mid-scale", 1)]
+OFFLOAD_FAULT_IDS = ["device-worker", "old-rank-mid-scale"]

@@ -7,11 +7,19 @@ Streaming clients run back to back while the server scales 2 -> 1 -> 2: every co
 single-process engine's, the caches load from disk only, no device holds an expert row in host
 memory, and no scale moves one (a scale-down moves nothing; a scale-up moves the new device's dense
 weights). Then two ESFT adapters through one slot each answer like their merged model, also after
-a scale 2 -> 1 -> 2: their rows are the only expert rows the host tier holds."""
+a scale 2 -> 1 -> 2: their rows are the only expert rows the host tier holds. Last, the two kills
+of `test_offload_elastic.py` on this server (the restored device gets its dense weights and a
+new cache pool): zero failed requests, identical streams."""
 
 from __future__ import annotations
 
 import pytest
+from chaos_runs import (
+    OFFLOAD_FAULT_IDS,
+    OFFLOAD_FAULTS,
+    assert_an_offloading_server_loses_nothing,
+    reference_streams,
+)
 from elastic_server import running, tiny_config
 from streaming_clients import (
     PROMPTS,
@@ -90,3 +98,13 @@ def test_esft_adapters_on_a_disk_tier_server_equal_their_merged_models(server, r
     adapters_held = sum(metric_values(metrics, 'elasticmoe_device_memory_layout_bytes{device="0",kind="adapters"}'))
     assert adapters_held > 0  # the resident adapter's rows: what the host tier holds
     assert sum(metric_values(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) == 0
+
+
+@pytest.fixture(scope="module")
+def undisturbed_streams(server) -> list[str]:
+    return reference_streams(server, 2)
+
+
+@pytest.mark.parametrize("fault,dp", OFFLOAD_FAULTS, ids=OFFLOAD_FAULT_IDS)
+def test_a_killed_process_of_a_disk_tier_server_costs_no_request(server, undisturbed_streams, fault, dp):
+    assert_an_offloading_server_loses_nothing(server, undisturbed_streams, fault, dp)

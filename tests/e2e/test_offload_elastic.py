@@ -12,13 +12,26 @@ and tiers show in /metrics and /admin/status, and no /dev/shm file outlives the 
 dp 2 (EP 2), LoRA adapters on the attention and on the (offloaded) experts register on every rank
 and each answers like its merged model; two ESFT adapters through one
 slot (their rows resident beside the caches, in the HMM's memory) each answer like their merged
-model, swapped in turn."""
+model, swapped in turn.
+
+Last, chaos on the same server (it has served adapters and scaled by then, as a production one
+would have): kill -9 the device worker under rank 0 at dp 2 (the restored device gets a new cache
+pool and reads its host tier from disk), and the old instance's rank while a scale 1 -> 2
+prepares. Zero failed requests, every stream identical to the undisturbed run, /ready 200
+again, an expert cache on every device and no /dev/shm file without a live owner (the harness
+is `coordinator.bench.chaos_faults`, as in `test_chaos.py`)."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+from chaos_runs import (
+    OFFLOAD_FAULT_IDS,
+    OFFLOAD_FAULTS,
+    assert_an_offloading_server_loses_nothing,
+    reference_streams,
+)
 from elastic_server import running, tiny_config
 from streaming_clients import (
     PROMPTS,
@@ -111,3 +124,13 @@ def test_esft_adapters_on_an_offloading_server_equal_their_merged_models(server,
     with client(server) as c:
         assert c.get("/admin/status").json()["active_config"]["dp"] == 2  # EP 2: each rank holds its experts' rows
         check_esft_swaps(c, adapters, want)  # one slot: each request swaps its adapter in
+
+
+@pytest.fixture(scope="module")
+def undisturbed_streams(server) -> list[str]:
+    return reference_streams(server, 2)
+
+
+@pytest.mark.parametrize("fault,dp", OFFLOAD_FAULTS, ids=OFFLOAD_FAULT_IDS)
+def test_a_killed_process_of_an_offloading_server_costs_no_request(server, undisturbed_streams, fault, dp):
+    assert_an_offloading_server_loses_nothing(server, undisturbed_streams, fault, dp)
