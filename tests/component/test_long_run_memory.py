@@ -24,6 +24,8 @@ from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_lora_adapter import make_lora_adapter
 
+pytestmark = pytest.mark.slow  # ~50 s on 2 busy cores: three engines, each serving 320 requests
+
 STRETCH = 128  # requests per measured stretch: ~1,000 output tokens
 # Left behind by a stretch that leaks nothing: the tensors and arrays alive at the snapshot (the
 # last step's, the allocator's caches) differ by 17-34 KiB between two snapshots. The search log's

@@ -44,7 +44,6 @@ def test_help_explains_every_elastic_option():
         assert option in text, option
 
 
-
 @pytest.mark.parametrize("mode", [["--devices", "2", "--dp", "1"], ["--single"]], ids=["elastic", "single"])
 def test_a_port_in_use_exits_2_naming_the_address_before_anything_loads(tiny_model_dir, capsys, mode):
     with socket.socket() as taken:
@@ -57,10 +56,14 @@ def test_a_port_in_use_exits_2_naming_the_address_before_anything_loads(tiny_mod
     assert f"--host/--port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
-def test_a_start_whose_ingress_cannot_listen_frees_the_devices_it_started(tiny_model_dir):
+@pytest.mark.slow  # a whole server start, to fail at its last step
+def test_a_start_whose_ingress_cannot_listen_frees_the_devices_it_started(tiny_model_dir, monkeypatch):
     """The port is taken after the CLI's check (a race): the coordinator has put the model on its
     devices when the ingress fails to bind. The start raises, and neither Ray nor a /dev/shm file
     of the server is left."""
+    # Serve starts a failing replica three times before it gives up; once shows the same cleanup,
+    # ~7 s sooner (the variable reaches Serve's controller through the Ray this start begins).
+    monkeypatch.setenv("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
     config = tiny_config(tiny_model_dir)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
