@@ -62,7 +62,7 @@ serve-single: $(STAMP) $(MODEL_DIR)/config.json
 # The whole suite in .venv (tests/vllm_backend skip there: vLLM is not installed in it). The
 # slowest tests are listed at the end: the suite must stay under 15 minutes on 2 cores.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The vLLM backend's tests, in .venv-vllm (about 80 s to create it the first time).
 

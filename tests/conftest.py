@@ -81,15 +81,3 @@ def shm_prefix():
     yield prefix
     gc.collect()
     assert list_segments(prefix) == [], "shared-memory files leaked"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules with a slow test first, the rest after, each group in collection order.
-
-    `make test` hands whole modules to two workers (`--dist loadfile --no-loadscope-reorder`); a
-    worker takes the next module when it nears the end of its own. xdist's default order (most
-    tests first) left the slow modules, a few tests of 30-120 s each (a server start or a bench),
-    for last, where one worker could finish its last module 30-80 s after the other. With them first,
-    the hundreds of short tests fill the end and the two workers finish close together."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)  # a stable sort: each group keeps its order
