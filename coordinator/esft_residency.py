@@ -13,12 +13,15 @@ steps under the adapter lock, never holding it while requests drain:
    active instance points its expert map at them (the same load as a registration);
 4. else a victim is chosen by the configured eviction policy (`--adapter-eviction`, CoServe
    §4.3: usage probability ascending, from the profile or the declaration, else the observed
-   rate; or `lru`, `fifo`) among the resident ones that were not made resident within
-   `min_resident_s` (the requests that waited for them must reach their ranks first), those
-   with live requests last. Every rank stops admitting it at once (its later requests come
-   back to wait, like any other swapped-out adapter's), and once no rank has a live request
-   of it (under EP another rank's tokens may use its rows) every rank releases it and the
-   HMM unmaps its rows: its slot is free for step 3.
+   rate; or `lru`, `fifo`) among the resident ones that are not fresh, those with live
+   requests last. Fresh: swapped in within `min_resident_s`, or swapped in for waiting
+   requests none of which reached a rank yet (at most `reach_wait_s`, for waiters that gave
+   up). A timer alone would not do: on a host slower than it from swap to rank, two adapters
+   through one slot would each be evicted before its requests arrive, for ever. Every rank
+   stops admitting the victim at once (its later requests come back to wait, like any other
+   swapped-out adapter's), and once no rank has a live request of it (under EP another rank's
+   tokens may use its rows) every rank releases it and the HMM unmaps its rows: its slot is
+   free for step 3.
 
 A request that still reached a rank for an adapter swapped out meanwhile is refused there
 before anything was streamed (`UnknownAdapterError`), and the ingress waits and sends it
@@ -46,23 +49,29 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How long a swapped-in adapter is not a victim: its waiting requests' way from the ingress to a
-# rank (a call each), after which its running requests keep it. 2 s made the next swap wait out
-# most of it: the tiny CoServe bench (3 ESFT adapters through 1 slot, 3 req/s) measured hot TTFT
-# p99 1.9 s at dp 2, against 0.44 s at 0.5 s (ESFT swap time 10.5 s against 1.2 s for 7 swaps, no
-# request failed). A request that still meets its adapter swapped out waits again (never fails).
+# How long a swapped-in adapter is not a victim at least: the rest of its waiting requests' way to
+# a rank once the first arrived, after which its running requests keep it. 2 s made the next swap
+# wait out most of it: the tiny CoServe bench (3 ESFT adapters through 1 slot, 3 req/s) measured
+# hot TTFT p99 1.9 s at dp 2, against 0.44 s at 0.5 s (ESFT swap time 10.5 s against 1.2 s for 7
+# swaps, no request failed). A request that still meets its adapter swapped out waits again.
 MIN_RESIDENT_S = 0.5
+# How long one swapped in for waiting requests stays until the first of them reached a rank: their
+# arrival ends it; this bounds the slot's stall when they all gave up (clients gone).
+REACH_WAIT_S = 10.0
+REACH_POLL_S = 0.05  # how often the ranks are asked whether such an adapter's requests arrived
 
 
 class EsftResidency:
     """Which ESFT adapters hold the slots, and the swaps that change it (see the module docstring)."""
 
     def __init__(self, host: ClusterAdapterHost, eviction: str = "coserve", profile: str | None = None,
-                 min_resident_s: float = MIN_RESIDENT_S, poll_s: float = 0.02) -> None:
+                 min_resident_s: float = MIN_RESIDENT_S, reach_wait_s: float = REACH_WAIT_S,
+                 poll_s: float = 0.02) -> None:
         self.host = host
         self.policy = eviction_policy(eviction)
         self.profiled = load_profile(profile).usage_probability if profile else {}
         self.min_resident_s = min_resident_s
+        self.reach_wait_s = reach_wait_s
         self.poll_s = poll_s
         self._swaps: asyncio.Lock | None = None  # one swap at a time (created on the coordinator's loop)
         self._seq = itertools.count(1)
@@ -70,6 +79,7 @@ class EsftResidency:
         self.used_seq: dict[str, int] = {}  # LRU's order (requests the ingress saw)
         self.num_requested: dict[str, int] = {}  # the observed rate (the fallback usage source)
         self.resident_at: dict[str, float] = {}
+        self.awaited: set[str] = set()  # swapped in for waiting requests, none of which reached a rank yet
         self.num_swaps_in = 0
         self.num_evictions = 0
         self.swap_s = 0.0  # time from a swap's start to its adapter resident (waits for running requests too)
@@ -80,13 +90,17 @@ class EsftResidency:
             self.used_seq[name] = next(self._seq)
             self.num_requested[name] = self.num_requested.get(name, 0) + count
 
-    def on_resident(self, name: str) -> None:
+    def on_resident(self, name: str, awaited: bool = False) -> None:
+        """`name` took a slot: at its registration, or (`awaited`) swapped in for waiting requests."""
         self.loaded_seq[name] = self.used_seq[name] = next(self._seq)
         self.resident_at[name] = time.monotonic()
+        if awaited:
+            self.awaited.add(name)
 
     def forget(self, name: str) -> None:
         for table in (self.loaded_seq, self.used_seq, self.num_requested, self.resident_at):
             table.pop(name, None)
+        self.awaited.discard(name)
 
     async def make_resident(self, name: str) -> None:
         """Return once `name` (a registered ESFT adapter) is resident and admitted by every rank
@@ -130,7 +144,7 @@ class EsftResidency:
             if slot is not None:
                 host.load_into(entry, slot)
                 host.publish_registry()  # the ingress sends its waiting requests now
-                self.on_resident(name)
+                self.on_resident(name, awaited=True)
                 self.num_swaps_in += 1
                 logger.info("adapter %r: swapped in to slot %d", name, slot)
                 return None
@@ -144,11 +158,13 @@ class EsftResidency:
         resident = [a for a in host.adapters.values()
                     if a.kind == "esft" and a.slot is not None and a.state == "loaded" and a.name != exclude]
         now = time.monotonic()
-        fresh = {a.name for a in resident if now - self.resident_at.get(a.name, 0.0) < self.min_resident_s}
+        fresh = {a.name for a in resident if self._is_fresh(a.name, now - self.resident_at.get(a.name, 0.0))}
         order = eviction_order(self.policy, self._view(resident, fresh))
-        if not order:  # every slot was filled moments ago: wait for the oldest to age
+        if not order:  # every slot was filled moments ago: wait until one is not fresh
             ages = [now - self.resident_at.get(a.name, 0.0) for a in resident]
-            return max(self.poll_s, self.min_resident_s - max(ages, default=0.0))
+            timers = [self.min_resident_s - age for age in ages if age < self.min_resident_s]
+            # NOTE: one that only waits for its requests may be reached at any moment: ask again soon.
+            return max(self.poll_s, min(timers) if len(timers) == len(ages) else REACH_POLL_S)
         victim = host.adapters[order[0]]
         victim.evicting = True
         host.stop_admitting(victim.name)
@@ -163,6 +179,28 @@ class EsftResidency:
         return slot_tier_view(names, self.loaded_seq, self.used_seq, self.num_requested, self.profiled, declared,
                               pinned=frozenset(fresh),
                               queued=frozenset(n for n in names if n not in fresh and self._in_use(n)))  # running: last
+
+    def _is_fresh(self, name: str, age_s: float) -> bool:
+        """Not a victim yet: swapped in moments ago, or no request of it reached a rank since."""
+        if age_s < self.min_resident_s:
+            return True
+        if name not in self.awaited:
+            return False
+        if age_s >= self.reach_wait_s or self._admitted(name):
+            self.awaited.discard(name)
+            return False
+        return True
+
+    def _admitted(self, name: str) -> bool:
+        """Some rank of the active instance admitted a request of `name` since it loaded it (one
+        that cannot answer counts as not: the adapter stays until `reach_wait_s`)."""
+        inst = self.host.cluster.active
+        if inst is None:
+            return False
+        try:
+            return sum(ray.get([rank.adapter_admitted.remote(name) for rank in inst.ranks])) > 0
+        except (RayActorError, ActorUnavailableError):
+            return False
 
     def _in_use(self, name: str) -> bool:
         """Some rank of the active instance has a live request of `name` (an instance that cannot
@@ -181,4 +219,5 @@ class EsftResidency:
         self.host.release_everywhere(victim.name, inst)
         victim.slot, victim.evicting = None, False  # swapped out since `stop_admitting` published it so
         self.resident_at.pop(victim.name, None)
+        self.awaited.discard(victim.name)
         logger.info("adapter %r: swapped out", victim.name)

@@ -187,6 +187,10 @@ class NativeBackend(LoopBackend):
         engine = self._engine()
         return bool(await self._on_loop(lambda: engine.adapters.in_use(name)))
 
+    async def adapter_admitted(self, name: str) -> int:
+        engine = self._engine()
+        return int(await self._on_loop(lambda: engine.adapters.admitted(name)))
+
     async def finish_adapter_unload(self, name: str, rows: dict[str, list[int]]) -> None:
         engine, handles = self._engine(), self.handle_set
         await self._on_loop(lambda: engine.adapters.discard(name))

@@ -290,6 +290,10 @@ class InstanceRank:
     async def adapter_in_use(self, name: str) -> bool:
         return await self._native().adapter_in_use(name)
 
+    async def adapter_admitted(self, name: str) -> int:
+        """Requests this rank admitted for `name` since it loaded it."""
+        return await self._native().adapter_admitted(name)
+
     async def finish_adapter_unload(self, name: str, rows: dict[str, list[int]]) -> None:
         """Release `name` in the engine (if still there, unload requested or not: this also undoes a
         load that failed on another rank) and unmap its `rows` from this view; the HMM then

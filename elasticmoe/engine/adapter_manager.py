@@ -106,6 +106,9 @@ class AdapterManager:
         # must not share the prefix cache's blocks of its earlier load (`AdapterBinding.cache_salt`).
         self._load_ids = itertools.count()
         self._load_id: dict[str, int] = {}
+        # Requests bound to each adapter since its load: the coordinator keeps an adapter it just
+        # swapped in until the requests that waited for it reached a rank (`admitted`).
+        self._num_admitted: dict[str, int] = {}
 
     @property
     def lora_topk(self) -> int:
@@ -126,6 +129,8 @@ class AdapterManager:
                 raise UnknownAdapterError(missing[0])
         request.binding = AdapterBinding(ref.name, esft_slot, lora_slot, routing, is_esft=self._is_esft(ref.name),
                                          cache_salt=self._cache_salt(ref.name, routing, request.params.cache_salt))
+        if ref.name in self._num_admitted:
+            self._num_admitted[ref.name] += 1
         if request.binding.is_esft:
             if esft_slot < 0:
                 request.binding.wait()  # on disk, or being swapped out: `before_step` swaps it in
@@ -218,6 +223,7 @@ class AdapterManager:
                 tier.register(name, experts, files)  # type: ignore[arg-type]
                 tier.note_loaded(name)
         self._load_id[name] = next(self._load_ids)
+        self._num_admitted[name] = 0
         self._declare(name, usage_probability)
         self._publish()
         return new_slot
@@ -239,6 +245,7 @@ class AdapterManager:
             self.lockstep_lora.check_new(name)
         slot = self.lora.load(name, modules, weights, scaling, slot)
         self._load_id[name] = next(self._load_ids)
+        self._num_admitted[name] = 0
         self._declare(name, usage_probability)
         self._publish()
         if slot is None:
@@ -301,6 +308,10 @@ class AdapterManager:
     def in_use(self, name: str) -> bool:
         """A live request uses `name`: as its adapter, or through per-token LoRA routing."""
         return any(r.binding.name == name or name in r.binding.lora_names for r in self.live())
+
+    def admitted(self, name: str) -> int:
+        """Requests bound to `name` since it was loaded (0: none, or not loaded)."""
+        return self._num_admitted.get(name, 0)
 
     def finish_unload(self, name: str) -> None:
         """Release an unloading adapter now (EP: every rank, after none is in use)."""
@@ -425,6 +436,7 @@ class AdapterManager:
                 del self.routers[k]
                 self._forget(router_node(k))
         self._load_id.pop(name, None)
+        self._num_admitted.pop(name, None)
         self._forget(name)
 
     def _publish(self) -> None:

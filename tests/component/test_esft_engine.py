@@ -129,17 +129,22 @@ def test_errors_limits_unload_and_reload(setup):
     with pytest.raises(AdapterLimitError, match="at most 2"):
         small.adapters.load_esft("wide", too_many, gamma.expert_weights)
 
-    # Unload waits for the adapter's running request; new ones are refused meanwhile.
+    # Unload waits for the adapter's running request; new ones are refused meanwhile (and not
+    # counted as admitted: the coordinator asks whether a swapped-in adapter's requests arrived).
+    assert engine.adapters.admitted("alpha") == 0
     engine.add_request("a1", PROMPTS[1], PARAMS, "alpha")
     engine.step()
+    assert engine.adapters.admitted("alpha") == 1 and engine.adapters.admitted("beta") == 0
     assert engine.adapters.unload("alpha") is False
     with pytest.raises(UnknownAdapterError):
         engine.add_request("a2", PROMPTS[1], PARAMS, "alpha")
+    assert engine.adapters.admitted("alpha") == 1
     with pytest.raises(AdapterConflictError, match="unloading"):
         engine.adapters.load_esft("alpha", alpha.config.experts, alpha.expert_weights)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.adapters.served == ("beta",) and engine.adapters.esft.index("alpha") is None
+    assert engine.adapters.admitted("alpha") == 0  # released: a later load counts afresh
     # The freed slot takes another adapter, which then serves like its merged model again.
     assert engine.adapters.load_esft("gamma", gamma.config.experts, gamma.expert_weights) == 0
     assert engine.adapters.served == ("gamma", "beta")
@@ -160,3 +165,4 @@ def test_discard_undoes_a_load_at_once_and_refuses_while_in_use(setup):
     assert engine.adapters.served == () and engine.adapters.esft.index("alpha") is None
     engine.adapters.discard("alpha")  # not loaded: nothing to do
     assert engine.adapters.load_esft("alpha", alpha.config.experts, alpha.expert_weights) == 0
+    assert engine.adapters.admitted("alpha") == 0  # the aborted request counted for the earlier load only

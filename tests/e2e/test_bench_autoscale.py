@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from bench_runs import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_autoscale_bench_on_tiny_model(tiny_model_dir, tmp_path):
            # of tiny requests) the load alone kept both cores busy for the whole test
            "--low-rps", "4", "--high-rps", "8", "--json",
            "--plot", str(plot)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = run_bench(cmd, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc["capacity_rps"]["dp1"] > 0 and doc["capacity_rps"]["dp2"] > 0

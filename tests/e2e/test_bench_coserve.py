@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from bench_runs import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def test_coserve_bench_on_tiny_model(tiny_model_dir, tmp_path):
            "--esft-experts", "2", "--lora-rank", "4", "--configs", "coserve,resident", "--dps", "1", "--rps", "3",
            "--duration-s", "3", "--max-tokens", "8", "--prompt-len", "8", "--base-share", "0.05",
            "--cache-dir", str(tmp_path / "adapters"), "--json", "--out", str(out), "--plot", str(plot)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = run_bench(cmd, timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
     assert json.loads(out.read_text()) == doc

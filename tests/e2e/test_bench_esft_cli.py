@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
+from bench_runs import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_esft_bench_on_tiny_model(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "elasticmoe.bench.esft", "--preset", "tiny", "--model", tiny_model_dir,
            "--num-adapters", "2", "--num-requests", "8", "--repeats", "1", "--tokens", "1,8", "--iters", "50",
            "--adapter-dir", str(tmp_path / "adapters"), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = run_bench(cmd, timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
     assert "latency under load" in proc.stderr and "rerouting" in proc.stderr

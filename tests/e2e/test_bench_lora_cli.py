@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
+from bench_runs import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_lora_bench_on_tiny_model(tiny_model_dir, tmp_path, swap_flags):
            "--swap-adapters", "4", "--swap-slots", "2", "--swap-requests", "12", "--swap-concurrency", "3",
            "--input-len", "12", "--output-len", "4", "--repeats", "1",
            "--adapter-dir", str(tmp_path / "adapters"), "--json", *swap_flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = run_bench(cmd, timeout_s=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
     assert "per-token vs per-sequence" in proc.stderr and "hot-set swapping" in proc.stderr

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+from bench_runs import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_scaling_bench_elastic_on_tiny_model(tiny_model_dir, tmp_path):
            "--dtype", "float32", "--strategy", "elastic", "--transitions", "2-3", "--rps", "4",
            "--warmup-s", "3", "--window-s", "2", "--during-s", "2", "--max-tokens", "8-16", "--prompt-len", "16",
            "--json", "--out", str(out), "--plot", str(plot)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    proc = run_bench(cmd, timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
     assert json.loads(out.read_text()) == doc

@@ -1,6 +1,7 @@
 """`EsftResidency`'s decisions without Ray: which resident adapter a swap evicts under each policy
-(CoServe's usage probability, LRU, FIFO), that adapters made resident moments ago are not evicted
-and running ones go last, and the step order (finish an eviction, wait for a scale, load)."""
+(CoServe's usage probability, LRU, FIFO), that adapters made resident moments ago, or swapped in
+for requests that have not reached a rank yet, are not evicted and running ones go last, and the
+step order (finish an eviction, wait for a scale, load)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def _setup(policy: str, resident: dict[str, float | None], on_disk: tuple[str, .
     host = FakeHost(len(resident))
     residency = EsftResidency(host, policy, min_resident_s=0.0, poll_s=0.001)  # type: ignore[arg-type]
     residency._in_use = lambda name: name in in_use  # type: ignore[method-assign]
+    residency._admitted = lambda name: True  # type: ignore[method-assign]
     for slot, (name, p) in enumerate(resident.items()):
         host.adapters[name] = AdapterState(name, slot, f"/a/{name}", {0: (1,)}, usage_probability=p)
         residency.on_resident(name)
@@ -103,6 +105,38 @@ def test_running_adapters_go_last_and_fresh_ones_not_at_all():
     residency.min_resident_s = 60.0
     residency.resident_at["a"] = 0.0  # long ago; b just now
     asyncio.run(residency.make_resident("new"))
+    assert ("release", "a") in host.log
+
+
+def test_an_adapter_swapped_in_for_waiting_requests_stays_until_one_reached_a_rank():
+    """However slow the way from swap to rank: a timer alone would let two adapters through one
+    slot evict each other before either's requests arrive, for ever."""
+    host, residency = _setup("coserve", {}, on_disk=("a", "b"))
+    host.num_slots = 1
+    arrived: set[str] = set()
+    residency._admitted = lambda name: name in arrived  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await residency.make_resident("a")  # swapped in for a waiting request
+        swap_b = asyncio.ensure_future(residency.make_resident("b"))
+        await asyncio.sleep(0.2)  # min_resident_s is 0: only a's request's way protects it
+        assert host.adapters["a"].slot == 0 and ("stop", "a") not in host.log
+        arrived.add("a")
+        await asyncio.wait_for(swap_b, 1.0)
+
+    asyncio.run(main())
+    assert [e for e in host.log if e[0] != "publish"] == [("load", "a"), ("stop", "a"), ("release", "a"), ("load", "b")]
+    # Its waiters gave up (clients gone): the slot is given up after `reach_wait_s`.
+    residency.reach_wait_s = 0.1
+    arrived.clear()
+    asyncio.run(asyncio.wait_for(residency.make_resident("a"), 1.0))
+    assert host.adapters["a"].slot == 0 and host.adapters["b"].slot is None
+
+
+def test_adapters_resident_from_registration_are_not_held_for_requests():
+    host, residency = _setup("coserve", {"a": 0.1})
+    residency._admitted = lambda name: False  # type: ignore[method-assign]  # no request ever came
+    asyncio.run(asyncio.wait_for(residency.make_resident("new"), 1.0))
     assert ("release", "a") in host.log
 
 
