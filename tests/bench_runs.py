@@ -15,8 +15,14 @@ import pytest
 STOP_WAIT_S = 60.0  # for the bench's own shutdown after Ctrl-C
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python then installs its KeyboardInterrupt
+
+
 def run_bench(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # NOTE: pytest-xdist's workers ignore SIGINT, and a child inherits that: Ctrl-C would do nothing.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
