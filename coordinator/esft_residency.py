@@ -38,7 +38,7 @@ import time
 from typing import TYPE_CHECKING
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from elasticmoe.adapter_policy.eviction import TierView, eviction_order, eviction_policy, slot_tier_view
 from elasticmoe.adapter_policy.profile import load_profile
@@ -59,6 +59,7 @@ MIN_RESIDENT_S = 0.5
 # arrival ends it; this bounds the slot's stall when they all gave up (clients gone).
 REACH_WAIT_S = 10.0
 REACH_POLL_S = 0.05  # how often the ranks are asked whether such an adapter's requests arrived
+RANK_ANSWER_S = 10.0  # a rank's answer to those questions (a step or two of its loop)
 
 
 class EsftResidency:
@@ -192,26 +193,28 @@ class EsftResidency:
         return True
 
     def _admitted(self, name: str) -> bool:
-        """Some rank of the active instance admitted a request of `name` since it loaded it (one
-        that cannot answer counts as not: the adapter stays until `reach_wait_s`)."""
-        inst = self.host.cluster.active
-        if inst is None:
-            return False
-        try:
-            return sum(ray.get([rank.adapter_admitted.remote(name) for rank in inst.ranks])) > 0
-        except (RayActorError, ActorUnavailableError):
-            return False
+        """Some rank of the active instance admitted a request of `name` since it loaded it (not
+        known, e.g. a rank being replaced: no, and the adapter stays until `reach_wait_s`)."""
+        counts = self._ask_ranks("adapter_admitted", name)
+        return counts is not None and sum(counts) > 0
 
     def _in_use(self, name: str) -> bool:
-        """Some rank of the active instance has a live request of `name` (an instance that cannot
-        answer, being replaced, counts as using it: ask again later)."""
+        """Some rank of the active instance has a live request of `name` (not known, e.g. a rank
+        being replaced: yes, ask again later)."""
+        answers = self._ask_ranks("adapter_in_use", name)
+        return answers is None or any(answers)
+
+    def _ask_ranks(self, method: str, name: str) -> list | None:
+        """Every rank's answer to `method(name)`; None if there is no active instance or a rank
+        cannot answer within `RANK_ANSWER_S` (dead, or hung: the healer deals with it, and this
+        poll, which holds the adapter lock, must not wait for that)."""
         inst = self.host.cluster.active
         if inst is None:
-            return True
+            return None
         try:
-            return any(ray.get([rank.adapter_in_use.remote(name) for rank in inst.ranks]))
-        except (RayActorError, ActorUnavailableError):
-            return True
+            return ray.get([getattr(rank, method).remote(name) for rank in inst.ranks], timeout=RANK_ANSWER_S)
+        except (RayActorError, ActorUnavailableError, GetTimeoutError):
+            return None
 
     def _release(self, victim: AdapterState) -> None:
         inst = self.host.cluster.active

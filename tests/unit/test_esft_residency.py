@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ray.exceptions import GetTimeoutError
 
+from coordinator import esft_residency
 from coordinator.adapters import AdapterState
 from coordinator.esft_residency import EsftResidency
 from elasticmoe.errors import UnknownAdapterError
@@ -170,3 +173,38 @@ def test_an_unknown_or_unloading_adapter_is_refused():
         asyncio.run(residency.make_resident("new"))
     asyncio.run(residency.make_resident("a"))  # resident: nothing to do
     assert host.log == []
+
+
+class _Rank:
+    """A rank actor's handle whose `.remote` calls answer from a table (through a patched `ray.get`)."""
+
+    def __init__(self, in_use: bool, admitted: int) -> None:
+        self.answers = {"adapter_in_use": in_use, "adapter_admitted": admitted}
+
+    def __getattr__(self, method: str) -> Any:
+        return SimpleNamespace(remote=lambda name: self.answers[method])
+
+
+def test_the_rank_probes_answer_for_every_rank_and_treat_an_unanswering_rank_safely(monkeypatch):
+    host, residency = _setup("coserve", {"a": 0.1})
+    residency = EsftResidency(host, "coserve")  # type: ignore[arg-type]  # the real probes
+    host.cluster.active = SimpleNamespace(ranks=[_Rank(False, 0), _Rank(True, 2)])
+    asked: list[float] = []
+
+    def get(answers: list, timeout: float) -> list:
+        asked.append(timeout)
+        return answers
+
+    monkeypatch.setattr(esft_residency.ray, "get", get)
+    assert residency._in_use("a") and residency._admitted("a") and asked == [esft_residency.RANK_ANSWER_S] * 2
+    host.cluster.active = SimpleNamespace(ranks=[_Rank(False, 0), _Rank(False, 0)])
+    assert not residency._in_use("a") and not residency._admitted("a")
+
+    def hung(answers: list, timeout: float) -> list:  # a rank that does not answer (hung, or dead)
+        raise GetTimeoutError("no answer")
+
+    monkeypatch.setattr(esft_residency.ray, "get", hung)
+    # In use: the eviction waits and asks again; not admitted: the adapter stays (at most reach_wait_s).
+    assert residency._in_use("a") and not residency._admitted("a")
+    host.cluster.active = None
+    assert residency._in_use("a") and not residency._admitted("a")
