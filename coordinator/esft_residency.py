@@ -50,11 +50,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # How long a swapped-in adapter is not a victim at least: the rest of its waiting requests' way to
-# a rank once the first arrived, after which its running requests keep it. 2 s made the next swap
-# wait out most of it: the tiny CoServe bench (3 ESFT adapters through 1 slot, 3 req/s) measured
-# hot TTFT p99 1.9 s at dp 2, against 0.44 s at 0.5 s (ESFT swap time 10.5 s against 1.2 s for 7
-# swaps, no request failed). A request that still meets its adapter swapped out waits again.
-MIN_RESIDENT_S = 0.5
+# a rank once the first arrived (they are sent together), after which its running requests keep
+# it. A longer timer made the next swap wait it out, the adapter it evicts having just come in for
+# another request: the tiny CoServe bench (3 ESFT adapters through 1 slot, 3 req/s) measured hot
+# TTFT p99 1.9 s at dp 2 with 2 s, 0.50 s with 0.5 s, 0.12-0.13 s with 0.1 s (resident: 0.07 s),
+# the same 7 swaps, no request failed. A request that still meets its adapter swapped out waits again.
+MIN_RESIDENT_S = 0.1
 # How long one swapped in for waiting requests stays until the first of them reached a rank: their
 # arrival ends it; this bounds the slot's stall when they all gave up (clients gone).
 REACH_WAIT_S = 10.0
