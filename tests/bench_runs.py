@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 
 import pytest
 
 STOP_WAIT_S = 60.0  # for the bench's own shutdown after Ctrl-C
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python then installs its KeyboardInterrupt
+# Runs the bench with SIGINT's default disposition, which Python turns into KeyboardInterrupt:
+# pytest-xdist's workers (and CI's background jobs) ignore SIGINT, and a child inherits that, so
+# Ctrl-C would do nothing. (An exec, not a `preexec_fn`, which is unsafe beside threads.)
+_WITH_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
 
 
 def run_bench(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    # NOTE: pytest-xdist's workers ignore SIGINT, and a child inherits that: Ctrl-C would do nothing.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint)
+    proc = subprocess.Popen([sys.executable, "-c", _WITH_SIGINT, *cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
