@@ -222,8 +222,7 @@ class AdapterManager:
             if tier is not None:
                 tier.register(name, experts, files)  # type: ignore[arg-type]
                 tier.note_loaded(name)
-        self._load_id[name] = next(self._load_ids)
-        self._num_admitted[name] = 0
+        self._note_loaded(name)
         self._declare(name, usage_probability)
         self._publish()
         return new_slot
@@ -244,8 +243,7 @@ class AdapterManager:
         if self.lockstep_lora is not None:
             self.lockstep_lora.check_new(name)
         slot = self.lora.load(name, modules, weights, scaling, slot)
-        self._load_id[name] = next(self._load_ids)
-        self._num_admitted[name] = 0
+        self._note_loaded(name)
         self._declare(name, usage_probability)
         self._publish()
         if slot is None:
@@ -422,6 +420,11 @@ class AdapterManager:
         self.usage_probability.pop(key, None)
         if self.swapper is not None:
             self.swapper.forget(key)
+
+    def _note_loaded(self, name: str) -> None:
+        """A new load of `name`: its own prefix-cache salt, and no request admitted yet."""
+        self._load_id[name] = next(self._load_ids)
+        self._num_admitted[name] = 0
 
     def _release(self, name: str) -> None:
         if self._is_esft(name):
