@@ -32,7 +32,10 @@ Invariants:
 - A request for an adapter the state lists as swapped out (an ESFT adapter beyond the slots)
   first waits for the coordinator to swap it in (`make_resident`; one call per adapter however
   many requests wait). One that still reaches a rank after its adapter was swapped out again is
-  refused there before anything was streamed (`UnknownAdapterError`) and waits again.
+  refused there before anything was streamed (`UnknownAdapterError`) and waits again, for the
+  state that says so and then the swap, as often as it takes within `swap_wait_s` from its first
+  refusal (then a 503 like any swap not done in time, never the 404 of an unknown adapter). A
+  refusal no new state follows within `_STATE_WAIT_S` is not a swap's: the rank's error stands.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from imm.rank_streams import StreamFailure
 logger = logging.getLogger(__name__)
 
 _MAX_ROUTES = 5  # a request turned away by pausing ranks is routed again at most this often
-_MAX_SWAP_WAITS = 20  # a request whose adapter was swapped out under it waits for it again at most this often
+_STATE_WAIT_S = 5.0  # a rank refused an adapter the state lists resident: how long the next state may take
 MAX_RECOVERIES = 3  # an instance failure under one request is survived this often (a request that
 # kills every instance it runs on is failed, not retried forever)
 # What a rank's failure looks like from here: the actor died or is unreachable, or its step loop
@@ -164,7 +167,8 @@ class RouterEngineClient:
         prompt = request.prompt if isinstance(request.prompt, list) else []
         progress = OutputAccumulator(prompt)
         try:
-            num_routes = num_recoveries = num_swap_waits = 0
+            num_routes = num_recoveries = 0
+            refused_at: float | None = None  # when a rank first refused it for its adapter swapped out
             while True:
                 rank, key = None, None
                 try:
@@ -189,8 +193,17 @@ class RouterEngineClient:
                 except UnknownAdapterError as exc:
                     # Swapped out between our look at the state and the rank's admission: wait again.
                     state = self.router.state
-                    num_swap_waits += 1
-                    if state is None or exc.adapter not in state.adapters or num_swap_waits > _MAX_SWAP_WAITS:
+                    if state is None or exc.adapter not in state.adapters:
+                        raise  # unloaded meanwhile: a 404
+                    now = asyncio.get_running_loop().time()
+                    refused_at = now if refused_at is None else refused_at
+                    if now - refused_at > self.swap_wait_s:
+                        raise _not_swapped_in(exc.adapter, self.swap_wait_s) from exc
+                    # NOTE: the coordinator publishes an eviction before the ranks refuse: a state
+                    # still listing the adapter resident is about to be replaced (no busy loop). If
+                    # none comes, no swap explains the refusal: the rank's error stands.
+                    if exc.adapter not in state.swapped_out and not (
+                            key is not None and await self.router.wait_newer(key, _STATE_WAIT_S)):
                         raise
                 except (RankFailed, *_INSTANCE_FAILURES) as exc:
                     failed_rank, cause = (exc.rank, exc.cause) if isinstance(exc, RankFailed) else (rank, exc)
@@ -231,8 +244,7 @@ class RouterEngineClient:
         except TimeoutError:
             is_resident = False
         if not is_resident:
-            raise OpenAIError(f"Adapter {adapter!r} was not swapped in within {self.swap_wait_s:.0f}s; retry "
-                              "later.", status_code=503)
+            raise _not_swapped_in(adapter, self.swap_wait_s)
 
     async def _await_recovery(self, request_id: str, rank: Any, progress: OutputAccumulator, exc: BaseException) -> None:
         """The rank (or its whole instance) failed under this request: tell the watcher, and wait
@@ -248,6 +260,10 @@ class RouterEngineClient:
         if progress.output_token_ids:
             self.num_recovered += 1
             self.num_tokens_recomputed += len(progress.output_token_ids)
+
+
+def _not_swapped_in(adapter: str, wait_s: float) -> OpenAIError:
+    return OpenAIError(f"Adapter {adapter!r} was not swapped in within {wait_s:.0f}s; retry later.", status_code=503)
 
 
 async def _stream_from(

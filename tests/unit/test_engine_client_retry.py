@@ -209,6 +209,72 @@ def test_a_request_refused_because_its_adapter_was_swapped_out_again_waits_and_i
     assert outs[-1].finished and calls == ["old", "old"] and client.num_swap_waits == 1
 
 
+def test_a_request_refused_again_and_again_is_sent_until_its_adapter_stays(monkeypatch):
+    """Thirty refusals (a slot contended by many adapters), each after the state listed the adapter
+    swapped out and the swap brought it back: the request waits every time and then streams; a
+    count of refusals does not fail it (a registered adapter is never a 404)."""
+    async def script(rank, attempt, request_id):
+        if attempt <= 30:
+            router.update(_with_adapter(serving("old"), ("law",)))
+            raise UnknownAdapterError("law")
+        yield _output(request_id, finished=True)
+
+    client, router, calls, events = _client(monkeypatch, script)
+    router.update(_with_adapter(serving("old"), ()))
+
+    async def make_resident(name):
+        router.update(_with_adapter(serving("old"), ()))
+
+    client.make_resident = make_resident
+    outs = asyncio.run(_drain(client.generate(_law())))
+    assert outs[-1].finished and len(calls) == 31 and client.num_swap_waits == 30 and events == ["arrival"]
+
+
+def test_refusals_wait_for_the_next_state_and_end_in_a_503_after_the_swap_wait(monkeypatch):
+    """A rank refuses the adapter while the published state still lists it resident: the request
+    waits for the newer state (the coordinator publishes evictions first) instead of going straight
+    back, and once refusals outlast `swap_wait_s` it gets the swap's 503."""
+    async def script(rank, attempt, request_id):
+        async def publish_later():
+            await asyncio.sleep(0.05)
+            router.update(_with_adapter(serving("old"), ()))  # a new state, the adapter resident again
+
+        asyncio.get_running_loop().create_task(publish_later())
+        raise UnknownAdapterError("law")
+        yield  # pragma: no cover - a generator
+
+    client, router, calls, events = _client(monkeypatch, script)
+    router.update(_with_adapter(serving("old"), ()))
+    client.swap_wait_s = 0.3
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(OpenAIError) as info:
+            await _drain(client.generate(_law()))
+        return info.value, loop.time() - started
+
+    error, elapsed = asyncio.run(main())
+    assert error.status_code == 503 and "swapped in" in str(error)
+    assert elapsed >= 0.3 and len(calls) <= 0.3 / 0.05 + 2  # one try per new state, not a busy loop
+    assert events == ["arrival", "failed"] and client.num_queued == 0
+
+
+def test_a_refusal_no_new_state_explains_is_the_ranks_error(monkeypatch):
+    """A rank refuses an adapter the state lists resident and no new state follows: no swap is
+    under way, so the rank's `UnknownAdapterError` stands (after one state wait, not a loop)."""
+    async def script(rank, attempt, request_id):
+        raise UnknownAdapterError("law")
+        yield  # pragma: no cover - a generator
+
+    client, router, calls, events = _client(monkeypatch, script)
+    router.update(_with_adapter(serving("old"), ()))
+    monkeypatch.setattr(engine_client, "_STATE_WAIT_S", 0.05)
+    with pytest.raises(UnknownAdapterError):
+        asyncio.run(_drain(client.generate(_law())))
+    assert calls == ["old"] and events == ["arrival"]  # a client-side error (404), not a failure
+
+
 def test_an_adapter_not_swapped_in_in_time_is_a_503_and_an_unknown_one_a_404(monkeypatch):
     async def script(rank, attempt, request_id):
         raise UnknownAdapterError("law")
