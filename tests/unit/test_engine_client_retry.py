@@ -191,9 +191,14 @@ def test_requests_for_a_swapped_out_adapter_wait_for_one_swap_in(monkeypatch):
     assert client.num_swap_waits == 3 and used == ["law"] * 3 and client.num_queued == 0
 
 
-def test_a_request_refused_because_its_adapter_was_swapped_out_again_waits_and_is_sent_again(monkeypatch):
+@pytest.mark.parametrize("refusals", [1, 30])
+def test_a_request_refused_because_its_adapter_was_swapped_out_again_waits_and_is_sent_again(monkeypatch, refusals):
+    """Refused by the rank (swapped out between the look at the state and the rank's admission),
+    each time after the state listed the adapter swapped out and the swap brought it back: the
+    request waits every time and then streams. Thirty (a slot contended by many adapters) do not
+    fail it either: a registered adapter is never a 404."""
     async def script(rank, attempt, request_id):
-        if attempt == 1:  # swapped out between the look at the state and the rank's admission
+        if attempt <= refusals:
             router.update(_with_adapter(serving("old"), ("law",)))
             raise UnknownAdapterError("law")
         yield _output(request_id, finished=True)
@@ -206,28 +211,8 @@ def test_a_request_refused_because_its_adapter_was_swapped_out_again_waits_and_i
 
     client.make_resident = make_resident
     outs = asyncio.run(_drain(client.generate(_law())))
-    assert outs[-1].finished and calls == ["old", "old"] and client.num_swap_waits == 1
-
-
-def test_a_request_refused_again_and_again_is_sent_until_its_adapter_stays(monkeypatch):
-    """Thirty refusals (a slot contended by many adapters), each after the state listed the adapter
-    swapped out and the swap brought it back: the request waits every time and then streams; a
-    count of refusals does not fail it (a registered adapter is never a 404)."""
-    async def script(rank, attempt, request_id):
-        if attempt <= 30:
-            router.update(_with_adapter(serving("old"), ("law",)))
-            raise UnknownAdapterError("law")
-        yield _output(request_id, finished=True)
-
-    client, router, calls, events = _client(monkeypatch, script)
-    router.update(_with_adapter(serving("old"), ()))
-
-    async def make_resident(name):
-        router.update(_with_adapter(serving("old"), ()))
-
-    client.make_resident = make_resident
-    outs = asyncio.run(_drain(client.generate(_law())))
-    assert outs[-1].finished and len(calls) == 31 and client.num_swap_waits == 30 and events == ["arrival"]
+    assert outs[-1].finished and calls == ["old"] * (refusals + 1) and client.num_swap_waits == refusals
+    assert events == ["arrival"]
 
 
 def test_refusals_wait_for_the_next_state_and_end_in_a_503_after_the_swap_wait(monkeypatch):
