@@ -140,7 +140,8 @@ class ClusterAdapterHost:
         r = self.residency
         return {"eviction": r.policy.name, "esft_resident": sum(a.is_resident for a in esft),
                 "esft_on_disk": sum(not a.is_resident for a in esft), "esft_swaps_in": r.num_swaps_in,
-                "esft_evictions": r.num_evictions, "esft_swap_s": r.swap_s}
+                "esft_evictions": r.num_evictions, "esft_swap_s": r.swap_s,
+                "esft_unwanted": r.num_unwanted}
 
     def busy_reason(self) -> str | None:
         """Why a scale may not start now (None: it may)."""

@@ -211,6 +211,10 @@ class Coordinator:
         """Swap ESFT adapter `name` into a slot if it is not in one (`coordinator.esft_residency`)."""
         await self.cluster.adapters.residency.make_resident(name)
 
+    def swap_unwanted(self, name: str) -> None:
+        """An ingress's waiters for ESFT adapter `name` are all gone (`EsftResidency.unwanted`)."""
+        self.cluster.adapters.residency.unwanted(name)
+
     async def describe_adapters(self) -> list[dict[str, Any]]:
         return await self.cluster.adapters.describe()
 

@@ -65,6 +65,15 @@ class CoordinatorClient:
             logger.info("could not tell the coordinator about a rank failure (%s)", describe_error(exc))
 
 
+    def swap_unwanted(self, adapter: str) -> None:
+        """Fire and forget: without it the coordinator holds the adapter's slot for its waiters at
+        most `esft_residency.REACH_WAIT_S`."""
+        try:
+            self.handle.swap_unwanted.remote(adapter)
+        except Exception as exc:  # noqa: BLE001 - a hint, never worth failing anything for
+            logger.info("could not tell the coordinator adapter %r is unwanted (%s)", adapter, describe_error(exc))
+
+
 def _is_serve_unavailable(exc: BaseException) -> bool:
     # Serve's own errors when a deployment has no running replica (names differ across releases).
     return type(exc).__module__.startswith("ray.serve") and "navailable" in type(exc).__name__

@@ -36,6 +36,8 @@ Invariants:
   state that says so and then the swap, as often as it takes within `swap_wait_s` from its first
   refusal (then a 503 like any swap not done in time, never the 404 of an unknown adapter). A
   refusal no new state follows within `_STATE_WAIT_S` is not a swap's: the rank's error stands.
+  A swap-in that ends with none of its waiters left (their clients went away) is reported
+  (`swap_unwanted`): the coordinator then does not hold the adapter's slot for their arrival.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class RouterEngineClient:
         recovery_wait_s: float = 120.0,
         make_resident: Callable[[str], Awaitable[None]] | None = None,
         swap_wait_s: float = 300.0,
+        swap_unwanted: Callable[[str], None] = _ignore_name,
     ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued: must be >= 1, got {max_queued}")
@@ -129,6 +132,8 @@ class RouterEngineClient:
         self.make_resident = make_resident  # swaps an adapter in (the coordinator); None: nothing is swapped
         self.swap_wait_s = swap_wait_s
         self._swaps: dict[str, asyncio.Future[None]] = {}  # adapter -> the one swap-in its requests wait for
+        self._swap_waiters: dict[str, int] = {}  # adapter -> requests waiting for its swap-in now
+        self.swap_unwanted = swap_unwanted  # a swap-in ended with none of its waiters left (the coordinator)
         self.num_swap_waits = 0  # requests that waited for their adapter's swap-in
         self.num_recovered = 0  # requests continued on another instance after theirs failed
         self.num_tokens_recomputed = 0  # output tokens those requests had, recomputed there
@@ -237,14 +242,27 @@ class RouterEngineClient:
         swap = self._swaps.get(adapter)
         if swap is None:
             swap = self._swaps[adapter] = asyncio.ensure_future(self.make_resident(adapter))
-            swap.add_done_callback(lambda _: self._swaps.pop(adapter, None))
+            swap.add_done_callback(lambda done: self._swap_done(adapter, done))
+        self._swap_waiters[adapter] = self._swap_waiters.get(adapter, 0) + 1
         try:
             await asyncio.wait_for(asyncio.shield(swap), self.swap_wait_s)  # NOTE: the swap outlives one waiter
             is_resident = await self.router.wait_resident(adapter, self.swap_wait_s)
         except TimeoutError:
             is_resident = False
+        finally:
+            self._swap_waiters[adapter] -= 1
+            if not self._swap_waiters[adapter]:
+                del self._swap_waiters[adapter]
         if not is_resident:
             raise _not_swapped_in(adapter, self.swap_wait_s)
+
+    def _swap_done(self, adapter: str, swap: asyncio.Future[None]) -> None:
+        """The swap-in of `adapter` ended. Its waiters resume after this callback: if none is left
+        (their clients went away during the swap), none will reach a rank, so the coordinator is
+        told not to hold the adapter's slot for them."""
+        self._swaps.pop(adapter, None)
+        if not swap.cancelled() and swap.exception() is None and not self._swap_waiters.get(adapter):
+            self.swap_unwanted(adapter)
 
     async def _await_recovery(self, request_id: str, rank: Any, progress: OutputAccumulator, exc: BaseException) -> None:
         """The rank (or its whole instance) failed under this request: tell the watcher, and wait

@@ -15,13 +15,14 @@ steps under the adapter lock, never holding it while requests drain:
    §4.3: usage probability ascending, from the profile or the declaration, else the observed
    rate; or `lru`, `fifo`) among the resident ones that are not fresh, those with live
    requests last. Fresh: swapped in within `min_resident_s`, or swapped in for waiting
-   requests none of which reached a rank yet (at most `reach_wait_s`, for waiters that gave
-   up). A timer alone would not do: on a host slower than it from swap to rank, two adapters
-   through one slot would each be evicted before its requests arrive, for ever. Every rank
-   stops admitting the victim at once (its later requests come back to wait, like any other
-   swapped-out adapter's), and once no rank has a live request of it (under EP another rank's
-   tokens may use its rows) every rank releases it and the HMM unmaps its rows: its slot is
-   free for step 3.
+   requests none of which reached a rank yet, unless every ingress that asked for it said its
+   waiters are gone (`unwanted`: clients that left during the swap), and at most `reach_wait_s`
+   (an ingress that could not say so). A timer alone would not do: on a host slower than it
+   from swap to rank, two adapters through one slot would each be evicted before its requests
+   arrive, for ever. Every rank stops admitting the victim at once (its later requests come
+   back to wait, like any other swapped-out adapter's), and once no rank has a live request of
+   it (under EP another rank's tokens may use its rows) every rank releases it and the HMM
+   unmaps its rows: its slot is free for step 3.
 
 A request that still reached a rank for an adapter swapped out meanwhile is refused there
 before anything was streamed (`UnknownAdapterError`), and the ingress waits and sends it
@@ -82,6 +83,8 @@ class EsftResidency:
         self.num_requested: dict[str, int] = {}  # the observed rate (the fallback usage source)
         self.resident_at: dict[str, float] = {}
         self.awaited: set[str] = set()  # swapped in for waiting requests, none of which reached a rank yet
+        self.askers: dict[str, int] = {}  # calls of `make_resident` per adapter no `unwanted` answered yet
+        self.num_unwanted = 0  # swapped-in adapters given up early because their waiters were all gone
         self.num_swaps_in = 0
         self.num_evictions = 0
         self.swap_s = 0.0  # time from a swap's start to its adapter resident (waits for running requests too)
@@ -100,15 +103,31 @@ class EsftResidency:
             self.awaited.add(name)
 
     def forget(self, name: str) -> None:
-        for table in (self.loaded_seq, self.used_seq, self.num_requested, self.resident_at):
+        for table in (self.loaded_seq, self.used_seq, self.num_requested, self.resident_at, self.askers):
             table.pop(name, None)
         self.awaited.discard(name)
 
     async def make_resident(self, name: str) -> None:
         """Return once `name` (a registered ESFT adapter) is resident and admitted by every rank
-        of the active instance; `UnknownAdapterError` if it is not registered (or is unloading)."""
+        of the active instance; `UnknownAdapterError` if it is not registered (or is unloading).
+        The caller (an ingress) either sends the requests it waited for or says `unwanted`."""
+        self.askers[name] = self.askers.get(name, 0) + 1
         # NOTE: shielded: a waiter that gives up (its client left) must not leave a victim half evicted.
         await asyncio.shield(self._swap(name))
+
+    def unwanted(self, name: str) -> None:
+        """An ingress whose `make_resident(name)` returned has no request left to send (its
+        waiters' clients left during the swap). Once every asker said so, an adapter swapped in
+        for them is no longer held for their arrival: the slot is not stalled for `reach_wait_s`."""
+        left = self.askers.get(name, 0) - 1
+        if left > 0:
+            self.askers[name] = left
+            return
+        self.askers.pop(name, None)
+        if name in self.awaited:
+            self.awaited.discard(name)
+            self.num_unwanted += 1
+            logger.info("adapter %r: its waiters are gone; no longer held for them", name)
 
     async def _swap(self, name: str) -> None:
         if self._swaps is None:
@@ -190,6 +209,7 @@ class EsftResidency:
             return False
         if age_s >= self.reach_wait_s or self._admitted(name):
             self.awaited.discard(name)
+            self.askers.pop(name, None)  # their requests arrived (or will not): no answer is waited for
             return False
         return True
 
@@ -224,4 +244,5 @@ class EsftResidency:
         victim.slot, victim.evicting = None, False  # swapped out since `stop_admitting` published it so
         self.resident_at.pop(victim.name, None)
         self.awaited.discard(victim.name)
+        self.askers.pop(victim.name, None)
         logger.info("adapter %r: swapped out", victim.name)

@@ -182,7 +182,7 @@ class Ingress:
                                      prefix_affinity=config.enable_prefix_caching and config.prefix_routing)
         self.engine = RouterEngineClient(router, tokenizer, config.max_queued,
                                          on_rank_failure=lambda rank: self.coordinator.notify_rank_failure(),
-                                         make_resident=self._make_resident)
+                                         make_resident=self._make_resident, swap_unwanted=self.coordinator.swap_unwanted)
         self.engine.on_arrival, self.engine.on_failed = self.observations.on_arrival, self.observations.on_failed
         self.engine.on_adapter = self.observations.on_adapter
         self.follower = RoutingFollower(self.coordinator.routing, router)

@@ -130,6 +130,30 @@ def check_esft_swaps(c: httpx.Client, adapters: dict[str, Path], want: dict[str,
             assert greedy_completion(c, name, PROMPTS[i]) == want[name][i], name
 
 
+def check_swap_for_a_client_that_left(c: httpx.Client, resident: str, on_disk: str,
+                                      want: dict[str, list[tuple[str, int]]]) -> None:
+    """A client asks for an adapter on disk and leaves while the swap waits for the one slot's long
+    request: the ingress tells the coordinator (`esft_unwanted`), which then does not hold the slot
+    for a request that will never come, and the resident adapter's next request swaps it back as
+    usual. (Behind Serve's HTTP proxy the ingress is not told of the client leaving: the request
+    goes on, reaches its rank and frees the slot by arriving.)"""
+    unwanted = c.get("/admin/status").json()["adapter_swaps"]["esft_unwanted"]
+    long_body = {"model": resident, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        long_request = pool.submit(c.post, "/v1/completions", json=long_body)
+        time.sleep(0.3)  # the long request runs: the swap below waits for it
+        with contextlib.suppress(httpx.TimeoutException):
+            c.post("/v1/completions", timeout=0.5,
+                   json={"model": on_disk, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0})
+            raise AssertionError("the swap did not wait for the long request")
+        assert long_request.result().status_code == 200
+    deadline = time.monotonic() + 30
+    while c.get("/admin/status").json()["adapter_swaps"]["esft_unwanted"] == unwanted:
+        assert time.monotonic() < deadline, "the swap of a client that left was not reported unwanted"
+        time.sleep(0.1)
+    assert greedy_completion(c, resident, PROMPTS[0]) == want[resident][0]
+
+
 def scale(c: httpx.Client, dp: int) -> str:
     r = c.post("/admin/scale", json={"dp": dp})
     assert r.status_code == 202, r.text

@@ -24,6 +24,7 @@ from elastic_server import running, tiny_config
 from streaming_clients import (
     PROMPTS,
     check_esft_swaps,
+    check_swap_for_a_client_that_left,
     client,
     clients_streaming,
     esft_adapters,
@@ -91,6 +92,7 @@ def test_esft_adapters_on_a_disk_tier_server_equal_their_merged_models(server, r
     with client(server) as c:
         assert c.get("/admin/status").json()["active_config"]["dp"] == 2
         check_esft_swaps(c, adapters, want)  # one slot: each request swaps its adapter in
+        check_swap_for_a_client_that_left(c, "alpha", "beta", want)  # alpha is the one resident now
         for dp in (1, 2):  # the adapters' rows move with their experts; the base experts stay on disk
             assert wait_event(c, scale(c, dp))["state"] == "succeeded"
             assert greedy_completion(c, "alpha", PROMPTS[0]) == want["alpha"][0]

@@ -260,6 +260,46 @@ def test_a_refusal_no_new_state_explains_is_the_ranks_error(monkeypatch):
     assert calls == ["old"] and events == ["arrival"]  # a client-side error (404), not a failure
 
 
+def test_a_swap_whose_waiters_all_left_is_reported_unwanted(monkeypatch):
+    """Both requests waiting for a swap-in are cancelled (clients gone) before it ends: the
+    coordinator is told, once, so it does not hold the slot for them. A swap that still has a
+    waiter is not reported."""
+    async def script(rank, attempt, request_id):
+        yield _output(request_id, finished=True)
+
+    client, router, calls, events = _client(monkeypatch, script)
+    unwanted: list[str] = []
+    client.swap_unwanted = unwanted.append
+
+    async def main():
+        done = asyncio.Event()
+
+        async def make_resident(name):
+            await done.wait()
+            router.update(_with_adapter(serving("old"), ()))
+
+        client.make_resident = make_resident
+        router.update(_with_adapter(serving("old"), ("law",)))
+        waiters = [asyncio.ensure_future(_drain(client.generate(_law(f"r{i}")))) for i in range(2)]
+        await asyncio.sleep(0.01)
+        for w in waiters:
+            w.cancel()
+        await asyncio.sleep(0.01)
+        done.set()
+        await asyncio.sleep(0.01)
+        assert unwanted == ["law"] and calls == []
+
+        done.clear()  # a second swap with a waiter that stays: streamed, nothing reported
+        router.update(_with_adapter(serving("old"), ("law",)))
+        staying = asyncio.ensure_future(_drain(client.generate(_law("r3"))))
+        await asyncio.sleep(0.01)
+        done.set()
+        assert (await staying)[-1].finished and unwanted == ["law"]
+
+    asyncio.run(main())
+    assert client.num_queued == 0 and client._swap_waiters == {}
+
+
 def test_an_adapter_not_swapped_in_in_time_is_a_503_and_an_unknown_one_a_404(monkeypatch):
     async def script(rank, attempt, request_id):
         raise UnknownAdapterError("law")

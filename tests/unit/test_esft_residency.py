@@ -136,6 +136,32 @@ def test_an_adapter_swapped_in_for_waiting_requests_stays_until_one_reached_a_ra
     assert host.adapters["a"].slot == 0 and host.adapters["b"].slot is None
 
 
+def test_an_adapter_whose_waiters_are_all_gone_is_not_held_for_them():
+    """Every ingress that asked for the swap says its waiters left (clients gone during the swap):
+    the slot goes to the next swap at once, not after `reach_wait_s`; while one asker has not said
+    so, the adapter stays held."""
+    host, residency = _setup("coserve", {}, on_disk=("a", "b"))
+    host.num_slots = 1
+    residency.reach_wait_s = 60.0
+    residency._admitted = lambda name: False  # type: ignore[method-assign]  # no request ever arrives
+
+    async def main() -> None:
+        await asyncio.gather(residency.make_resident("a"), residency.make_resident("a"))  # two ingresses
+        swap_b = asyncio.ensure_future(residency.make_resident("b"))
+        residency.unwanted("a")  # the first ingress's waiters are gone
+        await asyncio.sleep(0.2)
+        assert host.adapters["a"].slot == 0 and not swap_b.done()  # the second's may still come
+        residency.unwanted("a")
+        await asyncio.wait_for(swap_b, 1.0)
+
+    asyncio.run(main())
+    assert [e for e in host.log if e[0] != "publish"] == [("load", "a"), ("stop", "a"), ("release", "a"), ("load", "b")]
+    assert residency.num_unwanted == 1 and "a" not in residency.askers
+    residency.unwanted("b")  # b's only asker: nothing held any more, and nothing else changes
+    residency.unwanted("b")  # a late or repeated report is harmless
+    assert residency.awaited == set() and host.adapters["b"].slot == 0
+
+
 def test_adapters_resident_from_registration_are_not_held_for_requests():
     host, residency = _setup("coserve", {"a": 0.1})
     residency._admitted = lambda name: False  # type: ignore[method-assign]  # no request ever came
