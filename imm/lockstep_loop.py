@@ -221,6 +221,11 @@ class LockstepAsyncLLM(AsyncLLM):
 
     # ---- loop thread --------------------------------------------------------------------
 
+    def _count_requests(self) -> None:
+        """What the rank's stats read (`num_running`, `num_waiting`): the engine's as of now."""
+        self.num_running = self.engine.num_running
+        self.num_waiting = self.engine.num_waiting
+
     def _run(self) -> None:
         logger.info("lockstep loop started (group=%s)", self.group is not None)
         stop_code = _RUN
@@ -251,10 +256,12 @@ class LockstepAsyncLLM(AsyncLLM):
                     self.num_steps += 1  # NOTE: before the outputs reach their consumers (stats agree with them)
                     self._deliver(outputs)
                     self._pace(self._last_tick)
+                    self._count_requests()
                 else:
+                    # NOTE: counted before the wait, which lasts until the next command: an abort
+                    # that left the engine idle must not read as a running request until then.
+                    self._count_requests()
                     stop_code = max(stop_code, self._wait_for_command())
-                self.num_running = self.engine.num_running
-                self.num_waiting = self.engine.num_waiting
         except BaseException as exc:  # noqa: BLE001 - any crash must reach the consumers
             logger.exception("lockstep loop crashed")
             self._error = exc
