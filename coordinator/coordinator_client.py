@@ -64,7 +64,6 @@ class CoordinatorClient:
         except Exception as exc:  # noqa: BLE001 - a hint, never worth failing a request for
             logger.info("could not tell the coordinator about a rank failure (%s)", describe_error(exc))
 
-
     def swap_unwanted(self, adapter: str) -> None:
         """Fire and forget: without it the coordinator holds the adapter's slot for its waiters at
         most `esft_residency.REACH_WAIT_S`."""
