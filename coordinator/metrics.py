@@ -34,6 +34,8 @@ _SCALE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 1
 _LOADS_HELP = "Experts copied into the ranks' expert caches, by why."
 _BYTES_HELP = "Bytes copied into the ranks' expert caches, by the tier they came from."
 _ENGINE_COUNTERS: dict[str, tuple[str, str, float, dict[str, str]]] = {
+    "num_steps": ("elasticmoe_engine_steps", "Steps the ranks' engines ran (each one batch of tokens; an "
+                  "engine that stops stepping once its requests ended or were aborted adds none).", 1.0, {}),
     "num_lora_swaps_in": ("elasticmoe_lora_swaps_in", "LoRA adapters copied into a rank's slot.", 1.0, {}),
     "num_lora_preloads": ("elasticmoe_lora_preloads", "LoRA adapters copied into a rank's slot ahead of any "
                           "request, by usage probability (also in elasticmoe_lora_swaps_in).", 1.0, {}),

@@ -39,6 +39,12 @@ def _client(server: ElasticServer, timeout: float = 60) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=timeout)
 
 
+def _engine_steps(server: ElasticServer) -> float:
+    with _client(server) as c:
+        metrics = c.get("/metrics").text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("elasticmoe_engine_steps_total "))
+
+
 def _post(server: ElasticServer, path: str, body: dict) -> httpx.Response:
     with _client(server) as c:
         return c.post(path, json={"model": MODEL, **body})
@@ -290,6 +296,7 @@ def test_queue_overflow_is_503_with_retry_after(server):
     # As long as the context allows: the streams must still run when the extra request arrives.
     long = {"model": MODEL, "prompt": "the queue", "stream": True, "max_tokens": max_model_len - 8,
             "ignore_eos": True}
+    steps_before = _engine_steps(server)
     with contextlib.ExitStack() as stack:
         lines = []  # NOTE: keep the line iterators alive; closing one would close its stream
         for _ in range(MAX_QUEUED):  # fill the queue with streams that are already producing tokens
@@ -314,6 +321,9 @@ def test_queue_overflow_is_503_with_retry_after(server):
             assert time.monotonic() < deadline, "requests kept running after their clients left"
             time.sleep(0.1)
         assert c.get("/health").status_code == 200
+    # Aborted, not run to their end: run out, the streams would have taken max_tokens steps on each
+    # of the two lockstep ranks (the counter sums them).
+    assert _engine_steps(server) - steps_before < long["max_tokens"]
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
