@@ -221,11 +221,6 @@ class LockstepAsyncLLM(AsyncLLM):
 
     # ---- loop thread --------------------------------------------------------------------
 
-    def _count_requests(self) -> None:
-        """What the rank's stats read (`num_running`, `num_waiting`): the engine's as of now."""
-        self.num_running = self.engine.num_running
-        self.num_waiting = self.engine.num_waiting
-
     def _run(self) -> None:
         logger.info("lockstep loop started (group=%s)", self.group is not None)
         stop_code = _RUN

@@ -309,14 +309,18 @@ class AsyncLLM:
                 if self._has_work:
                     self._deliver(self._step())
                     self._pace(self._last_tick)
-                self.num_running = self.engine.num_running
-                self.num_waiting = self.engine.num_waiting
+                self._count_requests()
         except BaseException as exc:  # noqa: BLE001 - any crash must reach the consumers
             logger.exception("engine loop crashed")
             self._error = exc
             self._fail_all(EngineDeadError(f"engine loop crashed: {exc!r}"))
         finally:
             logger.info("engine loop stopped")
+
+    def _count_requests(self) -> None:
+        """What the stats read (`num_running`, `num_waiting`): the engine's as of now (loop thread)."""
+        self.num_running = self.engine.num_running
+        self.num_waiting = self.engine.num_waiting
 
     def _pace(self, step_started: float) -> None:
         """Hold the loop until `min_step_interval_s` has passed since `step_started` (see

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from bad_inputs import CASES, ELASTIC_CASES, check_error
 from elastic_server import running, tiny_config
+from streaming_clients import metric_values
 
 from coordinator.launch import ElasticServer
 
@@ -42,7 +43,7 @@ def _client(server: ElasticServer, timeout: float = 60) -> httpx.Client:
 def _engine_steps(server: ElasticServer) -> float:
     with _client(server) as c:
         metrics = c.get("/metrics").text
-    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("elasticmoe_engine_steps_total "))
+    return sum(metric_values(metrics, "elasticmoe_engine_steps_total "))
 
 
 def _post(server: ElasticServer, path: str, body: dict) -> httpx.Response:
