@@ -5,9 +5,9 @@ the HMM device workers and the instances' ranks. What the ingress routes by is p
 through `feed` (`coordinator.routing_state`): every change of the active instance, of the
 switchover gate, of the adapters accepting requests and of health is a new `RoutingState`.
 
-Lifecycle: `start()` (blocking: devices -> HMM load of (dp, ep=dp) -> standby
-instance -> attach -> warm-up -> published -> activate), then serving, then `shutdown()`
-(idempotent: nothing published to route to, instance retired, HMM memory freed and
+Lifecycle: `start()` (blocking: devices -> HMM load of (dp, ep=dp), while the first standby
+instance boots beside them -> attach -> warm-up -> published -> activate), then serving, then
+`shutdown()` (idempotent: nothing published to route to, instance retired, HMM memory freed and
 workers stopped).
 
 Pre-initialisation (paper §4.5): with `config.standby_pool`, after the start and
@@ -27,9 +27,11 @@ The blocking methods use `ray.get`; asyncio callers run them in a thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -82,12 +84,22 @@ class ClusterManager(NodePool):
     def start(self) -> None:
         """Bring up devices, load the model at `config.dp` and activate an instance on it."""
         cfg = self.config
+        boot: concurrent.futures.Future[Instance] | None = None
         try:
             self.hmm = HMMController(use_ray=True, prefix=cfg.shm_prefix)
-            self._register_offered()
+            offered = self._offered_devices()
+            if cfg.backend == "native":
+                # NOTE: the ranks boot (processes, torch import, EP group, skeletons) while the device
+                # workers start and the model loads (`HMMController.load`: on the first dp devices
+                # registered); a vLLM rank builds its engine on the loaded replica (`seeds_from_hmm`).
+                boot = _in_thread(self.create_instance, cfg.dp, offered[: cfg.dp])
+            self._register_offered(offered)
             self.load_model(cfg.dp)
             assert self.hmm.layout is not None
-            inst = self._starting = self.create_instance(cfg.dp, self.hmm.layout.devices)
+            devices = self.hmm.layout.devices
+            inst = self._starting = boot.result() if boot else self.create_instance(cfg.dp, devices)
+            if inst.nodes != self.rank_nodes(devices):  # the ranks map their devices' memory: same nodes
+                raise RuntimeError(f"coordinator: ranks booted on {inst.nodes}, the model loaded on {devices}")
             inst.attach(self.hmm)
             inst.warm_up()
             self.publish(inst, min(ray.get([r.max_model_len.remote() for r in inst.ranks])))
@@ -99,6 +111,9 @@ class ClusterManager(NodePool):
             self._start_node_watch()
         except BaseException:
             logger.exception("coordinator: start failed; releasing what was started")
+            if boot is not None and self._starting is None:  # the load failed: the booted ranks retire too
+                with contextlib.suppress(BaseException):  # a failed boot retired its own ranks
+                    self._starting = boot.result()
             self.shutdown()
             raise
 
@@ -321,3 +336,17 @@ class ClusterManager(NodePool):
         kinds = [a.kind for a in list(self.adapters.adapters.values())]
         slots = {"esft": self.config.max_esft_adapters, "lora": self.config.max_loras}
         return [AdapterSlotStats(kind, kinds.count(kind), n) for kind, n in slots.items()]
+
+
+def _in_thread(fn: Callable[..., Instance], *args: Any) -> concurrent.futures.Future[Instance]:
+    """`fn(*args)` on a thread of its own; its result (or exception) through the future."""
+    future: concurrent.futures.Future[Instance] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="boot-first-instance", daemon=True).start()
+    return future

@@ -68,12 +68,11 @@ class NodePool:
 
     # ---- devices that come with nodes -----------------------------------------------------
 
-    def _register_offered(self) -> None:
-        """Register every device the cluster's nodes offer now (the start: at least dp of them)."""
+    def _register_offered(self, offered: list[DeviceSpec]) -> None:
+        """Register `offered`, every device the cluster's nodes offer at the start (`_offered_devices`)."""
         hmm = self.hmm
         assert hmm is not None
         self.home_node = ray.get_runtime_context().get_node_id()
-        offered = self._offered_devices()
         hmm.add_devices(offered)
         for spec in offered:
             self._next_device_id = spec.device_id + 1
