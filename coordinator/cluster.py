@@ -27,11 +27,10 @@ The blocking methods use `ray.get`; asyncio callers run them in a thread.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -84,17 +83,18 @@ class ClusterManager(NodePool):
     def start(self) -> None:
         """Bring up devices, load the model at `config.dp` and activate an instance on it."""
         cfg = self.config
-        boot: concurrent.futures.Future[Instance] | None = None
+        boot: Future[Instance] | None = None
         try:
             self.hmm = HMMController(use_ray=True, prefix=cfg.shm_prefix)
             offered = self._offered_devices()
-            if cfg.backend == "native":
-                # NOTE: the ranks boot (processes, torch import, EP group, skeletons) while the device
-                # workers start and the model loads (`HMMController.load`: on the first dp devices
-                # registered); a vLLM rank builds its engine on the loaded replica (`seeds_from_hmm`).
-                boot = _in_thread(self.create_instance, cfg.dp, offered[: cfg.dp])
-            self._register_offered(offered)
-            self.load_model(cfg.dp)
+            with ThreadPoolExecutor(1, thread_name_prefix="start-boot") as pool:  # its exit waits for the boot
+                if cfg.backend == "native":
+                    # NOTE: the ranks boot (processes, torch import, EP group, skeletons) while the device
+                    # workers start and the model loads (`HMMController.load`: on the first dp devices
+                    # registered); a vLLM rank builds its engine on the loaded replica (`seeds_from_hmm`).
+                    boot = pool.submit(self.create_instance, cfg.dp, offered[: cfg.dp])
+                self._register_offered(offered)
+                self.load_model(cfg.dp)
             assert self.hmm.layout is not None
             devices = self.hmm.layout.devices
             inst = self._starting = boot.result() if boot else self.create_instance(cfg.dp, devices)
@@ -111,9 +111,8 @@ class ClusterManager(NodePool):
             self._start_node_watch()
         except BaseException:
             logger.exception("coordinator: start failed; releasing what was started")
-            if boot is not None and self._starting is None:  # the load failed: the booted ranks retire too
-                with contextlib.suppress(BaseException):  # a failed boot retired its own ranks
-                    self._starting = boot.result()
+            if boot is not None and boot.exception() is None and self._starting is None:
+                self._starting = boot.result()  # the load failed: the ranks booted beside it retire too
             self.shutdown()
             raise
 
@@ -337,16 +336,3 @@ class ClusterManager(NodePool):
         slots = {"esft": self.config.max_esft_adapters, "lora": self.config.max_loras}
         return [AdapterSlotStats(kind, kinds.count(kind), n) for kind, n in slots.items()]
 
-
-def _in_thread(fn: Callable[..., Instance], *args: Any) -> concurrent.futures.Future[Instance]:
-    """`fn(*args)` on a thread of its own; its result (or exception) through the future."""
-    future: concurrent.futures.Future[Instance] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the result
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="boot-first-instance", daemon=True).start()
-    return future
