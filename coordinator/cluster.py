@@ -335,4 +335,3 @@ class ClusterManager(NodePool):
         kinds = [a.kind for a in list(self.adapters.adapters.values())]
         slots = {"esft": self.config.max_esft_adapters, "lora": self.config.max_loras}
         return [AdapterSlotStats(kind, kinds.count(kind), n) for kind, n in slots.items()]
-
