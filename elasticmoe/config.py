@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2")
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+EXPERT_PAGE_CACHE = ("keep", "drop")  # `EngineConfig.expert_page_cache`
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -245,6 +246,10 @@ class EngineConfig:
     # the elastic server's node memory, when given; else the checkpoint) or "disk" (the checkpoint
     # always: the provider's stacks then have no expert row mapped).
     expert_tier: str = "host"
+    # What the OS page cache does with the experts read from the checkpoint: "keep" them (re-reads
+    # come from memory, outside the cache's budget) or "drop" each read's pages (the experts take no
+    # memory beyond the cache: a checkpoint larger than the host's memory; every miss reads the disk).
+    expert_page_cache: str = "keep"
 
     def __post_init__(self) -> None:
         _check_offload(self)
@@ -293,6 +298,8 @@ def _check_offload(config: EngineConfig | EngineOptions) -> None:
                          f"choose one of {', '.join(SEMANTIC_SOURCES)}")
     if config.expert_tier not in ("host", "disk"):
         raise ValueError(f"expert_tier: unknown {config.expert_tier!r}, choose host or disk")
+    if config.expert_page_cache not in EXPERT_PAGE_CACHE:
+        raise ValueError(f"expert_page_cache: unknown {config.expert_page_cache!r}, choose keep or drop")
 
 
 def _check_policies(adapter_eviction: str, request_arranging: str) -> None:
@@ -328,6 +335,7 @@ class EngineOptions:
     offload_store_capacity: int = 1000
     offload_semantic: str = "iteration"
     expert_tier: str = "host"
+    expert_page_cache: str = "keep"
 
     def __post_init__(self) -> None:
         _check_offload(self)

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from elasticmoe.config import EngineConfig
+from elasticmoe.config import EXPERT_PAGE_CACHE, EngineConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.offload.policy import SEMANTIC_SOURCES
 from elasticmoe.sampling_params import SamplingParams
@@ -144,7 +144,8 @@ def run_once(args: argparse.Namespace, prompts: list[str], policy: str, budget: 
                          round(time.perf_counter() - started, 3), _p50_ms(ttft), _p50_ms(tpot))
     engine = build_engine(args, expert_cache_fraction=budget, offload_policy=policy,
                           offload_prefetch_distance=distance, offload_store_capacity=capacity,
-                          offload_semantic=args.semantic, offload_policy_thread=args.policy_thread)
+                          offload_semantic=args.semantic, offload_policy_thread=args.policy_thread,
+                          expert_page_cache=args.expert_page_cache)
     assert engine.offload is not None
     expert_dtype = str(engine.offload.cache.w13.dtype).removeprefix("torch.")
     ttft, tpot, paired_tpot, tokens, wall = [], [], [], 0, 0.0
@@ -296,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the engine (default 1: the prefetch thread gets the other core)")
     p.add_argument("--dtype", choices=("float32", "auto"), default="float32")
+    p.add_argument("--expert-page-cache", choices=EXPERT_PAGE_CACHE, default="keep",
+                   help="the offloading engines' expert reads: keep (the OS page cache keeps what they read:\n"
+                   "a miss is a memory copy) or drop (each read's pages dropped: a miss reads the disk,\n"
+                   "as for a checkpoint larger than memory; the server's --expert-page-cache)")
     p.add_argument("--link-gbps", type=float, default=16.0, help="modelled host-device link rate, GB/s")
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of the resident reference and the policy x budget grid, one round after the\n"
@@ -365,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "offload", "model": args.model, "batch": args.batch, "max_tokens": args.max_tokens,
         "semantic": args.semantic, "policy_thread": args.policy_thread, "warmup": args.warmup,
         "requests": args.requests, "threads": args.threads, "rounds": args.rounds,
+        "expert_page_cache": args.expert_page_cache,
         "resident_tpot_p50_ms": resident_tpot, "transfers": transfers, "runs": rows,
     }
     if args.plot:

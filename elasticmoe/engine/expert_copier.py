@@ -243,4 +243,6 @@ def make_copier(source: ExpertSource, w13: torch.Tensor, w2: torch.Tensor, num_l
     table = np.zeros((num_layers * num_local, per_copy, copy_engine.SEGMENT_FIELDS), dtype=np.int64)
     for i, p in enumerate(pieces):
         table[i, : len(p)] = p
-    return NativeCopier(copy_engine.CopyEngine(table, (w13, w2), keepalive=source, poll_us=poll_us), num_local)
+    engine = copy_engine.CopyEngine(table, (w13, w2), keepalive=source, poll_us=poll_us,
+                                    drop_file_pages=source.drops_pages)
+    return NativeCopier(engine, num_local)

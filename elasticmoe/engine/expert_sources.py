@@ -7,7 +7,10 @@ Two tiers below the cache (DESIGN.md "Memory tiers"):
   run. Not through a mapping: a checkpoint file truncated or rewritten in place while the server
   runs (`cp` over it) would fault the process at the next copy from a page past its new end
   (SIGBUS, in any copy, native or PyTorch), while a read returns an error or a short count, which
-  fails the load and only the requests that needed it.
+  fails the load and only the requests that needed it. With `drop_pages` each read drops the
+  pages it read from the page cache (and the files are read without readahead): the experts then
+  take no host memory beyond the cache's rows, which is what a checkpoint larger than the host's
+  memory gets, and every miss is a real disk read (`--expert-page-cache drop`).
 - `HostExperts`: full expert stacks some other owner already keeps in host memory (the HMM's
   shared memory, one copy per node, handed to the engine through a `WeightProvider`); a load
   is one memory copy.
@@ -38,10 +41,12 @@ from elasticmoe.models.weights import ParamSpec, SafetensorsWeightProvider
 # kind, file offset): one piece of an expert's copy in the native copy engine's terms
 # (`elasticmoe.kernels.copy_engine`)
 Segment = tuple[int, int, int, int, int, int]
+_PAGE = os.sysconf("SC_PAGESIZE")
 
 
 class ExpertSource(Protocol):
     tier: str  # "disk" or "host": the label of the bytes it loads in the metrics
+    drops_pages: bool  # a file read drops the pages it read from the OS page cache
 
     def copy_into(self, layer: int, local: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
         """Write MoE layer `layer`'s expert of local index `local` into the rows `w13` [2I, H] and
@@ -73,9 +78,10 @@ class FilePart:
         kind = _native_kind(self.dtype, self.numel, dtype, from_file=True)
         return None if kind is None else (self.fd, pool, offset, kind[1], kind[0], self.offset)
 
-    def read_into(self, dst: torch.Tensor) -> None:
+    def read_into(self, dst: torch.Tensor, drop_pages: bool = False) -> None:
         """Read this part into `dst` (contiguous, its shape), converting the dtype; `OSError` when
-        the read fails or the file ends first (truncated under the server)."""
+        the read fails or the file ends first (truncated under the server). `drop_pages`: then drop
+        the pages read from the page cache."""
         if not dst.is_contiguous() or tuple(dst.shape) != self.shape:
             raise ValueError(f"{self.path}: a part of shape {self.shape} reads into a contiguous tensor of its "
                              f"shape, got {tuple(dst.shape)}")
@@ -88,8 +94,18 @@ class FilePart:
                 raise OSError(errno.EIO, f"{self.path} ends {len(buffer) - done} bytes before this expert does "
                                          "(was the checkpoint replaced in place while serving?)")
             done += n
+        if drop_pages:
+            drop_cached(self.fd, self.offset, len(buffer))
         if target is not dst:
             dst.copy_(target)
+
+
+def drop_cached(fd: int, offset: int, length: int) -> None:
+    """Drop from the page cache every page of file `fd` that bytes [offset, offset + length) touch,
+    the partly read ones at both ends too (the kernel keeps a page the range covers only in part):
+    csrc/copy_engine.cpp's rule. Advice: a failure leaves them cached."""
+    first = offset // _PAGE * _PAGE
+    os.posix_fadvise(fd, first, -(-(offset + length) // _PAGE) * _PAGE - first, os.POSIX_FADV_DONTNEED)
 
 
 def _native_kind(src_dtype: torch.dtype, numel: int, dtype: torch.dtype, from_file: bool) -> tuple[int, int] | None:
@@ -137,12 +153,14 @@ class DiskExperts:
     """Experts read from the checkpoint on demand, one row at a time, with `pread` (see the module
     docstring): on the forward thread by `copy_into`, on the copy thread from `segments`. Each file
     is opened once, here, and closed when this source is collected: the native copier keeps its
-    source alive until its thread has stopped."""
+    source alive until its thread has stopped. `drop_pages`: every read drops the pages it read
+    from the page cache, and the files are read without readahead (which would cache neighbours)."""
 
     tier = "disk"
 
-    def __init__(self, model_dir: str, layers: Sequence[LayerExpertSpecs]) -> None:
+    def __init__(self, model_dir: str, layers: Sequence[LayerExpertSpecs], drop_pages: bool = False) -> None:
         self.layers = list(layers)
+        self.drops_pages = drop_pages
         self.reader = SafetensorsWeightProvider(model_dir)
         self._fds: dict[Path, int] = {}
         weakref.finalize(self, _close_files, self._fds)
@@ -165,7 +183,9 @@ class DiskExperts:
             return self.reader.mapped_view(name)
         path, dtype, shape, offset = extent
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fds[path] = fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            if self.drops_pages:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return FilePart(path, self._fds[path], offset, dtype, tuple(shape))
 
     def copy_into(self, layer: int, local: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
@@ -173,7 +193,7 @@ class DiskExperts:
             pieces = [dst] if len(parts) == 1 else dst.split([p.shape[0] for p in parts])
             for piece, part in zip(pieces, parts, strict=True):
                 if isinstance(part, FilePart):
-                    part.read_into(piece)
+                    part.read_into(piece, self.drops_pages)
                 else:
                     piece.copy_(part)
         return w13.nbytes + w2.nbytes
@@ -192,6 +212,7 @@ class HostExperts:
     """Experts copied from full stacks kept in host memory by their owner."""
 
     tier = "host"
+    drops_pages = False
 
     def __init__(self, stacks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.stacks = list(stacks)  # per MoE layer: (w13 [E_local, 2I, H], w2 [E_local, H, I])

@@ -115,7 +115,7 @@ def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: li
     if config.expert_tier == "host" and layers[0].w13.name in weights:
         source = HostExperts([(weights[s.w13.name], weights[s.w2.name]) for s in layers])
     else:
-        source = DiskExperts(config.model, layers)
+        source = DiskExperts(config.model, layers, drop_pages=config.expert_page_cache == "drop")
     policy = make_policy(config.offload_policy, PolicyConfig(
         num_layers=len(layers), num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
         prefetch_distance=min(config.offload_prefetch_distance, len(layers)),
@@ -124,8 +124,9 @@ def build_expert_offload(config: EngineConfig, model_cfg: ModelConfig, specs: li
     cache = ExpertCache(policy, source, pool_w13, pool_w2, local_expert_ids, len(layers), model_cfg.num_experts,
                         copier_poll_us=copier_poll_us())
     routers = [weights[s.w13.name.rsplit(".", 1)[0] + ".router"] for s in layers]
-    logger.info("expert offloading: %s, cache of %d of %d experts (%.1f MiB), experts from %s",
-                policy.name, capacity, num_rank_experts, capacity * expert_bytes / (1 << 20), source.tier)
+    logger.info("expert offloading: %s, cache of %d of %d experts (%.1f MiB), experts from %s%s",
+                policy.name, capacity, num_rank_experts, capacity * expert_bytes / (1 << 20), source.tier,
+                " (page cache dropped after each read)" if source.drops_pages else "")
     offload = ExpertOffload(cache, routers, local_expert_ids, semantic=config.offload_semantic,
                             policy_thread=config.offload_policy_thread)
     pools = {name: pool for s in layers for name, pool in ((s.w13.name, pool_w13), (s.w2.name, pool_w2))}

@@ -142,6 +142,11 @@ class ServeSettings(BaseModel):
     offload_prefetch_distance: int = Field(
         1, description="how many layers ahead finemoe and lfu predict and prefetch (FineMoE's d)",
         json_schema_extra=cli(metavar="D"))
+    expert_page_cache: Literal["keep", "drop"] = Field(
+        "keep", description="with expert offloading from the checkpoint, what the OS page cache does with the "
+        "experts read: keep them (a miss is then a copy from memory, outside the cache's size) or drop each read's "
+        "pages (the experts take no memory beyond the cache and every miss reads the disk: what a checkpoint larger "
+        "than the host's memory gets; elastic: with --expert-tier disk)", json_schema_extra=cli(metavar="P"))
     lora_adapters: LoraDirs = Field(
         (), description="load a LoRA adapter (adapter_config.json + adapter_model.safetensors) at start; clients "
         "select it with model=NAME. Repeatable; POST /admin/adapters with type=lora loads more at run time",
@@ -188,6 +193,9 @@ class ServeSettings(BaseModel):
             raise ValueError(f"--lora-adapter: names {both} are ESFT adapters too")
         if self.offloads_experts:
             self._check_offload()
+        elif self.expert_page_cache == "drop":
+            raise ValueError("--expert-page-cache drop: only experts an expert cache reads from the checkpoint are "
+                             "dropped; give --expert-cache-gb or --expert-cache-fraction")
         if self.profile is not None and not Path(self.profile).is_file():
             raise ValueError(f"--profile: {self.profile} is not a file (write one with `elasticmoe profile`)")
         if not 0 <= self.shutdown_timeout_s <= 3600:
@@ -251,7 +259,7 @@ class ServeSettings(BaseModel):
             adapter_eviction=self.adapter_eviction, request_arranging=self.request_arranging,
             adapter_profile=self.profile, expert_cache_bytes=self.expert_cache_bytes,
             expert_cache_fraction=self.expert_cache_fraction, offload_policy=self.offload_policy,
-            offload_prefetch_distance=self.offload_prefetch_distance,
+            offload_prefetch_distance=self.offload_prefetch_distance, expert_page_cache=self.expert_page_cache,
         )
 
     def profile_split(self) -> dict[str, int]:

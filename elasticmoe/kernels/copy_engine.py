@@ -7,7 +7,8 @@ offset of a row of one of the pools, as is or widened from bf16 to fp32. A copy 
 integers, (source, row). The table holds raw addresses and file descriptors: the caller keeps the
 sources, the files open and the pools alive until the engine is closed (`close` waits for the copy
 in progress). A file read that fails (an error, or a file cut short) fails its copy:
-`take_failed` returns its id, and the copy still counts as finished.
+`take_failed` returns its id, and the copy still counts as finished. An engine made with
+`drop_file_pages` drops the pages each file read read from the OS page cache once it has copied them.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     handle, i64, ptr, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     for name, argtypes, restype in (
-        ("emoe_copy_engine_new", [ptr, i64, i64, ptr, ptr, i64, i64, i64], handle),
+        ("emoe_copy_engine_new", [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64], handle),
         ("emoe_copy_engine_free", [handle], c_int),
         ("emoe_copy_engine_submit", [handle, ptr, i64], i64),
         ("emoe_copy_engine_cancel", [handle], i64),
@@ -80,11 +81,12 @@ class CopyEngine:
     `finished()` has been copied or cancelled. Calls are ctypes calls: each releases the GIL."""
 
     def __init__(self, table: npt.NDArray[np.int64], pools: Sequence[torch.Tensor], keepalive: object = None,
-                 poll_us: int = 0) -> None:
+                 poll_us: int = 0, drop_file_pages: bool = False) -> None:
         """`table` [sources, S, 6]: per source, its segments (count 0: padding); `pools`: contiguous
         tensors whose dim 0 indexes rows; `keepalive`: what owns the sources' memory; `poll_us`: how
         long the idle thread polls for new copies (yielding its core) before it sleeps, where a
-        core is free for it (see csrc/copy_engine.cpp: waking it from sleep costs the caller). The engine
+        core is free for it (see csrc/copy_engine.cpp: waking it from sleep costs the caller);
+        `drop_file_pages`: every file read then drops the pages it read from the page cache. The engine
         holds the pools and `keepalive` until its thread has stopped, so that memory cannot be
         freed under a copy, whatever order a collector frees things in."""
         if poll_us < 0:
@@ -101,7 +103,8 @@ class CopyEngine:
         bases = np.array([p.data_ptr() for p in pools], dtype=np.int64)
         row_bytes = np.array([p[0].nbytes for p in pools], dtype=np.int64)
         handle = lib.emoe_copy_engine_new(table.ctypes.data, table.shape[0], table.shape[1], bases.ctypes.data,
-                                          row_bytes.ctypes.data, len(pools), rows.pop(), int(poll_us))
+                                          row_bytes.ctypes.data, len(pools), rows.pop(), int(poll_us),
+                                          int(drop_file_pages))
         if not handle:
             raise ValueError("copy engine: refused: a segment writes outside its pool row, names an unknown pool "
                              "or kind, or a negative file (or its thread could not start)")

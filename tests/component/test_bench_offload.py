@@ -53,8 +53,11 @@ def test_offload_bench_refuses_bad_sweeps_naming_the_flag(tiny_model_dir, capsys
 
 def test_offload_bench_with_empty_sweeps_runs_the_budgets_only(tiny_model_dir, capsys):
     assert main(["--model", tiny_model_dir, "--policies", "finemoe", "--budgets", "1.0", "--distances", "",
-                 "--capacities", "", "--warmup", "1", "--requests", "1", "--max-tokens", "2", "--json"]) == 0
-    runs = json.loads(capsys.readouterr().out)["runs"]
+                 "--capacities", "", "--warmup", "1", "--requests", "1", "--max-tokens", "2", "--json",
+                 "--expert-page-cache", "drop"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = report["runs"]
+    assert report["expert_page_cache"] == "drop"
     assert [(r["policy"], r["prefetch_distance"], r["store_capacity"]) for r in runs] == [
         ("resident", 1, 1000), ("finemoe", 1, 1000)]
 
@@ -84,7 +87,7 @@ def test_a_configurations_measured_requests_alternate_with_the_resident_referenc
         return drive(engine, prompts, params, batch)
 
     args = argparse.Namespace(model=tiny_model_dir, dtype="float32", threads=1, warmup=1, batch=1, max_tokens=3,
-                              semantic="iteration", policy_thread=False)
+                              semantic="iteration", policy_thread=False, expert_page_cache="drop")
     reference = offload_bench.build_engine(args)
     monkeypatch.setattr(offload_bench, "_drive", recorded)
     try:

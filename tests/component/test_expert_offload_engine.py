@@ -78,6 +78,18 @@ def test_every_policy_gives_the_resident_outputs(policy, tiny_model_dirs, reside
         engine.offload.close()
 
 
+def test_dropping_each_reads_pages_from_the_page_cache_gives_the_resident_outputs(tiny_model_dir, resident):
+    engine = _engine(tiny_model_dir, expert_cache_fraction=0.25, expert_page_cache="drop")
+    try:
+        assert engine.offload.cache.source.drops_pages  # tests/unit/test_disk_page_cache.py: what it drops
+        _assert_same(_run(engine), resident["qwen3_moe"])
+        assert engine.offload.stats()["on_demand_loads"] > 0
+    finally:
+        engine.offload.close()
+    with pytest.raises(ValueError, match="expert_page_cache: unknown 'never'"):
+        _engine(tiny_model_dir, expert_cache_fraction=0.5, expert_page_cache="never")
+
+
 @pytest.mark.parametrize("policy_thread", [True, False], ids=["beside", "inline"])
 def test_the_policy_runs_beside_the_forward_or_on_it_in_layer_order(policy_thread, tiny_model_dir, resident,
                                                                      caplog):

@@ -1,7 +1,7 @@
 """Expert offloading from the disk tier on the elastic server (`--expert-tier disk`): the experts a
-device's cache does not hold are read from the checkpoint, never held in memory (tiny Qwen3-MoE,
-fp32, the devices of `test_offload_elastic.py`: 1,750,000 B, a 1 MiB KV pool, a cache of half a
-device's dp-2 experts).
+device's cache does not hold are read from the checkpoint, never held in memory, not even in the
+OS page cache (`--expert-page-cache drop`; tiny Qwen3-MoE, fp32, the devices of
+`test_offload_elastic.py`: 1,750,000 B, a 1 MiB KV pool, a cache of half a device's dp-2 experts).
 
 Streaming clients run back to back while the server scales 2 -> 1 -> 2: every completion equals a
 single-process engine's, the caches load from disk only, no device holds an expert row in host
@@ -53,7 +53,7 @@ def reference(tiny_model_dir) -> list[tuple[str, int]]:
 def server(tiny_model_dir):
     config = tiny_config(tiny_model_dir, dp=2, device_memory_bytes=BUDGET, kv_bytes_per_device=1 << 20,
                          expert_cache_fraction=0.5, offload_policy="lru", expert_tier="disk",
-                         max_esft_adapters=1, max_esft_experts=2)
+                         expert_page_cache="drop", max_esft_adapters=1, max_esft_experts=2)
     with running(config) as srv:
         yield srv
 

@@ -33,6 +33,7 @@ class FakeTier:
     """Expert (layer, local) has every weight equal to layer * 100 + local; optionally slow or failing."""
 
     tier = "disk"
+    drops_pages = False
 
     def __init__(self, delay_s: float = 0.0, failing: set[tuple[int, int]] | None = None) -> None:
         self.delay_s, self.failing = delay_s, failing or set()

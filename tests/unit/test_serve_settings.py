@@ -180,6 +180,10 @@ def test_a_profile_fills_the_memory_split_unless_given(tiny_model_dir, tmp_path)
         (["--backend", "vllm", "--max-loras", "1"], "--max-loras: LoRA adapters need --backend native"),
         (["--no-expert-parallel"], "--no-expert-parallel: the native backend always spreads its experts"),
         (["--expert-tier", "disk"], "--expert-tier disk: the disk tier is where an expert cache reads from"),
+        (["--expert-page-cache", "drop"], "--expert-page-cache drop: only experts an expert cache reads from the "
+         "checkpoint"),
+        (["--expert-cache-fraction", "0.5", "--expert-page-cache", "drop"],
+         "--expert-page-cache drop: the elastic server's caches read the host tier"),
         (["--backend", "vllm"], r"--backend vllm: vLLM's CPU attention supports head_dim .* the model has 16"),
     ],
 )
@@ -205,8 +209,9 @@ def test_the_vllm_backend_serves_replicas_of_a_model_it_can_run(tiny_model_dir, 
     assert native.backend == "native" and native.is_expert_parallel and native.esft_slots == (4, 16)
     assert native.expert_tier == "host" and native.engine_options().expert_tier == "host"
     on_disk = elastic_config(_serve_args("--model", tiny_model_dir, "--expert-tier", "disk",
-                                         "--expert-cache-fraction", "0.5"))
+                                         "--expert-cache-fraction", "0.5", "--expert-page-cache", "drop"))
     assert on_disk.esft_slots == (4, 16) and on_disk.engine_options().expert_tier == "disk"
+    assert on_disk.engine_options().expert_page_cache == "drop" and native.engine_options().expert_page_cache == "keep"
 
 
 def test_a_description_may_say_percent():

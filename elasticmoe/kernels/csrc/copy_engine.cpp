@@ -26,6 +26,10 @@
 // 64-byte boundary. The caller's thread may make the other half at once (`copy_now`): two threads
 // copy one expert in about half the time, for an on-demand load of a single expert.
 //
+// A file read may drop the pages it read from the OS page cache once copied (`drop_file_pages`): the
+// expert then takes no memory beyond its cache row, as for a checkpoint larger than the host's
+// memory, whose pages could not stay cached; a re-read is a real disk read.
+//
 // Idle, the worker may poll for new work a while (`poll_us`) before it sleeps. Waking a sleeping
 // thread costs the thread that wakes it (the forward, in `submit` and `pause`) ~20-50 us on the
 // 2-vCPU KVM guests measured here, against ~2 us when the worker is polling: with a plan after
@@ -42,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <fcntl.h>
 #include <mutex>
 #include <sched.h>
 #include <thread>
@@ -90,8 +95,19 @@ void widen_bf16(const uint16_t* src, int64_t count, char* dst) {
   for (int64_t i = 0; i < count; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;  // exact
 }
 
+// Drops from the page cache every page of file `fd` that bytes [at, at + bytes) touch, the partly
+// read ones at both ends too (the kernel keeps a page the range covers only in part). Advice: a
+// failure leaves them cached.
+void drop_cached(int fd, int64_t at, int64_t bytes) {
+  static const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t first = at / page * page, end = (at + bytes + page - 1) / page * page;
+  posix_fadvise(fd, first, end - first, POSIX_FADV_DONTNEED);
+}
+
 // `bytes` bytes of file `fd` from `at` into `dst`; false on an error or where the file ends first.
-bool read_fully(int fd, char* dst, int64_t bytes, int64_t at) {
+// `drop`: then drop the pages read from the page cache (`drop_cached`).
+bool read_fully(int fd, char* dst, int64_t bytes, int64_t at, bool drop) {
+  const int64_t first = at, total = bytes;
   while (bytes > 0) {
     const ssize_t n = pread(fd, dst, static_cast<size_t>(bytes), at);
     if (n < 0 && errno == EINTR) continue;
@@ -100,13 +116,14 @@ bool read_fully(int fd, char* dst, int64_t bytes, int64_t at) {
     bytes -= n;
     at += n;
   }
+  if (drop) drop_cached(fd, first, total);
   return true;
 }
 
 // Bytes [lo, hi) of what segment `s` writes, into `dst` (where the segment's first byte goes);
 // false when its file read failed. A widening segment's range is whole fp32 values (the callers
 // split at multiples of 4). `scratch` holds a bf16 file piece.
-bool copy_segment(const Segment& s, char* dst, int64_t lo, int64_t hi, std::vector<uint16_t>& scratch) {
+bool copy_segment(const Segment& s, char* dst, int64_t lo, int64_t hi, bool drop, std::vector<uint16_t>& scratch) {
   if (hi <= lo) return true;  // nothing of it (or padding: an expert made of fewer pieces than the widest)
   const char* src = reinterpret_cast<const char*>(s.source);
   const int64_t first = lo / 4, count = (hi - lo) / 4;  // the widening kinds' values
@@ -118,11 +135,11 @@ bool copy_segment(const Segment& s, char* dst, int64_t lo, int64_t hi, std::vect
       widen_bf16(reinterpret_cast<const uint16_t*>(src) + first, count, dst + lo);
       return true;
     case kReadFile:
-      return read_fully(static_cast<int>(s.source), dst + lo, hi - lo, s.file_offset + lo);
+      return read_fully(static_cast<int>(s.source), dst + lo, hi - lo, s.file_offset + lo, drop);
     default:  // kReadFileBf16ToF32
       scratch.resize(static_cast<size_t>(count));
       if (!read_fully(static_cast<int>(s.source), reinterpret_cast<char*>(scratch.data()), count * 2,
-                      s.file_offset + first * 2))
+                      s.file_offset + first * 2, drop))
         return false;
       widen_bf16(scratch.data(), count, dst + lo);
       return true;
@@ -132,9 +149,9 @@ bool copy_segment(const Segment& s, char* dst, int64_t lo, int64_t hi, std::vect
 class CopyEngine {
  public:
   CopyEngine(std::vector<Segment> table, int64_t per_source, std::vector<Pool> pools, int64_t num_rows,
-             int64_t poll_us)
+             int64_t poll_us, bool drop_file_pages)
       : table_(std::move(table)), per_source_(per_source), pools_(std::move(pools)), num_rows_(num_rows),
-        poll_(std::chrono::microseconds(poll_us)), worker_([this] { run(); }) {}
+        poll_(std::chrono::microseconds(poll_us)), drop_file_pages_(drop_file_pages), worker_([this] { run(); }) {}
 
   // Part `part` of source `source` into row `row`, on the calling thread; false when a file read
   // failed. The worker's copies and `copy_now` run this; neither takes the lock.
@@ -152,7 +169,8 @@ class CopyEngine {
       const int64_t size = written_bytes(s);
       const Pool& pool = pools_[s.pool];
       const int64_t lo = std::clamp(from - at, int64_t{0}, size), hi = std::clamp(to - at, int64_t{0}, size);
-      if (!copy_segment(s, pool.base + row * pool.row_bytes + s.offset, lo, hi, scratch)) return false;
+      if (!copy_segment(s, pool.base + row * pool.row_bytes + s.offset, lo, hi, drop_file_pages_, scratch))
+        return false;
       at += size;
     }
     return true;
@@ -290,6 +308,7 @@ class CopyEngine {
   const std::vector<Pool> pools_;
   const int64_t num_rows_;
   const std::chrono::microseconds poll_;
+  const bool drop_file_pages_;  // a file read drops the pages it read from the page cache
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::deque<Item> queue_;
@@ -311,11 +330,13 @@ extern "C" {
 // `table` [num_sources, per_source, 6]: (source address or file descriptor, pool, offset in the row,
 // count, kind, file offset);
 // `pool_bases` / `row_bytes` [num_pools]: each pool's address and row size; rows 0..num_rows-1;
-// `poll_us`: how long the idle thread polls before it sleeps (0: it sleeps at once).
+// `poll_us`: how long the idle thread polls before it sleeps (0: it sleeps at once);
+// `drop_file_pages`: nonzero: every file read then drops the pages it read from the page cache.
 // Returns null when a segment would write outside its pool row, or names an unknown pool or kind,
 // or when the thread cannot start.
 void* emoe_copy_engine_new(const int64_t* table, int64_t num_sources, int64_t per_source, const int64_t* pool_bases,
-                           const int64_t* row_bytes, int64_t num_pools, int64_t num_rows, int64_t poll_us) {
+                           const int64_t* row_bytes, int64_t num_pools, int64_t num_rows, int64_t poll_us,
+                           int64_t drop_file_pages) {
   if (num_sources < 0 || per_source < 1 || num_pools < 1 || num_rows < 0 || poll_us < 0) return nullptr;
   std::vector<Pool> pools;
   for (int64_t p = 0; p < num_pools; ++p) pools.push_back({reinterpret_cast<char*>(pool_bases[p]), row_bytes[p]});
@@ -330,7 +351,7 @@ void* emoe_copy_engine_new(const int64_t* table, int64_t num_sources, int64_t pe
     segments.push_back(s);
   }
   try {
-    return new CopyEngine(std::move(segments), per_source, std::move(pools), num_rows, poll_us);
+    return new CopyEngine(std::move(segments), per_source, std::move(pools), num_rows, poll_us, drop_file_pages != 0);
   } catch (...) {  // no memory, or no thread: nothing may escape into the Python caller
     return nullptr;
   }

@@ -1,0 +1,138 @@
+"""`--expert-page-cache drop`: the disk tier's reads leave none of the experts they read in the OS
+page cache (on the forward thread, on the native copy thread and in a load the two share), so the
+experts take no memory beyond the cache's rows and every miss reads the disk; `keep` (the default)
+leaves the pages cached. Residency is asked of the kernel (`mincore` over a mapping of the file)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from elasticmoe.engine.expert_copier import NativeCopier, make_copier
+from elasticmoe.engine.expert_sources import DiskExperts, LayerExpertSpecs
+from elasticmoe.kernels import copy_engine
+from elasticmoe.kernels.copy_engine import FIRST_HALF, SECOND_HALF
+from elasticmoe.models.weights import ParamSpec
+
+PAGE = mmap.PAGESIZE
+ROWS, COLS = 64, 256  # one bf16 part: 32 KiB, eight pages
+NUM_EXPERTS = 3
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+needs_copy_engine = pytest.mark.skipif(not copy_engine.available(), reason="no C++ compiler for the copy engine")
+
+
+def resident_pages(path: Path) -> set[int]:
+    """The indexes of `path`'s pages that are in the page cache (mapping a file reads none of it)."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            pages = (size + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(address, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            return {i for i in range(pages) if vec[i] & 1}
+        finally:
+            _libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def pages_of(path: Path, disk: DiskExperts, local: int) -> set[int]:
+    """The file pages expert `local` of layer 0 lies in."""
+    parts = [*disk._parts[0][0][local], *disk._parts[0][1][local]]
+    return {p for part in parts for p in range(part.offset // PAGE, (part.offset + part.numel * 2 - 1) // PAGE + 1)}
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> tuple[Path, list[LayerExpertSpecs]]:
+    """Three bf16 experts of one layer, written, synced and then dropped from the page cache (a
+    dirty page cannot be dropped); skipped where the file system keeps them anyway (tmpfs)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"e{e}.{p}": torch.randn(ROWS, COLS, generator=gen).bfloat16()
+               for e in range(NUM_EXPERTS) for p in ("gate", "up", "down")}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if resident_pages(path):
+        pytest.skip("this file system keeps a file's pages in memory (tmpfs?): nothing to drop")
+    experts = tuple(range(NUM_EXPERTS))
+    w13 = ParamSpec("w13", (NUM_EXPERTS, 2 * ROWS, COLS), tuple((f"e{e}.gate", f"e{e}.up") for e in experts),
+                    expert_ids=experts)
+    w2 = ParamSpec("w2", (NUM_EXPERTS, ROWS, COLS), tuple((f"e{e}.down",) for e in experts), expert_ids=experts)
+    return path, [LayerExpertSpecs(w13, w2)]
+
+
+def rows(n: int = NUM_EXPERTS) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(n, 2 * ROWS, COLS), torch.zeros(n, ROWS, COLS)
+
+
+def test_keep_leaves_what_the_forward_thread_read_cached_and_drop_leaves_nothing(checkpoint):
+    path, layers = checkpoint
+    kept, dropped = DiskExperts(str(path.parent), layers), DiskExperts(str(path.parent), layers, drop_pages=True)
+    w13, w2 = rows()
+    assert kept.copy_into(0, 0, w13[0], w2[0]) == w13[0].nbytes + w2[0].nbytes
+    assert pages_of(path, kept, 0) <= resident_pages(path)
+    dropped.copy_into(0, 1, w13[1], w2[1])
+    dropped.copy_into(0, 0, w13[2], w2[2])  # what `keep` cached before is dropped by a dropping read
+    assert not resident_pages(path) & (pages_of(path, dropped, 0) | pages_of(path, dropped, 1))
+    assert torch.equal(w13[2], w13[0]) and torch.equal(w2[2], w2[0])  # the same bytes either way
+    want13, want2 = rows(1)
+    kept.copy_into(0, 1, want13[0], want2[0])
+    assert torch.equal(w13[1], want13[0]) and torch.equal(w2[1], want2[0])
+
+
+@needs_copy_engine
+def test_the_native_copier_drops_what_it_read_in_prefetches_and_in_a_shared_load(checkpoint):
+    path, layers = checkpoint
+    disk = DiskExperts(str(path.parent), layers, drop_pages=True)
+    pool13, pool2 = rows()
+    copier = make_copier(disk, pool13, pool2, num_layers=1, num_local=NUM_EXPERTS)
+    assert isinstance(copier, NativeCopier)
+    try:
+        first = copier.submit([(0, 0, 0), (0, 1, 1)])  # prefetches: the copy thread reads
+        assert copier.wait(first + 1) and not copier.failed
+        second = copier.submit_second_half((0, 2, 2))  # a load shared by both threads
+        assert copier.copy_now((0, 2, 2), FIRST_HALF) and copier.wait(second)
+        assert not resident_pages(path)
+        want13, want2 = rows()
+        for local in range(NUM_EXPERTS):
+            disk.copy_into(0, local, want13[local], want2[local])
+        assert torch.equal(pool13, want13) and torch.equal(pool2, want2)
+    finally:
+        copier.close()
+
+
+@needs_copy_engine
+def test_a_native_copier_over_a_keeping_source_leaves_its_reads_cached(checkpoint):
+    path, layers = checkpoint
+    disk = DiskExperts(str(path.parent), layers)
+    pool13, pool2 = rows()
+    copier = make_copier(disk, pool13, pool2, num_layers=1, num_local=NUM_EXPERTS)
+    try:
+        assert copier.copy_now((0, 1, 0), SECOND_HALF)
+        first = copier.submit([(0, 0, 1)])
+        assert copier.wait(first)
+        assert pages_of(path, disk, 0) <= resident_pages(path)
+    finally:
+        copier.close()
