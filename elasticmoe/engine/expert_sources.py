@@ -23,6 +23,7 @@ source at once; neither writes it, so it holds no lock.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -105,7 +106,8 @@ def drop_cached(fd: int, offset: int, length: int) -> None:
     the partly read ones at both ends too (the kernel keeps a page the range covers only in part):
     csrc/copy_engine.cpp's rule. Advice: a failure leaves them cached."""
     first = offset // _PAGE * _PAGE
-    os.posix_fadvise(fd, first, -(-(offset + length) // _PAGE) * _PAGE - first, os.POSIX_FADV_DONTNEED)
+    with contextlib.suppress(OSError):  # the read has succeeded: a page left cached costs memory, not the copy
+        os.posix_fadvise(fd, first, -(-(offset + length) // _PAGE) * _PAGE - first, os.POSIX_FADV_DONTNEED)
 
 
 def _native_kind(src_dtype: torch.dtype, numel: int, dtype: torch.dtype, from_file: bool) -> tuple[int, int] | None:
@@ -185,7 +187,8 @@ class DiskExperts:
         if path not in self._fds:
             self._fds[path] = fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             if self.drops_pages:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                with contextlib.suppress(OSError):  # advice, as the drops are
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return FilePart(path, self._fds[path], offset, dtype, tuple(shape))
 
     def copy_into(self, layer: int, local: int, w13: torch.Tensor, w2: torch.Tensor) -> int:

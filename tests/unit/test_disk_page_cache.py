@@ -136,3 +136,19 @@ def test_a_native_copier_over_a_keeping_source_leaves_its_reads_cached(checkpoin
         assert pages_of(path, disk, 0) <= resident_pages(path)
     finally:
         copier.close()
+
+
+def test_a_drop_the_kernel_refuses_leaves_the_pages_cached_and_the_read_good(checkpoint, monkeypatch):
+    path, layers = checkpoint
+    disk = DiskExperts(str(path.parent), layers, drop_pages=True)
+
+    def refused(fd: int, offset: int, length: int, advice: int) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refused)
+    w13, w2 = rows(2)
+    disk.copy_into(0, 1, w13[0], w2[0])
+    assert pages_of(path, disk, 1) <= resident_pages(path)
+    monkeypatch.undo()
+    DiskExperts(str(path.parent), layers).copy_into(0, 1, w13[1], w2[1])
+    assert torch.equal(w13[0], w13[1]) and torch.equal(w2[0], w2[1])
