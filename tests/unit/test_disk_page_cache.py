@@ -124,6 +124,30 @@ def test_the_native_copier_drops_what_it_read_in_prefetches_and_in_a_shared_load
 
 
 @needs_copy_engine
+def test_a_prefetch_whose_second_half_cannot_be_read_fails_whole(checkpoint):
+    """A dropping engine makes a whole copy on two threads, a half each (the disk serves two reads
+    at once faster than one): the helper's half failing fails the copy, and the next one is whole."""
+    path, layers = checkpoint
+    disk = DiskExperts(str(path.parent), layers, drop_pages=True)
+    pool13, pool2 = rows()
+    copier = make_copier(disk, pool13, pool2, num_layers=1, num_local=NUM_EXPERTS)
+    try:
+        # The file ends 64 bytes before the last expert's `up` does: the second half of its w13 row
+        # ([gate; up]) cannot be read; its first half (gate, up's first half) and its w2 (`down`,
+        # stored first: safetensors sorts the names) can.
+        up = disk._parts[0][0][NUM_EXPERTS - 1][1]
+        os.truncate(path, up.offset + up.numel * 2 - 64)
+        first = copier.submit([(0, NUM_EXPERTS - 1, 0), (0, 0, 1)])
+        assert copier.wait(first + 1)
+        assert copier.finished() == first + 2 and copier.failed == {first}
+        want13, want2 = rows(1)
+        disk.copy_into(0, 0, want13[0], want2[0])
+        assert torch.equal(pool13[1], want13[0]) and torch.equal(pool2[1], want2[0])
+    finally:
+        copier.close()
+
+
+@needs_copy_engine
 def test_a_native_copier_over_a_keeping_source_leaves_its_reads_cached(checkpoint):
     path, layers = checkpoint
     disk = DiskExperts(str(path.parent), layers)

@@ -28,7 +28,10 @@
 //
 // A file read may drop the pages it read from the OS page cache once copied (`drop_file_pages`): the
 // expert then takes no memory beyond its cache row, as for a checkpoint larger than the host's
-// memory, whose pages could not stay cached; a re-read is a real disk read.
+// memory, whose pages could not stay cached; a re-read is a real disk read. Such an engine makes
+// each whole copy with two threads, a half each (the worker and a helper): the disk serves two
+// reads at once at 1.5-2x the rate of one (a virtio disk measured here), and a thread waiting for
+// the disk takes no core from the forward.
 //
 // Idle, the worker may poll for new work a while (`poll_us`) before it sleeps. Waking a sleeping
 // thread costs the thread that wakes it (the forward, in `submit` and `pause`) ~20-50 us on the
@@ -282,7 +285,27 @@ class CopyEngine {
     sleeping_ = false;
   }
 
+  // The worker: the helper lives as long as it (a helper that cannot start leaves it copying alone).
   void run() {
+    std::thread helper;
+    if (drop_file_pages_) {
+      try {
+        helper = std::thread([this] { help(); });
+      } catch (...) {
+      }
+    }
+    work(helper.joinable());
+    if (helper.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(helper_mu_);
+        helper_stopping_ = true;
+      }
+      helper_cv_.notify_all();
+      helper.join();
+    }
+  }
+
+  void work(bool in_halves) {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       wait_for_work(lock);
@@ -292,7 +315,8 @@ class CopyEngine {
       running_ = item.id;
       lock.unlock();
       const auto started = std::chrono::steady_clock::now();
-      const bool ok = copy(item.source, item.row, item.part, scratch_);
+      const bool ok = in_halves && item.part == kWhole ? copy_in_halves(item.source, item.row)
+                                                       : copy(item.source, item.row, item.part, scratch_);
       const auto took = std::chrono::steady_clock::now() - started;
       lock.lock();
       if (!ok) failed_.push_back(item.id);
@@ -300,6 +324,37 @@ class CopyEngine {
       running_ = -1;
       finished_ = queue_.empty() ? next_id_ : queue_.front().id;
       done_cv_.notify_all();
+    }
+  }
+
+  // A whole copy by the worker (its first half) and the helper (the second); false when either failed.
+  bool copy_in_halves(int64_t source, int64_t row) {
+    {
+      std::lock_guard<std::mutex> lock(helper_mu_);
+      helper_source_ = source;
+      helper_row_ = row;
+      helper_done_ = false;
+    }
+    helper_cv_.notify_all();
+    const bool first = copy(source, row, kFirstHalf, scratch_);
+    std::unique_lock<std::mutex> lock(helper_mu_);
+    helper_cv_.wait(lock, [this] { return helper_done_; });
+    return first && helper_ok_;
+  }
+
+  void help() {
+    std::unique_lock<std::mutex> lock(helper_mu_);
+    for (;;) {
+      helper_cv_.wait(lock, [this] { return helper_stopping_ || helper_source_ >= 0; });
+      if (helper_stopping_) return;
+      const int64_t source = helper_source_, row = helper_row_;
+      helper_source_ = -1;
+      lock.unlock();
+      const bool ok = copy(source, row, kSecondHalf, helper_scratch_);
+      lock.lock();
+      helper_ok_ = ok;
+      helper_done_ = true;
+      helper_cv_.notify_all();
     }
   }
 
@@ -318,6 +373,12 @@ class CopyEngine {
   std::vector<uint16_t> scratch_;  // the worker's: a bf16 file piece before it is widened
   bool paused_ = false, stopping_ = false, sleeping_ = false;
   std::atomic<int64_t> epoch_{0};  // bumped (under mu_) by every change a waiting worker must see
+  // The helper's half of the worker's copy (`copy_in_halves`, with drop_file_pages), under helper_mu_.
+  std::mutex helper_mu_;
+  std::condition_variable helper_cv_;
+  int64_t helper_source_ = -1, helper_row_ = -1;  // the half asked for; source -1: none
+  bool helper_done_ = false, helper_ok_ = true, helper_stopping_ = false;
+  std::vector<uint16_t> helper_scratch_;
   std::thread worker_;  // last: it starts once the fields above are initialised
 };
 
