@@ -36,6 +36,11 @@ Transfers (`transfers` in the JSON): one expert's copy into the cache, timed her
 were dropped (`posix_fadvise(DONTNEED)`, a real disk read) - and, labelled as a model, at a
 PCIe-like link rate (`--link-gbps`, default 16 GB/s: PCIe 4.0 x16 in practice), with the stall per
 output token that the measured on-demand bytes would cost over such a link.
+
+Misses that read the disk (`--expert-page-cache drop`): the offloading engines drop each expert
+read from the OS page cache, so every miss and every prefetch is a disk read, as for a
+checkpoint larger than the host's memory; by default (`keep`) a re-read comes from the page
+cache, a memory copy. The resident reference is the same either way.
 """
 
 from __future__ import annotations
