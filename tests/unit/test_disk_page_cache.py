@@ -53,7 +53,7 @@ def resident_pages(path: Path) -> set[int]:
         os.close(fd)
 
 
-def pages_of(path: Path, disk: DiskExperts, local: int) -> set[int]:
+def pages_of(disk: DiskExperts, local: int) -> set[int]:
     """The file pages expert `local` of layer 0 lies in."""
     parts = [*disk._parts[0][0][local], *disk._parts[0][1][local]]
     return {p for part in parts for p in range(part.offset // PAGE, (part.offset + part.numel * 2 - 1) // PAGE + 1)}
@@ -92,10 +92,10 @@ def test_keep_leaves_what_the_forward_thread_read_cached_and_drop_leaves_nothing
     kept, dropped = DiskExperts(str(path.parent), layers), DiskExperts(str(path.parent), layers, drop_pages=True)
     w13, w2 = rows()
     assert kept.copy_into(0, 0, w13[0], w2[0]) == w13[0].nbytes + w2[0].nbytes
-    assert pages_of(path, kept, 0) <= resident_pages(path)
+    assert pages_of(kept, 0) <= resident_pages(path)
     dropped.copy_into(0, 1, w13[1], w2[1])
     dropped.copy_into(0, 0, w13[2], w2[2])  # what `keep` cached before is dropped by a dropping read
-    assert not resident_pages(path) & (pages_of(path, dropped, 0) | pages_of(path, dropped, 1))
+    assert not resident_pages(path) & (pages_of(dropped, 0) | pages_of(dropped, 1))
     assert torch.equal(w13[2], w13[0]) and torch.equal(w2[2], w2[0])  # the same bytes either way
     want13, want2 = rows(1)
     kept.copy_into(0, 1, want13[0], want2[0])
@@ -157,7 +157,7 @@ def test_a_native_copier_over_a_keeping_source_leaves_its_reads_cached(checkpoin
         assert copier.copy_now((0, 1, 0), SECOND_HALF)
         first = copier.submit([(0, 0, 1)])
         assert copier.wait(first)
-        assert pages_of(path, disk, 0) <= resident_pages(path)
+        assert pages_of(disk, 0) <= resident_pages(path)
     finally:
         copier.close()
 
@@ -172,7 +172,7 @@ def test_a_drop_the_kernel_refuses_leaves_the_pages_cached_and_the_read_good(che
     monkeypatch.setattr(os, "posix_fadvise", refused)
     w13, w2 = rows(2)
     disk.copy_into(0, 1, w13[0], w2[0])
-    assert pages_of(path, disk, 1) <= resident_pages(path)
+    assert pages_of(disk, 1) <= resident_pages(path)
     monkeypatch.undo()
     DiskExperts(str(path.parent), layers).copy_into(0, 1, w13[1], w2[1])
     assert torch.equal(w13[0], w13[1]) and torch.equal(w2[0], w2[1])

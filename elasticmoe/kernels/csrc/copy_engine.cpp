@@ -291,7 +291,7 @@ class CopyEngine {
     if (drop_file_pages_) {
       try {
         helper = std::thread([this] { help(); });
-      } catch (...) {
+      } catch (...) {  // no thread: the worker copies alone, as without drop_file_pages
       }
     }
     work(helper.joinable());
