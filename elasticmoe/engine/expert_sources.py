@@ -156,7 +156,9 @@ class DiskExperts:
     docstring): on the forward thread by `copy_into`, on the copy thread from `segments`. Each file
     is opened once, here, and closed when this source is collected: the native copier keeps its
     source alive until its thread has stopped. `drop_pages`: every read drops the pages it read
-    from the page cache, and the files are read without readahead (which would cache neighbours)."""
+    from the page cache, and the files are read without readahead (which would cache neighbours);
+    what earlier reads left cached (the dense weights' load at start reads around them) is dropped
+    here, but for pages mapped in some process."""
 
     tier = "disk"
 
@@ -167,6 +169,9 @@ class DiskExperts:
         self._fds: dict[Path, int] = {}
         weakref.finalize(self, _close_files, self._fds)
         self._parts = [(self._sources(spec.w13), self._sources(spec.w2)) for spec in self.layers]
+        if drop_pages:  # what reads before this one left cached (the start's, and their readahead)
+            for fd in self._fds.values():
+                drop_cached(fd, 0, os.fstat(fd).st_size)  # the pages something maps stay: the kernel keeps them
 
     def _sources(self, spec: ParamSpec) -> list[list[FilePart | torch.Tensor]]:
         """Per local expert, the checkpoint tensors its row is concatenated from (dim 0): their
