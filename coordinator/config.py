@@ -150,7 +150,7 @@ class CoordinatorConfig(ServeSettings):
             if self.expert_tier == "disk" and not self.offloads_experts:
                 raise ValueError("--expert-tier disk: the disk tier is where an expert cache reads from; give "
                                  "--expert-cache-gb or --expert-cache-fraction")
-            if self.expert_page_cache == "drop" and self.offloads_experts and self.expert_tier != "disk":
+            if self.expert_page_cache == "drop" and self.expert_tier != "disk":  # without a cache: refused above
                 raise ValueError("--expert-page-cache drop: the elastic server's caches read the host tier (shared "
                                  "memory, no page cache); give --expert-tier disk to read the checkpoint")
             return

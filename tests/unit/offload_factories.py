@@ -1,5 +1,5 @@
 """Hand-made inputs for the offloading tests: routing traces (k = 1: each token names one expert
-per layer) and a tiny bf16 checkpoint of two experts read by `DiskExperts`."""
+per layer) and a small bf16 checkpoint of experts read by `DiskExperts`."""
 
 from __future__ import annotations
 
@@ -54,12 +54,17 @@ def mixed_routes(seed: int = 0, num_requests: int = 4) -> list[list[list[list[in
     return [[tokens(3), *(tokens(1) for _ in range(3))] for _ in range(num_requests)]
 
 
-def bf16_disk_experts(directory: Path) -> tuple[dict[str, torch.Tensor], DiskExperts, ParamSpec, ParamSpec]:
-    """Two experts (gate, up [3, 4] -> w13 rows [6, 4]; down -> w2 rows [3, 4]) saved in bf16 in
-    `directory`, their tensors by name, and the disk tier over them with its two specs."""
+def bf16_disk_experts(directory: Path, num_experts: int = 2, shape: tuple[int, int] = (3, 4),
+                      ) -> tuple[dict[str, torch.Tensor], DiskExperts, ParamSpec, ParamSpec]:
+    """`num_experts` experts (gate, up `shape` -> w13 rows [2 * rows, cols]; down -> w2 rows `shape`)
+    saved in bf16 in `directory`, their tensors by name, and the disk tier over them with its two
+    specs (default: two experts of [3, 4])."""
     gen = torch.Generator().manual_seed(1)
-    names = {f"e{e}.{p}": torch.randn(3, 4, generator=gen).bfloat16() for e in range(2) for p in ("gate", "up", "down")}
+    experts = tuple(range(num_experts))
+    names = {f"e{e}.{p}": torch.randn(*shape, generator=gen).bfloat16() for e in experts for p in ("gate", "up", "down")}
     save_file(names, str(directory / "model.safetensors"))
-    w13 = ParamSpec("w13", (2, 6, 4), (("e0.gate", "e0.up"), ("e1.gate", "e1.up")), expert_ids=(0, 1))
-    w2 = ParamSpec("w2", (2, 3, 4), (("e0.down",), ("e1.down",)), expert_ids=(0, 1))
+    rows, cols = shape
+    w13 = ParamSpec("w13", (num_experts, 2 * rows, cols), tuple((f"e{e}.gate", f"e{e}.up") for e in experts),
+                    expert_ids=experts)
+    w2 = ParamSpec("w2", (num_experts, rows, cols), tuple((f"e{e}.down",) for e in experts), expert_ids=experts)
     return names, DiskExperts(str(directory), [LayerExpertSpecs(w13, w2)]), w13, w2

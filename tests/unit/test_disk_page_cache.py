@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from offload_factories import bf16_disk_experts
 
 from elasticmoe.engine.expert_copier import NativeCopier, make_copier
 from elasticmoe.engine.expert_sources import DiskExperts, LayerExpertSpecs
 from elasticmoe.kernels import copy_engine
 from elasticmoe.kernels.copy_engine import FIRST_HALF, SECOND_HALF
-from elasticmoe.models.weights import ParamSpec
 
 PAGE = mmap.PAGESIZE
 ROWS, COLS = 64, 256  # one bf16 part: 32 KiB, eight pages
@@ -63,11 +62,8 @@ def pages_of(disk: DiskExperts, local: int) -> set[int]:
 def checkpoint(tmp_path: Path) -> tuple[Path, list[LayerExpertSpecs]]:
     """Three bf16 experts of one layer, written, synced and then dropped from the page cache (a
     dirty page cannot be dropped); skipped where the file system keeps them anyway (tmpfs)."""
-    gen = torch.Generator().manual_seed(0)
-    tensors = {f"e{e}.{p}": torch.randn(ROWS, COLS, generator=gen).bfloat16()
-               for e in range(NUM_EXPERTS) for p in ("gate", "up", "down")}
+    _, _, w13, w2 = bf16_disk_experts(tmp_path, NUM_EXPERTS, (ROWS, COLS))
     path = tmp_path / "model.safetensors"
-    save_file(tensors, str(path))
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -76,10 +72,6 @@ def checkpoint(tmp_path: Path) -> tuple[Path, list[LayerExpertSpecs]]:
         os.close(fd)
     if resident_pages(path):
         pytest.skip("this file system keeps a file's pages in memory (tmpfs?): nothing to drop")
-    experts = tuple(range(NUM_EXPERTS))
-    w13 = ParamSpec("w13", (NUM_EXPERTS, 2 * ROWS, COLS), tuple((f"e{e}.gate", f"e{e}.up") for e in experts),
-                    expert_ids=experts)
-    w2 = ParamSpec("w2", (NUM_EXPERTS, ROWS, COLS), tuple((f"e{e}.down",) for e in experts), expert_ids=experts)
     return path, [LayerExpertSpecs(w13, w2)]
 
 
