@@ -57,33 +57,6 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// r[i] (16 dwords each) -> r[j] = (r[0][j], ..., r[15][j]): 64 shuffles.
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved: (r0[4L], r1[4L], r0[4L+1], r1[4L+1]) per lane L
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: column 4L + c of rows 4g..4g+3
-    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes: column 4L + c = lanes L of u[c, 4+c, 8+c, 12+c]
-    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-}
-
-inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
-
 // 32 values along K of one activation row as bf16 part `part` (zeros past `valid`).
 inline __m512i load_part(const uint16_t* x, int valid, int /*part*/) {
   const __mmask32 m = valid >= 32 ? ~__mmask32(0) : (__mmask32(1) << valid) - 1;
@@ -174,14 +147,6 @@ inline void tile_rows(const float* c, __m512 r[16]) {
   for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(c + 16 * i);
   transpose16x16(v);
   for (int t = 0; t < 16; ++t) r[t] = _mm512_castsi512_ps(v[t]);
-}
-
-// silu(x) = x * sigmoid(x), with exp of a non-positive argument only.
-inline __m512 silu(__m512 x) {
-  const __m512 e = vexp_nonpos(_mm512_or_ps(x, _mm512_set1_ps(-0.0f)));  // exp(-|x|)
-  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
-  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_set1_ps(1.0f), e);
-  return _mm512_div_ps(_mm512_mul_ps(x, num), den);
 }
 
 // How a task's C tiles become outputs: `Plain` stores each A tile's 16 outputs per token;

@@ -13,7 +13,8 @@
 //
 // The weight layout [Nout, K] (K contiguous) is the checkpoint's: each output is a dot product
 // along K (dot_kernel.h). On AVX2, calls with many rows per slot (prefill) run on packed panels
-// instead (packed_panel.h); on AMX, bf16 weights run on tiles (amx_gemm.h).
+// instead (packed_panel.h), and so do bf16 calls on AVX-512 with bf16 dot products (pair_panel.h);
+// on AMX, bf16 weights run on tiles (amx_gemm.h).
 //
 // Built once per ISA (the Python side picks the build from elasticmoe.utils.cpu_features):
 //   -DEMOE_AVX512 [-DEMOE_BF16DOT]   or   -DEMOE_AVX2
@@ -30,6 +31,7 @@
 #include "aligned_buffer.h"
 #include "dot_kernel.h"
 #include "packed_panel.h"
+#include "pair_panel.h"
 #include "task_runs.h"
 #include "vec.h"
 #if defined(EMOE_AMX)
@@ -164,10 +166,111 @@ void avx2_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
 }
 #endif
 
+#if defined(EMOE_BF16DOT)
+// A bf16 call runs on pair panels (pair_panel.h) instead of the dot kernel from max(16, K / 32)
+// rows per busy slot, on average: packing costs per weight value, the dot kernel's reductions per
+// output. Zen 5, 2 threads, 32 experts, weights in cache, GFLOP/s dot vs panel: K = 512 (gate and
+// up, 512 outputs) 8 rows 251-381 / 407-416, 16 rows 502-526 / 479-484, 64 rows 536-565 / 675-707;
+// K = 256 (down, 512 outputs) 8 rows 220-294 / 437-470, 16 rows 418-427 / 517-569, 256 rows
+// 331-423 / 829-843. Decode-size groups (64 sequences: 8 rows per expert) stay on the dot kernel,
+// which prefetches the next weight block from DRAM: with the down projection on panels too, the
+// engine's TPOT read 19.4-21.3 ms against 18.6-18.7 (runs in turn; with 16 rows: 17.0-20.3 against
+// 19.0-20.4).
+constexpr int64_t PAIR_PANEL_MIN_ROWS = 16;
+constexpr int64_t PAIR_PANEL_K_PER_ROW = 32;
+thread_local AlignedBuffer<uint32_t> g_pair_panel;  // a task's packed weight panel
+
+inline bool uses_pair_panels(const int64_t* offsets, int num_slots, const std::vector<int>& busy, int64_t K) {
+  const int64_t min_rows = K / PAIR_PANEL_K_PER_ROW > PAIR_PANEL_MIN_ROWS ? K / PAIR_PANEL_K_PER_ROW : PAIR_PANEL_MIN_ROWS;
+  return !busy.empty() && offsets[num_slots] - offsets[0] >= min_rows * static_cast<int64_t>(busy.size());
+}
+
+// Rows [r0, r1) of x against the weight rows half[0] + i * ldw (i < nb[0]) and half[1] + i * ldw
+// (i < nb[1]) packed into one pair panel, stored by `Out`; false (nothing done) without memory
+// for the panel.
+template <typename Out>
+bool pair_panel_rows(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* const half[2],
+                     const int nb[2], int64_t ldw, int64_t K, uint16_t* out, int64_t ldo, int out_cols) {
+  uint32_t* bp = g_pair_panel.get(static_cast<size_t>(pair_panel::panel_dwords(K)));
+  if (bp == nullptr) return false;
+  pair_panel::pack(half, nb, ldw, K, bp);
+  pair_panel::rows<Out>(x, ldx, r0, r1, bp, out_cols, K, out, ldo);
+  return true;
+}
+
+// The grouped GEMM on pair panels (bf16 calls with many rows per slot): a task packs 32 weight
+// rows of a busy slot and runs all the slot's rows against them.
+void pair_panel_grouped_gemm(const uint16_t* x, int64_t ldx, const int64_t* offsets, const std::vector<int>& busy,
+                             const int64_t* slot_rows, const uint16_t* w, int64_t w_stride_e, int64_t w_stride_n,
+                             uint16_t* out, int64_t ldo, int64_t n_out, int64_t K) {
+  constexpr int NR = pair_panel::NR;
+  for_slot_tasks(offsets, busy, (n_out + NR - 1) / NR, TASK_COST_ROWS * NR / NB, [&](int slot, int64_t j) {
+    const int64_t n0 = j * NR;
+    const int nb = static_cast<int>(n_out - n0 < NR ? n_out - n0 : NR);
+    const uint16_t* ws = w + (slot_rows != nullptr ? slot_rows[slot] : slot) * w_stride_e + n0 * w_stride_n;
+    const uint16_t* half[2] = {ws, ws + 16 * w_stride_n};  // the second is never read when nb <= 16
+    const int nbh[2] = {nb < 16 ? nb : 16, nb > 16 ? nb - 16 : 0};
+    if (!pair_panel_rows<pair_panel::Plain>(x, ldx, offsets[slot], offsets[slot + 1], half, nbh, w_stride_n, K,
+                                            out + n0, ldo, nb))
+      dot_cols(x, ldx, offsets[slot], offsets[slot + 1], ws, w_stride_n, nb, n_out - n0, K, out + n0, ldo);
+  });
+}
+
+thread_local std::vector<uint16_t> g_gate_up_bf16;  // a dot task's gate and up results, before the activation
+
+// silu(x @ gate^T) * (x @ up^T) per group, bf16 activations and weights, w [E, 2 * inter, K]
+// holding each slot's gate rows then its up rows, rounded where PyTorch's bf16 path rounds (the
+// two projections, silu, the product). Many rows per slot: a task packs 16 gate rows and the same
+// 16 up rows into one pair panel and stores only the product. Few (decode): the dot kernel
+// computes a block of gate and up columns for the slot's rows, then the activation.
+void bf16_grouped_swiglu(const uint16_t* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows,
+                         int num_slots, const uint16_t* w, int64_t w_stride_e, int64_t w_stride_n, uint16_t* out,
+                         int64_t ldo, int64_t inter, int64_t K) {
+  const std::vector<int> busy = busy_slots(offsets, num_slots);
+  const bool panels = uses_pair_panels(offsets, num_slots, busy, K);
+  const int unit = panels ? 16 : NB;  // gate (and up) columns per task
+  for_slot_tasks(offsets, busy, (inter + unit - 1) / unit, 2 * TASK_COST_ROWS * unit / NB, [&](int slot, int64_t j) {
+    const int64_t j0 = j * unit;
+    const int nb = static_cast<int>(inter - j0 < unit ? inter - j0 : unit);
+    const uint16_t* gate_w = w + (slot_rows != nullptr ? slot_rows[slot] : slot) * w_stride_e + j0 * w_stride_n;
+    const uint16_t* up_w = gate_w + inter * w_stride_n;
+    const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
+    if (panels) {
+      const uint16_t* half[2] = {gate_w, up_w};
+      const int nbh[2] = {nb, nb};
+      if (pair_panel_rows<pair_panel::SwiGLU>(x, ldx, r0, r0 + rows, half, nbh, w_stride_n, K, out + j0, ldo, nb))
+        return;
+    }
+    g_gate_up_bf16.resize(static_cast<size_t>(2 * rows * nb));
+    uint16_t* gate = g_gate_up_bf16.data();
+    uint16_t* up = gate + rows * nb;
+    const uint16_t* xs = x + r0 * ldx;
+    dot_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, nb);
+    dot_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, nb);
+    const __mmask16 mask = static_cast<__mmask16>((1u << nb) - 1);
+    for (int64_t r = 0; r < rows; ++r) {  // gate and up are already rounded to bf16: as PyTorch's silu and mul see them
+      const __m512 g = widen(_mm256_maskz_loadu_epi16(mask, gate + r * nb));
+      const __m512 u = widen(_mm256_maskz_loadu_epi16(mask, up + r * nb));
+      const __m512 h = _mm512_mul_ps(vround_bf16(silu(g)), u);
+      const __m256i bits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(h), 16));
+      _mm256_mask_storeu_epi16(out + (r0 + r) * ldo + j0, mask, bits);
+    }
+  });
+}
+#endif
+
 template <typename X, typename W>
 void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows, int num_slots,
                   const W* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out, int64_t K) {
   const std::vector<int> busy = busy_slots(offsets, num_slots);
+#if defined(EMOE_BF16DOT)
+  if constexpr (std::is_same_v<X, uint16_t> && std::is_same_v<W, uint16_t>) {
+    if (uses_pair_panels(offsets, num_slots, busy, K)) {
+      pair_panel_grouped_gemm(x, ldx, offsets, busy, slot_rows, w, w_stride_e, w_stride_n, out, ldo, n_out, K);
+      return;
+    }
+  }
+#endif
 #if defined(EMOE_AVX2)
   if (!busy.empty() && uses_panels(offsets, num_slots, busy)) {
     panel_grouped_gemm(x, ldx, offsets, busy, slot_rows, w, w_stride_e, w_stride_n, out, ldo, n_out, K);
@@ -310,10 +413,13 @@ int emoe_fast_fp32_bf16() {
 }
 
 // Whether emoe_grouped_swiglu serves this dtype pair in this build (and process): AMX tiles for bf16
-// weights, AVX2 for fp32 activations.
+// weights, bf16 dot products for bf16 activations and weights, AVX2 for fp32 activations.
 int emoe_fuses_swiglu(int x_dtype, int w_dtype) {
 #if defined(EMOE_AMX)
   if (g_amx && w_dtype == kBF16) return 1;
+#endif
+#if defined(EMOE_BF16DOT)
+  if (x_dtype == kBF16 && w_dtype == kBF16) return 1;
 #endif
 #if defined(EMOE_AVX2)
   if (x_dtype == kF32 && (w_dtype == kF32 || w_dtype == kBF16)) return 1;
@@ -338,6 +444,14 @@ int emoe_grouped_swiglu(const void* x, int64_t ldx, int x_dtype, const int64_t* 
     };
     if (x_dtype == kF32 && run(static_cast<float*>(out))) return 0;
     if (x_dtype == kBF16 && run(static_cast<uint16_t*>(out))) return 0;
+  }
+#endif
+#if defined(EMOE_BF16DOT)
+  if (x_dtype == kBF16 && w_dtype == kBF16) {
+    bf16_grouped_swiglu(static_cast<const uint16_t*>(x), ldx, offsets, slot_rows, num_slots,
+                        static_cast<const uint16_t*>(w), w_stride_e, w_stride_n, static_cast<uint16_t*>(out), ldo, inter,
+                        K);
+    return 0;
   }
 #endif
 #if defined(EMOE_AVX2)
