@@ -101,7 +101,7 @@ def _one_group(num_rows: int) -> torch.Tensor:
 @cache
 def _fuses_swiglu(lib: ctypes.CDLL, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     """Whether this build fuses the SwiGLU for the pair (AMX: bf16 weights; AVX-512 with bf16 dot
-    products: bf16 activations and weights; AVX2: fp32 activations):
+    products: bf16 activations and weights; every build: fp32 activations):
     elsewhere the call declines before allocating anything."""
     return bool(lib.emoe_fuses_swiglu(_DTYPE_CODE[x_dtype], _DTYPE_CODE[w_dtype]))
 
@@ -111,7 +111,7 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
     """silu(x @ gate.T) * (x @ up.T) per group, with w13 [>= S, 2 * I, in] holding each slot's gate
     rows then its up rows: the expert MLP's first projection and activation in one pass ([N, I]
     in x's dtype). None where the kernel does not fuse it (AMX builds fuse bf16 weights with
-    I % 16 == 0, AVX-512 builds with bf16 dot products bf16 activations and weights, AVX2 builds
+    I % 16 == 0, AVX-512 builds with bf16 dot products bf16 activations and weights, every build
     fp32 activations): the caller runs `grouped_gemm` and the activation."""
     lib = _library() if (x.dtype, w13.dtype) in _SUPPORTED else None
     if lib is None or not _fuses_swiglu(lib, x.dtype, w13.dtype):

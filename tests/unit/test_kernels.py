@@ -55,7 +55,7 @@ def test_grouped_gemm_equals_per_slot_matmul(isa, x_dtype, w_dtype, num_rows):
 def test_grouped_swiglu_equals_silu_gate_times_up(isa, x_dtype, w_dtype, num_rows, inter):
     """The fused first projection + activation of the experts (AMX builds: bf16 weights; AVX-512
     builds with bf16 dot products: bf16 activations and weights, on the dot kernel or, from 16
-    rows per slot, pair panels; AVX2 builds: fp32 activations, on the dot kernel or, from 32 rows
+    rows per slot, pair panels; every build: fp32 activations, on the dot kernel or, from 32 rows
     per slot, packed panels; 20 columns leave partial blocks) equals the two steps it replaces;
     elsewhere it declines and the caller runs them."""
     torch.manual_seed(0)
@@ -67,8 +67,7 @@ def test_grouped_swiglu_equals_silu_gate_times_up(isa, x_dtype, w_dtype, num_row
     offsets = gg.slot_offsets(slots, num_slots)
     got = gg.grouped_swiglu(x, offsets, w13)
     fused = (isa == "amx" and w_dtype == torch.bfloat16 and inter % 16 == 0) or (
-        isa in ("avx512_bf16", "amx") and x_dtype == w_dtype == torch.bfloat16) or (
-        isa == "avx2" and x_dtype == torch.float32)
+        isa in ("avx512_bf16", "amx") and x_dtype == w_dtype == torch.bfloat16) or x_dtype == torch.float32
     if not fused:
         assert got is None
         return
@@ -108,8 +107,8 @@ def test_grouped_gemm_with_slot_rows_reads_each_groups_own_weight_row(isa, x_dty
 
 @pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
 def test_grouped_gemm_of_many_rows_per_slot_reads_each_groups_own_weight_row(isa, x_dtype, w_dtype):
-    """Groups of many rows (prefill; on AVX2 the packed-panel path, from 32 rows per slot; bf16 on
-    AVX-512 with bf16 dot products the pair-panel path, from 16): partial
+    """Groups of many rows (prefill; the packed-panel path, from 32 rows per slot; bf16 on AVX-512
+    with bf16 dot products the pair-panel path, from 16): partial
     panels (37 = 2 x 16 + 5 weight rows), a K tail, strided weights, pool rows out of order, and
     the rows in between never read, inputs whose rows are further apart than K."""
     torch.manual_seed(0)

@@ -12,9 +12,9 @@
 // are rounded to nearest even, as oneDNN does.
 //
 // The weight layout [Nout, K] (K contiguous) is the checkpoint's: each output is a dot product
-// along K (dot_kernel.h). On AVX2, calls with many rows per slot (prefill) run on packed panels
-// instead (packed_panel.h), and so do bf16 calls on AVX-512 with bf16 dot products (pair_panel.h);
-// on AMX, bf16 weights run on tiles (amx_gemm.h).
+// along K (dot_kernel.h). Calls with many rows per slot (prefill) run on packed fp32 panels instead
+// (packed_panel.h), bf16 ones on AVX-512 with bf16 dot products on panels of bf16 pairs
+// (pair_panel.h); on AMX, bf16 weights run on tiles (amx_gemm.h).
 //
 // Built once per ISA (the Python side picks the build from elasticmoe.utils.cpu_features):
 //   -DEMOE_AVX512 [-DEMOE_BF16DOT]   or   -DEMOE_AVX2
@@ -73,10 +73,14 @@ void for_slot_tasks(const int64_t* offsets, const std::vector<int>& busy, int64_
   runs.work(omp_get_thread_num(), [&](int64_t t) { task(busy[t / tasks_per_slot], t % tasks_per_slot); });
 }
 
-#if defined(EMOE_AVX2)
 // Rows per busy slot, on average, from which a call runs on packed panels (packed_panel.h) instead
-// of the dot kernel. Zen 3, 2 threads, 32 experts of 512 x 512, GFLOP/s dot vs panel: 12 rows
-// 122 / 99, 24 rows 125 / 124, 32 rows 120 / 129, 64 rows 120 / 151, 256 rows 123 / 173.
+// of the dot kernel. AVX2, Zen 3, 2 threads, 32 experts of 512 x 512, GFLOP/s dot vs panel: 12 rows
+// 122 / 99, 24 rows 125 / 124, 32 rows 120 / 129, 64 rows 120 / 151, 256 rows 123 / 173. AVX-512,
+// Zen 5, fp32 activations, 32 experts, gate/up (K = 512) and down (K = 256), two runs each: fp32
+// weights 16 rows 226-238 / 163-185 and 255-261 / 232-242, 32 rows 230-263 / 261-264 and 202-245 /
+// 288-305, 256 rows 318-333 / 423-432 and 290-293 / 412-424; bf16 weights 32 rows 361-383 / 324-350
+// and 335-345 / 404-406, 256 rows 383-390 / 442-449 and 342-343 / 431-432; one group of 2048 x 512 x
+// 512: 295-319 / 472-482 (oneDNN: 470-480).
 constexpr int64_t PANEL_MIN_ROWS = 32;
 thread_local AlignedBuffer<float> g_panel;  // a task's packed weight panel
 
@@ -112,6 +116,7 @@ void panel_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const s
   });
 }
 
+#if defined(EMOE_AVX2)
 // silu(g) * u for 8 values, as PyTorch's F.silu(g) * u: g * sigmoid(g), sigmoid from exp(-|g|).
 inline __m256 silu_mul(__m256 g, __m256 u) {
   const __m256 one = _mm256_set1_ps(1.0f);
@@ -119,8 +124,20 @@ inline __m256 silu_mul(__m256 g, __m256 u) {
   const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));  // g < 0: e / (1 + e)
   return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
 }
+#endif
 
 inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// o[0:n] = silu(g[0:n]) * u[0:n].
+inline void silu_mul_row(const float* g, const float* u, float* o, int n) {
+  int c = 0;
+#if defined(EMOE_AVX512)
+  for (; c + 16 <= n; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(silu(_mm512_loadu_ps(g + c)), _mm512_loadu_ps(u + c)));
+#else
+  for (; c + 8 <= n; c += 8) _mm256_storeu_ps(o + c, silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
+#endif
+  for (; c < n; ++c) o[c] = silu_mul(g[c], u[c]);
+}
 
 thread_local std::vector<float> g_gate_up;  // a task's gate and up results, before the activation
 
@@ -130,7 +147,7 @@ thread_local std::vector<float> g_gate_up;  // a task's gate and up results, bef
 // grouped GEMM chooses) and writes only their product: no [N, 2 * inter] intermediate, no
 // separate activation passes.
 template <typename W>
-void avx2_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows,
+void fp32_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows,
                          int num_slots, const W* w, int64_t w_stride_e, int64_t w_stride_n, float* out, int64_t ldo,
                          int64_t inter, int64_t K) {
   const std::vector<int> busy = busy_slots(offsets, num_slots);
@@ -154,17 +171,9 @@ void avx2_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
       dot_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, unit);
       dot_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, unit);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* o = out + (r0 + r) * ldo + j0;
-      const float* g = gate + r * unit;
-      const float* u = up + r * unit;
-      int c = 0;
-      for (; c + 8 <= nb; c += 8) _mm256_storeu_ps(o + c, silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
-      for (; c < nb; ++c) o[c] = silu_mul(g[c], u[c]);
-    }
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate + r * unit, up + r * unit, out + (r0 + r) * ldo + j0, nb);
   });
 }
-#endif
 
 #if defined(EMOE_BF16DOT)
 // A bf16 call runs on pair panels (pair_panel.h) instead of the dot kernel from max(16, K / 32)
@@ -271,12 +280,10 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t
     }
   }
 #endif
-#if defined(EMOE_AVX2)
   if (!busy.empty() && uses_panels(offsets, num_slots, busy)) {
     panel_grouped_gemm(x, ldx, offsets, busy, slot_rows, w, w_stride_e, w_stride_n, out, ldo, n_out, K);
     return;
   }
-#endif
   // Tasks: (slot, block of NB weight rows), only for slots with rows.
   for_slot_tasks(offsets, busy, (n_out + NB - 1) / NB, TASK_COST_ROWS, [&](int slot, int64_t j) {
     const int64_t n0 = j * NB;
@@ -413,7 +420,7 @@ int emoe_fast_fp32_bf16() {
 }
 
 // Whether emoe_grouped_swiglu serves this dtype pair in this build (and process): AMX tiles for bf16
-// weights, bf16 dot products for bf16 activations and weights, AVX2 for fp32 activations.
+// weights, bf16 dot products for bf16 activations and weights, every build for fp32 activations.
 int emoe_fuses_swiglu(int x_dtype, int w_dtype) {
 #if defined(EMOE_AMX)
   if (g_amx && w_dtype == kBF16) return 1;
@@ -421,12 +428,7 @@ int emoe_fuses_swiglu(int x_dtype, int w_dtype) {
 #if defined(EMOE_BF16DOT)
   if (x_dtype == kBF16 && w_dtype == kBF16) return 1;
 #endif
-#if defined(EMOE_AVX2)
-  if (x_dtype == kF32 && (w_dtype == kF32 || w_dtype == kBF16)) return 1;
-#endif
-  (void)x_dtype;
-  (void)w_dtype;
-  return 0;
+  return x_dtype == kF32 && (w_dtype == kF32 || w_dtype == kBF16) ? 1 : 0;
 }
 
 // silu(x @ w[:, :inter]^T) * (x @ w[:, inter:]^T) per group (w: [E, 2 * inter, K]) into out
@@ -454,19 +456,17 @@ int emoe_grouped_swiglu(const void* x, int64_t ldx, int x_dtype, const int64_t* 
     return 0;
   }
 #endif
-#if defined(EMOE_AVX2)
   if (x_dtype == kF32 && w_dtype == kF32) {
-    avx2_grouped_swiglu(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const float*>(w),
+    fp32_grouped_swiglu(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots, static_cast<const float*>(w),
                         w_stride_e, w_stride_n, static_cast<float*>(out), ldo, inter, K);
     return 0;
   }
   if (x_dtype == kF32 && w_dtype == kBF16) {
-    avx2_grouped_swiglu(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots,
+    fp32_grouped_swiglu(static_cast<const float*>(x), ldx, offsets, slot_rows, num_slots,
                         static_cast<const uint16_t*>(w), w_stride_e, w_stride_n, static_cast<float*>(out), ldo, inter,
                         K);
     return 0;
   }
-#endif
   return -1;
 }
 

@@ -1,12 +1,14 @@
-// Outer-product GEMM tiles over a packed weight panel, for groups of many rows on AVX2.
+// Outer-product GEMM tiles over a packed fp32 weight panel, for groups of many rows (AVX2, and
+// AVX-512 for fp32 activations).
 //
 // The dot kernel (grouped_gemm.cpp) multiplies along K, the checkpoint's layout, and reduces each
 // output horizontally: right for decode, where a few rows share each weight and reading the
 // weights once is what counts. With many rows per slot (prefill) it is bound by its FMAs and
-// reductions with AVX2's 16 registers. Here a task copies 16 weight rows into a panel transposed to
-// [K][16] fp32 (widened once, in a per-thread AlignedBuffer of 16 * K floats: no persistent copy, the
-// weights stay where the caller has them), then every 6 rows of the group run against it: per k,
-// two panel vectors and six broadcast inputs feed 12 FMAs into 12 accumulators. Each output is one
+// reductions (AVX2's 16 registers; on AVX-512 the reductions). Here a task copies NR weight rows
+// into a panel transposed to [K][NR] fp32 (widened once, in a per-thread AlignedBuffer of NR * K
+// floats: no persistent copy, the weights stay where the caller has them), then every MR rows of
+// the group run against it: per k, two panel vectors and MR broadcast inputs feed 2 MR FMAs into
+// 2 MR accumulators (AVX2: 16 columns, 6 rows; AVX-512: 32 columns, 12 rows). Each output is one
 // fp32 FMA chain along k, as in a plain GEMM.
 #pragma once
 
@@ -14,12 +16,37 @@
 
 #include "vec.h"
 
-#if defined(EMOE_AVX2)
 namespace emoe::panel {
 
-constexpr int NR = 16;  // weight rows (output columns) per panel: two vectors
-constexpr int MR = 6;   // input rows per tile: 12 accumulators + 2 panel vectors + 1 broadcast
+constexpr int NR = 2 * L;  // weight rows (output columns) per panel: two vectors
+#if defined(EMOE_AVX512)
+constexpr int MR = 12;  // input rows per tile: 24 accumulators + 2 panel vectors + 1 broadcast of 32 registers
+#else
+constexpr int MR = 6;  // input rows per tile: 12 accumulators + 2 panel vectors + 1 broadcast of 16 registers
+#endif
 
+#if defined(EMOE_AVX512)
+// bp[k * NR + j] = w[j, k] as fp32 for j < nb (<= NR), 0 for nb <= j < NR: per half of 16 rows, a
+// 16 x 16 transpose per 16 values of K.
+template <typename W>
+void pack(const W* w, int64_t ldw, int nb, int64_t K, float* bp) {
+  const int64_t k16 = K - K % 16;
+  for (int half = 0; half < 2; ++half) {
+    const int j0 = half * 16;
+    int64_t k = 0;
+    if (nb >= j0 + 16) {
+      for (; k < k16; k += 16) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_castps_si512(vload(w + (j0 + j) * ldw + k));
+        transpose16x16(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(bp + (k + i) * NR + j0, r[i]);
+      }
+    }
+    for (; k < K; ++k)
+      for (int j = 0; j < 16; ++j) bp[k * NR + j0 + j] = j0 + j < nb ? scalar(w, (j0 + j) * ldw + k) : 0.0f;
+  }
+}
+#else
 // Transposes 8 vectors (rows) in place into 8 columns.
 inline void transpose8(__m256 r[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -61,6 +88,7 @@ void pack(const W* w, int64_t ldw, int nb, int64_t K, float* bp) {
     }
   }
 }
+#endif
 
 // dst[m, 0:nb] = x[m, 0:K] @ panel for M (<= MR) rows; dst in x's dtype (bf16 rounded to nearest even).
 template <typename X, int M>
@@ -68,7 +96,7 @@ inline void tile(const X* x, int64_t ldx, const float* bp, int64_t K, X* dst, in
   vec acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    const vec w0 = _mm256_load_ps(bp + k * NR), w1 = _mm256_load_ps(bp + k * NR + L);
+    const vec w0 = vload(bp + k * NR), w1 = vload(bp + k * NR + L);
     for (int m = 0; m < M; ++m) {
       const vec b = vset(scalar(x, m * ldx + k));
       acc[m][0] = vfma(b, w0, acc[m][0]);
@@ -80,11 +108,22 @@ inline void tile(const X* x, int64_t ldx, const float* bp, int64_t K, X* dst, in
       vstore_as(dst + m * ldo, acc[m][0]);
       vstore_as(dst + m * ldo + L, acc[m][1]);
     } else {
-      alignas(32) float row[NR];
-      _mm256_store_ps(row, acc[m][0]);
-      _mm256_store_ps(row + L, acc[m][1]);
+      alignas(64) float row[NR];
+      vstore(row, acc[m][0]);
+      vstore(row + L, acc[m][1]);
       for (int n = 0; n < nb; ++n) store(dst, m * ldo + n, row[n]);
     }
+  }
+}
+
+// The last rows of a group (M < MR): tile<X, M> for M = rows.
+template <typename X, int M>
+inline void tail(int rows, const X* x, int64_t ldx, const float* bp, int64_t K, X* dst, int64_t ldo, int nb) {
+  if constexpr (M > 0) {
+    if (rows == M)
+      tile<X, M>(x, ldx, bp, K, dst, ldo, nb);
+    else
+      tail<X, M - 1>(rows, x, ldx, bp, K, dst, ldo, nb);
   }
 }
 
@@ -93,15 +132,7 @@ template <typename X>
 void rows(const X* x, int64_t ldx, int64_t r0, int64_t r1, const float* bp, int nb, int64_t K, X* out, int64_t ldo) {
   int64_t r = r0;
   for (; r + MR <= r1; r += MR) tile<X, MR>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
-  switch (r1 - r) {
-    case 5: tile<X, 5>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
-    case 4: tile<X, 4>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
-    case 3: tile<X, 3>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
-    case 2: tile<X, 2>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
-    case 1: tile<X, 1>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb); break;
-    default: break;
-  }
+  tail<X, MR - 1>(static_cast<int>(r1 - r), x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
 }
 
 }  // namespace emoe::panel
-#endif
