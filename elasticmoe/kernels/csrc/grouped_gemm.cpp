@@ -130,13 +130,17 @@ inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // o[0:n] = silu(g[0:n]) * u[0:n].
 inline void silu_mul_row(const float* g, const float* u, float* o, int n) {
-  int c = 0;
 #if defined(EMOE_AVX512)
-  for (; c + 16 <= n; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(silu(_mm512_loadu_ps(g + c)), _mm512_loadu_ps(u + c)));
+  for (int c = 0; c < n; c += 16) {  // masked: a decode task's rows are 8 values wide
+    const __mmask16 m = n - c >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - c)) - 1);
+    const __m512 h = _mm512_mul_ps(silu(_mm512_maskz_loadu_ps(m, g + c)), _mm512_maskz_loadu_ps(m, u + c));
+    _mm512_mask_storeu_ps(o + c, m, h);
+  }
 #else
+  int c = 0;
   for (; c + 8 <= n; c += 8) _mm256_storeu_ps(o + c, silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
-#endif
   for (; c < n; ++c) o[c] = silu_mul(g[c], u[c]);
+#endif
 }
 
 thread_local std::vector<float> g_gate_up;  // a task's gate and up results, before the activation
@@ -167,9 +171,9 @@ void fp32_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
     if (panels) {
       panel_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, unit);
       panel_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, unit);
-    } else {
-      dot_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, unit);
-      dot_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, unit);
+    } else {  // each block prefetches the one read next: the up block, then the next task's gate block
+      dot_rows(xs, ldx, 0, rows, gate_w, w_stride_n, nb, K, gate, unit, up_w);
+      dot_rows(xs, ldx, 0, rows, up_w, w_stride_n, nb, K, up, unit, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr);
     }
     for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate + r * unit, up + r * unit, out + (r0 + r) * ldo + j0, nb);
   });
@@ -254,8 +258,9 @@ void bf16_grouped_swiglu(const uint16_t* x, int64_t ldx, const int64_t* offsets,
     uint16_t* gate = g_gate_up_bf16.data();
     uint16_t* up = gate + rows * nb;
     const uint16_t* xs = x + r0 * ldx;
-    dot_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, nb);
-    dot_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, nb);
+    // each block prefetches the one read next: the up block, then the next task's gate block
+    dot_rows(xs, ldx, 0, rows, gate_w, w_stride_n, nb, K, gate, nb, up_w);
+    dot_rows(xs, ldx, 0, rows, up_w, w_stride_n, nb, K, up, nb, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr);
     const __mmask16 mask = static_cast<__mmask16>((1u << nb) - 1);
     for (int64_t r = 0; r < rows; ++r) {  // gate and up are already rounded to bf16: as PyTorch's silu and mul see them
       const __m512 g = widen(_mm256_maskz_loadu_epi16(mask, gate + r * nb));
