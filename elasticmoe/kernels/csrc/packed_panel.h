@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "row_tiles.h"
 #include "vec.h"
 
 namespace emoe::panel {
@@ -116,23 +117,12 @@ inline void tile(const X* x, int64_t ldx, const float* bp, int64_t K, X* dst, in
   }
 }
 
-// The last rows of a group (M < MR): tile<X, M> for M = rows.
-template <typename X, int M>
-inline void tail(int rows, const X* x, int64_t ldx, const float* bp, int64_t K, X* dst, int64_t ldo, int nb) {
-  if constexpr (M > 0) {
-    if (rows == M)
-      tile<X, M>(x, ldx, bp, K, dst, ldo, nb);
-    else
-      tail<X, M - 1>(rows, x, ldx, bp, K, dst, ldo, nb);
-  }
-}
-
 // Rows [r0, r1) of x against one packed panel of nb weight rows -> out[r, 0:nb].
 template <typename X>
 void rows(const X* x, int64_t ldx, int64_t r0, int64_t r1, const float* bp, int nb, int64_t K, X* out, int64_t ldo) {
-  int64_t r = r0;
-  for (; r + MR <= r1; r += MR) tile<X, MR>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
-  tail<X, MR - 1>(static_cast<int>(r1 - r), x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
+  for_row_tiles<MR>(r0, r1, [&](auto m, int64_t r) {
+    tile<X, decltype(m)::value>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
+  });
 }
 
 }  // namespace emoe::panel

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "row_tiles.h"
 #include "vec.h"
 
 #if defined(EMOE_BF16DOT)
@@ -116,25 +117,13 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint32_t* bp, int64_t K, 
   for (int m = 0; m < M; ++m) Out::store(acc[m], dst + m * ldo, nb);
 }
 
-// The last rows of a group (M < MR): tile<Out, M> for M = rows.
-template <typename Out, int M>
-inline void tail(int rows, const uint16_t* x, int64_t ldx, const uint32_t* bp, int64_t K, uint16_t* dst, int64_t ldo,
-                 int nb) {
-  if constexpr (M > 0) {
-    if (rows == M)
-      tile<Out, M>(x, ldx, bp, K, dst, ldo, nb);
-    else
-      tail<Out, M - 1>(rows, x, ldx, bp, K, dst, ldo, nb);
-  }
-}
-
 // Rows [r0, r1) of x against one panel -> out[r, 0:nb].
 template <typename Out>
 void rows(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint32_t* bp, int nb, int64_t K, uint16_t* out,
           int64_t ldo) {
-  int64_t r = r0;
-  for (; r + MR <= r1; r += MR) tile<Out, MR>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
-  tail<Out, MR - 1>(static_cast<int>(r1 - r), x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
+  for_row_tiles<MR>(r0, r1, [&](auto m, int64_t r) {
+    tile<Out, decltype(m)::value>(x + r * ldx, ldx, bp, K, out + r * ldo, ldo, nb);
+  });
 }
 
 }  // namespace emoe::pair_panel
