@@ -116,6 +116,9 @@ class Coordinator:
         status["slo"] = self.autoscale.tracker.snapshot().to_dict()
         status["autoscaler"] = self.autoscale.policy.status()
         if self.config.offloads_experts:
+            options = self.config.engine_options()
+            status["offload"] = {"policy": options.offload_policy, "prefetch_distance": options.offload_prefetch_distance,
+                                 "expert_tier": options.expert_tier, "expert_page_cache": options.expert_page_cache}
             status["expert_cache"] = await self._expert_cache_status()
         return status
 
@@ -130,7 +133,8 @@ class Coordinator:
                  "hits": s.num_expert_hits,
                  "hit_rate": round(s.num_expert_hits / s.num_expert_lookups, 4) if s.num_expert_lookups else None,
                  "on_demand_loads": s.num_expert_loads_on_demand, "prefetches": s.num_expert_loads_prefetch,
-                 "bytes_loaded_host": s.expert_bytes_loaded_host} for s in ranks]
+                 "bytes_loaded_host": s.expert_bytes_loaded_host, "bytes_loaded_disk": s.expert_bytes_loaded_disk}
+                for s in ranks]
 
     async def devices(self) -> dict[str, Any]:
         """The registered devices (node, state, memory) and the Ray nodes offering devices now."""

@@ -73,6 +73,9 @@ def test_a_disk_tier_server_scales_under_load_with_exact_tokens_and_no_expert_in
         assert got == reference[i], f"prompt {PROMPTS[i]} differs from the single-process engine"
     assert status["active_config"]["dp"] == 2
     assert [r["capacity_experts"] for r in status["expert_cache"]] == [4, 4]
+    assert status["offload"] == {"policy": "lru", "prefetch_distance": 1, "expert_tier": "disk", "expert_page_cache": "drop"}
+    assert all(r["bytes_loaded_host"] == 0 for r in status["expert_cache"])
+    assert sum(r["bytes_loaded_disk"] for r in status["expert_cache"]) >= EXPERT_ROW
     assert all(d["peak_bytes"] <= d["budget_bytes"] for d in status["devices"] if d["peak_bytes"] is not None)
     assert sum(metric_values(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="disk"}')) >= EXPERT_ROW
     assert sum(metric_values(metrics, 'elasticmoe_expert_bytes_loaded_total{tier="host"}')) == 0
