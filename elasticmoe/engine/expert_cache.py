@@ -494,7 +494,9 @@ class ExpertCache:
             self._publish_finished()
             c = self.counters
             return {
-                "policy": self.policy.name, "capacity_experts": self.capacity, "expert_bytes": self.expert_bytes,
+                "policy": self.policy.name, "tier": self.source.tier,
+                "page_cache": "drop" if self.source.drops_pages else "keep",
+                "capacity_experts": self.capacity, "expert_bytes": self.expert_bytes,
                 "cache_bytes": self.capacity * self.expert_bytes, "resident_experts": self.state.num_resident,
                 "lookups": c.lookups, "hits": c.hits, "hit_rate": round(c.hit_rate, 4),
                 "on_demand_loads": c.on_demand_loads, "prefetches": c.prefetches,

@@ -96,7 +96,8 @@ def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir, tmp_
                     assert r.json()["choices"][0]["text"] == text, name
             status = client.get("/admin/status").json()
             cache = status["expert_cache"]
-            assert cache["policy"] == "lru" and cache["on_demand_loads"] > 0
+            assert cache["policy"] == "lru" and cache["tier"] == "disk" and cache["page_cache"] == "keep"
+            assert cache["on_demand_loads"] > 0
             assert cache["resident_experts"] <= cache["capacity_experts"] == 4  # 25% of 2 layers x 8 experts
             metrics = client.get("/metrics").text
             assert 'elasticmoe_expert_loads_total{kind="on_demand"}' in metrics
