@@ -128,11 +128,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """Causal self-attention of whole spans. q [B, L, H, D]; k, v [B, Hkv, L, D] -> [B, L, H, D].
 
     Two batched matmuls with the query heads of each KV head stacked along the
-    rows. In bf16 without AMX this is ~1.7x faster on CPU than SDPA's flash kernel
-    at prompt lengths in the hundreds; in fp32 SDPA wins (it skips the masked
-    tiles), so fp32 stays on SDPA, and so does bf16 where oneDNN has AMX (SDPA
-    4.2x faster at 128 tokens, 8.6x at 512, measured on such a host). Scores are
-    kept in the model dtype and softmaxed in float32, as HF's eager attention does.
+    rows. In bf16 without AMX this was ~1.7x faster on CPU than SDPA's flash kernel
+    at 128 tokens; it computes the masked half too, so longer spans go to SDPA
+    (`CAUSAL_BMM_MAX_LEN`). In fp32 SDPA wins (it skips the masked tiles), so fp32
+    stays on SDPA, and so does bf16 where oneDNN has AMX (SDPA 4.2x faster at 128
+    tokens, 8.6x at 512, measured on such a host). Scores are kept in the model
+    dtype and softmaxed in float32, as HF's eager attention does.
     """
     batch, length, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -149,6 +150,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 # bf16 causal prefill through SDPA's flash kernel where it runs on AMX tiles (see causal_attention).
 _SDPA_ON_AMX = detect_cpu_features().bf16_gemm == "amx"
+# The longest bf16 span `causal_attention` takes; longer ones go to SDPA. Zen 5 (AVX-512 + bf16
+# dot products, no AMX), 2 threads, 8 heads over 2 KV heads of 64, 2,048 tokens per call, min / median
+# of 20 calls in turn, bmm vs SDPA: 64 tokens 1.1 / 3.2 vs 2.6 / 2.7 ms, 128 tokens 5.4 / 5.6 vs
+# 4.5 / 6.1, 256 tokens 11.3 / 16.5 vs 7.2 / 7.5, 512 tokens 34.2 / 36.8 vs 13.6 / 14.1; one span of
+# 2,048 tokens 188 vs 35 ms.
+CAUSAL_BMM_MAX_LEN = 128
 
 
 def gqa_decode(scale: float) -> DecodeFn:
@@ -172,7 +179,7 @@ def gqa_attend(scale: float) -> AttendFn:
         v = kv[:, :, 1].transpose(1, 2).contiguous()
         if q.shape[1] == 1 and mask is not None:
             return decode_attention(q[:, 0], k, v, mask.view(mask.shape[0], -1), scale).unsqueeze(1)
-        if is_causal and q.dtype != torch.float32 and not _SDPA_ON_AMX:
+        if is_causal and q.dtype != torch.float32 and not _SDPA_ON_AMX and q.shape[1] <= CAUSAL_BMM_MAX_LEN:
             return causal_attention(q, k, v, scale)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True

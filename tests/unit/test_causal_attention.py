@@ -1,0 +1,45 @@
+"""Which kernel a bf16 causal prefill span runs on, and that both give the same attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elasticmoe.layers import attention
+
+
+def _span(length: int, dtype: torch.dtype = torch.bfloat16):
+    torch.manual_seed(0)
+    q = torch.randn(2, length, 8, 16).to(dtype)  # 8 query heads over 2 KV heads
+    kv = torch.randn(2, length, 2, 2, 16).to(dtype)  # [B, L, (K, V), Hkv, D], as the paged cache holds them
+    return q, kv
+
+
+def _reference(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+    k, v = (kv[:, :, i].transpose(1, 2).float() for i in (0, 1))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("length", [attention.CAUSAL_BMM_MAX_LEN, attention.CAUSAL_BMM_MAX_LEN + 1])
+def test_long_bf16_spans_go_to_sdpa_and_short_ones_to_the_batched_matmuls(monkeypatch, length):
+    """Without AMX, bf16 spans up to CAUSAL_BMM_MAX_LEN tokens run on two batched matmuls, longer
+    ones on SDPA's flash kernel (the matmuls compute the masked half too: 2-5x slower from 256
+    tokens); both equal the fp32 attention to bf16 precision."""
+    calls = []
+    real = attention.causal_attention
+    monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
+    monkeypatch.setattr(attention, "causal_attention", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    q, kv = _span(length)
+    scale = 16**-0.5
+    got = attention.gqa_attend(scale)(q, kv, None, True)
+    assert calls == ([length] if length <= attention.CAUSAL_BMM_MAX_LEN else [])
+    torch.testing.assert_close(got.float(), _reference(q, kv, scale), atol=2e-2, rtol=2e-2)
+
+
+def test_fp32_spans_stay_on_sdpa(monkeypatch):
+    monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
+    monkeypatch.setattr(attention, "causal_attention", lambda *a: pytest.fail("fp32 went to the batched matmuls"))
+    q, kv = _span(8, torch.float32)
+    torch.testing.assert_close(attention.gqa_attend(0.25)(q, kv, None, True), _reference(q, kv, 0.25))
