@@ -85,9 +85,24 @@ def paged_attention(
             kv = new_kv[span.start : end].view(num_spans, span.num_tokens, *new_kv.shape[1:])
             out = attend(qs, kv, None, True)
         else:
-            out = attend(qs, gather(span.block_table).unsqueeze(0), span.mask, False)
+            out = _attend_chunk(qs, gather(span.block_table).unsqueeze(0), span, attend)
         outs.append(out.flatten(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend_chunk(q: torch.Tensor, kv: torch.Tensor, span: PrefillSpan, attend: AttendFn) -> torch.Tensor:
+    """A prompt chunk over its earlier context and itself: query i of the chunk sees keys up to
+    context_len - num_tokens + i. Where the earlier context is shorter than the chunk, this runs as
+    one causal call over the whole context, the earlier positions' queries padded in (zeros) and
+    their outputs dropped: a causal kernel skips the masked half, where a call with the explicit
+    mask computes every key of every query (SDPA, Zen 5, bf16: ~85 ms for a chunk of ~2,030
+    tokens over 8 earlier ones, against ~34 ms causal). Longer earlier contexts keep the mask
+    (padding them would cost more than the masked half saves)."""
+    prefix = span.context_len - span.num_tokens
+    if prefix >= span.num_tokens:
+        return attend(q, kv, span.mask, False)
+    padded = torch.cat([q.new_zeros((q.shape[0], prefix, *q.shape[2:])), q], dim=1)
+    return attend(padded, kv[:, : span.context_len], None, True)[:, prefix:]
 
 
 def _prefill_groups(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:

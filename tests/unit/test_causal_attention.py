@@ -43,3 +43,35 @@ def test_fp32_spans_stay_on_sdpa(monkeypatch):
     monkeypatch.setattr(attention, "causal_attention", lambda *a: pytest.fail("fp32 went to the batched matmuls"))
     q, kv = _span(8, torch.float32)
     torch.testing.assert_close(attention.gqa_attend(0.25)(q, kv, None, True), _reference(q, kv, 0.25))
+
+
+@pytest.mark.parametrize(("earlier", "chunk"), [(5, 21), (21, 21), (40, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_over_earlier_context_equals_the_masked_attention(monkeypatch, earlier, chunk, dtype):
+    """A chunked prefill's later chunk: with less earlier context than the chunk it runs as one
+    causal call over the whole context (queries of the earlier positions padded in and dropped),
+    else with its explicit mask; both equal attention with the chunk's lower-right causal mask."""
+    from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
+
+    torch.manual_seed(0)
+    block_size, num_blocks = 4, 32
+    context = earlier + chunk
+    blocks = torch.randperm(num_blocks)[: (context + block_size - 1) // block_size]
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:context]
+    cache = torch.randn(num_blocks * block_size, 2, 2, 16).to(dtype)
+    keys = torch.randn(context, 2, 2, 16).to(dtype)  # every position's K and V, the chunk's written by the call
+    cache[slots[:earlier]] = keys[:earlier]
+    q = torch.randn(chunk, 8, 16).to(dtype)
+    key_pos = torch.arange(len(blocks) * block_size)[None]
+    span = PrefillSpan(0, chunk, context, block_table=blocks,
+                       mask=(key_pos <= torch.arange(earlier, context)[:, None])[None, None])
+    meta = AttentionMetadata(slot_mapping=slots[earlier:], block_size=block_size, prefills=[span])
+    calls = []
+    attend = attention.gqa_attend(0.25)
+    got = paged_attention(q, keys[earlier:].clone(), cache, meta, lambda *a: calls.append(a[3]) or attend(*a))
+    assert calls == [earlier < chunk]  # is_causal: the padded causal call, else the mask
+    k, v = (keys[:, i].transpose(0, 1).float() for i in (0, 1))  # [Hkv, context, D]
+    mask = torch.arange(context)[None] <= torch.arange(earlier, context)[:, None]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.transpose(0, 1), atol=tol, rtol=tol)
