@@ -177,9 +177,7 @@ inline __m512i bf16_rounded_bits(vec v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   return _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
 }
-#endif
 
-#if defined(EMOE_AVX512)
 // r[i] (16 dwords each) -> r[j] = (r[0][j], ..., r[15][j]): 64 shuffles.
 inline void transpose16x16(__m512i r[16]) {
   __m512i t[16], u[16];
