@@ -1,10 +1,11 @@
-// Outer-product GEMM tiles over a packed fp32 weight panel, for groups of many rows (AVX2, and
-// AVX-512 for fp32 activations).
+// Outer-product GEMM tiles over a packed fp32 weight panel, for groups of many rows computed in
+// fp32 FMAs (every build; bf16 ones on AVX-512 with bf16 dot products use pair_panel.h).
 //
-// The dot kernel (grouped_gemm.cpp) multiplies along K, the checkpoint's layout, and reduces each
+// The dot kernel (dot_kernel.h) multiplies along K, the checkpoint's layout, and reduces each
 // output horizontally: right for decode, where a few rows share each weight and reading the
-// weights once is what counts. With many rows per slot (prefill) it is bound by its FMAs and
-// reductions (AVX2's 16 registers; on AVX-512 the reductions). Here a task copies NR weight rows
+// weights once is what counts. With many rows per slot (prefill) it is bound by those reductions
+// (and on AVX2, whose 16 registers hold few accumulators, by re-reading its inputs for every 4
+// weight rows). Here a task copies NR weight rows
 // into a panel transposed to [K][NR] fp32 (widened once, in a per-thread AlignedBuffer of NR * K
 // floats: no persistent copy, the weights stay where the caller has them), then every MR rows of
 // the group run against it: per k, two panel vectors and MR broadcast inputs feed 2 MR FMAs into
