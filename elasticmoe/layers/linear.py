@@ -10,10 +10,10 @@ While a decode step runs PyTorch on one thread (`ModelRunner`), projections of u
 
 A weight stored in another dtype than x (bf16 weights computed in float32: from a shared-memory
 provider on a host without a fast bf16 GEMM, `elasticmoe.utils.cpu_features`; or a bf16
-checkpoint's own weights on an AMX host) goes to the grouped kernel where that is faster than
+checkpoint's own weights on an AMX host) goes to the grouped kernel, which is at least as fast as
 widening it (`computes_fp32_with_bf16_weights`: on AMX tiles, fp32 activations in three bf16
-parts, fp32's accuracy; in the AVX2 build, widened in registers), else is widened at use; bf16
-values are exact in float32.
+parts, fp32's accuracy; elsewhere widened in registers), else (no kernel build) is widened at use;
+bf16 values are exact in float32.
 """
 
 from __future__ import annotations

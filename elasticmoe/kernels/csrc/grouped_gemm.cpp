@@ -410,20 +410,6 @@ int emoe_amx_init() {
 #endif
 }
 
-// Whether this build multiplies fp32 activations by bf16 weights faster than widening the weights
-// for oneDNN's fp32 GEMM: on AMX tiles where the OS granted them, and in the AVX2 build (dot kernel
-// and panels; Zen 3, 2 threads: [64, 512] x [768, 512]^T 0.29 vs 0.42 ms, [2048, 512] x [768, 512]^T
-// 8.9 vs 10.0 ms). Not measured for the AVX-512 builds without AMX: they answer no.
-int emoe_fast_fp32_bf16() {
-#if defined(EMOE_AMX)
-  return g_amx ? 1 : 0;
-#elif defined(EMOE_AVX2)
-  return 1;
-#else
-  return 0;
-#endif
-}
-
 // Whether emoe_grouped_swiglu serves this dtype pair in this build (and process): AMX tiles for bf16
 // weights, bf16 dot products for bf16 activations and weights, every build for fp32 activations.
 int emoe_fuses_swiglu(int x_dtype, int w_dtype) {
