@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(tiny_model_dir, paced_engines):
+    # Paced (50 steps a second: a stream of 160 tokens lasts >= 3.2 s): every fault must land while
+    # the streams run. At full speed a fast host (Zen 5) finished them within the 0.3 s a mid-scale
+    # fault waits for the scale to start, and the kill found nothing in flight to recover.
     with running(tiny_config(tiny_model_dir, num_devices=3, served_model_name=MODEL)) as srv:
         yield srv
 
