@@ -1,4 +1,5 @@
-"""Which kernel a bf16 causal prefill span runs on, and that both give the same attention."""
+"""How prefill spans attend: which kernel a bf16 causal span runs on, how a chunk over earlier
+context runs, and that each equals the reference attention."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_fp32_spans_stay_on_sdpa(monkeypatch):
 
 @pytest.mark.parametrize(("earlier", "chunk"), [(5, 21), (21, 21), (40, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_chunk_over_earlier_context_equals_the_masked_attention(monkeypatch, earlier, chunk, dtype):
+def test_a_chunk_over_earlier_context_equals_the_masked_attention(earlier, chunk, dtype):
     """A chunked prefill's later chunk: with less earlier context than the chunk it runs as one
     causal call over the whole context (queries of the earlier positions padded in and dropped),
     else with its explicit mask; both equal attention with the chunk's lower-right causal mask."""
