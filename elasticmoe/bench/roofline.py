@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from elasticmoe.layers.linear import linear
 from elasticmoe.models.common import CausalLM
@@ -57,10 +56,9 @@ def measure_machine(repeats: int = 5, gemm_size: int = 2048, read_mib: int = 512
     for dtype in (torch.bfloat16, torch.float32):
         a = torch.randn(gemm_size, gemm_size).to(dtype)
         b = torch.randn(gemm_size, gemm_size).to(dtype)
-        # PyTorch's own fp32 GEMM is MKL's, which on AMD hosts runs AVX2 code at half of what the
-        # engine's projections get from oneDNN (`layers.linear`; Zen 5: 194-204 against 470-480
-        # GFLOP/s): the peak is the faster of the two.
-        seconds = min(_best_of(partial(F.linear, a, b), repeats), _best_of(partial(linear, a, b), repeats))
+        # The engine's projections (`layers.linear`): in fp32 oneDNN's GEMM, not PyTorch's own (MKL's,
+        # which on AMD hosts runs AVX2 code at half of it: Zen 5, 194-204 against 470-480 GFLOP/s).
+        seconds = _best_of(partial(linear, a, b), repeats)
         peaks[str(dtype).removeprefix("torch.")] = 2 * gemm_size**3 / seconds / 1e9
     features = detect_cpu_features()
     return MachinePeaks(buf.nbytes / read_s / 1e9, peaks, f"{features.kernel_isa} (bf16 GEMM: {features.bf16_gemm})",

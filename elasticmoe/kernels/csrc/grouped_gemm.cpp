@@ -143,6 +143,16 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int n) {
 #endif
 }
 
+// A fused SwiGLU's decode-size task on the dot kernel: a block of nb (<= NB) gate columns and the
+// same block of up columns for rows [0, rows) of x, into gate and up (row stride ldo). Each block
+// prefetches the one read next: the up block, then `next` (the next task's gate block, or null).
+template <typename X, typename W>
+inline void dot_gate_up(const X* x, int64_t ldx, int64_t rows, const W* gate_w, const W* up_w, const W* next,
+                        int64_t ldw, int nb, int64_t K, X* gate, X* up, int64_t ldo) {
+  dot_rows(x, ldx, 0, rows, gate_w, ldw, nb, K, gate, ldo, up_w);
+  dot_rows(x, ldx, 0, rows, up_w, ldw, nb, K, up, ldo, next);
+}
+
 thread_local std::vector<float> g_gate_up;  // a task's gate and up results, before the activation
 
 // silu(x @ gate^T) * (x @ up^T) per group, fp32 activations, w [E, 2 * inter, K] holding each slot's
@@ -171,9 +181,9 @@ void fp32_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
     if (panels) {
       panel_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, unit);
       panel_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, unit);
-    } else {  // each block prefetches the one read next: the up block, then the next task's gate block
-      dot_rows(xs, ldx, 0, rows, gate_w, w_stride_n, nb, K, gate, unit, up_w);
-      dot_rows(xs, ldx, 0, rows, up_w, w_stride_n, nb, K, up, unit, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr);
+    } else {
+      dot_gate_up(xs, ldx, rows, gate_w, up_w, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr, w_stride_n, nb,
+                  K, gate, up, unit);
     }
     for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate + r * unit, up + r * unit, out + (r0 + r) * ldo + j0, nb);
   });
@@ -258,9 +268,8 @@ void bf16_grouped_swiglu(const uint16_t* x, int64_t ldx, const int64_t* offsets,
     uint16_t* gate = g_gate_up_bf16.data();
     uint16_t* up = gate + rows * nb;
     const uint16_t* xs = x + r0 * ldx;
-    // each block prefetches the one read next: the up block, then the next task's gate block
-    dot_rows(xs, ldx, 0, rows, gate_w, w_stride_n, nb, K, gate, nb, up_w);
-    dot_rows(xs, ldx, 0, rows, up_w, w_stride_n, nb, K, up, nb, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr);
+    dot_gate_up(xs, ldx, rows, gate_w, up_w, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr, w_stride_n, nb, K,
+                gate, up, nb);
     const __mmask16 mask = static_cast<__mmask16>((1u << nb) - 1);
     for (int64_t r = 0; r < rows; ++r) {  // gate and up are already rounded to bf16: as PyTorch's silu and mul see them
       const __m512 g = widen(_mm256_maskz_loadu_epi16(mask, gate + r * nb));
