@@ -144,13 +144,15 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int n) {
 }
 
 // A fused SwiGLU's decode-size task on the dot kernel: a block of nb (<= NB) gate columns and the
-// same block of up columns for rows [0, rows) of x, into gate and up (row stride ldo). Each block
-// prefetches the one read next: the up block, then `next` (the next task's gate block, or null).
+// same block of up columns for rows [0, rows) of x, into gate and up (row stride ldo). `next` is
+// the next task's gate block (or null). Blocks are read gate, up, next gate, next up, and each
+// prefetches the one read PREFETCH_AHEAD blocks later (dot_kernel.h).
 template <typename X, typename W>
 inline void dot_gate_up(const X* x, int64_t ldx, int64_t rows, const W* gate_w, const W* up_w, const W* next,
                         int64_t ldw, int nb, int64_t K, X* gate, X* up, int64_t ldo) {
-  dot_rows(x, ldx, 0, rows, gate_w, ldw, nb, K, gate, ldo, up_w);
-  dot_rows(x, ldx, 0, rows, up_w, ldw, nb, K, up, ldo, next);
+  const W* next_up = next != nullptr ? up_w + (next - gate_w) : nullptr;
+  dot_rows(x, ldx, 0, rows, gate_w, ldw, nb, K, gate, ldo, PREFETCH_AHEAD == 1 ? up_w : next);
+  dot_rows(x, ldx, 0, rows, up_w, ldw, nb, K, up, ldo, PREFETCH_AHEAD == 1 ? next : next_up);
 }
 
 thread_local std::vector<float> g_gate_up;  // a task's gate and up results, before the activation
