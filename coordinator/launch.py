@@ -68,7 +68,16 @@ HEAD_RESOURCE = "node:__internal_head__"
 # coordinator's resident memory grew by ~0.4 MB each with glibc's default and not at all with two,
 # the ingress's by ~1.1 and ~0.6 MB, levelling off after ~30,000 requests (docs/resilience.md, "A
 # long run does not grow"); an engine's TPOT did not change. The Helm chart sets it in its pods.
-LOCAL_RAY_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "MALLOC_ARENA_MAX": "2"}
+#
+# OpenMP threads that sleep when they wait (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning for up to
+# ~300,000 iterations (libgomp's default): a rank's second thread waits at the end of every kernel
+# and through each step's single-threaded parts, and spinning there takes the core the ingress, the
+# clients' connections and Ray's daemons need. Zen 5, 2 vCPUs, dp 1, 64 streaming clients (bf16,
+# 128 in / 64 out), three pairs run in turn: 1,487 / 1,367 / 1,526 -> 1,579 / 1,515 / 1,544
+# output tok/s, TTFT p50 519 / 710 / 710 -> 430 / 471 / 420 ms, the rank 152-155% -> 110% of a
+# core. `serve --single` (no Ray) keeps libgomp's default: there the same setting lost (1,877 /
+# 1,920 -> 1,544 / 1,773 tok/s), its HTTP work running on the engine's own process between steps.
+LOCAL_RAY_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "MALLOC_ARENA_MAX": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 _ON_HEAD = {"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}}
 # Serve logs every call a replica answers; the coordinator's are internal (the ingress reports its
 # observations four times a second under traffic, long polls, scrapes): ~14,000 lines an hour of

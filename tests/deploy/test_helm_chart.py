@@ -187,12 +187,13 @@ def test_a_stopped_worker_drains_its_own_node_first(tmp_path):
     assert log.read_text().splitlines() == ["sleep 65"]
 
 
-def test_every_ray_container_caps_malloc_arenas_as_a_local_ray_does():
+def test_every_ray_container_caps_malloc_arenas_and_openmp_spinning_as_a_local_ray_does():
     templates = pod_templates(render())
     assert set(templates) == {"head", "worker"}
     for group, template in templates.items():
         env = {e["name"]: e.get("value") for e in ray_container(template)["env"]}
         assert env["MALLOC_ARENA_MAX"] == LOCAL_RAY_DEFAULTS["MALLOC_ARENA_MAX"] == "2", group
+        assert env["OMP_WAIT_POLICY"] == LOCAL_RAY_DEFAULTS["OMP_WAIT_POLICY"] == "PASSIVE", group
 
 
 def test_ray_token_authentication_from_the_operator_or_a_secret():

@@ -200,6 +200,9 @@ applications:
 {{- /* glibc's malloc at two arenas in every Ray process of the pod (coordinator/launch.py, LOCAL_RAY_DEFAULTS) */}}
 - name: MALLOC_ARENA_MAX
   value: "2"
+{{- /* OpenMP threads that sleep when they wait, not spin: a rank's idle thread leaves the core to the pod's other processes (coordinator/launch.py) */}}
+- name: OMP_WAIT_POLICY
+  value: PASSIVE
 {{- include "elasticmoe.authEnv" . }}
 {{- include "elasticmoe.rayAuthEnv" . }}
 {{- with .Values.extraEnv }}
