@@ -45,6 +45,9 @@ using namespace emoe::dot;
 
 constexpr int TASK_COST_ROWS = 4;  // a task's cost beyond its rows, for balancing: streaming its weight block
 
+// The row of w holding slot `slot`'s weights (slot_rows: a map, or null for the identity).
+inline int64_t weight_row(const int64_t* slot_rows, int slot) { return slot_rows != nullptr ? slot_rows[slot] : slot; }
+
 // The slots with rows, in order.
 inline std::vector<int> busy_slots(const int64_t* offsets, int num_slots) {
   std::vector<int> busy;
@@ -110,7 +113,7 @@ void panel_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const s
                         int64_t ldo, int64_t n_out, int64_t K) {
   for_slot_tasks(offsets, busy, (n_out + panel::NR - 1) / panel::NR, 2 * TASK_COST_ROWS, [&](int slot, int64_t j) {
     const int64_t n0 = j * panel::NR;
-    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
+    const int64_t row = weight_row(slot_rows, slot);
     panel_cols(x, ldx, offsets[slot], offsets[slot + 1], w + row * w_stride_e + n0 * w_stride_n, w_stride_n,
                static_cast<int>(n_out - n0 < panel::NR ? n_out - n0 : panel::NR), n_out - n0, K, out + n0, ldo);
   });
@@ -155,6 +158,21 @@ inline void dot_gate_up(const X* x, int64_t ldx, int64_t rows, const W* gate_w, 
   dot_rows(x, ldx, 0, rows, up_w, ldw, nb, K, up, ldo, PREFETCH_AHEAD == 1 ? next : next_up);
 }
 
+// The tasks of a fused SwiGLU over w [E, 2 * inter, K] (each slot's gate rows, then its up rows):
+// task(r0, rows, j0, nb, gate_w, up_w, next) for each busy slot (its rows [r0, r0 + rows)) and each
+// block of `unit` gate columns from j0 (nb of them; the last block may be partial), gate_w and up_w
+// pointing at the block's gate and up rows, `next` at the next block's gate rows (null for the last).
+template <typename W, typename Task>
+void for_gate_up_tasks(const int64_t* offsets, const std::vector<int>& busy, const int64_t* slot_rows, const W* w,
+                       int64_t w_stride_e, int64_t w_stride_n, int64_t inter, int unit, Task task) {
+  for_slot_tasks(offsets, busy, (inter + unit - 1) / unit, 2 * TASK_COST_ROWS * unit / NB, [&](int slot, int64_t j) {
+    const int64_t j0 = j * unit;
+    const W* gate_w = w + weight_row(slot_rows, slot) * w_stride_e + j0 * w_stride_n;
+    task(offsets[slot], offsets[slot + 1] - offsets[slot], j0, static_cast<int>(inter - j0 < unit ? inter - j0 : unit),
+         gate_w, gate_w + inter * w_stride_n, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr);
+  });
+}
+
 thread_local std::vector<float> g_gate_up;  // a task's gate and up results, before the activation
 
 // silu(x @ gate^T) * (x @ up^T) per group, fp32 activations, w [E, 2 * inter, K] holding each slot's
@@ -169,13 +187,8 @@ void fp32_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
   const std::vector<int> busy = busy_slots(offsets, num_slots);
   const bool panels = uses_panels(offsets, num_slots, busy);
   const int unit = panels ? panel::NR : NB;  // gate (and up) columns per task
-  for_slot_tasks(offsets, busy, (inter + unit - 1) / unit, 2 * TASK_COST_ROWS * unit / NB, [&](int slot, int64_t j) {
-    const int64_t j0 = j * unit;
-    const int nb = static_cast<int>(inter - j0 < unit ? inter - j0 : unit);
-    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
-    const W* gate_w = w + row * w_stride_e + j0 * w_stride_n;
-    const W* up_w = gate_w + inter * w_stride_n;
-    const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
+  for_gate_up_tasks(offsets, busy, slot_rows, w, w_stride_e, w_stride_n, inter, unit,
+                    [&](int64_t r0, int64_t rows, int64_t j0, int nb, const W* gate_w, const W* up_w, const W* next) {
     const float* xs = x + r0 * ldx;
     g_gate_up.resize(static_cast<size_t>(2 * rows * unit));
     float* gate = g_gate_up.data();
@@ -184,8 +197,7 @@ void fp32_grouped_swiglu(const float* x, int64_t ldx, const int64_t* offsets, co
       panel_cols(xs, ldx, 0, rows, gate_w, w_stride_n, nb, inter - j0, K, gate, unit);
       panel_cols(xs, ldx, 0, rows, up_w, w_stride_n, nb, inter - j0, K, up, unit);
     } else {
-      dot_gate_up(xs, ldx, rows, gate_w, up_w, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr, w_stride_n, nb,
-                  K, gate, up, unit);
+      dot_gate_up(xs, ldx, rows, gate_w, up_w, next, w_stride_n, nb, K, gate, up, unit);
     }
     for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate + r * unit, up + r * unit, out + (r0 + r) * ldo + j0, nb);
   });
@@ -232,7 +244,7 @@ void pair_panel_grouped_gemm(const uint16_t* x, int64_t ldx, const int64_t* offs
   for_slot_tasks(offsets, busy, (n_out + NR - 1) / NR, TASK_COST_ROWS * NR / NB, [&](int slot, int64_t j) {
     const int64_t n0 = j * NR;
     const int nb = static_cast<int>(n_out - n0 < NR ? n_out - n0 : NR);
-    const uint16_t* ws = w + (slot_rows != nullptr ? slot_rows[slot] : slot) * w_stride_e + n0 * w_stride_n;
+    const uint16_t* ws = w + weight_row(slot_rows, slot) * w_stride_e + n0 * w_stride_n;
     const uint16_t* half[2] = {ws, ws + 16 * w_stride_n};  // the second is never read when nb <= 16
     const int nbh[2] = {nb < 16 ? nb : 16, nb > 16 ? nb - 16 : 0};
     if (!pair_panel_rows<pair_panel::Plain>(x, ldx, offsets[slot], offsets[slot + 1], half, nbh, w_stride_n, K,
@@ -254,12 +266,9 @@ void bf16_grouped_swiglu(const uint16_t* x, int64_t ldx, const int64_t* offsets,
   const std::vector<int> busy = busy_slots(offsets, num_slots);
   const bool panels = uses_pair_panels(offsets, num_slots, busy, K);
   const int unit = panels ? 16 : NB;  // gate (and up) columns per task
-  for_slot_tasks(offsets, busy, (inter + unit - 1) / unit, 2 * TASK_COST_ROWS * unit / NB, [&](int slot, int64_t j) {
-    const int64_t j0 = j * unit;
-    const int nb = static_cast<int>(inter - j0 < unit ? inter - j0 : unit);
-    const uint16_t* gate_w = w + (slot_rows != nullptr ? slot_rows[slot] : slot) * w_stride_e + j0 * w_stride_n;
-    const uint16_t* up_w = gate_w + inter * w_stride_n;
-    const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
+  for_gate_up_tasks(offsets, busy, slot_rows, w, w_stride_e, w_stride_n, inter, unit,
+                    [&](int64_t r0, int64_t rows, int64_t j0, int nb, const uint16_t* gate_w, const uint16_t* up_w,
+                        const uint16_t* next) {
     if (panels) {
       const uint16_t* half[2] = {gate_w, up_w};
       const int nbh[2] = {nb, nb};
@@ -270,8 +279,7 @@ void bf16_grouped_swiglu(const uint16_t* x, int64_t ldx, const int64_t* offsets,
     uint16_t* gate = g_gate_up_bf16.data();
     uint16_t* up = gate + rows * nb;
     const uint16_t* xs = x + r0 * ldx;
-    dot_gate_up(xs, ldx, rows, gate_w, up_w, j0 + unit < inter ? gate_w + unit * w_stride_n : nullptr, w_stride_n, nb, K,
-                gate, up, nb);
+    dot_gate_up(xs, ldx, rows, gate_w, up_w, next, w_stride_n, nb, K, gate, up, nb);
     const __mmask16 mask = static_cast<__mmask16>((1u << nb) - 1);
     for (int64_t r = 0; r < rows; ++r) {  // gate and up are already rounded to bf16: as PyTorch's silu and mul see them
       const __m512 g = widen(_mm256_maskz_loadu_epi16(mask, gate + r * nb));
@@ -303,7 +311,7 @@ void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t
   // Tasks: (slot, block of NB weight rows), only for slots with rows.
   for_slot_tasks(offsets, busy, (n_out + NB - 1) / NB, TASK_COST_ROWS, [&](int slot, int64_t j) {
     const int64_t n0 = j * NB;
-    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
+    const int64_t row = weight_row(slot_rows, slot);
     dot_cols(x, ldx, offsets[slot], offsets[slot + 1], w + row * w_stride_e + n0 * w_stride_n, w_stride_n,
              n_out - n0 < NB ? n_out - n0 : NB, n_out - n0, K, out + n0, ldo);
   });
@@ -369,7 +377,7 @@ bool amx_grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int
   const int64_t tasks_per_slot = (n16 + AMX_NB - 1) / AMX_NB + (n_out > n16);
   return amx_run(x, ldx, offsets, num_slots, K, tasks_per_slot, AMX_TASK_COST,
                  [&](int slot, int64_t j, const uint16_t* packed, int parts) {
-    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
+    const int64_t row = weight_row(slot_rows, slot);
     const uint16_t* ws = w + row * w_stride_e;
     const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
     const int64_t n0 = j * AMX_NB;
@@ -395,7 +403,7 @@ bool amx_grouped_swiglu(const X* x, int64_t ldx, const int64_t* offsets, const i
                         int64_t K) {
   return amx_run(x, ldx, offsets, num_slots, K, inter / 16, AMX_TASK_COST,
                  [&](int slot, int64_t j, const uint16_t* packed, int parts) {
-    const int64_t row = slot_rows != nullptr ? slot_rows[slot] : slot;
+    const int64_t row = weight_row(slot_rows, slot);
     const int64_t r0 = offsets[slot], rows = offsets[slot + 1] - r0;
     const uint16_t* ws = w + row * w_stride_e + j * 16 * w_stride_n;
     amx::run_rows<amx::SwiGLU, X, 2>(ws, w_stride_n, inter * w_stride_n, K, packed, rows, parts, out + r0 * ldo + j * 16,

@@ -36,10 +36,9 @@ using vec = __m512;
 constexpr int L = 16;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vec vload(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+// 16 bf16 values as fp32.
+inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
+inline vec vload(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vset(float v) { return _mm512_set1_ps(v); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
@@ -202,9 +201,6 @@ inline void transpose16x16(__m512i r[16]) {
     r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
   }
 }
-
-// 16 bf16 values as fp32.
-inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
 
 // silu(x) = x * sigmoid(x), with exp of a non-positive argument only.
 inline __m512 silu(__m512 x) {
