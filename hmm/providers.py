@@ -4,7 +4,7 @@
 returns the mapped tensor itself; the engine uses it in place (zero-copy: the
 weights' `data_ptr`s are addresses of the mapping, recorded in `opened`).
 `HandleKVProvider.allocate` views the device's `uint8` KV pool with the engine's
-KV shape. Mappings stay valid as long as the engine holds the tensors, even after
+KV shape and faults its pages in ahead of the engine's first writes (`shm.prefault`). Mappings stay valid as long as the engine holds the tensors, even after
 the HMM commits a new layout (freed shm files stay mapped until dropped; freed
 expert pages read as zeros, so an instance must be retired before `commit`).
 """
@@ -12,6 +12,7 @@ expert pages read as zeros, so an instance must be retired before `commit`).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -21,6 +22,7 @@ from elasticmoe.models.weights import ParamSpec
 from hmm.layout import KV_POOL
 from hmm.memory import TensorHandle, VirtualTensorHandle, open_tensor, open_virtual_tensor
 from hmm.memory.handle import dtype_from_str
+from hmm.memory.shm import prefault
 
 Handle = TensorHandle | VirtualTensorHandle
 
@@ -60,6 +62,7 @@ class HandleKVProvider:
             raise ValueError(f"kv pool handle must be a flat uint8 tensor, got {handle.shape}/{handle.dtype}")
         self.handle = handle
         self.pool: torch.Tensor | None = None
+        self.prefaulting: threading.Thread | None = None  # faults the pool in (`shm.prefault`)
 
     @classmethod
     def from_handle_set(cls, handles: Mapping[str, Handle]) -> HandleKVProvider:
@@ -80,4 +83,5 @@ class HandleKVProvider:
             )
         raw = open_tensor(self.handle)
         self.pool = raw[:need].view(spec.dtype).view(shape)
+        self.prefaulting = prefault(raw[:need], f"kv pool {self.handle.name}")
         return self.pool

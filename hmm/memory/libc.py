@@ -3,7 +3,8 @@
 Python's `mmap.mmap` cannot map at a fixed address, and it cannot punch holes in
 a file. The virtual tensors need both: reserve a range once, then place pages of a
 shared file at fixed offsets inside it (`MAP_FIXED`), and give a freed page's
-memory back to the kernel (`fallocate(PUNCH_HOLE)`).
+memory back to the kernel (`fallocate(PUNCH_HOLE)`). A KV pool is faulted in ahead
+of its first writes (`madvise(MADV_POPULATE_WRITE)`).
 
 Every wrapper raises `OSError` with the C errno on failure; none returns an error
 code.
@@ -26,6 +27,7 @@ MAP_FIXED = 0x10
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 PAGE_SIZE = mmap.PAGESIZE  # the OS page size; every offset we map at is a multiple of it
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -44,6 +46,8 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.fallocate.restype = ctypes.c_int
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _raise_errno(what: str) -> None:
@@ -89,3 +93,13 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     """Free the memory behind a file range (tmpfs/shm): later reads see zeros."""
     if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         _raise_errno(f"fallocate(PUNCH_HOLE, offset={offset}, length={length})")
+
+
+def populate_write(addr: int, length: int) -> None:
+    """Fault in the pages of a writable mapping now, as its first writes would, without writing
+    (`madvise(MADV_POPULATE_WRITE)`; `addr` page-aligned). A shm page touched for the first time
+    is zeroed by the kernel in the faulting thread; done ahead, that work leaves the writer's path.
+    Raises `OSError`: EINVAL on kernels before 5.14, ENOMEM for a range not (or no longer) mapped.
+    NOTE: ctypes releases the GIL for the call, so a thread may run it beside Python work."""
+    if _libc.madvise(addr, length, MADV_POPULATE_WRITE) != 0:
+        _raise_errno(f"madvise(POPULATE_WRITE, addr={addr:#x}, length={length})")
