@@ -69,15 +69,24 @@ HEAD_RESOURCE = "node:__internal_head__"
 # the ingress's by ~1.1 and ~0.6 MB, levelling off after ~30,000 requests (docs/resilience.md, "A
 # long run does not grow"); an engine's TPOT did not change. The Helm chart sets it in its pods.
 #
-# OpenMP threads that sleep when they wait (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning for up to
-# ~300,000 iterations (libgomp's default): a rank's second thread waits at the end of every kernel
-# and through each step's single-threaded parts, and spinning there takes the core the ingress, the
-# clients' connections and Ray's daemons need. Zen 5, 2 vCPUs, dp 1, 64 streaming clients (bf16,
-# 128 in / 64 out), three pairs run in turn: 1,487 / 1,367 / 1,526 -> 1,579 / 1,515 / 1,544
-# output tok/s, TTFT p50 519 / 710 / 710 -> 430 / 471 / 420 ms, the rank 152-155% -> 110% of a
-# core. `serve --single` (no Ray) keeps libgomp's default: there the same setting lost (1,877 /
-# 1,920 -> 1,544 / 1,773 tok/s), its HTTP work running on the engine's own process between steps.
-LOCAL_RAY_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "MALLOC_ARENA_MAX": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+# OpenMP threads that spin ~0.1 ms when they wait, then sleep (`OMP_WAIT_POLICY=PASSIVE` with
+# `GOMP_SPINCOUNT=10000`; libgomp counts ~100,000 spins a millisecond and spins 300,000 by default):
+# a rank's second thread waits at the end of every kernel and through each step's single-threaded
+# parts, and spinning through the latter takes the core the ingress, the clients' connections and
+# Ray's daemons need. Zen 5, 2 vCPUs, dp 1, 64 streaming clients (bf16, 128 in / 64 out), runs in
+# turn: libgomp's default 1,204-1,645 output tok/s (median 1,430), the rank 148-155% of a core;
+# `PASSIVE` alone (no spin: every kernel wakes the thread, and a vCPU woken from halt is slow here)
+# 1,489-1,759 (median 1,560 in six runs), TTFT p50 median 464 ms, the rank 113-115% of a core and
+# ~18% of both cores idle; with the short spin 1,625-1,777 (median 1,663 in six), 409 ms, the rank
+# ~130% and ~10% idle. Spins of 20,000 and 30,000 were level with 10,000. `PASSIVE` keeps it from
+# spinning at all where libgomp finds more threads than cores. `serve --single` (no Ray) keeps libgomp's default: there `PASSIVE`
+# lost (1,877 / 1,920 -> 1,544 / 1,773 tok/s), its HTTP work running on the engine's own process.
+LOCAL_RAY_DEFAULTS = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "MALLOC_ARENA_MAX": "2",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "GOMP_SPINCOUNT": "10000",
+}
 _ON_HEAD = {"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}}
 # Serve logs every call a replica answers; the coordinator's are internal (the ingress reports its
 # observations four times a second under traffic, long polls, scrapes): ~14,000 lines an hour of

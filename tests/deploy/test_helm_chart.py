@@ -194,6 +194,7 @@ def test_every_ray_container_caps_malloc_arenas_and_openmp_spinning_as_a_local_r
         env = {e["name"]: e.get("value") for e in ray_container(template)["env"]}
         assert env["MALLOC_ARENA_MAX"] == LOCAL_RAY_DEFAULTS["MALLOC_ARENA_MAX"] == "2", group
         assert env["OMP_WAIT_POLICY"] == LOCAL_RAY_DEFAULTS["OMP_WAIT_POLICY"] == "PASSIVE", group
+        assert env["GOMP_SPINCOUNT"] == LOCAL_RAY_DEFAULTS["GOMP_SPINCOUNT"] == "10000", group
 
 
 def test_ray_token_authentication_from_the_operator_or_a_secret():

@@ -1,6 +1,6 @@
 """A local Ray started by the elastic server (or a test module, or a bench): its environment
-(Serve's control loop at 0.5 s, glibc's malloc at two arenas, OpenMP threads that sleep when they
-wait, unless the operator chose otherwise),
+(Serve's control loop at 0.5 s, glibc's malloc at two arenas, OpenMP threads that spin briefly and
+then sleep when they wait, unless the operator chose otherwise),
 and a start that misses Ray's own deadlines is made again once, while one refused for its
 arguments is not."""
 
@@ -17,13 +17,16 @@ from hmm.local_ray import init_local_ray
 def test_defaults_fill_only_what_the_environment_leaves_unset():
     environ = {"PATH": "/bin"}
     apply_local_ray_defaults(environ)
-    defaults = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "MALLOC_ARENA_MAX": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    defaults = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "MALLOC_ARENA_MAX": "2", "OMP_WAIT_POLICY": "PASSIVE",
+                "GOMP_SPINCOUNT": "10000"}
     assert environ == {"PATH": "/bin", **defaults}
     assert LOCAL_RAY_DEFAULTS == defaults
 
-    chosen = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "MALLOC_ARENA_MAX": "4", "OMP_WAIT_POLICY": "ACTIVE"}
+    chosen = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "MALLOC_ARENA_MAX": "4", "OMP_WAIT_POLICY": "ACTIVE",
+              "GOMP_SPINCOUNT": "0"}
     apply_local_ray_defaults(chosen)  # the operator's values win
-    assert chosen == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "MALLOC_ARENA_MAX": "4", "OMP_WAIT_POLICY": "ACTIVE"}
+    assert chosen == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "MALLOC_ARENA_MAX": "4", "OMP_WAIT_POLICY": "ACTIVE",
+                      "GOMP_SPINCOUNT": "0"}
 
 
 class FakeRay:

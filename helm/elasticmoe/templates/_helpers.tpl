@@ -200,9 +200,11 @@ applications:
 {{- /* glibc's malloc at two arenas in every Ray process of the pod (coordinator/launch.py, LOCAL_RAY_DEFAULTS) */}}
 - name: MALLOC_ARENA_MAX
   value: "2"
-{{- /* OpenMP threads that sleep when they wait, not spin: a rank's idle thread leaves the core to the pod's other processes (coordinator/launch.py) */}}
+{{- /* OpenMP threads that spin ~0.1 ms when they wait, then sleep: a rank's idle thread leaves the core to the pod's other processes (coordinator/launch.py) */}}
 - name: OMP_WAIT_POLICY
   value: PASSIVE
+- name: GOMP_SPINCOUNT
+  value: "10000"
 {{- include "elasticmoe.authEnv" . }}
 {{- include "elasticmoe.rayAuthEnv" . }}
 {{- with .Values.extraEnv }}
