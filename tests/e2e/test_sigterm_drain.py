@@ -27,6 +27,7 @@ import pytest
 import ray  # noqa: F401 - makes its vendored psutil importable (`_listens`)
 
 from coordinator.process_tree import descendants
+from elasticmoe.engine.async_llm import MIN_STEP_INTERVAL_ENV
 from elasticmoe.utils.ports import free_port
 from hmm.memory import list_segments
 
@@ -62,7 +63,10 @@ def _start(args: list[str], timeout_s: float, attempts: int = 3) -> tuple[subpro
     """`elasticmoe serve ARGS` on a free port, ready: (process, port). A port picked free can be
     taken before the server binds it (by the other test worker's server): then the server that
     answers is not ours, and ours starts again on another port."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICMOE_API_KEY": "", "ELASTICMOE_ADMIN_KEY": ""}
+    # NOTE: paced (a step at most every 5 ms, so a STREAM_TOKENS stream lasts >= 5 s): at full speed
+    # the tiny model's stream could end before the drain began, and the test then proves nothing.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICMOE_API_KEY": "", "ELASTICMOE_ADMIN_KEY": "",
+           MIN_STEP_INTERVAL_ENV: "0.005"}
     for _ in range(attempts):
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "elasticmoe.cli", "serve", *args, "--port", str(port),
