@@ -79,8 +79,9 @@ HEAD_RESOURCE = "node:__internal_head__"
 # 1,489-1,759 (median 1,560 in six runs), TTFT p50 median 464 ms, the rank 113-115% of a core and
 # ~18% of both cores idle; with the short spin 1,625-1,777 (median 1,663 in six), 409 ms, the rank
 # ~130% and ~10% idle. Spins of 20,000 and 30,000 were level with 10,000. `PASSIVE` keeps it from
-# spinning at all where libgomp finds more threads than cores. `serve --single` (no Ray) keeps libgomp's default: there `PASSIVE`
-# lost (1,877 / 1,920 -> 1,544 / 1,773 tok/s), its HTTP work running on the engine's own process.
+# spinning at all where libgomp finds more threads than cores. `serve --single` (no Ray) keeps
+# libgomp's default: there `PASSIVE` lost (1,877 / 1,920 -> 1,544 / 1,773 tok/s), its HTTP work
+# running on the engine's own process.
 LOCAL_RAY_DEFAULTS = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "MALLOC_ARENA_MAX": "2",

@@ -4,9 +4,10 @@
 returns the mapped tensor itself; the engine uses it in place (zero-copy: the
 weights' `data_ptr`s are addresses of the mapping, recorded in `opened`).
 `HandleKVProvider.allocate` views the device's `uint8` KV pool with the engine's
-KV shape and faults its pages in ahead of the engine's first writes (`shm.prefault`). Mappings stay valid as long as the engine holds the tensors, even after
-the HMM commits a new layout (freed shm files stay mapped until dropped; freed
-expert pages read as zeros, so an instance must be retired before `commit`).
+KV shape and faults its pages in ahead of the engine's first writes (`shm.prefault`).
+Mappings stay valid as long as the engine holds the tensors, even after the HMM
+commits a new layout (freed shm files stay mapped until dropped; freed expert pages
+read as zeros, so an instance must be retired before `commit`).
 """
 
 from __future__ import annotations

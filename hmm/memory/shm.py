@@ -66,7 +66,7 @@ def open_tensor(handle: TensorHandle) -> torch.Tensor:
     return _view(_map_file(os.path.join(SHM_DIR, handle.name)), handle)
 
 
-_PREFAULT_CHUNK = 64 << 20  # bytes per madvise call: a thread stopped at exit leaves within one
+_PREFAULT_CHUNK = 64 << 20  # bytes per madvise call
 
 
 def prefault(tensor: torch.Tensor, what: str) -> threading.Thread:
@@ -80,7 +80,7 @@ def prefault(tensor: torch.Tensor, what: str) -> threading.Thread:
     rank under load here, for the pool's first GiB. Done ahead, the kernel clears the pages
     beside the engine (the call releases the GIL), at ~0.3 s per GiB. Content is never changed:
     a pool handed over with its KV keeps it. A kernel without `MADV_POPULATE_WRITE` leaves the
-    faults where they were (logged once)."""
+    faults where they were (logged)."""
     start = -(-tensor.data_ptr() // PAGE_SIZE) * PAGE_SIZE
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE_SIZE * PAGE_SIZE
 
