@@ -81,7 +81,7 @@ def prefault(tensor: torch.Tensor, what: str) -> threading.Thread:
     beside the engine (the call releases the GIL), at ~0.3 s per GiB. Content is never changed:
     a pool handed over with its KV keeps it. A kernel without `MADV_POPULATE_WRITE` leaves the
     faults where they were (logged)."""
-    start = -(-tensor.data_ptr() // PAGE_SIZE) * PAGE_SIZE
+    start = round_up(tensor.data_ptr())  # whole pages inside the tensor only
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE_SIZE * PAGE_SIZE
 
     def run() -> None:
