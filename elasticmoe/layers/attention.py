@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from elasticmoe.kernels.causal_attention import causal_attention as causal_attention_kernel
 from elasticmoe.kernels.paged_attention import paged_decode_attention
 from elasticmoe.utils.cpu_features import detect_cpu_features
 
@@ -142,13 +143,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal self-attention of whole spans. q [B, L, H, D]; k, v [B, Hkv, L, D] -> [B, L, H, D].
 
-    Two batched matmuls with the query heads of each KV head stacked along the
-    rows. In bf16 without AMX this was ~1.7x faster on CPU than SDPA's flash kernel
-    at 128 tokens; it computes the masked half too, so longer spans go to SDPA
-    (`CAUSAL_BMM_MAX_LEN`). In fp32 SDPA wins (it skips the masked tiles), so fp32
-    stays on SDPA, and so does bf16 where oneDNN has AMX (SDPA 4.2x faster at 128
-    tokens, 8.6x at 512, measured on such a host). Scores are kept in the model
-    dtype and softmaxed in float32, as HF's eager attention does.
+    The PyTorch path where the causal kernel (`kernels.causal_attention`) declines: no build, or a
+    head size it does not serve. Two batched matmuls with the query heads of each KV head stacked
+    along the rows. In bf16 without AMX this was ~1.7x faster on CPU than SDPA's flash kernel at
+    128 tokens; it computes the masked half too, so longer spans go to SDPA
+    (`CAUSAL_BMM_MAX_LEN`). In fp32 SDPA wins (it skips the masked tiles), so fp32 stays on
+    SDPA, and so does bf16 where oneDNN has AMX (SDPA 4.2x faster at 128 tokens, 8.6x at 512,
+    measured on such a host). Scores are kept in the model dtype and softmaxed in float32, as
+    HF's eager attention does; the kernel rounds where this does.
     """
     batch, length, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -189,6 +191,10 @@ def gqa_attend(scale: float) -> AttendFn:
     """Attention for caches holding K and V per token: token_shape (2, num_kv_heads, head_dim)."""
 
     def attend(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        if is_causal and mask is None and not (q.dtype == torch.bfloat16 and _SDPA_ON_AMX):
+            out = causal_attention_kernel(q, kv, scale)  # q and the K/V rows read where they are
+            if out is not None:
+                return out
         # Contiguous copies: CPU matmuls on these strided views copy far more slowly inside.
         k = kv[:, :, 0].transpose(1, 2).contiguous()  # [B, Hkv, K, D]
         v = kv[:, :, 1].transpose(1, 2).contiguous()

@@ -1,4 +1,4 @@
-"""How prefill spans attend: which kernel a bf16 causal span runs on, how a chunk over earlier
+"""How prefill spans attend: which kernel a causal span runs on, how a chunk over earlier
 context runs, and that each equals the reference attention."""
 
 from __future__ import annotations
@@ -23,14 +23,45 @@ def _reference(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 37, 300])
+def test_causal_spans_run_on_the_kernel_and_equal_the_reference(monkeypatch, dtype, length):
+    """Where the causal kernel is built, whole spans run on it in both dtypes and at every length
+    (bf16 stays on SDPA only where oneDNN has AMX), and equal the fp32 attention."""
+    from elasticmoe.kernels import causal_attention as kernel
+
+    if kernel._kernel() is None:
+        pytest.skip("no kernel build on this host")
+    calls = []
+    real = attention.causal_attention_kernel
+    monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
+    monkeypatch.setattr(attention, "causal_attention_kernel", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    monkeypatch.setattr(attention, "causal_attention", lambda *a: pytest.fail("went to the batched matmuls"))
+    q, kv = _span(length, dtype)
+    got = attention.gqa_attend(0.25)(q, kv, None, True)
+    assert calls == [length]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), _reference(q, kv, 0.25), atol=tol, rtol=tol)
+
+
+def test_bf16_spans_stay_on_sdpa_where_it_runs_on_amx(monkeypatch):
+    monkeypatch.setattr(attention, "_SDPA_ON_AMX", True)
+    monkeypatch.setattr(attention, "causal_attention_kernel", lambda *a: pytest.fail("bf16 went to the kernel on AMX"))
+    q, kv = _span(8)
+    torch.testing.assert_close(attention.gqa_attend(0.25)(q, kv, None, True).float(), _reference(q, kv, 0.25),
+                               atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("length", [attention.CAUSAL_BMM_MAX_LEN, attention.CAUSAL_BMM_MAX_LEN + 1])
-def test_long_bf16_spans_go_to_sdpa_and_short_ones_to_the_batched_matmuls(monkeypatch, length):
-    """Without AMX, bf16 spans up to CAUSAL_BMM_MAX_LEN tokens run on two batched matmuls, longer
-    ones on SDPA's flash kernel (the matmuls compute the masked half too: 2-5x slower from 256
-    tokens); both equal the fp32 attention to bf16 precision."""
+def test_without_the_kernel_long_bf16_spans_go_to_sdpa_and_short_ones_to_the_batched_matmuls(monkeypatch, length):
+    """Where the kernel declines (no build, a head size it does not serve) and without AMX, bf16
+    spans up to CAUSAL_BMM_MAX_LEN tokens run on two batched matmuls, longer ones on SDPA's flash
+    kernel (the matmuls compute the masked half too: 2-5x slower from 256 tokens); both equal the
+    fp32 attention to bf16 precision."""
     calls = []
     real = attention.causal_attention
     monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
+    monkeypatch.setattr(attention, "causal_attention_kernel", lambda *a: None)
     monkeypatch.setattr(attention, "causal_attention", lambda *a: calls.append(a[0].shape[1]) or real(*a))
     q, kv = _span(length)
     scale = 16**-0.5
@@ -39,8 +70,9 @@ def test_long_bf16_spans_go_to_sdpa_and_short_ones_to_the_batched_matmuls(monkey
     torch.testing.assert_close(got.float(), _reference(q, kv, scale), atol=2e-2, rtol=2e-2)
 
 
-def test_fp32_spans_stay_on_sdpa(monkeypatch):
+def test_without_the_kernel_fp32_spans_stay_on_sdpa(monkeypatch):
     monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
+    monkeypatch.setattr(attention, "causal_attention_kernel", lambda *a: None)
     monkeypatch.setattr(attention, "causal_attention", lambda *a: pytest.fail("fp32 went to the batched matmuls"))
     q, kv = _span(8, torch.float32)
     torch.testing.assert_close(attention.gqa_attend(0.25)(q, kv, None, True), _reference(q, kv, 0.25))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elasticmoe.kernels import causal_attention as ca
 from elasticmoe.kernels import grouped_gemm as gg
 from elasticmoe.kernels import moe_routing as mr
 from elasticmoe.kernels import paged_attention as pa
@@ -22,12 +23,13 @@ def isa(request, monkeypatch):
     """Run the kernels of one ISA build (each build this CPU can execute)."""
     if load_kernel("grouped_gemm", request.param) is None:
         pytest.skip("no C++ compiler")
-    for module in (gg, pa, mr):
+    for module in (gg, pa, mr, ca):
         monkeypatch.setattr(module, "load_kernel", lambda n, _isa=request.param: load_kernel(n, _isa))
-    for clear in (gg._library.cache_clear, pa._kernel.cache_clear, mr._library.cache_clear):
+    clears = (gg._library.cache_clear, pa._kernel.cache_clear, mr._library.cache_clear, ca._kernel.cache_clear)
+    for clear in clears:
         clear()
     yield request.param
-    for clear in (gg._library.cache_clear, pa._kernel.cache_clear, mr._library.cache_clear):
+    for clear in clears:
         clear()
 
 
@@ -197,6 +199,70 @@ def test_paged_decode_attention_equals_gathered_attention(isa, dtype):
     assert got is not None
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def _causal_reference(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+    k, v = (kv[:, :, i].transpose(1, 2).float() for i in (0, 1))
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, is_causal=True,
+                                                           scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("spans", "length", "heads", "kv_heads", "head_dim"),
+                         [(3, 1, 8, 2, 64), (2, 17, 8, 2, 64), (5, 40, 4, 4, 32), (1, 130, 8, 1, 128), (2, 33, 16, 2, 64)])
+def test_causal_attention_kernel_equals_causal_sdpa(isa, dtype, spans, length, heads, kv_heads, head_dim):
+    """Whole spans, q a strided view of a fused projection (as in the model), every GQA group size
+    (1, 4, 8 query heads per KV head), lengths around the kernel's query blocks and vectors."""
+    torch.manual_seed(0)
+    qkv = torch.randn(spans, length, heads + 2 * kv_heads, head_dim).to(dtype)
+    q = qkv[:, :, :heads]
+    kv = torch.randn(spans, length, 2, kv_heads, head_dim).to(dtype)
+    got = ca.causal_attention(q, kv, head_dim**-0.5)
+    assert got is not None and got.shape == q.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), _causal_reference(q, kv, head_dim**-0.5), atol=tol, rtol=tol)
+
+
+def test_causal_attention_kernel_rounds_bf16_as_the_batched_matmuls_do(isa):
+    """bf16: scores, probabilities and outputs rounded where `layers.attention.causal_attention`
+    rounds them; only the fp32 summation order may differ (a bf16 ulp on a few values)."""
+    from elasticmoe.layers.attention import causal_attention as batched
+
+    torch.manual_seed(0)
+    q = torch.randn(4, 48, 8, 64).to(torch.bfloat16)
+    kv = torch.randn(4, 48, 2, 2, 64).to(torch.bfloat16)
+    got = ca.causal_attention(q, kv, 0.125)
+    want = batched(q, kv[:, :, 0].transpose(1, 2).contiguous(), kv[:, :, 1].transpose(1, 2).contiguous(), 0.125)
+    assert got is not None
+    differ = (got != want).float().mean().item()
+    assert differ < 0.02, differ
+    torch.testing.assert_close(got.float(), want.float(), atol=8e-3, rtol=8e-3)
+
+
+def test_causal_attention_kernel_reads_a_padded_chunks_keys_through_their_view(isa):
+    """The padded chunk of a chunked prefill hands a view of its gathered blocks cut to the
+    context (kv[:, :context]): span and token strides of a longer tensor."""
+    torch.manual_seed(0)
+    blocks = torch.randn(1, 48, 2, 2, 64)
+    kv = blocks[:, :37]
+    q = torch.randn(1, 37, 8, 64)
+    got = ca.causal_attention(q, kv, 0.125)
+    assert got is not None
+    torch.testing.assert_close(got, _causal_reference(q, kv.contiguous(), 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_causal_attention_kernel_declines_what_it_does_not_serve(isa):
+    """None (the caller's PyTorch path runs) for a head size off the vector width or over 128,
+    keys that are not the span's own, mixed dtypes, or a layout with heads not contiguous."""
+    q = torch.randn(2, 8, 4, 64)
+    kv = torch.randn(2, 8, 2, 2, 64)
+    assert ca.causal_attention(torch.randn(2, 8, 4, 12), torch.randn(2, 8, 2, 2, 12), 0.3) is None
+    assert ca.causal_attention(torch.randn(1, 8, 4, 256), torch.randn(1, 8, 2, 2, 256), 0.1) is None
+    assert ca.causal_attention(q, torch.randn(2, 9, 2, 2, 64), 0.125) is None
+    assert ca.causal_attention(q, kv.to(torch.bfloat16), 0.125) is None
+    assert ca.causal_attention(torch.randn(2, 4, 8, 64).transpose(1, 2), kv, 0.125) is None  # heads strided
+    assert ca.causal_attention(q.to(torch.float16), kv.to(torch.float16), 0.125) is None
 
 
 def test_swiglu_experts_kernel_equals_torch_path(isa, monkeypatch):
