@@ -49,15 +49,20 @@ class AttentionMetadata:
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
 # decode(q [D, H, Dq], cache [num_slots, *token_shape], meta) -> [D, H, Dv], or None: gather and `attend`
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, "AttentionMetadata"], torch.Tensor | None]
+# causal(q [S, Nq, H, Dq], kv [S, Nk, *token_shape]) -> [S, Nq, H, Dv], or None: `attend` runs. Each
+# span's queries are its last Nq positions: query i sees keys up to Nk - Nq + i.
+CausalFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 def paged_attention(
     q: torch.Tensor, new_kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, attend: AttendFn,
-    decode: DecodeFn | None = None,
+    decode: DecodeFn | None = None, causal: CausalFn | None = None,
 ) -> torch.Tensor:
     """Write the step's new KV into `cache` ([num_slots, *token_shape]) and attend.
 
-    q: [T, H, Dq]; new_kv: [T, *token_shape]. Returns [T, H, Dv] in token order.
+    q: [T, H, Dq]; new_kv: [T, *token_shape]. Returns [T, H, Dv] in token order. `decode` and
+    `causal` are a model's kernels for the decodes and the prefill spans; where one is missing or
+    declines (None), `attend` runs.
     """
     if meta.num_tokens == 0:
         return q.new_empty((0, *q.shape[1:]))
@@ -84,21 +89,26 @@ def paged_attention(
         qs = q[span.start : end].view(num_spans, span.num_tokens, *q.shape[1:])  # [S, L, H, Dq]
         if span.block_table is None:
             kv = new_kv[span.start : end].view(num_spans, span.num_tokens, *new_kv.shape[1:])
-            out = attend(qs, kv, None, True)
+            out = causal(qs, kv) if causal is not None else None
+            if out is None:
+                out = attend(qs, kv, None, True)
         else:
-            out = _attend_chunk(qs, gather(span.block_table).unsqueeze(0), span, attend)
+            kv = gather(span.block_table).unsqueeze(0)  # [1, whole blocks, *token_shape]
+            out = causal(qs, kv[:, : span.context_len]) if causal is not None else None
+            if out is None:
+                out = _attend_chunk(qs, kv, span, attend)
         outs.append(out.flatten(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _attend_chunk(q: torch.Tensor, kv: torch.Tensor, span: PrefillSpan, attend: AttendFn) -> torch.Tensor:
-    """A prompt chunk over its earlier context and itself: query i of the chunk sees keys up to
-    context_len - num_tokens + i. Where the earlier context is shorter than the chunk, this runs as
-    one causal call over the whole context, the earlier positions' queries padded in (zeros) and
-    their outputs dropped: a causal kernel skips the masked half, where a call with the explicit
-    mask computes every key of every query (SDPA, Zen 5, bf16: ~85 ms for a chunk of ~2,030
-    tokens over 8 earlier ones, against ~34 ms causal). Longer earlier contexts keep the mask
-    (padding them would cost more than the masked half saves)."""
+    """A prompt chunk over its earlier context and itself where no causal kernel took it: query i
+    of the chunk sees keys up to context_len - num_tokens + i. Where the earlier context is shorter
+    than the chunk, this runs as one causal call over the whole context, the earlier positions'
+    queries padded in (zeros) and their outputs dropped: a causal kernel skips the masked half,
+    where a call with the explicit mask computes every key of every query (SDPA, Zen 5, bf16: ~85
+    ms for a chunk of ~2,030 tokens over 8 earlier ones, against ~34 ms causal). Longer earlier
+    contexts keep the mask (padding them would cost more than the masked half saves)."""
     prefix = span.context_len - span.num_tokens
     if prefix >= span.num_tokens:
         return attend(q, kv, span.mask, False)
@@ -187,14 +197,23 @@ def gqa_decode(scale: float) -> DecodeFn:
     return decode
 
 
+def gqa_causal(scale: float) -> CausalFn:
+    """Causal prefill attention of GQA caches on the kernel (`kernels.causal_attention`), q and the
+    K/V rows read where they are; None (SDPA or the batched matmuls) without a build, and for bf16
+    where oneDNN has AMX (see causal_attention)."""
+
+    def causal(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
+        if q.dtype == torch.bfloat16 and _SDPA_ON_AMX:
+            return None
+        return causal_attention_kernel(q, kv, scale)
+
+    return causal
+
+
 def gqa_attend(scale: float) -> AttendFn:
     """Attention for caches holding K and V per token: token_shape (2, num_kv_heads, head_dim)."""
 
     def attend(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        if is_causal and mask is None and not (q.dtype == torch.bfloat16 and _SDPA_ON_AMX):
-            out = causal_attention_kernel(q, kv, scale)  # q and the K/V rows read where they are
-            if out is not None:
-                return out
         # Contiguous copies: CPU matmuls on these strided views copy far more slowly inside.
         k = kv[:, :, 0].transpose(1, 2).contiguous()  # [B, Hkv, K, D]
         v = kv[:, :, 1].transpose(1, 2).contiguous()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from elasticmoe.config import ModelConfig
 from elasticmoe.kernels.rms_norm import fused_rms_norm
-from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, gqa_decode, paged_attention
+from elasticmoe.layers.attention import AttentionMetadata, gqa_attend, gqa_causal, gqa_decode, paged_attention
 from elasticmoe.layers.experts import grouped_experts_sorted, swiglu_mlp
 from elasticmoe.layers.linear import linear
 from elasticmoe.layers.lora import LoraGroups, LoraSite
@@ -241,6 +241,7 @@ class GQAAttention:
         self.rope = rope
         self.attend = gqa_attend(self.head_dim**-0.5)
         self.decode = gqa_decode(self.head_dim**-0.5)
+        self.causal = gqa_causal(self.head_dim**-0.5)
         self.lora_qkv: LoraSite | None = None  # LoRA slots of q|k|v (fused) and o, when enabled
         self.lora_o: LoraSite | None = None
 
@@ -295,7 +296,7 @@ class GQAAttention:
         q = qk[:, : self.num_heads]
         new_kv = torch.cat((qk[:, self.num_heads :], v), dim=1)  # [T, 2 * Hkv, D]: k heads, then v heads
         new_kv = new_kv.view(num_tokens, 2, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, new_kv, cache, meta, self.attend, self.decode)
+        out = paged_attention(q, new_kv, cache, meta, self.attend, self.decode, self.causal)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         y = linear(out, self.o)
         if lora is not None and self.lora_o is not None:

@@ -23,33 +23,38 @@ def _reference(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("length", [1, 37, 300])
-def test_causal_spans_run_on_the_kernel_and_equal_the_reference(monkeypatch, dtype, length):
-    """Where the causal kernel is built, whole spans run on it in both dtypes and at every length
-    (bf16 stays on SDPA only where oneDNN has AMX), and equal the fp32 attention."""
+def _needs_kernel():
     from elasticmoe.kernels import causal_attention as kernel
 
     if kernel._kernel() is None:
         pytest.skip("no kernel build on this host")
-    calls = []
-    real = attention.causal_attention_kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 37, 300])
+def test_whole_spans_run_on_the_causal_kernel_and_equal_the_reference(monkeypatch, dtype, length):
+    """A GQA model's whole prompt spans go to the causal kernel in both dtypes and at every length
+    (`attend` does not run), and equal the fp32 attention."""
+    from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
+
+    _needs_kernel()
     monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
-    monkeypatch.setattr(attention, "causal_attention_kernel", lambda *a: calls.append(a[0].shape[1]) or real(*a))
-    monkeypatch.setattr(attention, "causal_attention", lambda *a: pytest.fail("went to the batched matmuls"))
     q, kv = _span(length, dtype)
-    got = attention.gqa_attend(0.25)(q, kv, None, True)
-    assert calls == [length]
+    spans = [PrefillSpan(i * length, length, length) for i in range(2)]
+    meta = AttentionMetadata(slot_mapping=torch.arange(2 * length), block_size=4, prefills=spans)
+    cache = torch.zeros(4 * (2 * length // 4 + 1), 2, 2, 16, dtype=dtype)  # whole blocks of 4
+    got = paged_attention(q.flatten(0, 1), kv.flatten(0, 1), cache, meta,
+                          lambda *a: pytest.fail("went to attend"), causal=attention.gqa_causal(0.25))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), _reference(q, kv, 0.25), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), _reference(q, kv, 0.25).flatten(0, 1), atol=tol, rtol=tol)
 
 
 def test_bf16_spans_stay_on_sdpa_where_it_runs_on_amx(monkeypatch):
+    _needs_kernel()
     monkeypatch.setattr(attention, "_SDPA_ON_AMX", True)
-    monkeypatch.setattr(attention, "causal_attention_kernel", lambda *a: pytest.fail("bf16 went to the kernel on AMX"))
     q, kv = _span(8)
-    torch.testing.assert_close(attention.gqa_attend(0.25)(q, kv, None, True).float(), _reference(q, kv, 0.25),
-                               atol=2e-2, rtol=2e-2)
+    assert attention.gqa_causal(0.25)(q, kv) is None
+    assert attention.gqa_causal(0.25)(q.float(), kv.float()) is not None
 
 
 @pytest.mark.parametrize("length", [attention.CAUSAL_BMM_MAX_LEN, attention.CAUSAL_BMM_MAX_LEN + 1])
@@ -61,7 +66,6 @@ def test_without_the_kernel_long_bf16_spans_go_to_sdpa_and_short_ones_to_the_bat
     calls = []
     real = attention.causal_attention
     monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
-    monkeypatch.setattr(attention, "causal_attention_kernel", lambda *a: None)
     monkeypatch.setattr(attention, "causal_attention", lambda *a: calls.append(a[0].shape[1]) or real(*a))
     q, kv = _span(length)
     scale = 16**-0.5
@@ -72,19 +76,24 @@ def test_without_the_kernel_long_bf16_spans_go_to_sdpa_and_short_ones_to_the_bat
 
 def test_without_the_kernel_fp32_spans_stay_on_sdpa(monkeypatch):
     monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
-    monkeypatch.setattr(attention, "causal_attention_kernel", lambda *a: None)
     monkeypatch.setattr(attention, "causal_attention", lambda *a: pytest.fail("fp32 went to the batched matmuls"))
     q, kv = _span(8, torch.float32)
     torch.testing.assert_close(attention.gqa_attend(0.25)(q, kv, None, True), _reference(q, kv, 0.25))
 
 
+@pytest.mark.parametrize("with_kernel", [True, False])
 @pytest.mark.parametrize(("earlier", "chunk"), [(5, 21), (21, 21), (40, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_chunk_over_earlier_context_equals_the_masked_attention(earlier, chunk, dtype):
-    """A chunked prefill's later chunk: with less earlier context than the chunk it runs as one
-    causal call over the whole context (queries of the earlier positions padded in and dropped),
-    else with its explicit mask; both equal attention with the chunk's lower-right causal mask."""
+def test_a_chunk_over_earlier_context_equals_the_masked_attention(monkeypatch, earlier, chunk, dtype, with_kernel):
+    """A chunked prefill's later chunk: on the causal kernel, its queries the context's last ones;
+    without it, with less earlier context than the chunk, one causal call over the whole context
+    (queries of the earlier positions padded in and dropped), else with its explicit mask. Each
+    equals attention with the chunk's lower-right causal mask."""
     from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
+
+    if with_kernel:
+        _needs_kernel()
+    monkeypatch.setattr(attention, "_SDPA_ON_AMX", False)
 
     torch.manual_seed(0)
     block_size, num_blocks = 4, 32
@@ -101,8 +110,14 @@ def test_a_chunk_over_earlier_context_equals_the_masked_attention(earlier, chunk
     meta = AttentionMetadata(slot_mapping=slots[earlier:], block_size=block_size, prefills=[span])
     calls = []
     attend = attention.gqa_attend(0.25)
-    got = paged_attention(q, keys[earlier:].clone(), cache, meta, lambda *a: calls.append(a[3]) or attend(*a))
-    assert calls == [earlier < chunk]  # is_causal: the padded causal call, else the mask
+    causal = attention.gqa_causal(0.25)
+    kernel_calls = []
+    got = paged_attention(q, keys[earlier:].clone(), cache, meta, lambda *a: calls.append(a[3]) or attend(*a),
+                          causal=(lambda *a: kernel_calls.append(a[1].shape[1]) or causal(*a)) if with_kernel else None)
+    if with_kernel:
+        assert kernel_calls == [context] and calls == []  # the context's keys, no padding, no mask
+    else:
+        assert calls == [earlier < chunk]  # is_causal: the padded causal call, else the mask
     k, v = (keys[:, i].transpose(0, 1).float() for i in (0, 1))  # [Hkv, context, D]
     mask = torch.arange(context)[None] <= torch.arange(earlier, context)[:, None]
     want = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=mask, scale=0.25, enable_gqa=True)

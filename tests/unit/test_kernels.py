@@ -252,14 +252,33 @@ def test_causal_attention_kernel_reads_a_padded_chunks_keys_through_their_view(i
     torch.testing.assert_close(got, _causal_reference(q, kv.contiguous(), 0.125), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("earlier", "chunk"), [(1, 16), (16, 17), (100, 5), (37, 64)])
+def test_causal_attention_kernel_of_a_chunk_over_earlier_context(isa, dtype, earlier, chunk):
+    """Fewer queries than keys: the queries are the context's last ones (query i sees keys up to
+    earlier + i), as a chunked prefill's later chunk attends."""
+    torch.manual_seed(0)
+    context = earlier + chunk
+    q = torch.randn(2, chunk, 8, 64).to(dtype)
+    kv = torch.randn(2, context, 2, 2, 64).to(dtype)
+    got = ca.causal_attention(q, kv, 0.125)
+    assert got is not None and got.shape == q.shape
+    k, v = (kv[:, :, i].transpose(1, 2).float() for i in (0, 1))
+    mask = torch.arange(context)[None] <= torch.arange(earlier, context)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=mask,
+                                                            scale=0.125, enable_gqa=True).transpose(1, 2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def test_causal_attention_kernel_declines_what_it_does_not_serve(isa):
     """None (the caller's PyTorch path runs) for a head size off the vector width or over 128,
-    keys that are not the span's own, mixed dtypes, or a layout with heads not contiguous."""
+    fewer keys than queries, mixed dtypes, or a layout with heads not contiguous."""
     q = torch.randn(2, 8, 4, 64)
     kv = torch.randn(2, 8, 2, 2, 64)
     assert ca.causal_attention(torch.randn(2, 8, 4, 12), torch.randn(2, 8, 2, 2, 12), 0.3) is None
     assert ca.causal_attention(torch.randn(1, 8, 4, 256), torch.randn(1, 8, 2, 2, 256), 0.1) is None
-    assert ca.causal_attention(q, torch.randn(2, 9, 2, 2, 64), 0.125) is None
+    assert ca.causal_attention(q, torch.randn(2, 7, 2, 2, 64), 0.125) is None
     assert ca.causal_attention(q, kv.to(torch.bfloat16), 0.125) is None
     assert ca.causal_attention(torch.randn(2, 4, 8, 64).transpose(1, 2), kv, 0.125) is None  # heads strided
     assert ca.causal_attention(q.to(torch.float16), kv.to(torch.float16), 0.125) is None

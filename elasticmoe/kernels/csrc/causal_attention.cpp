@@ -1,8 +1,10 @@
-// Causal self-attention of whole prompt spans (a prefill whose keys are its own tokens).
+// Causal attention of prefill spans: each span's queries are the last Nq of its Nk positions
+// (Nq = Nk: a whole prompt; Nq < Nk: a chunk over the context before it), query i sees keys up to
+// position Nk - Nq + i.
 //
-// S spans of N tokens: q [S, N, H, D] (element strides q_ss, q_sn; heads and D contiguous), kv
-// [S, N, 2, Hkv, D] (strides kv_ss, kv_sn; K heads then V heads per token, as the paged cache
-// holds them), out [S, N, H, D] contiguous. Query head h * G + g (G = H / Hkv) reads KV head h.
+// S spans: q [S, Nq, H, D] (element strides q_ss, q_sn; heads and D contiguous), kv [S, Nk, 2,
+// Hkv, D] (strides kv_ss, kv_sn; K heads then V heads per token, as the paged cache holds them),
+// out [S, Nq, H, D] contiguous. Query head h * G + g (G = H / Hkv) reads KV head h.
 //
 // Why: at prompt lengths of a few hundred tokens PyTorch's CPU paths lose most of the time to
 // their shape. SDPA's flash kernel in fp32 ran at ~120 GFLOP/s on 16 spans of 128 tokens (2.2 ms a
@@ -160,10 +162,11 @@ inline void pack_keys(const T* k, int64_t ld_in, int64_t nk, int64_t D, float* k
 
 template <typename T>
 void causal_attention(const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64_t kv_ss, int64_t kv_sn, int64_t S,
-                      int64_t N, int64_t H, int64_t Hkv, int64_t D, float scale, T* out) {
+                      int64_t Nq, int64_t Nk, int64_t H, int64_t Hkv, int64_t D, float scale, T* out) {
   const T* const as = nullptr;
   const int64_t G = H / Hkv;
-  const int64_t blocks = (N + QB - 1) / QB;
+  const int64_t first = Nk - Nq;  // the position of query 0
+  const int64_t blocks = (Nq + QB - 1) / QB;
   const int64_t heads = S * Hkv;
   const vec scale_v = vset(scale);
   std::atomic<int64_t> next_task{0};
@@ -174,8 +177,8 @@ void causal_attention(const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64
       // The last query blocks (the most keys) first, so the cheap ones even out the threads' ends.
       const int64_t block = blocks - 1 - task / heads;
       const int64_t s = task % heads / Hkv, h = task % Hkv;
-      const int64_t p0 = block * QB, p1 = p0 + QB < N ? p0 + QB : N;
-      const int64_t nk = p1;  // keys 0 .. p1 - 1
+      const int64_t p0 = block * QB, p1 = p0 + QB < Nq ? p0 + QB : Nq;  // queries [p0, p1)
+      const int64_t nk = first + p1;  // keys 0 .. first + p1 - 1
       const int64_t ldk = (nk + L - 1) / L * L;
       const int64_t rows = (p1 - p0) * G, padded = (rows + MR - 1) / MR * MR;
       qs.assign(padded * D, 0.0f);
@@ -195,14 +198,14 @@ void causal_attention(const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64
         // Rows r0 .. r0 + MR - 1 are (position, head) pairs; the tile reads keys up to its last
         // position (a padded row past the last one counts as that position).
         const int64_t last = r0 + MR - 1 < rows ? r0 + MR - 1 : rows - 1;
-        const int64_t tile_keys = p0 + last / G + 1;
+        const int64_t tile_keys = first + p0 + last / G + 1;
         const int64_t nvec = (tile_keys + L - 1) / L;
         float* pt = ps.data() + r0 * ldk;
         score_tiles<T>(qs.data() + r0 * D, D, kt.data(), ldk, nvec, scale_v, pt, ldk);
         for (int64_t r = r0; r < r0 + MR; ++r) {
           float* pr = ps.data() + r * ldk;
           if (r < rows)
-            causal_softmax(pr, p0 + r / G + 1, nvec * L, as);
+            causal_softmax(pr, first + p0 + r / G + 1, nvec * L, as);
           else
             for (int64_t j = 0; j < nvec * L; ++j) pr[j] = 0.0f;
         }
@@ -210,7 +213,7 @@ void causal_attention(const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64
         value_tiles(pt, ldk, vs.data(), D, tile_keys, o);
         for (int64_t r = r0; r < r0 + MR && r < rows; ++r) {
           const int64_t p = p0 + r / G, g = r % G;
-          T* dst = out + ((s * N + p) * H + h * G + g) * D;
+          T* dst = out + ((s * Nq + p) * H + h * G + g) * D;
           const float* src = o + (r - r0) * D;
           for (int64_t d = 0; d < D; d += L) vstore_as(dst + d, vload(src + d));
         }
@@ -227,17 +230,18 @@ void emoe_set_num_threads(int n) { emoe::g_num_threads = n; }
 
 // dtype: 0 = float32, 1 = bfloat16 (q, kv and out alike). Returns 0, or -1 where the kernel does
 // not serve the call (another dtype, D not a multiple of the vector width or over 128, H not a
-// multiple of Hkv): nothing is written then.
+// multiple of Hkv, fewer keys than queries): nothing is written then.
 int emoe_causal_attention(const void* q, int64_t q_ss, int64_t q_sn, const void* kv, int64_t kv_ss, int64_t kv_sn,
-                          int64_t S, int64_t N, int64_t H, int64_t Hkv, int64_t D, float scale, int dtype, void* out) {
-  if (D <= 0 || D % emoe::L != 0 || D > 128 || Hkv <= 0 || H % Hkv != 0) return -1;
-  if (S <= 0 || N <= 0) return 0;
+                          int64_t S, int64_t Nq, int64_t Nk, int64_t H, int64_t Hkv, int64_t D, float scale, int dtype,
+                          void* out) {
+  if (D <= 0 || D % emoe::L != 0 || D > 128 || Hkv <= 0 || H % Hkv != 0 || Nk < Nq) return -1;
+  if (S <= 0 || Nq <= 0) return 0;
   if (dtype == emoe::kF32) {
-    causal_attention(static_cast<const float*>(q), q_ss, q_sn, static_cast<const float*>(kv), kv_ss, kv_sn, S, N, H,
-                     Hkv, D, scale, static_cast<float*>(out));
+    causal_attention(static_cast<const float*>(q), q_ss, q_sn, static_cast<const float*>(kv), kv_ss, kv_sn, S, Nq, Nk,
+                     H, Hkv, D, scale, static_cast<float*>(out));
   } else if (dtype == emoe::kBF16) {
     causal_attention(static_cast<const uint16_t*>(q), q_ss, q_sn, static_cast<const uint16_t*>(kv), kv_ss, kv_sn, S,
-                     N, H, Hkv, D, scale, static_cast<uint16_t*>(out));
+                     Nq, Nk, H, Hkv, D, scale, static_cast<uint16_t*>(out));
   } else {
     return -1;
   }
