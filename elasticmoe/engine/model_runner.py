@@ -76,9 +76,6 @@ class ModelRunner:
                 span = PrefillSpan(token_start, n, end)
                 if start > 0:  # chunked prefill: attend to earlier chunks in the cache too
                     span.block_table = torch.tensor(request.block_ids, dtype=torch.long)
-                    q_pos = torch.arange(start, end).unsqueeze(1)
-                    key_pos = torch.arange(len(request.block_ids) * self.block_size).unsqueeze(0)
-                    span.mask = (key_pos <= q_pos)[None, None]
                 prefills.append(span)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),

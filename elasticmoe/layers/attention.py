@@ -27,7 +27,9 @@ class PrefillSpan:
     num_tokens: int
     context_len: int  # tokens attended to, including this span
     block_table: torch.Tensor | None = None  # [num_blocks] of the context; None when the span is the whole context
-    mask: torch.Tensor | None = None  # [1, 1, num_tokens, num_blocks * block_size] bool, True = attend
+    # [1, 1, num_tokens, num_blocks * block_size] bool, True = attend: made by the first layer that
+    # needs it (a chunk no causal kernel takes), then kept for the step's other layers
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -111,6 +113,9 @@ def _attend_chunk(q: torch.Tensor, kv: torch.Tensor, span: PrefillSpan, attend: 
     contexts keep the mask (padding them would cost more than the masked half saves)."""
     prefix = span.context_len - span.num_tokens
     if prefix >= span.num_tokens:
+        if span.mask is None:
+            key_pos = torch.arange(kv.shape[1]).unsqueeze(0)
+            span.mask = (key_pos <= torch.arange(prefix, span.context_len).unsqueeze(1))[None, None]
         return attend(q, kv, span.mask, False)
     padded = torch.cat([q.new_zeros((q.shape[0], prefix, *q.shape[2:])), q], dim=1)
     return attend(padded, kv[:, : span.context_len], None, True)[:, prefix:]

@@ -104,9 +104,7 @@ def test_a_chunk_over_earlier_context_equals_the_masked_attention(monkeypatch, e
     keys = torch.randn(context, 2, 2, 16).to(dtype)  # every position's K and V, the chunk's written by the call
     cache[slots[:earlier]] = keys[:earlier]
     q = torch.randn(chunk, 8, 16).to(dtype)
-    key_pos = torch.arange(len(blocks) * block_size)[None]
-    span = PrefillSpan(0, chunk, context, block_table=blocks,
-                       mask=(key_pos <= torch.arange(earlier, context)[:, None])[None, None])
+    span = PrefillSpan(0, chunk, context, block_table=blocks)  # the masked path makes its own mask
     meta = AttentionMetadata(slot_mapping=slots[earlier:], block_size=block_size, prefills=[span])
     calls = []
     attend = attention.gqa_attend(0.25)
