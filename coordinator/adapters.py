@@ -34,13 +34,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from coordinator.esft_residency import EsftResidency
 from elasticmoe.adapters.esft import EsftAdapter
 from elasticmoe.adapters.lora import LoraAdapter
 from elasticmoe.adapters.lora_router import LoraRouter
 from elasticmoe.config import ModelConfig
-from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError
+from elasticmoe.errors import (
+    AdapterConflictError,
+    AdapterLimitError,
+    AdapterUnavailableError,
+    UnknownAdapterError,
+)
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
@@ -51,6 +57,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCK_WAIT_S = 10.0  # a registration or a manual scale waits this long for the adapter lock (a step)
+# How long the ranks may take to answer one adapter call (loading an adapter reads its files: seconds).
+# The calls run under the adapter lock: a rank that hangs must not hold every later adapter change
+# and every scale behind it forever.
+RANK_CALL_S = 120.0
+
+
+def on_ranks(refs: list[Any], what: str) -> list[Any]:
+    """The ranks' answers to one adapter call (`refs`, one per rank), or `AdapterUnavailableError`
+    naming `what` when a rank does not answer within RANK_CALL_S or is gone (the healer replaces
+    it; the client retries)."""
+    try:
+        return ray.get(refs, timeout=RANK_CALL_S)
+    except GetTimeoutError as exc:
+        raise AdapterUnavailableError(f"{what}: a rank did not answer within {RANK_CALL_S:.0f}s; retry") from exc
+    except (RayActorError, ActorUnavailableError) as exc:
+        raise AdapterUnavailableError(f"{what}: a rank is gone; retry once the server has healed") from exc
 
 
 @dataclass
@@ -225,11 +247,11 @@ class ClusterAdapterHost:
         assert hmm is not None and inst is not None
         pages = hmm.load_adapter(entry.name, slot, entry.path, entry.experts)
         try:
-            ray.get([
+            on_ranks([
                 rank.load_esft_adapter.remote(entry.name, slot, entry.experts, pages.get(device, {}),
                                               entry.usage_probability)
                 for rank, device in zip(inst.ranks, inst.device_ids, strict=True)
-            ])
+            ], f"loading adapter {entry.name!r}")
         except BaseException:
             logger.exception("adapter %r: a rank failed to load it; undoing", entry.name)
             self.release_everywhere(entry.name, inst, kind="esft")
@@ -242,7 +264,7 @@ class ClusterAdapterHost:
         inst = self.cluster.active
         assert inst is not None
         self.publish_registry()  # the ingress stops sending them first
-        ray.get([rank.unload_adapter.remote(name) for rank in inst.ranks])
+        on_ranks([rank.unload_adapter.remote(name) for rank in inst.ranks], f"swapping out adapter {name!r}")
 
     async def load_lora(self, name: str, path: str, usage_probability: float | None = None) -> dict[str, Any]:
         # Checked here first: a rank's own check would fail alike, but only after others loaded it.
@@ -266,10 +288,12 @@ class ClusterAdapterHost:
             inst = cluster.active
             assert inst is not None
             try:
-                slots = ray.get([rank.load_lora_adapter.remote(name, path, usage_probability) for rank in inst.ranks])
+                slots = on_ranks([rank.load_lora_adapter.remote(name, path, usage_probability) for rank in inst.ranks],
+                                 f"loading adapter {name!r}")
             except BaseException:
                 logger.exception("adapter %r: a rank failed to load it; undoing", name)
-                ray.get([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks])
+                on_ranks([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks],
+                         f"undoing adapter {name!r}")
                 raise
             if len(set(slots)) != 1:
                 raise RuntimeError(f"adapter {name!r}: ranks chose different slots {slots}")
@@ -292,7 +316,8 @@ class ClusterAdapterHost:
                 raise AdapterConflictError("a scale is in progress; retry when it finished")
             inst = self.cluster.active
             assert inst is not None
-            ray.get([rank.load_lora_router.remote(name, router, usage_probability) for rank in inst.ranks])
+            on_ranks([rank.load_lora_router.remote(name, router, usage_probability) for rank in inst.ranks],
+                     f"loading router {name!r}")
             self.routers[name] = router
             self.router_probabilities[name] = usage_probability
         return {"adapters": list(router.adapters), "top_k": router.top_k}
@@ -307,7 +332,7 @@ class ClusterAdapterHost:
             if name in self.routers:  # a learned router: every rank drops it at once
                 inst = self.cluster.active
                 assert inst is not None
-                ray.get([rank.unload_adapter.remote(name) for rank in inst.ranks])
+                on_ranks([rank.unload_adapter.remote(name) for rank in inst.ranks], f"unloading router {name!r}")
                 del self.routers[name]
                 self.router_probabilities.pop(name, None)
                 return True
@@ -330,7 +355,11 @@ class ClusterAdapterHost:
             assert inst is not None
             entry.state = "unloading"
             self.publish_registry()
-            ray.get([rank.unload_adapter.remote(name) for rank in inst.ranks])
+            try:
+                on_ranks([rank.unload_adapter.remote(name) for rank in inst.ranks], f"unloading adapter {name!r}")
+            except AdapterUnavailableError:  # some ranks may have stopped it: finish in the background
+                logger.warning("adapter %r: a rank did not confirm it stopped admitting it; the unload goes on",
+                               name, exc_info=True)
         threading.Thread(target=self._finish_unload, args=(entry,), name=f"unload-{name}", daemon=True).start()
         if wait:
             entry.unloaded.wait()
@@ -341,7 +370,14 @@ class ClusterAdapterHost:
             while True:
                 inst = self.cluster.active
                 assert inst is not None
-                if not any(ray.get([r.adapter_in_use.remote(entry.name) for r in inst.ranks])):
+                try:
+                    in_use = on_ranks([r.adapter_in_use.remote(entry.name) for r in inst.ranks],
+                                      f"unloading adapter {entry.name!r}")
+                except AdapterUnavailableError:  # a rank hung or gone: ask the active instance again
+                    logger.warning("adapter %r: a rank did not answer whether it is in use; asking again",
+                                   entry.name)
+                    in_use = [True]
+                if not any(in_use):
                     break
                 threading.Event().wait(self.poll_s)
             with self.lock:
@@ -363,14 +399,14 @@ class ClusterAdapterHost:
         assert hmm is not None
         entry = self.adapters.get(name)
         if (kind or (entry.kind if entry is not None else "esft")) == "lora":  # the ranks hold the factors
-            ray.get([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks])
+            on_ranks([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks], f"releasing adapter {name!r}")
             return
         rows = hmm.adapter_rows(name)
         try:
-            ray.get([
+            on_ranks([
                 rank.finish_adapter_unload.remote(name, rows.get(device, {}))
                 for rank, device in zip(inst.ranks, inst.device_ids, strict=True)
-            ])
+            ], f"releasing adapter {name!r}")
         finally:
             hmm.unload_adapter(name)
 
@@ -386,17 +422,18 @@ class ClusterAdapterHost:
         # in this order, so their slot tables stay equal); the rest wait in host memory.
         for a in initial_load_order(list(self.adapters.values())):
             if a.kind == "lora":  # read from the adapter's files for this instance's placement
-                slots = ray.get([rank.load_lora_adapter.remote(a.name, a.path, a.usage_probability)
-                                 for rank in inst.ranks])
+                slots = on_ranks([rank.load_lora_adapter.remote(a.name, a.path, a.usage_probability)
+                                  for rank in inst.ranks], f"loading adapter {a.name!r} on a new instance")
                 if len(set(slots)) != 1:
                     raise RuntimeError(f"adapter {a.name!r}: the new instance's ranks chose different slots {slots}")
                 a.slot = slots[0]  # the slot it has in this instance (or None: host memory)
             elif a.slot is not None:  # resident ESFT: the HMM layout holds its rows
-                ray.get([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None, a.usage_probability)
-                         for rank in inst.ranks])
+                on_ranks([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None, a.usage_probability)
+                          for rank in inst.ranks], f"loading adapter {a.name!r} on a new instance")
                 if a.evicting:  # a swap is taking it out: the new ranks do not admit it either
-                    ray.get([rank.unload_adapter.remote(a.name) for rank in inst.ranks])
+                    on_ranks([rank.unload_adapter.remote(a.name) for rank in inst.ranks],
+                             f"swapping out adapter {a.name!r} on a new instance")
         for name, router in self.routers.items():
-            ray.get([rank.load_lora_router.remote(name, router, self.router_probabilities.get(name))
-                     for rank in inst.ranks])
+            on_ranks([rank.load_lora_router.remote(name, router, self.router_probabilities.get(name))
+                      for rank in inst.ranks], f"loading router {name!r} on a new instance")
 

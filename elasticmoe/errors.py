@@ -41,6 +41,11 @@ class AdapterConflictError(RuntimeError):
     """An adapter of that name is already loaded, or still unloading (HTTP 409)."""
 
 
+class AdapterUnavailableError(RuntimeError):
+    """A rank did not answer an adapter change in time, or died during it (HTTP 503: retry once
+    the server has healed). What the change had done is undone where the ranks still answer."""
+
+
 def unwrap_remote(exc: BaseException) -> BaseException:
     """The original exception of one re-raised in another process: Ray's `RayTaskError` keeps it
     as `.cause`, and its own text is the remote traceback, which must never reach a client."""

@@ -30,7 +30,7 @@ class _Rank:
 
 
 def test_a_new_instance_gives_its_slots_to_the_most_probable_adapters(monkeypatch):
-    monkeypatch.setattr(adapters_module.ray, "get", lambda refs: refs)
+    monkeypatch.setattr(adapters_module.ray, "get", lambda refs, timeout=None: refs)
     config = SimpleNamespace(backend="native", adapter_eviction="coserve", profile=None, max_esft_adapters=0,
                              max_esft_experts=0, max_loras=2)
     host = ClusterAdapterHost(SimpleNamespace(config=config), publish=lambda names: None)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ from elasticmoe.errors import (
     AdapterConflictError,
     AdapterError,
     AdapterLimitError,
+    AdapterUnavailableError,
     UnknownAdapterError,
     unwrap_remote,
 )
@@ -124,6 +125,8 @@ def add_adapter_routes(app: FastAPI, host: AdapterHost, base_name: str) -> None:
                               param="name") from exc
         except AdapterConflictError as exc:  # others depend on it (learned routers over it)
             raise OpenAIError(str(unwrap_remote(exc)), status_code=HTTPStatus.CONFLICT, param="name") from exc
+        except AdapterUnavailableError as exc:  # a rank hung or died: it stays loaded; retry
+            raise OpenAIError(str(exc), status_code=HTTPStatus.SERVICE_UNAVAILABLE) from exc
         state = "unloaded" if done else "unloading"
         return JSONResponse({"name": name, "state": state}, status_code=200 if done else 202)
 
@@ -138,6 +141,8 @@ def _adapter_error(exc: BaseException) -> Exception:
         return OpenAIError(str(exc), param=exc.param)
     if isinstance(exc, AdapterConflictError | AdapterLimitError):
         return OpenAIError(str(exc), status_code=HTTPStatus.CONFLICT, param="name")
+    if isinstance(exc, AdapterUnavailableError):
+        return OpenAIError(str(exc), status_code=HTTPStatus.SERVICE_UNAVAILABLE)
     if isinstance(exc, ValueError):  # an adapter that does not fit the base (e.g. a dense layer)
         return OpenAIError(str(exc), param=getattr(exc, "param", None) or "path")
     logger.error("adapter load failed: %r", exc)

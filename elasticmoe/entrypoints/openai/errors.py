@@ -30,7 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from elasticmoe.entrypoints.openai.responses import ErrorInfo, ErrorResponse
-from elasticmoe.errors import AdapterConflictError, AdapterLimitError, UnknownAdapterError, unwrap_remote
+from elasticmoe.errors import (
+    AdapterConflictError,
+    AdapterLimitError,
+    AdapterUnavailableError,
+    UnknownAdapterError,
+    unwrap_remote,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +104,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return model_not_found(exc.adapter)
     if isinstance(exc, AdapterConflictError | AdapterLimitError):
         return OpenAIError(str(exc), status_code=HTTPStatus.CONFLICT, param="name")
+    if isinstance(exc, AdapterUnavailableError):  # a rank hung or died during an adapter change
+        return OpenAIError(str(exc), status_code=HTTPStatus.SERVICE_UNAVAILABLE)
     param = getattr(exc, "param", None)
     if isinstance(exc, ValueError) and isinstance(param, str):
         return OpenAIError(str(exc), param=param)
