@@ -160,66 +160,250 @@ inline void pack_keys(const T* k, int64_t ld_in, int64_t nk, int64_t D, float* k
     for (int64_t t = nk; t < ldk; ++t) kt[d * ldk + t] = 0.0f;
 }
 
+// One task: KV head h of span s over queries [p0, p1). Its G * (p1 - p0) rows are (position, head)
+// pairs, row r = (p0 + r / G, head h * G + r % G); key bound of row r: first + p0 + r / G + 1.
+struct Task {
+  int64_t s, h, p0, p1;
+};
+
+// task(t) for each KV head of each span and each block of QB queries, on the kernel's threads:
+// the last query blocks (the most keys) first, so the cheap ones even out the threads' ends.
+template <typename Run>
+void for_each_task(int64_t S, int64_t Hkv, int64_t Nq, Run run) {
+  const int64_t blocks = (Nq + QB - 1) / QB;
+  const int64_t heads = S * Hkv;
+  std::atomic<int64_t> next_task{0};
+#pragma omp parallel num_threads(num_threads())
+  for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < blocks * heads;) {
+    const int64_t block = blocks - 1 - task / heads;
+    const int64_t p0 = block * QB;
+    run(Task{task % heads / Hkv, task % Hkv, p0, p0 + QB < Nq ? p0 + QB : Nq});
+  }
+}
+
+// Where a tile of rows r0 .. r0 + MR - 1 stops reading keys: its last row's bound (a padded row
+// past the last one counts as that row).
+inline int64_t tile_keys(int64_t r0, int64_t rows, int64_t G, int64_t first, int64_t p0) {
+  const int64_t last = r0 + MR - 1 < rows ? r0 + MR - 1 : rows - 1;
+  return first + p0 + last / G + 1;
+}
+
+// The probabilities of a tile's rows (scores in place, nvec * L of them per row): each valid row
+// softmaxed up to its bound, every other value 0.
+template <typename T>
+inline void tile_softmax(float* ps, int64_t ldk, int64_t r0, int64_t rows, int64_t G, int64_t first, int64_t p0,
+                         int64_t nvec) {
+  const T* const as = nullptr;
+  for (int64_t r = r0; r < r0 + MR; ++r) {
+    float* pr = ps + r * ldk;
+    if (r < rows)
+      causal_softmax(pr, first + p0 + r / G + 1, nvec * L, as);
+    else
+      for (int64_t j = 0; j < nvec * L; ++j) pr[j] = 0.0f;
+  }
+}
+
+// Rows [r0, r0 + MR) of a task from o [MR, D] into out [S, Nq, H, D].
+template <typename T>
+inline void store_rows(const float* o, const Task& t, int64_t r0, int64_t rows, int64_t G, int64_t Nq, int64_t H,
+                       int64_t D, T* out) {
+  for (int64_t r = r0; r < r0 + MR && r < rows; ++r) {
+    T* dst = out + ((t.s * Nq + t.p0 + r / G) * H + t.h * G + r % G) * D;
+    for (int64_t d = 0; d < D; d += L) vstore_as(dst + d, vload(o + (r - r0) * D + d));
+  }
+}
+
+// A task in fp32 arithmetic: keys packed transposed [D, ldk], values as fp32 rows.
+template <typename T>
+void fp32_task(const Task& t, const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64_t kv_ss, int64_t kv_sn,
+               int64_t Nq, int64_t first, int64_t H, int64_t Hkv, int64_t D, vec scale, T* out) {
+  thread_local std::vector<float> qs, kt, vs, ps;  // queries [rows, D], keys [D, ldk], values [nk, D], probs [rows, ldk]
+  const int64_t G = H / Hkv;
+  const int64_t nk = first + t.p1;  // keys 0 .. first + p1 - 1
+  const int64_t ldk = (nk + L - 1) / L * L;
+  const int64_t rows = (t.p1 - t.p0) * G, padded = (rows + MR - 1) / MR * MR;
+  qs.assign(padded * D, 0.0f);
+  kt.resize(D * ldk);
+  vs.resize(nk * D);
+  ps.resize(padded * ldk);
+  for (int64_t p = t.p0; p < t.p1; ++p) {  // the block's queries, G heads per position
+    const T* qp = q + t.s * q_ss + p * q_sn + t.h * G * D;
+    for (int64_t i = 0; i < G * D; i += L) vstore(qs.data() + (p - t.p0) * G * D + i, vload(qp + i));
+  }
+  pack_keys(kv + t.s * kv_ss + t.h * D, kv_sn, nk, D, kt.data(), ldk);
+  for (int64_t j = 0; j < nk; ++j) {
+    const T* vj = kv + t.s * kv_ss + j * kv_sn + (Hkv + t.h) * D;
+    for (int64_t d = 0; d < D; d += L) vstore(vs.data() + j * D + d, vload(vj + d));
+  }
+  for (int64_t r0 = 0; r0 < padded; r0 += MR) {
+    const int64_t keys = tile_keys(r0, rows, G, first, t.p0);
+    const int64_t nvec = (keys + L - 1) / L;
+    float* pt = ps.data() + r0 * ldk;
+    score_tiles<T>(qs.data() + r0 * D, D, kt.data(), ldk, nvec, scale, pt, ldk);
+    tile_softmax<T>(ps.data(), ldk, r0, rows, G, first, t.p0, nvec);
+    float o[MR * 8 * 16];  // MR rows of up to 128 fp32 values (D <= 128, checked by the caller)
+    value_tiles(pt, ldk, vs.data(), D, keys, o);
+    store_rows(o, t, r0, rows, G, Nq, H, D, out);
+  }
+}
+
+#if defined(EMOE_BF16DOT)
+// bf16 on vdpbf16ps, 32 multiply-adds per instruction (twice fp32's FMA): the products of bf16
+// values are exact in fp32 and accumulate in fp32, so only the summation order differs from
+// fp32_task. Scores take pairs along D (keys packed as [D / 2, ldk] dwords, each a key's two
+// adjacent values: a 16 x 16 dword transpose per 16 keys), the weighted sum pairs along the keys
+// (values packed as [keys / 2, D] dwords, each the values of two adjacent keys at one d; the
+// rounded probabilities kept as bf16, so two adjacent ones are one dword).
+
+// kp[i * ldk + j] = (k_j[2i], k_j[2i + 1]) for keys j < nk, zeros up to ldk. D % 32 == 0.
+inline void pack_key_pairs(const uint16_t* k, int64_t ld_in, int64_t nk, int64_t D, uint32_t* kp, int64_t ldk) {
+  int64_t j = 0;
+  for (; j + 16 <= nk; j += 16) {
+    for (int64_t i0 = 0; i0 < D / 2; i0 += 16) {
+      __m512i r[16];
+      for (int a = 0; a < 16; ++a) r[a] = _mm512_loadu_si512(k + (j + a) * ld_in + 2 * i0);
+      transpose16x16(r);
+      for (int a = 0; a < 16; ++a) _mm512_storeu_si512(kp + (i0 + a) * ldk + j, r[a]);
+    }
+  }
+  for (; j < nk; ++j)
+    for (int64_t i = 0; i < D / 2; ++i) memcpy(kp + i * ldk + j, k + j * ld_in + 2 * i, 4);
+  for (int64_t i = 0; i < D / 2; ++i)
+    for (int64_t t = nk; t < ldk; ++t) kp[i * ldk + t] = 0;
+}
+
+// vp[u * D + d] = (v_{2u}[d], v_{2u + 1}[d]) for pairs u < ceil(nk / 2) (a missing last key: 0).
+inline void pack_value_pairs(const uint16_t* v, int64_t ld_in, int64_t nk, int64_t D, uint32_t* vp) {
+  for (int64_t u = 0; 2 * u < nk; ++u) {
+    const uint16_t* a = v + 2 * u * ld_in;
+    const uint16_t* b = 2 * u + 1 < nk ? a + ld_in : nullptr;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+      const __m512i hi = b != nullptr
+          ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d))), 16)
+          : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + u * D + d, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+template <int NV>
+inline void score_tile_pairs(const uint16_t* q, int64_t D, const uint32_t* kp, int64_t ldk, int64_t c0, vec scale,
+                             float* s, int64_t lds) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint32_t* k = kp + c0 * 16;
+  for (int64_t i = 0; i < D / 2; ++i, k += ldk) {
+    __m512bh kv[NV];
+    for (int c = 0; c < NV; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + c * 16);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      memcpy(&pair, q + r * D + 2 * i, 4);
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, kv[c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) vstore(s + r * lds + (c0 + c) * 16, vround_bf16(_mm512_mul_ps(acc[r][c], scale)));
+}
+
+inline void score_tiles_pairs(const uint16_t* q, int64_t D, const uint32_t* kp, int64_t ldk, int64_t nvec, vec scale,
+                              float* s, int64_t lds) {
+  for (int64_t c0 = 0; c0 < nvec; c0 += NV_MAX) {
+    switch (nvec - c0 < NV_MAX ? nvec - c0 : NV_MAX) {
+      case 1: score_tile_pairs<1>(q, D, kp, ldk, c0, scale, s, lds); break;
+      case 2: score_tile_pairs<2>(q, D, kp, ldk, c0, scale, s, lds); break;
+      case 3: score_tile_pairs<3>(q, D, kp, ldk, c0, scale, s, lds); break;
+      case 4: score_tile_pairs<4>(q, D, kp, ldk, c0, scale, s, lds); break;
+      case 5: score_tile_pairs<5>(q, D, kp, ldk, c0, scale, s, lds); break;
+      case 6: score_tile_pairs<6>(q, D, kp, ldk, c0, scale, s, lds); break;
+    }
+  }
+}
+
+// o[r][d0 ...] = sum_u (p[r][2u] v_{2u} + p[r][2u + 1] v_{2u + 1})[d0 ...] for MR rows, DV vectors.
+template <int DV>
+inline void value_tile_pairs(const uint16_t* p, int64_t ldp, const uint32_t* vp, int64_t D, int64_t d0, int64_t pairs,
+                             float* o) {
+  __m512 acc[MR][DV];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < pairs; ++u) {
+    __m512bh vv[DV];
+    for (int c = 0; c < DV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + u * D + d0 + c * 16);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      memcpy(&pair, p + r * ldp + 2 * u, 4);
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pv, vv[c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < DV; ++c) vstore(o + r * D + d0 + c * 16, acc[r][c]);
+}
+
+inline void value_tiles_pairs(const uint16_t* p, int64_t ldp, const uint32_t* vp, int64_t D, int64_t pairs, float* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += DV_MAX * 16) {
+    if ((D - d0) / 16 >= DV_MAX)
+      value_tile_pairs<DV_MAX>(p, ldp, vp, D, d0, pairs, o);
+    else
+      value_tile_pairs<2>(p, ldp, vp, D, d0, pairs, o);  // D % 32 == 0: what is left is two vectors
+  }
+}
+
+void pair_task(const Task& t, const uint16_t* q, int64_t q_ss, int64_t q_sn, const uint16_t* kv, int64_t kv_ss,
+               int64_t kv_sn, int64_t Nq, int64_t first, int64_t H, int64_t Hkv, int64_t D, vec scale, uint16_t* out) {
+  thread_local std::vector<uint16_t> qs, pb;  // queries [rows, D], probabilities [rows, ldk]
+  thread_local std::vector<uint32_t> kp, vp;  // key pairs [D / 2, ldk], value pairs [ceil(nk / 2), D]
+  thread_local std::vector<float> ps;         // scores, then probabilities [rows, ldk]
+  const int64_t G = H / Hkv;
+  const int64_t nk = first + t.p1;
+  const int64_t ldk = (nk + 15) / 16 * 16;
+  const int64_t rows = (t.p1 - t.p0) * G, padded = (rows + MR - 1) / MR * MR;
+  qs.assign(padded * D, 0);
+  kp.resize(D / 2 * ldk);
+  vp.resize((nk + 1) / 2 * D);
+  ps.resize(padded * ldk);
+  pb.resize(padded * ldk);
+  for (int64_t p = t.p0; p < t.p1; ++p)
+    memcpy(qs.data() + (p - t.p0) * G * D, q + t.s * q_ss + p * q_sn + t.h * G * D, G * D * sizeof(uint16_t));
+  pack_key_pairs(kv + t.s * kv_ss + t.h * D, kv_sn, nk, D, kp.data(), ldk);
+  pack_value_pairs(kv + t.s * kv_ss + (Hkv + t.h) * D, kv_sn, nk, D, vp.data());
+  for (int64_t r0 = 0; r0 < padded; r0 += MR) {
+    const int64_t keys = tile_keys(r0, rows, G, first, t.p0);
+    const int64_t nvec = (keys + 15) / 16;
+    score_tiles_pairs(qs.data() + r0 * D, D, kp.data(), ldk, nvec, scale, ps.data() + r0 * ldk, ldk);
+    tile_softmax<uint16_t>(ps.data(), ldk, r0, rows, G, first, t.p0, nvec);
+    for (int64_t r = r0; r < r0 + MR; ++r)  // already rounded to bf16: the high halves are the values
+      for (int64_t j = 0; j < nvec * 16; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + r * ldk + j),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vload(ps.data() + r * ldk + j)), 16)));
+    float o[MR * 8 * 16];
+    value_tiles_pairs(pb.data() + r0 * ldk, ldk, vp.data(), D, (keys + 1) / 2, o);
+    store_rows(o, t, r0, rows, G, Nq, H, D, out);
+  }
+}
+#endif
+
 template <typename T>
 void causal_attention(const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64_t kv_ss, int64_t kv_sn, int64_t S,
                       int64_t Nq, int64_t Nk, int64_t H, int64_t Hkv, int64_t D, float scale, T* out) {
-  const T* const as = nullptr;
-  const int64_t G = H / Hkv;
   const int64_t first = Nk - Nq;  // the position of query 0
-  const int64_t blocks = (Nq + QB - 1) / QB;
-  const int64_t heads = S * Hkv;
   const vec scale_v = vset(scale);
-  std::atomic<int64_t> next_task{0};
-#pragma omp parallel num_threads(num_threads())
-  {
-    std::vector<float> qs, kt, vs, ps;  // the task's queries [rows, D], keys [D, ldk], values [nk, D], probs [rows, ldk]
-    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < blocks * heads;) {
-      // The last query blocks (the most keys) first, so the cheap ones even out the threads' ends.
-      const int64_t block = blocks - 1 - task / heads;
-      const int64_t s = task % heads / Hkv, h = task % Hkv;
-      const int64_t p0 = block * QB, p1 = p0 + QB < Nq ? p0 + QB : Nq;  // queries [p0, p1)
-      const int64_t nk = first + p1;  // keys 0 .. first + p1 - 1
-      const int64_t ldk = (nk + L - 1) / L * L;
-      const int64_t rows = (p1 - p0) * G, padded = (rows + MR - 1) / MR * MR;
-      qs.assign(padded * D, 0.0f);
-      kt.resize(D * ldk);
-      vs.resize(nk * D);
-      ps.resize(padded * ldk);
-      for (int64_t p = p0; p < p1; ++p) {  // the block's queries, G heads per position
-        const T* qp = q + s * q_ss + p * q_sn + h * G * D;
-        for (int64_t i = 0; i < G * D; i += L) vstore(qs.data() + (p - p0) * G * D + i, vload(qp + i));
-      }
-      pack_keys(kv + s * kv_ss + h * D, kv_sn, nk, D, kt.data(), ldk);
-      for (int64_t j = 0; j < nk; ++j) {
-        const T* vj = kv + s * kv_ss + j * kv_sn + (Hkv + h) * D;
-        for (int64_t d = 0; d < D; d += L) vstore(vs.data() + j * D + d, vload(vj + d));
-      }
-      for (int64_t r0 = 0; r0 < padded; r0 += MR) {
-        // Rows r0 .. r0 + MR - 1 are (position, head) pairs; the tile reads keys up to its last
-        // position (a padded row past the last one counts as that position).
-        const int64_t last = r0 + MR - 1 < rows ? r0 + MR - 1 : rows - 1;
-        const int64_t tile_keys = first + p0 + last / G + 1;
-        const int64_t nvec = (tile_keys + L - 1) / L;
-        float* pt = ps.data() + r0 * ldk;
-        score_tiles<T>(qs.data() + r0 * D, D, kt.data(), ldk, nvec, scale_v, pt, ldk);
-        for (int64_t r = r0; r < r0 + MR; ++r) {
-          float* pr = ps.data() + r * ldk;
-          if (r < rows)
-            causal_softmax(pr, first + p0 + r / G + 1, nvec * L, as);
-          else
-            for (int64_t j = 0; j < nvec * L; ++j) pr[j] = 0.0f;
-        }
-        float o[MR * 8 * 16];  // MR rows of up to 128 fp32 values (D <= 128, checked by the caller)
-        value_tiles(pt, ldk, vs.data(), D, tile_keys, o);
-        for (int64_t r = r0; r < r0 + MR && r < rows; ++r) {
-          const int64_t p = p0 + r / G, g = r % G;
-          T* dst = out + ((s * Nq + p) * H + h * G + g) * D;
-          const float* src = o + (r - r0) * D;
-          for (int64_t d = 0; d < D; d += L) vstore_as(dst + d, vload(src + d));
-        }
-      }
+#if defined(EMOE_BF16DOT)
+  if constexpr (sizeof(T) == 2) {
+    if (D % 32 == 0) {
+      for_each_task(S, Hkv, Nq, [&](const Task& t) {
+        pair_task(t, q, q_ss, q_sn, kv, kv_ss, kv_sn, Nq, first, H, Hkv, D, scale_v, out);
+      });
+      return;
     }
   }
+#endif
+  for_each_task(S, Hkv, Nq, [&](const Task& t) {
+    fp32_task(t, q, q_ss, q_sn, kv, kv_ss, kv_sn, Nq, first, H, Hkv, D, scale_v, out);
+  });
 }
 
 }  // namespace
