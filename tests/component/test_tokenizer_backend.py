@@ -189,3 +189,34 @@ def test_a_decode_with_space_cleanup_stays_with_transformers(tmp_path, cache):
     ids = [2, 4, 3, 5, 6, 7, 8, 9]
     assert hf.decode(ids) != backend.decode(ids)  # the cleanup changes this text ...
     assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids)  # ... and we keep it
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_deltas_add_up_to_the_whole_decode(tiny_model_dirs, cache, arch, skip_special_tokens):
+    """Streamed one token at a time after a prompt (special tokens and ids outside the tokenizer's
+    vocabulary among them), the deltas are the decode of prompt tail and output minus the tail's."""
+    from elasticmoe.tokenizer import _PREFIX_WINDOW, IncrementalDetokenizer
+
+    tok = Tokenizer(tiny_model_dirs[arch])
+    special = list(tok.hf.all_special_ids)
+    for run in _id_runs(tok.vocab_size + 50, special, n=60):  # + 50: ids the tokenizer does not know
+        prompt, out = run[:7], run[7:]
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
+        got = "".join(detok.add(i) for i in out)
+        tail = prompt[-_PREFIX_WINDOW:]
+        whole = tok.decode(tail + out, skip_special_tokens)[len(tok.decode(tail, skip_special_tokens)) :]
+        assert got == whole.rstrip("\ufffd") or whole.endswith("\ufffd") and whole.startswith(got)
+
+
+def test_tokens_that_add_no_text_do_not_grow_the_window(tiny_model_dir, cache):
+    """A run of skipped special tokens (or unknown ids) keeps each token's decodes short: the
+    window stays the prompt's tail instead of one token longer per token."""
+    from elasticmoe.tokenizer import IncrementalDetokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+    special = tok.hf.all_special_ids[0]
+    detok = IncrementalDetokenizer(tok, tok.encode("a prompt", add_special_tokens=False), True)
+    assert "".join(detok.add(i) for i in [special] * 1000 + [tok.vocab_size + 7] * 1000) == ""
+    assert len(detok.ids) - detok.prefix_offset <= 5  # what the next token's decodes read
+    assert "".join(detok.add(i) for i in tok.encode(" hello", add_special_tokens=False)) == " hello"
