@@ -125,6 +125,21 @@ class ComputePlan:
     expert_kernel: str  # the grouped expert kernel's ISA build, or "torch" (PyTorch ops only)
     reason: str
 
+    @property
+    def prefill_attention(self) -> str:
+        """What a GQA model's causal prefill attention runs on (`layers.attention.gqa_causal`;
+        MLA models run SDPA): the causal kernel, in bf16 pairs where the build has `vdpbf16ps`
+        (head sizes that are multiples of 32), or PyTorch's SDPA."""
+        if self.expert_kernel == "torch":
+            return "sdpa" if self.compute_dtype == torch.float32 else "batched matmuls (<= 128 tokens), else sdpa"
+        if self.compute_dtype == torch.float32:
+            return "causal kernel (fp32)"
+        if self.expert_kernel == "amx":
+            return "sdpa (oneDNN on AMX tiles)"
+        if self.expert_kernel == "avx512_bf16":
+            return "causal kernel (bf16 pairs)"
+        return "causal kernel (fp32 arithmetic)"
+
 
 def _name(dtype: torch.dtype | None) -> str:
     return "auto" if dtype is None else str(dtype).removeprefix("torch.")
@@ -182,5 +197,6 @@ def cpu_compute_info(
         "weight_dtype": _name(plan.weight_dtype),
         "compute_dtype": _name(plan.compute_dtype),
         "expert_kernel": plan.expert_kernel,
+        "prefill_attention": plan.prefill_attention,
         "reason": plan.reason,
     }

@@ -74,6 +74,15 @@ def test_auto_never_loses_precision(features):
     assert choose_compute_plan(features, torch.float32, torch.bfloat16).compute_dtype == torch.float32
 
 
+def test_prefill_attention_is_named_in_the_plan():
+    assert choose_compute_plan(AVX512_BF16, None, torch.bfloat16).prefill_attention == "causal kernel (bf16 pairs)"
+    assert choose_compute_plan(AVX512_BF16, torch.float32, torch.bfloat16).prefill_attention == "causal kernel (fp32)"
+    assert choose_compute_plan(AMX, None, torch.bfloat16).prefill_attention == "sdpa (oneDNN on AMX tiles)"
+    assert choose_compute_plan(AMX, torch.float32, torch.bfloat16).prefill_attention == "causal kernel (fp32)"
+    assert choose_compute_plan(AVX512, torch.bfloat16, torch.bfloat16).prefill_attention.startswith("causal kernel")
+    assert choose_compute_plan(BARE, None, torch.float32).prefill_attention == "sdpa"
+
+
 def test_expert_kernel_is_named_in_the_plan():
     assert choose_compute_plan(AVX512_BF16, None, torch.bfloat16).expert_kernel == "avx512_bf16"
     assert choose_compute_plan(EMULATED_AVX2, None, torch.bfloat16).expert_kernel == "avx2"
