@@ -13,7 +13,7 @@ from elasticmoe.adapters.lora_routing import LearnedRouting, VocabRouting
 from elasticmoe.engine.expert_offload import ExpertOffload
 from elasticmoe.engine.request import Request
 from elasticmoe.engine.scheduler import SchedulerOutput
-from elasticmoe.kernels.build import bind_threads, load_kernel, pinned_to, set_kernel_threads
+from elasticmoe.kernels.build import bind_threads, load_kernel, pinned_to, prebuild_all, set_kernel_threads
 from elasticmoe.layers.attention import AttentionMetadata, PrefillSpan
 from elasticmoe.layers.lora import LoraGroups
 from elasticmoe.models.common import CausalLM, ForwardContext
@@ -29,6 +29,7 @@ class ModelRunner:
         self.block_size = block_size
         self.lora_topk = lora_topk  # > 0: LoRA slots exist; every step carries K (slot, weight) per token
         self.num_threads = torch.get_num_threads()
+        prebuild_all()  # compiled now (a fresh host), not in a request's forward
         # Decode steps run PyTorch's ops on this thread and only our kernels on all of them (see execute).
         self.serial_decode = self.num_threads > 1 and load_kernel("grouped_gemm") is not None
         set_kernel_threads(self.num_threads)
