@@ -253,10 +253,11 @@ def test_causal_attention_kernel_reads_a_padded_chunks_keys_through_their_view(i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("earlier", "chunk"), [(1, 16), (16, 17), (100, 5), (37, 64)])
+@pytest.mark.parametrize(("earlier", "chunk"), [(1, 16), (16, 17), (100, 5), (37, 64), (5000, 70)])
 def test_causal_attention_kernel_of_a_chunk_over_earlier_context(isa, dtype, earlier, chunk):
     """Fewer queries than keys: the queries are the context's last ones (query i sees keys up to
-    earlier + i), as a chunked prefill's later chunk attends."""
+    earlier + i), as a chunked prefill's later chunk attends; over 5,000 earlier keys a task takes
+    fewer query positions (`query_block`)."""
     torch.manual_seed(0)
     context = earlier + chunk
     q = torch.randn(2, chunk, 8, 64).to(dtype)

@@ -38,7 +38,16 @@ constexpr int DV_MAX = 4;  // value vectors per output tile
 constexpr int NV_MAX = 3;  // 4 x 3 + 3 of AVX2's 16
 constexpr int DV_MAX = 2;
 #endif
-constexpr int64_t QB = 16;  // query positions per task
+// Query positions per task: 64, fewer for long contexts (a task's scores, QB * G rows of its keys,
+// stay within ~4 MiB), at least 16. Zen 5, 2 threads, ms per call at 16 / 64 positions: fp32 16
+// spans of 128 tokens 1.25 / 1.09, 4 of 512 3.44 / 3.10, one of 2,048 12.7 / 11.6; bf16 pairs 0.95 /
+// 0.84, 2.43 / 2.22, 8.0 / 8.0 (each task packs the keys and values it reads: fewer, larger tasks
+// pack less per query).
+inline int64_t query_block(int64_t Nk, int64_t G) {
+  int64_t qb = 64;
+  while (qb > 16 && qb * G * Nk * static_cast<int64_t>(sizeof(float)) > (int64_t{4} << 20)) qb /= 2;
+  return qb;
+}
 
 inline float round_as(const float*, float v) { return v; }
 inline float round_as(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
@@ -162,8 +171,9 @@ inline void pack_keys(const T* k, int64_t ld_in, int64_t nk, int64_t D, float* k
 
 // A task's buffers are thread_local, kept between calls: a prefill calls this once per layer, and
 // buffers of a few MB allocated per call came back as fresh pages, whose first-touch faults are
-// slow on a VM. What a thread keeps is set by the longest context it attended to: about
-// (2 * D + QB * G) * context * 4 bytes (~6 MB at 8,192 tokens of the small model).
+// slow on a VM. What a thread keeps is set by the longest context it attended to: its keys and
+// values, 2 * D * context * 4 bytes, and its scores, ~4 MiB (more only where query_block is down to
+// 16 positions): ~8 MB at 8,192 tokens of the small model.
 
 // One task: KV head h of span s over queries [p0, p1). Its G * (p1 - p0) rows are (position, head)
 // pairs, row r = (p0 + r / G, head h * G + r % G); key bound of row r: first + p0 + r / G + 1.
@@ -171,18 +181,18 @@ struct Task {
   int64_t s, h, p0, p1;
 };
 
-// task(t) for each KV head of each span and each block of QB queries, on the kernel's threads:
+// task(t) for each KV head of each span and each block of qb queries, on the kernel's threads:
 // the last query blocks (the most keys) first, so the cheap ones even out the threads' ends.
 template <typename Run>
-void for_each_task(int64_t S, int64_t Hkv, int64_t Nq, Run run) {
-  const int64_t blocks = (Nq + QB - 1) / QB;
+void for_each_task(int64_t S, int64_t Hkv, int64_t Nq, int64_t qb, Run run) {
+  const int64_t blocks = (Nq + qb - 1) / qb;
   const int64_t heads = S * Hkv;
   std::atomic<int64_t> next_task{0};
 #pragma omp parallel num_threads(num_threads())
   for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < blocks * heads;) {
     const int64_t block = blocks - 1 - task / heads;
-    const int64_t p0 = block * QB;
-    run(Task{task % heads / Hkv, task % Hkv, p0, p0 + QB < Nq ? p0 + QB : Nq});
+    const int64_t p0 = block * qb;
+    run(Task{task % heads / Hkv, task % Hkv, p0, p0 + qb < Nq ? p0 + qb : Nq});
   }
 }
 
@@ -395,18 +405,19 @@ template <typename T>
 void causal_attention(const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64_t kv_ss, int64_t kv_sn, int64_t S,
                       int64_t Nq, int64_t Nk, int64_t H, int64_t Hkv, int64_t D, float scale, T* out) {
   const int64_t first = Nk - Nq;  // the position of query 0
+  const int64_t qb = query_block(Nk, H / Hkv);
   const vec scale_v = vset(scale);
 #if defined(EMOE_BF16DOT)
   if constexpr (sizeof(T) == 2) {
     if (D % 32 == 0) {
-      for_each_task(S, Hkv, Nq, [&](const Task& t) {
+      for_each_task(S, Hkv, Nq, qb, [&](const Task& t) {
         pair_task(t, q, q_ss, q_sn, kv, kv_ss, kv_sn, Nq, first, H, Hkv, D, scale_v, out);
       });
       return;
     }
   }
 #endif
-  for_each_task(S, Hkv, Nq, [&](const Task& t) {
+  for_each_task(S, Hkv, Nq, qb, [&](const Task& t) {
     fp32_task(t, q, q_ss, q_sn, kv, kv_ss, kv_sn, Nq, first, H, Hkv, D, scale_v, out);
   });
 }
