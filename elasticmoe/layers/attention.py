@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from elasticmoe.kernels.causal_attention import causal_attention as causal_attention_kernel
+from elasticmoe.kernels.causal_attention import available as causal_kernel_available
+from elasticmoe.kernels.causal_attention import causal_attention_kv
 from elasticmoe.kernels.paged_attention import paged_decode_attention
 from elasticmoe.utils.cpu_features import detect_cpu_features
 
@@ -202,17 +203,24 @@ def gqa_decode(scale: float) -> DecodeFn:
     return decode
 
 
-def gqa_causal(scale: float) -> CausalFn:
-    """Causal prefill attention of GQA caches on the kernel (`kernels.causal_attention`), q and the
-    K/V rows read where they are; None (SDPA or the batched matmuls) without a build, and for bf16
+def kernel_causal(scale: float, keys_values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> CausalFn:
+    """Causal prefill attention on the kernel (`kernels.causal_attention`): `keys_values(kv)` gives
+    the spans' keys [S, Nk, Hkv, Dk] and values [S, Nk, Hkv, Dv] from what the cache holds. None
+    (the model's `attend` runs) without a build, where the kernel declines the shapes, and for bf16
     where oneDNN has AMX (see causal_attention)."""
 
     def causal(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
-        if q.dtype == torch.bfloat16 and _SDPA_ON_AMX:
+        if (q.dtype == torch.bfloat16 and _SDPA_ON_AMX) or not causal_kernel_available():
             return None
-        return causal_attention_kernel(q, kv, scale)
+        k, v = keys_values(kv)
+        return causal_attention_kv(q, k, v, scale)
 
     return causal
+
+
+def gqa_causal(scale: float) -> CausalFn:
+    """`kernel_causal` for GQA caches: the K and V rows read where they are."""
+    return kernel_causal(scale, lambda kv: (kv[:, :, 0], kv[:, :, 1]))
 
 
 def gqa_attend(scale: float) -> AttendFn:

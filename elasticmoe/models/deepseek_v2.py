@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.config import ModelConfig
-from elasticmoe.layers.attention import AttentionMetadata, paged_attention
+from elasticmoe.layers.attention import AttentionMetadata, kernel_causal, paged_attention
 from elasticmoe.layers.linear import linear
 from elasticmoe.layers.lora import LoraGroups, LoraSite
 from elasticmoe.layers.norm import rms_norm
@@ -58,6 +58,9 @@ class MLAttention:
         self.w_uk, self.w_uv = kv_b_heads[:, : self.nope], kv_b_heads[:, self.nope :]  # [H, nope, C], [H, v, C]
         self.rope = rope
         self.scale = (self.nope + self.rope_dim) ** -0.5
+        # Prefill on the causal kernel, keys and values expanded from the latents (as `_attend` does);
+        # where it declines (e.g. head widths off the vector width) `_attend` expands them again.
+        self._causal = kernel_causal(self.scale, self._keys_values)
         # LoRA sites, when enabled: the two projections of x fused (q or q_a, then kv_a), q_b, o.
         self.lora_x: LoraSite | None = None
         self.lora_q_b: LoraSite | None = None
@@ -99,15 +102,19 @@ class MLAttention:
         out_latent = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, H, C]
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        """q [B, Q, H, nope+rope]; kv [B, K, C+R] latents -> [B, Q, H, v]."""
-        if q.shape[1] == 1 and mask is not None:
-            return self._decode_absorbed(q[:, 0], kv, mask.view(mask.shape[0], -1)).unsqueeze(1)
+    def _keys_values(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv [B, K, C+R] latents -> keys [B, K, H, nope+rope], values [B, K, H, v] (a view)."""
         batch, num_keys = kv.shape[:2]
         latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         expanded = linear(latent, self.kv_b).view(batch, num_keys, self.num_heads, self.nope + self.v_dim)
         k_nope, v = expanded.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), dim=-1)
+        return torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), dim=-1), v
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        """q [B, Q, H, nope+rope]; kv [B, K, C+R] latents -> [B, Q, H, v]."""
+        if q.shape[1] == 1 and mask is not None:
+            return self._decode_absorbed(q[:, 0], kv, mask.view(mask.shape[0], -1)).unsqueeze(1)
+        k, v = self._keys_values(kv)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal,
             scale=self.scale,
@@ -140,7 +147,7 @@ class MLAttention:
         latent = rms_norm(latent, self.kv_a_norm, self.eps)
         k_pe = self.rope(k_pe.unsqueeze(1), positions).squeeze(1)
         q = torch.cat((q_nope, self.rope(q_pe, positions)), dim=-1)
-        out = paged_attention(q, torch.cat((latent, k_pe), dim=-1), cache, meta, self._attend)
+        out = paged_attention(q, torch.cat((latent, k_pe), dim=-1), cache, meta, self._attend, causal=self._causal)
         out = out.reshape(num_tokens, self.num_heads * self.v_dim)
         y = linear(out, self.o)
         if lora is not None and self.lora_o is not None:

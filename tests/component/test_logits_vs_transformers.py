@@ -124,3 +124,37 @@ def test_logits_after_a_cached_prefix_match(arch, tiny_model_dirs):
     for step, logits in enumerate(recorded):
         diff = (logits[0] - ref[len(prompt) - 1 + step]).abs().max().item()
         assert diff <= 1e-4, f"{arch}: step {step} max abs diff {diff}"
+
+
+@pytest.mark.parametrize("stored", ["fp32", "bf16"], ids=["fp32-checkpoint", "bf16-checkpoint"])
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prefill", "chunked-prefill"])
+def test_mla_prefill_on_the_causal_kernel_matches(chunk, stored, tmp_path, monkeypatch):
+    """DeepSeek-V2 with head widths the causal kernel serves (keys 16 + 16, values 32; the tiny
+    preset's 24 and 16 fall back to SDPA on AVX-512): its prefill runs on the kernel, keys and
+    values expanded from the latents, and the logits equal transformers'."""
+    from elasticmoe.kernels import causal_attention as kernel
+    from elasticmoe.tools import make_model as mm
+
+    if not kernel.available():
+        pytest.skip("no kernel build on this host")
+    preset = {**mm.PRESETS["deepseek_v2"]["tiny"], "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32}
+    monkeypatch.setitem(mm.PRESETS["deepseek_v2"], "tiny-mla32", preset)
+    monkeypatch.setitem(mm._INIT_STD, "tiny-mla32", mm._INIT_STD["tiny"])
+    monkeypatch.setitem(mm._SAVE_DTYPE, "tiny-mla32", "float32" if stored == "fp32" else "bfloat16")
+    model_dir = str(mm.make_model("deepseek_v2", "tiny-mla32", seed=0, out=str(tmp_path / "mla")))
+    calls = []
+    real = kernel.causal_attention_kv
+    monkeypatch.setattr("elasticmoe.layers.attention.causal_attention_kv",
+                        lambda q, k, v, scale: calls.append(k.shape[-1]) or real(q, k, v, scale))
+    hf = _hf_model(model_dir)
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, block_size=4, num_kv_blocks=64,
+                                    max_num_batched_tokens=chunk or 2048))
+    recorded = _record_logits(engine)
+    prompt = list(range(3, 40, 2))  # 19 tokens
+    out = _run(engine, [prompt], max_tokens=6)["0"]
+    assert calls and set(calls) == {32}  # every layer's prefill (and chunk) on the kernel
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + out])).logits[0].float()
+    for step, logits in enumerate(recorded):
+        diff = (logits[0] - ref[len(prompt) - 1 + step]).abs().max().item()
+        assert diff <= 1e-4, f"step {step} max abs diff {diff}"

@@ -272,6 +272,29 @@ def test_causal_attention_kernel_of_a_chunk_over_earlier_context(isa, dtype, ear
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "key_dim", "value_dim", "earlier"),
+                         [(4, 4, 96, 64, 0), (4, 4, 192, 128, 9), (8, 2, 32, 64, 0), (4, 4, 48, 16, 3)])
+def test_causal_attention_kernel_with_keys_and_values_apart(isa, dtype, heads, kv_heads, key_dim, value_dim, earlier):
+    """Keys and values of their own widths and strides, as an MLA layer expands them from its
+    latents (the values a view of the expansion, heads wider apart than their width)."""
+    torch.manual_seed(0)
+    spans, chunk = 2, 37
+    context = earlier + chunk
+    q = torch.randn(spans, chunk, heads, key_dim).to(dtype)
+    k = torch.randn(spans, context, kv_heads, key_dim).to(dtype)
+    expanded = torch.randn(spans, context, kv_heads, 24 + value_dim).to(dtype)
+    v = expanded[..., 24:]  # head stride 24 + value_dim, as `split` leaves it
+    got = ca.causal_attention_kv(q, k, v, key_dim**-0.5)
+    assert got is not None and got.shape == (spans, chunk, heads, value_dim)
+    mask = torch.arange(context)[None] <= torch.arange(earlier, context)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(), attn_mask=mask,
+        scale=key_dim**-0.5, enable_gqa=True).transpose(1, 2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def test_causal_attention_kernel_declines_what_it_does_not_serve(isa):
     """None (the caller's PyTorch path runs) for a head size off the vector width or over 128,
     fewer keys than queries, mixed dtypes, or a layout with heads not contiguous."""
@@ -283,6 +306,9 @@ def test_causal_attention_kernel_declines_what_it_does_not_serve(isa):
     assert ca.causal_attention(q, kv.to(torch.bfloat16), 0.125) is None
     assert ca.causal_attention(torch.randn(2, 4, 8, 64).transpose(1, 2), kv, 0.125) is None  # heads strided
     assert ca.causal_attention(q.to(torch.float16), kv.to(torch.float16), 0.125) is None
+    k = torch.randn(2, 8, 2, 64)
+    assert ca.causal_attention_kv(q, k, torch.randn(2, 8, 2, 144), 0.125) is None  # values over 128 wide
+    assert ca.causal_attention_kv(q, k, torch.randn(2, 8, 3, 64), 0.125) is None  # values of other heads
 
 
 def test_swiglu_experts_kernel_equals_torch_path(isa, monkeypatch):

@@ -2,9 +2,11 @@
 // (Nq = Nk: a whole prompt; Nq < Nk: a chunk over the context before it), query i sees keys up to
 // position Nk - Nq + i.
 //
-// S spans: q [S, Nq, H, D] (element strides q_ss, q_sn; heads and D contiguous), kv [S, Nk, 2,
-// Hkv, D] (strides kv_ss, kv_sn; K heads then V heads per token, as the paged cache holds them),
-// out [S, Nq, H, D] contiguous. Query head h * G + g (G = H / Hkv) reads KV head h.
+// S spans: q [S, Nq, H, Dk] (element strides q_ss, q_sn; heads Dk apart, each contiguous), k [S,
+// Nk, Hkv, Dk] and v [S, Nk, Hkv, Dv] (any span, token and head strides; each head contiguous: the
+// paged cache's K and V of GQA models, interleaved per token, or an MLA layer's keys and values
+// expanded from its latents), out [S, Nq, H, Dv] contiguous. Query head h * G + g (G = H / Hkv)
+// reads KV head h.
 //
 // Why: at prompt lengths of a few hundred tokens PyTorch's CPU paths lose most of the time to
 // their shape. SDPA's flash kernel in fp32 ran at ~120 GFLOP/s on 16 spans of 128 tokens (2.2 ms a
@@ -22,6 +24,7 @@
 #include <omp.h>
 
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -181,6 +184,25 @@ struct Task {
   int64_t s, h, p0, p1;
 };
 
+// One call's tensors (see the top of the file).
+template <typename T>
+struct Call {
+  const T* q;
+  int64_t q_ss, q_sn;
+  const T* k;
+  int64_t k_ss, k_sn, k_sh;
+  const T* v;
+  int64_t v_ss, v_sn, v_sh;
+  int64_t S, Nq, Nk, H, Hkv, Dk, Dv;
+  T* out;
+
+  int64_t G() const { return H / Hkv; }
+  int64_t first() const { return Nk - Nq; }  // the position of query 0
+  const T* q_rows(const Task& t, int64_t p) const { return q + t.s * q_ss + p * q_sn + t.h * G() * Dk; }
+  const T* keys(const Task& t) const { return k + t.s * k_ss + t.h * k_sh; }      // key j at + j * k_sn
+  const T* values(const Task& t) const { return v + t.s * v_ss + t.h * v_sh; }  // value j at + j * v_sn
+};
+
 // task(t) for each KV head of each span and each block of qb queries, on the kernel's threads:
 // the last query blocks (the most keys) first, so the cheap ones even out the threads' ends.
 template <typename Run>
@@ -218,47 +240,46 @@ inline void tile_softmax(float* ps, int64_t ldk, int64_t r0, int64_t rows, int64
   }
 }
 
-// Rows [r0, r0 + MR) of a task from o [MR, D] into out [S, Nq, H, D].
+// Rows [r0, r0 + MR) of a task from o [MR, Dv] into out [S, Nq, H, Dv].
 template <typename T>
-inline void store_rows(const float* o, const Task& t, int64_t r0, int64_t rows, int64_t G, int64_t Nq, int64_t H,
-                       int64_t D, T* out) {
+inline void store_rows(const float* o, const Task& t, int64_t r0, int64_t rows, const Call<T>& c) {
+  const int64_t G = c.G(), D = c.Dv;
   for (int64_t r = r0; r < r0 + MR && r < rows; ++r) {
-    T* dst = out + ((t.s * Nq + t.p0 + r / G) * H + t.h * G + r % G) * D;
+    T* dst = c.out + ((t.s * c.Nq + t.p0 + r / G) * c.H + t.h * G + r % G) * D;
     for (int64_t d = 0; d < D; d += L) vstore_as(dst + d, vload(o + (r - r0) * D + d));
   }
 }
 
-// A task in fp32 arithmetic: keys packed transposed [D, ldk], values as fp32 rows.
+// A task in fp32 arithmetic: keys packed transposed [Dk, ldk], values as fp32 rows.
 template <typename T>
-void fp32_task(const Task& t, const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64_t kv_ss, int64_t kv_sn,
-               int64_t Nq, int64_t first, int64_t H, int64_t Hkv, int64_t D, vec scale, T* out) {
-  thread_local std::vector<float> qs, kt, vs, ps;  // queries [rows, D], keys [D, ldk], values [nk, D], probs [rows, ldk]
-  const int64_t G = H / Hkv;
+void fp32_task(const Task& t, const Call<T>& c, vec scale) {
+  thread_local std::vector<float> qs, kt, vs, ps;  // queries [rows, Dk], keys [Dk, ldk], values [nk, Dv], probs [rows, ldk]
+  const int64_t G = c.G(), Dk = c.Dk, Dv = c.Dv, first = c.first();
   const int64_t nk = first + t.p1;  // keys 0 .. first + p1 - 1
   const int64_t ldk = (nk + L - 1) / L * L;
   const int64_t rows = (t.p1 - t.p0) * G, padded = (rows + MR - 1) / MR * MR;
-  qs.assign(padded * D, 0.0f);
-  kt.resize(D * ldk);
-  vs.resize(nk * D);
+  qs.assign(padded * Dk, 0.0f);
+  kt.resize(Dk * ldk);
+  vs.resize(nk * Dv);
   ps.resize(padded * ldk);
   for (int64_t p = t.p0; p < t.p1; ++p) {  // the block's queries, G heads per position
-    const T* qp = q + t.s * q_ss + p * q_sn + t.h * G * D;
-    for (int64_t i = 0; i < G * D; i += L) vstore(qs.data() + (p - t.p0) * G * D + i, vload(qp + i));
+    const T* qp = c.q_rows(t, p);
+    for (int64_t i = 0; i < G * Dk; i += L) vstore(qs.data() + (p - t.p0) * G * Dk + i, vload(qp + i));
   }
-  pack_keys(kv + t.s * kv_ss + t.h * D, kv_sn, nk, D, kt.data(), ldk);
+  pack_keys(c.keys(t), c.k_sn, nk, Dk, kt.data(), ldk);
   for (int64_t j = 0; j < nk; ++j) {
-    const T* vj = kv + t.s * kv_ss + j * kv_sn + (Hkv + t.h) * D;
-    for (int64_t d = 0; d < D; d += L) vstore(vs.data() + j * D + d, vload(vj + d));
+    const T* vj = c.values(t) + j * c.v_sn;
+    for (int64_t d = 0; d < Dv; d += L) vstore(vs.data() + j * Dv + d, vload(vj + d));
   }
   for (int64_t r0 = 0; r0 < padded; r0 += MR) {
     const int64_t keys = tile_keys(r0, rows, G, first, t.p0);
     const int64_t nvec = (keys + L - 1) / L;
     float* pt = ps.data() + r0 * ldk;
-    score_tiles<T>(qs.data() + r0 * D, D, kt.data(), ldk, nvec, scale, pt, ldk);
+    score_tiles<T>(qs.data() + r0 * Dk, Dk, kt.data(), ldk, nvec, scale, pt, ldk);
     tile_softmax<T>(ps.data(), ldk, r0, rows, G, first, t.p0, nvec);
-    float o[MR * 8 * 16];  // MR rows of up to 128 fp32 values (D <= 128, checked by the caller)
-    value_tiles(pt, ldk, vs.data(), D, keys, o);
-    store_rows(o, t, r0, rows, G, Nq, H, D, out);
+    float o[MR * 8 * 16];  // MR rows of up to 128 fp32 values (Dv <= 128, checked by the caller)
+    value_tiles(pt, ldk, vs.data(), Dv, keys, o);
+    store_rows(o, t, r0, rows, c);
   }
 }
 
@@ -367,59 +388,52 @@ inline void value_tiles_pairs(const uint16_t* p, int64_t ldp, const uint32_t* vp
   }
 }
 
-void pair_task(const Task& t, const uint16_t* q, int64_t q_ss, int64_t q_sn, const uint16_t* kv, int64_t kv_ss,
-               int64_t kv_sn, int64_t Nq, int64_t first, int64_t H, int64_t Hkv, int64_t D, vec scale, uint16_t* out) {
-  thread_local std::vector<uint16_t> qs, pb;  // queries [rows, D], probabilities [rows, ldk]
-  thread_local std::vector<uint32_t> kp, vp;  // key pairs [D / 2, ldk], value pairs [ceil(nk / 2), D]
+void pair_task(const Task& t, const Call<uint16_t>& c, vec scale) {
+  thread_local std::vector<uint16_t> qs, pb;  // queries [rows, Dk], probabilities [rows, ldk]
+  thread_local std::vector<uint32_t> kp, vp;  // key pairs [Dk / 2, ldk], value pairs [ceil(nk / 2), Dv]
   thread_local std::vector<float> ps;         // scores, then probabilities [rows, ldk]
-  const int64_t G = H / Hkv;
+  const int64_t G = c.G(), Dk = c.Dk, Dv = c.Dv, first = c.first();
   const int64_t nk = first + t.p1;
   const int64_t ldk = (nk + 15) / 16 * 16;
   const int64_t rows = (t.p1 - t.p0) * G, padded = (rows + MR - 1) / MR * MR;
-  qs.assign(padded * D, 0);
-  kp.resize(D / 2 * ldk);
-  vp.resize((nk + 1) / 2 * D);
+  qs.assign(padded * Dk, 0);
+  kp.resize(Dk / 2 * ldk);
+  vp.resize((nk + 1) / 2 * Dv);
   ps.resize(padded * ldk);
   pb.resize(padded * ldk);
   for (int64_t p = t.p0; p < t.p1; ++p)
-    memcpy(qs.data() + (p - t.p0) * G * D, q + t.s * q_ss + p * q_sn + t.h * G * D, G * D * sizeof(uint16_t));
-  pack_key_pairs(kv + t.s * kv_ss + t.h * D, kv_sn, nk, D, kp.data(), ldk);
-  pack_value_pairs(kv + t.s * kv_ss + (Hkv + t.h) * D, kv_sn, nk, D, vp.data());
+    memcpy(qs.data() + (p - t.p0) * G * Dk, c.q_rows(t, p), G * Dk * sizeof(uint16_t));
+  pack_key_pairs(c.keys(t), c.k_sn, nk, Dk, kp.data(), ldk);
+  pack_value_pairs(c.values(t), c.v_sn, nk, Dv, vp.data());
   for (int64_t r0 = 0; r0 < padded; r0 += MR) {
     const int64_t keys = tile_keys(r0, rows, G, first, t.p0);
     const int64_t nvec = (keys + 15) / 16;
-    score_tiles_pairs(qs.data() + r0 * D, D, kp.data(), ldk, nvec, scale, ps.data() + r0 * ldk, ldk);
+    score_tiles_pairs(qs.data() + r0 * Dk, Dk, kp.data(), ldk, nvec, scale, ps.data() + r0 * ldk, ldk);
     tile_softmax<uint16_t>(ps.data(), ldk, r0, rows, G, first, t.p0, nvec);
     for (int64_t r = r0; r < r0 + MR; ++r)  // already rounded to bf16: the high halves are the values
       for (int64_t j = 0; j < nvec * 16; j += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + r * ldk + j),
                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vload(ps.data() + r * ldk + j)), 16)));
     float o[MR * 8 * 16];
-    value_tiles_pairs(pb.data() + r0 * ldk, ldk, vp.data(), D, (keys + 1) / 2, o);
-    store_rows(o, t, r0, rows, G, Nq, H, D, out);
+    value_tiles_pairs(pb.data() + r0 * ldk, ldk, vp.data(), Dv, (keys + 1) / 2, o);
+    store_rows(o, t, r0, rows, c);
   }
 }
 #endif
 
 template <typename T>
-void causal_attention(const T* q, int64_t q_ss, int64_t q_sn, const T* kv, int64_t kv_ss, int64_t kv_sn, int64_t S,
-                      int64_t Nq, int64_t Nk, int64_t H, int64_t Hkv, int64_t D, float scale, T* out) {
-  const int64_t first = Nk - Nq;  // the position of query 0
-  const int64_t qb = query_block(Nk, H / Hkv);
+void causal_attention(const Call<T>& c, float scale) {
+  const int64_t qb = query_block(c.Nk, c.G());
   const vec scale_v = vset(scale);
 #if defined(EMOE_BF16DOT)
   if constexpr (sizeof(T) == 2) {
-    if (D % 32 == 0) {
-      for_each_task(S, Hkv, Nq, qb, [&](const Task& t) {
-        pair_task(t, q, q_ss, q_sn, kv, kv_ss, kv_sn, Nq, first, H, Hkv, D, scale_v, out);
-      });
+    if (c.Dk % 32 == 0 && c.Dv % 32 == 0) {
+      for_each_task(c.S, c.Hkv, c.Nq, qb, [&](const Task& t) { pair_task(t, c, scale_v); });
       return;
     }
   }
 #endif
-  for_each_task(S, Hkv, Nq, qb, [&](const Task& t) {
-    fp32_task(t, q, q_ss, q_sn, kv, kv_ss, kv_sn, Nq, first, H, Hkv, D, scale_v, out);
-  });
+  for_each_task(c.S, c.Hkv, c.Nq, qb, [&](const Task& t) { fp32_task(t, c, scale_v); });
 }
 
 }  // namespace
@@ -428,20 +442,26 @@ extern "C" {
 
 void emoe_set_num_threads(int n) { emoe::g_num_threads = n; }
 
-// dtype: 0 = float32, 1 = bfloat16 (q, kv and out alike). Returns 0, or -1 where the kernel does
-// not serve the call (another dtype, D not a multiple of the vector width or over 128, H not a
-// multiple of Hkv, fewer keys than queries): nothing is written then.
-int emoe_causal_attention(const void* q, int64_t q_ss, int64_t q_sn, const void* kv, int64_t kv_ss, int64_t kv_sn,
-                          int64_t S, int64_t Nq, int64_t Nk, int64_t H, int64_t Hkv, int64_t D, float scale, int dtype,
+// dtype: 0 = float32, 1 = bfloat16 (q, k, v and out alike). Strides in elements. Returns 0, or -1
+// where the kernel does not serve the call (another dtype; Dk or Dv not a multiple of the vector
+// width, or Dv over 128; H not a multiple of Hkv; fewer keys than queries): nothing is written then.
+int emoe_causal_attention(const void* q, int64_t q_ss, int64_t q_sn, const void* k, int64_t k_ss, int64_t k_sn,
+                          int64_t k_sh, const void* v, int64_t v_ss, int64_t v_sn, int64_t v_sh, int64_t S, int64_t Nq,
+                          int64_t Nk, int64_t H, int64_t Hkv, int64_t Dk, int64_t Dv, float scale, int dtype,
                           void* out) {
-  if (D <= 0 || D % emoe::L != 0 || D > 128 || Hkv <= 0 || H % Hkv != 0 || Nk < Nq) return -1;
+  using emoe::L;
+  if (Dk <= 0 || Dk % L != 0 || Dv <= 0 || Dv % L != 0 || Dv > 128 || Hkv <= 0 || H % Hkv != 0 || Nk < Nq) return -1;
   if (S <= 0 || Nq <= 0) return 0;
+  const auto run = [&](auto* typed_out) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    const Call<T> c{static_cast<const T*>(q), q_ss, q_sn, static_cast<const T*>(k), k_ss, k_sn, k_sh,
+                    static_cast<const T*>(v), v_ss, v_sn, v_sh, S, Nq, Nk, H, Hkv, Dk, Dv, typed_out};
+    causal_attention(c, scale);
+  };
   if (dtype == emoe::kF32) {
-    causal_attention(static_cast<const float*>(q), q_ss, q_sn, static_cast<const float*>(kv), kv_ss, kv_sn, S, Nq, Nk,
-                     H, Hkv, D, scale, static_cast<float*>(out));
+    run(static_cast<float*>(out));
   } else if (dtype == emoe::kBF16) {
-    causal_attention(static_cast<const uint16_t*>(q), q_ss, q_sn, static_cast<const uint16_t*>(kv), kv_ss, kv_sn, S,
-                     Nq, Nk, H, Hkv, D, scale, static_cast<uint16_t*>(out));
+    run(static_cast<uint16_t*>(out));
   } else {
     return -1;
   }
