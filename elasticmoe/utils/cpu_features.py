@@ -127,9 +127,9 @@ class ComputePlan:
 
     @property
     def prefill_attention(self) -> str:
-        """What a GQA model's causal prefill attention runs on (`layers.attention.gqa_causal`;
-        MLA models run SDPA): the causal kernel, in bf16 pairs where the build has `vdpbf16ps`
-        (head sizes that are multiples of 32), or PyTorch's SDPA."""
+        """What a model's causal prefill attention runs on (`layers.attention.kernel_causal`): the
+        causal kernel, in bf16 pairs where the build has `vdpbf16ps` (head widths that are
+        multiples of 32), or PyTorch's SDPA (head widths off the vector width run SDPA anyway)."""
         if self.expert_kernel == "torch":
             return "sdpa" if self.compute_dtype == torch.float32 else "batched matmuls (<= 128 tokens), else sdpa"
         if self.compute_dtype == torch.float32:
