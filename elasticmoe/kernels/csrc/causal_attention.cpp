@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "softmax.h"
 #include "vec.h"
 
 namespace {
@@ -52,10 +53,6 @@ inline int64_t query_block(int64_t Nk, int64_t G) {
   return qb;
 }
 
-inline float round_as(const float*, float v) { return v; }
-inline float round_as(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
-inline vec round_vec(const float*, vec v) { return v; }
-inline vec round_vec(const uint16_t*, vec v) { return vround_bf16(v); }
 
 // s[r][c * L ...] = q[r] . kt[:, c * L ...] * scale, rounded to T's precision, for MR rows and NV
 // key vectors from key vector c0.
@@ -79,21 +76,28 @@ inline void score_tile(const float* q, int64_t D, const float* kt, int64_t ldk, 
     for (int c = 0; c < NV; ++c) vstore(s + r * lds + (c0 + c) * L, round_vec(as, vmul(acc[r][c], scale)));
 }
 
+// f(std::integral_constant<int, n>{}): a tile width n (1 .. NV_MAX) as a template argument.
+template <typename F>
+inline void with_width(int64_t n, F f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+#if defined(EMOE_AVX512)
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+#endif
+  }
+}
+
+// s[r][0 : nvec * L] for MR rows, NV_MAX key vectors at a time.
 template <typename T>
 inline void score_tiles(const float* q, int64_t D, const float* kt, int64_t ldk, int64_t nvec, vec scale, float* s,
                         int64_t lds) {
-  for (int64_t c0 = 0; c0 < nvec; c0 += NV_MAX) {
-    switch (nvec - c0 < NV_MAX ? nvec - c0 : NV_MAX) {
-      case 1: score_tile<T, 1>(q, D, kt, ldk, c0, scale, s, lds); break;
-      case 2: score_tile<T, 2>(q, D, kt, ldk, c0, scale, s, lds); break;
-      case 3: score_tile<T, 3>(q, D, kt, ldk, c0, scale, s, lds); break;
-#if defined(EMOE_AVX512)
-      case 4: score_tile<T, 4>(q, D, kt, ldk, c0, scale, s, lds); break;
-      case 5: score_tile<T, 5>(q, D, kt, ldk, c0, scale, s, lds); break;
-      case 6: score_tile<T, 6>(q, D, kt, ldk, c0, scale, s, lds); break;
-#endif
-    }
-  }
+  for (int64_t c0 = 0; c0 < nvec; c0 += NV_MAX)
+    with_width(nvec - c0 < NV_MAX ? nvec - c0 : NV_MAX,
+               [&](auto nv) { score_tile<T, decltype(nv)::value>(q, D, kt, ldk, c0, scale, s, lds); });
 }
 
 // o[r][d0 ...] = sum_j p[r][j] v[j][d0 ...] for MR rows, DV vectors of D from d0, keys j < nk.
@@ -131,25 +135,8 @@ inline void value_tiles(const float* p, int64_t ldp, const float* v, int64_t D, 
 // p[0:n] = softmax(p[0:n]) in fp32, rounded to T's precision; p[n:end] = 0 (read by value tiles).
 template <typename T>
 inline void causal_softmax(float* p, int64_t n, int64_t end, const T* as) {
-  vec mv = vset(-INFINITY);
-  int64_t t = 0;
-  for (; t + L <= n; t += L) mv = vmax(mv, vload(p + t));
-  float mx = hmax(mv);
-  for (; t < n; ++t) mx = p[t] > mx ? p[t] : mx;
-  const vec mxv = vset(mx);
-  vec sv = vzero();
-  for (t = 0; t + L <= n; t += L) {
-    const vec e = vexp_nonpos(vsub(vload(p + t), mxv));
-    vstore(p + t, e);
-    sv = vadd(sv, e);
-  }
-  float sum = hsum(sv);
-  for (; t < n; ++t) sum += (p[t] = expf(p[t] - mx));
-  const float inv = 1.0f / sum;
-  const vec invv = vset(inv);
-  for (t = 0; t + L <= n; t += L) vstore(p + t, round_vec(as, vmul(vload(p + t), invv)));
-  for (; t < n; ++t) p[t] = round_as(as, p[t] * inv);
-  for (; t < end; ++t) p[t] = 0.0f;
+  softmax_inplace(p, n, as);
+  for (int64_t t = n; t < end; ++t) p[t] = 0.0f;
 }
 
 // kt[d * ldk + j] = k_j[d] in fp32 for keys j < nk (k_j = k + j * ld_in), zeros up to ldk.
@@ -346,16 +333,9 @@ inline void score_tile_pairs(const uint16_t* q, int64_t D, const uint32_t* kp, i
 
 inline void score_tiles_pairs(const uint16_t* q, int64_t D, const uint32_t* kp, int64_t ldk, int64_t nvec, vec scale,
                               float* s, int64_t lds) {
-  for (int64_t c0 = 0; c0 < nvec; c0 += NV_MAX) {
-    switch (nvec - c0 < NV_MAX ? nvec - c0 : NV_MAX) {
-      case 1: score_tile_pairs<1>(q, D, kp, ldk, c0, scale, s, lds); break;
-      case 2: score_tile_pairs<2>(q, D, kp, ldk, c0, scale, s, lds); break;
-      case 3: score_tile_pairs<3>(q, D, kp, ldk, c0, scale, s, lds); break;
-      case 4: score_tile_pairs<4>(q, D, kp, ldk, c0, scale, s, lds); break;
-      case 5: score_tile_pairs<5>(q, D, kp, ldk, c0, scale, s, lds); break;
-      case 6: score_tile_pairs<6>(q, D, kp, ldk, c0, scale, s, lds); break;
-    }
-  }
+  for (int64_t c0 = 0; c0 < nvec; c0 += NV_MAX)
+    with_width(nvec - c0 < NV_MAX ? nvec - c0 : NV_MAX,
+               [&](auto nv) { score_tile_pairs<decltype(nv)::value>(q, D, kp, ldk, c0, scale, s, lds); });
 }
 
 // o[r][d0 ...] = sum_u (p[r][2u] v_{2u} + p[r][2u + 1] v_{2u + 1})[d0 ...] for MR rows, DV vectors.

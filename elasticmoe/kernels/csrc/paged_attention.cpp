@@ -16,18 +16,15 @@
 #include <atomic>
 #include <vector>
 
+#include "softmax.h"
 #include "vec.h"
 
 namespace {
 
 using namespace emoe;
 
-inline float round_as(const float*, float v) { return v; }
-inline float round_as(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
 inline __m256 round8_as(const float*, __m256 v) { return v; }
 inline __m256 round8_as(const uint16_t*, __m256 v) { return round8_bf16(v); }
-inline vec round_vec(const float*, vec v) { return v; }
-inline vec round_vec(const uint16_t*, vec v) { return vround_bf16(v); }
 
 template <typename T>
 inline float dot(const T* a, const T* b, int64_t D) {
@@ -70,29 +67,6 @@ inline __m256 dot8(const T* a, const T* const* rows, int64_t D) {
     sums = _mm256_add_ps(sums, _mm256_loadu_ps(tail));
   }
   return sums;
-}
-
-// p[0:n] = softmax(p[0:n]) in fp32, then rounded to T's precision (as `.to(v.dtype)` does).
-template <typename T>
-inline void softmax_inplace(float* p, int64_t n, const T* as) {
-  vec mv = vset(-INFINITY);
-  int64_t t = 0;
-  for (; t + L <= n; t += L) mv = vmax(mv, vload(p + t));
-  float mx = hmax(mv);
-  for (; t < n; ++t) mx = p[t] > mx ? p[t] : mx;
-  vec sv = vzero();
-  const vec mxv = vset(mx);
-  for (t = 0; t + L <= n; t += L) {
-    const vec e = vexp_nonpos(vsub(vload(p + t), mxv));
-    vstore(p + t, e);
-    sv = vadd(sv, e);
-  }
-  float sum = hsum(sv);
-  for (; t < n; ++t) sum += (p[t] = expf(p[t] - mx));
-  const float inv = 1.0f / sum;
-  const vec invv = vset(inv);
-  for (t = 0; t + L <= n; t += L) vstore(p + t, round_vec(as, vmul(vload(p + t), invv)));
-  for (; t < n; ++t) p[t] = round_as(as, p[t] * inv);
 }
 
 // f(first token, its slot, tokens) for each block of a sequence's first `ctx` tokens, in order.
