@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 
 from coordinator.autoscaler import AutoscaleConfig
 from elasticmoe.config import EngineOptions, ModelConfig
-from elasticmoe.entrypoints.serve_settings import ServeSettings
+from elasticmoe.entrypoints.serve_settings import ServeSettings, fill_from_profile
 from elasticmoe.utils.settings import GIB, cli
 from hmm.layout import ModelSizes
 from hmm.memory.segments import DEFAULT_PREFIX
@@ -102,7 +102,9 @@ class CoordinatorConfig(ServeSettings):
     @model_validator(mode="before")
     @classmethod
     def _elastic_defaults(cls, values: Any) -> Any:
-        """The KV cache per device defaults to min(0.25 GiB, a quarter of the device)."""
+        """The KV cache per device defaults to min(0.25 GiB, a quarter of the device), after a
+        profile's memory split (`fill_from_profile`: it may be the one that sets it)."""
+        values = fill_from_profile(values)
         if isinstance(values, dict) and values.get("kv_bytes_per_device") is None:
             memory = values.get("device_memory_bytes", _DEFAULT_DEVICE_MEMORY)
             if isinstance(memory, int) and memory > 0:

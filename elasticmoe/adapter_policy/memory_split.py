@@ -1,10 +1,11 @@
-"""How a device's memory divides between the KV cache (batch inference), LoRA slots and, with
-offloading, the expert cache: CoServe §4.4, as pure functions over a `Profile`.
+"""How a device's memory divides between the KV cache (batch inference), LoRA slots, ESFT slots
+and, with offloading, the expert cache: CoServe §4.4, as pure functions over a `Profile`.
 
-Items (LoRA adapters, offloaded base experts) are sorted by usage probability, descending: the
-x-axis of the usage CDF (Fig. 11). Loading the first n of them costs their footprints; the rest
-of the budget holds KV for batch inference. ESFT adapters are always resident (their slots do
-not swap), so their bytes are reserved first.
+Items (LoRA adapters, ESFT adapters, offloaded base experts) are sorted by usage probability,
+descending: the x-axis of the usage CDF (Fig. 11). Loading the first n of them costs their
+footprints; the rest of the budget holds KV for batch inference. The LoRA and ESFT items loaded
+are the slots of their kind (an engine swaps the other adapters through them, so a kind with
+adapters gets at least one slot), the experts loaded the expert cache's rows.
 
 - **Limited computation** ("the maximum batch size ... occupies minimal memory"): when the KV of
   one full batch (`max_batch` requests of `tokens_per_request` tokens) is at most
@@ -29,7 +30,8 @@ from elasticmoe.adapter_policy.fitting import linear_fit
 from elasticmoe.adapter_policy.profile import BASE_KIND, MemorySplit, Profile
 from elasticmoe.adapter_policy.usage import check_probability
 
-SWAPPABLE_KINDS = ("lora", "expert")  # kinds whose items the search decides to keep resident
+SWAPPABLE_KINDS = ("lora", "esft", "expert")  # kinds whose items the search decides to keep resident
+SLOT_KINDS = ("lora", "esft")  # adapter kinds served through slots: one at least where adapters exist
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +175,10 @@ def plan_memory_split(
     small_batch_fraction: float = 0.25,
     measure: Callable[[int], float] | None = None,
 ) -> MemorySplit:
-    """Divide `budget_bytes` (KV + adapter slots + expert cache + ESFT rows) by §4.4 (see the module
+    """Divide `budget_bytes` (KV + LoRA slots + ESFT slots + expert cache) by §4.4 (see the module
     docstring). `items` default to the profile's; `measure(n)` to `estimate_throughput`. Raises
-    `ValueError` if the budget cannot hold the ESFT adapters and one request's KV, or one LoRA
-    slot beside them when LoRA adapters exist."""
+    `ValueError` if the budget cannot hold one request's KV and, for each adapter kind with
+    adapters, one slot of it."""
     if not 0 < small_batch_fraction < 1:
         raise ValueError(f"small_batch_fraction: must be in (0, 1), got {small_batch_fraction}")
     given = profile_items(profile) if items is None else list(items)
@@ -190,12 +192,9 @@ def plan_memory_split(
 
     ordered = sorted_items(given, footprint)
     swappable = [i for i in ordered if i.kind in SWAPPABLE_KINDS]
-    esft_bytes = sum(kinds[k].footprint_bytes for k in profile.adapter_kind.values() if k == "esft")
-    memory = budget_bytes - esft_bytes
     one_request = profile.request_kv_bytes
-    if memory < one_request:
-        raise ValueError(f"budget_bytes: {budget_bytes} cannot hold the ESFT adapters ({esft_bytes} bytes) "
-                         f"and one request's KV ({one_request} bytes)")
+    if budget_bytes < one_request:
+        raise ValueError(f"budget_bytes: {budget_bytes} cannot hold one request's KV ({one_request} bytes)")
     prefix = [0]
     for item in swappable:
         prefix.append(prefix[-1] + footprint(item))
@@ -203,25 +202,33 @@ def plan_memory_split(
 
     def fits(reserved_kv: int) -> int:
         """How many leading items fit beside `reserved_kv` bytes of KV."""
-        return max(n for n in range(len(prefix)) if prefix[n] <= memory - reserved_kv)
+        return max(n for n in range(len(prefix)) if prefix[n] <= budget_bytes - reserved_kv)
 
     window: tuple[int, int] | None = None
-    if max_batch * one_request <= small_batch_fraction * memory:
+    if max_batch * one_request <= small_batch_fraction * budget_bytes:
         strategy, num_loaded = "limited", fits(max_batch * one_request)
     else:
         strategy, limit = "decay_window", fits(one_request)
-        probe = measure or (lambda n: estimate_throughput(profile, swappable, n, memory))
+        probe = measure or (lambda n: estimate_throughput(profile, swappable, n, budget_bytes))
         found = decay_window_search(probe, limit, initial_window, error_margin)
         num_loaded, window = found.choice, (found.lower, found.upper)
     loaded = swappable[:num_loaded]
-    num_lora = sum(i.kind == "lora" for i in loaded)
-    lora_slot = kinds["lora"].footprint_bytes if "lora" in kinds else 0
-    if num_lora == 0 and any(i.kind == "lora" for i in swappable):
-        num_lora = 1  # the engine needs one slot to serve LoRA adapters at all
-        if prefix[num_loaded] + lora_slot + one_request > memory:
-            raise ValueError(f"budget_bytes: {budget_bytes} cannot hold one LoRA slot and one request's KV")
+    slots = {kind: sum(i.kind == kind for i in loaded) for kind in SLOT_KINDS}
+    slot_bytes = {kind: kinds[kind].footprint_bytes if kind in kinds else 0 for kind in SLOT_KINDS}
+    used = prefix[num_loaded]
+    for kind in SLOT_KINDS:
+        if slots[kind] == 0 and any(i.kind == kind for i in swappable):
+            slots[kind] = 1  # the engine needs one slot to serve the kind's adapters at all
+            used += slot_bytes[kind]
+            if used + one_request > budget_bytes:
+                raise ValueError(f"budget_bytes: {budget_bytes} cannot hold one {_SLOT_NAMES[kind]} slot "
+                                 f"beside the items loaded and one request's KV")
     num_experts = sum(i.kind == "expert" for i in loaded)
     expert_row = kinds["expert"].footprint_bytes if "expert" in kinds else 0
-    kv = memory - num_lora * lora_slot - num_experts * expert_row
-    return MemorySplit(budget_bytes, kv, num_lora, lora_slot, num_experts, expert_row, esft_bytes,
-                       max(1, min(max_batch, kv // one_request)), strategy, window)
+    kv = budget_bytes - used
+    return MemorySplit(budget_bytes, kv, slots["lora"], slot_bytes["lora"], num_experts, expert_row,
+                       slots["esft"] * slot_bytes["esft"], max(1, min(max_batch, kv // one_request)), strategy,
+                       window, num_esft_slots=slots["esft"])
+
+
+_SLOT_NAMES = {"lora": "LoRA", "esft": "ESFT"}

@@ -67,7 +67,8 @@ class KindProfile:
 @dataclass(frozen=True, slots=True)
 class MemorySplit:
     """How a device's memory budget divides (CoServe §4.4): KV cache for batch inference, LoRA
-    slots, the expert cache (with offloading) and the ESFT adapters (always resident).
+    slots, ESFT slots (`esft_bytes` for `num_esft_slots` adapters' rows) and the expert cache
+    (with offloading).
 
     Invariant: the four parts are >= 0 and sum to at most `budget_bytes`.
     """
@@ -82,10 +83,11 @@ class MemorySplit:
     max_num_seqs: int = 1  # min(profiled max batch, requests the KV cache holds): request splitting
     strategy: str = "decay_window"  # or "limited" (the max batch's KV is small, §4.4)
     window: tuple[int, int] | None = None  # the decay window the search stopped in (items loaded)
+    num_esft_slots: int = 0  # ESFT adapters resident at once (--max-esft-adapters); 0: not set by the split
 
     def __post_init__(self) -> None:
         parts = (self.kv_cache_bytes, self.num_lora_slots, self.lora_slot_bytes, self.num_expert_rows,
-                 self.expert_row_bytes, self.esft_bytes)
+                 self.expert_row_bytes, self.esft_bytes, self.num_esft_slots)
         if min(parts) < 0 or self.max_num_seqs < 1:
             raise ValueError(f"memory split: negative part or max_num_seqs < 1: {self}")
         if self.used_bytes > self.budget_bytes:
@@ -110,13 +112,16 @@ class MemorySplit:
         out = {"kv_cache_bytes": self.kv_cache_bytes, "max_num_seqs": self.max_num_seqs}
         if self.num_lora_slots:
             out["max_loras"] = self.num_lora_slots
+        if self.num_esft_slots:
+            out["max_esft_adapters"] = self.num_esft_slots
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {"budget_bytes": self.budget_bytes, "kv_cache_bytes": self.kv_cache_bytes,
                 "num_lora_slots": self.num_lora_slots, "lora_slot_bytes": self.lora_slot_bytes,
                 "num_expert_rows": self.num_expert_rows, "expert_row_bytes": self.expert_row_bytes,
-                "esft_bytes": self.esft_bytes, "max_num_seqs": self.max_num_seqs, "strategy": self.strategy,
+                "esft_bytes": self.esft_bytes, "num_esft_slots": self.num_esft_slots,
+                "max_num_seqs": self.max_num_seqs, "strategy": self.strategy,
                 "window": list(self.window) if self.window is not None else None}
 
     @classmethod
@@ -126,7 +131,8 @@ class MemorySplit:
                    int(obj["lora_slot_bytes"]), int(obj.get("num_expert_rows", 0)),
                    int(obj.get("expert_row_bytes", 0)), int(obj.get("esft_bytes", 0)),
                    int(obj.get("max_num_seqs", 1)), str(obj.get("strategy", "decay_window")),
-                   (int(window[0]), int(window[1])) if window is not None else None)
+                   (int(window[0]), int(window[1])) if window is not None else None,
+                   int(obj.get("num_esft_slots", 0)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 real engine and write the profile JSON the online policies read.
 
     python -m elasticmoe.bench.adapter_profile --model models/tiny-qwen3-moe --out profile.json \
-        [--lora DIR] [--esft DIR] [--usage NAME=P ...] [--sample FILE] [--budget-gb G]
+        [--lora DIR] [--esft DIR] [--usage NAME=P ...] [--kind NAME=esft ...] [--sample FILE] [--budget-gb G]
 
 Per kind ("base", "lora", "esft", and "expert" for offloaded base experts), one adapter stands
 for all of its kind (CoServe: "experts of the same model architecture are profiled only once";
@@ -222,14 +222,31 @@ def _loads(engine: LLMEngine, lora: LoraAdapter, esft: EsftAdapter, repeats: int
     return load_s, footprint
 
 
-def _parse_usage(items: Sequence[str]) -> dict[str, float]:
+def _parse_pairs(flag: str, items: Sequence[str], want: str) -> dict[str, str]:
     out = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise argparse.ArgumentTypeError(f"--usage: want NAME=P, got {item!r}")
-        out[name] = float(value)
+        if not sep or not name or not value:
+            raise argparse.ArgumentTypeError(f"{flag}: want NAME={want}, got {item!r}")
+        out[name] = value
     return out
+
+
+def _parse_usage(items: Sequence[str]) -> dict[str, float]:
+    out = {}
+    for name, value in _parse_pairs("--usage", items, "P").items():
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--usage: {name}={value!r} is not a probability") from None
+    return out
+
+
+def _parse_kinds(items: Sequence[str]) -> dict[str, str]:
+    kinds = _parse_pairs("--kind", items, "lora|esft")
+    if bad := sorted(n for n, k in kinds.items() if k not in ("lora", "esft")):
+        raise argparse.ArgumentTypeError(f"--kind: {bad} want lora or esft")
+    return kinds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -239,6 +256,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", default=None, help="a LoRA adapter directory to profile (default: a random rank-8 one)")
     p.add_argument("--esft", default=None, help="an ESFT adapter directory to profile (default: a random one)")
     p.add_argument("--usage", action="append", default=[], help="NAME=P: declared usage probability (repeatable)")
+    p.add_argument("--kind", action="append", default=[],
+                   help="NAME=lora|esft: an adapter's kind for the memory split (default lora; repeatable): ESFT "
+                   "adapters take ESFT slots, LoRA adapters LoRA slots")
     p.add_argument("--sample", default=None, help="a file of adapter names, one per request of a sample")
     p.add_argument("--budget-gb", type=float, default=None, help="plan the memory split of this budget")
     p.add_argument("--batch-sizes", type=ints, default=[1, 2, 4, 8, 16])
@@ -254,6 +274,7 @@ def run(args: argparse.Namespace) -> Profile:
     sample = Path(args.sample).read_text().split() if args.sample else None
     profile = write_profile(
         args.model, args.out, lora_dir=args.lora, esft_dir=args.esft, usage=_parse_usage(args.usage), sample=sample,
+        adapter_kinds=_parse_kinds(args.kind),
         budget_bytes=int(args.budget_gb * (1 << 30)) if args.budget_gb is not None else None,
         batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
         dtype=args.dtype, num_threads=args.num_threads)

@@ -121,7 +121,8 @@ class ServeSettings(BaseModel):
         "oldest group first, no starvation: CoServe §4.2) or fcfs")
     profile: str | None = Field(
         None, description="a profile written by `elasticmoe profile`: adapters' usage probabilities for eviction "
-        "and assignment, and (unless given) the memory split: KV cache, --max-num-seqs, --max-loras",
+        "and assignment, and (unless given) the memory split: KV cache (elastic: per device), --max-num-seqs, "
+        "--max-loras, --max-esft-adapters",
         json_schema_extra=cli(metavar="FILE"))
     expert_cache_bytes: int | None = Field(
         None, description="expert offloading (FineMoE): keep the routed experts in a cache of this size per engine "
@@ -165,6 +166,12 @@ class ServeSettings(BaseModel):
     shutdown_timeout_s: float = Field(
         30.0, description="on SIGTERM/SIGINT (or POST /admin/drain) new requests get 503 and those in flight get "
         "up to S seconds to finish before the server stops", json_schema_extra=cli("--shutdown-timeout", metavar="S"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_split(cls, values: Any) -> Any:
+        """The profile's memory split fills the settings it covers that were not given (`fill_from_profile`)."""
+        return fill_from_profile(values)
 
     @model_validator(mode="after")
     def _check(self) -> ServeSettings:
@@ -242,19 +249,13 @@ class ServeSettings(BaseModel):
 
     def engine_options(self) -> EngineOptions:
         """What every engine of this server is built with (the elastic server's KV pool comes from its HMM).
-        With `profile`, its memory split fills what was not given explicitly."""
+        A profile's memory split is already in the settings (`fill_from_profile`)."""
         slots, experts = self.esft_slots
-        split = self.profile_split()
-        given = self.model_fields_set
         return EngineOptions(
             dtype=self.torch_dtype, num_threads=self.num_threads, max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs if "max_num_seqs" in given else split.get("max_num_seqs", self.max_num_seqs),
-            kv_cache_bytes=self.kv_bytes_per_device if "kv_bytes_per_device" in given else split.get(
-                "kv_cache_bytes", self.kv_bytes_per_device),
-            max_esft_adapters=slots, max_esft_experts=experts,
-            max_loras=self.max_loras if "max_loras" in given else split.get("max_loras", self.max_loras),
-            enable_prefix_caching=self.enable_prefix_caching,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            kv_cache_bytes=self.kv_bytes_per_device, max_esft_adapters=slots, max_esft_experts=experts,
+            max_loras=self.max_loras, enable_prefix_caching=self.enable_prefix_caching,
             max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
             adapter_eviction=self.adapter_eviction, request_arranging=self.request_arranging,
             adapter_profile=self.profile, expert_cache_bytes=self.expert_cache_bytes,
@@ -262,11 +263,27 @@ class ServeSettings(BaseModel):
             offload_prefetch_distance=self.offload_prefetch_distance, expert_page_cache=self.expert_page_cache,
         )
 
-    def profile_split(self) -> dict[str, int]:
-        """The engine fields of the profile's memory split (empty without a profile or a split)."""
-        if self.profile is None:
-            return {}
-        from elasticmoe.adapter_policy.profile import load_profile
 
-        split = load_profile(self.profile).memory_split
-        return split.engine_fields() if split is not None else {}
+# The settings a profile's memory split covers: its `MemorySplit.engine_fields()` key -> settings field.
+_SPLIT_SETTINGS = {"kv_cache_bytes": "kv_bytes_per_device", "max_num_seqs": "max_num_seqs",
+                   "max_loras": "max_loras", "max_esft_adapters": "max_esft_adapters"}
+
+
+def fill_from_profile(values: Any) -> Any:
+    """Settings `values` (a dict of field values, before validation) with a `profile` whose memory
+    split (CoServe §4.4) covers the KV cache, --max-num-seqs, --max-loras and --max-esft-adapters:
+    those not given (absent or None) take the split's values, once, so every reader of the settings
+    (the engines, the HMM's KV pool, the slot counts on /admin/status) sees the same. A profile that
+    cannot be read is left to the `--profile` check; one without a split changes nothing."""
+    if not isinstance(values, dict) or not values.get("profile") or not Path(values["profile"]).is_file():
+        return values
+    from elasticmoe.adapter_policy.profile import load_profile
+
+    try:
+        split = load_profile(values["profile"]).memory_split
+    except ValueError as exc:
+        raise ValueError(f"--profile: {values['profile']}: {exc}") from exc
+    if split is None:
+        return values
+    filled = {_SPLIT_SETTINGS[k]: v for k, v in split.engine_fields().items() if values.get(_SPLIT_SETTINGS[k]) is None}
+    return {**values, **filled}

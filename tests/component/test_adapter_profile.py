@@ -13,7 +13,8 @@ def test_profile_of_the_tiny_model(tiny_model_dir, tmp_path):
     budget = 4 << 20
     out = tmp_path / "profile.json"
     profile = write_profile(tiny_model_dir, out, batch_sizes=(1, 2, 4), output_len=2, repeats=1,
-                            usage={"a": 0.6}, sample=["a", "b", "b", "c"], budget_bytes=budget, num_threads=1)
+                            usage={"a": 0.6}, sample=["a", "b", "b", "c"], adapter_kinds={"c": "esft"},
+                            budget_bytes=budget, num_threads=1)
     assert load_profile(out) == profile
     assert set(profile.kinds) == {"base", "lora", "esft", "expert"}
     for name, kind in profile.kinds.items():
@@ -29,8 +30,27 @@ def test_profile_of_the_tiny_model(tiny_model_dir, tmp_path):
     assert profile.kv_bytes_per_token == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     # The declaration wins over the sample's share; the others are their shares of the sample.
     assert profile.usage_probability == {"a": 0.6, "b": 0.5, "c": 0.25}
-    assert profile.adapter_kind == {"a": "lora", "b": "lora", "c": "lora"}
+    assert profile.adapter_kind == {"a": "lora", "b": "lora", "c": "esft"}
     split = profile.memory_split
     assert split is not None and split.budget_bytes == budget and split.used_bytes <= budget
-    assert 1 <= split.num_lora_slots <= 3 and split.kv_cache_bytes >= profile.request_kv_bytes
+    assert 1 <= split.num_lora_slots <= 2 and split.kv_cache_bytes >= profile.request_kv_bytes
+    # The ESFT adapter takes an ESFT slot (its rows), not a LoRA slot.
+    assert split.num_esft_slots == 1 and split.esft_bytes == profile.kinds["esft"].footprint_bytes
     assert len(profile.meta["points"]["lora"]) == 3
+
+
+def test_the_cli_names_kinds_and_refuses_malformed_pairs():
+    import argparse
+
+    import pytest
+
+    from elasticmoe.bench.adapter_profile import _parse_kinds, _parse_usage
+
+    assert _parse_kinds(["law=esft", "style=lora"]) == {"law": "esft", "style": "lora"}
+    assert _parse_usage(["law=0.5"]) == {"law": 0.5}
+    for bad, parse, message in ((["law"], _parse_kinds, "--kind: want NAME=lora|esft"),
+                                (["law=dora"], _parse_kinds, r"--kind: \['law'\] want lora or esft"),
+                                (["law=high"], _parse_usage, "--usage: law='high' is not a probability"),
+                                (["=0.5"], _parse_usage, "--usage: want NAME=P")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(bad)

@@ -93,16 +93,28 @@ def test_sufficient_computation_searches_the_window_with_the_profile_model():
     assert split.window == (2, 3) and split.num_lora_slots == 2
 
 
-def test_esft_rows_are_reserved_and_experts_share_the_search():
+def test_esft_adapters_and_experts_share_the_search_as_slots_and_rows():
     kinds = {"base": KindProfile(8, 0.01, 0.05), "lora": KindProfile(4, 0.02, 0.1, 0.5, 1000),
              "esft": KindProfile(4, 0.02, 0.1, 0.5, 3000), "expert": KindProfile(8, 0.0, 0.0, 0.1, 500)}
-    profile = Profile("m", "cpu", kinds, 10, 10, usage_probability={"a": 0.5, "e": 0.2},
-                      adapter_kind={"a": "lora", "e": "esft"})
-    items = [CacheItem("a", "lora", 0.5), CacheItem("x0", "expert", 1.0), CacheItem("x1", "expert", 0.9)]
+    profile = Profile("m", "cpu", kinds, 10, 10, usage_probability={"a": 0.5, "e": 0.2, "e2": 0.01},
+                      adapter_kind={"a": "lora", "e": "esft", "e2": "esft"})
+    items = [CacheItem("a", "lora", 0.5), CacheItem("e", "esft", 0.2), CacheItem("e2", "esft", 0.01),
+             CacheItem("x0", "expert", 1.0), CacheItem("x1", "expert", 0.9)]
+    # Max batch 4 x 100 bytes of KV is small: limited. By probability x0, x1, a, e, e2: 8000 bytes fit.
     split = plan_memory_split(profile, 10_000, items)
-    assert split.esft_bytes == 3000 and split.strategy == "limited"
-    assert (split.num_expert_rows, split.num_lora_slots) == (2, 1)
-    assert split.kv_cache_bytes == 10_000 - 3000 - 1000 - 2 * 500
+    assert split.strategy == "limited"
+    assert (split.num_expert_rows, split.num_lora_slots, split.num_esft_slots, split.esft_bytes) == (2, 1, 2, 6000)
+    assert split.kv_cache_bytes == 2000 and split.used_bytes == 10_000 and split.max_num_seqs == 4
+    assert split.engine_fields() == {"kv_cache_bytes": 2000, "max_num_seqs": 4, "max_loras": 1,
+                                     "max_esft_adapters": 2}
+    # 5600 bytes beside the batch's KV: e2 does not fit, one ESFT slot (e's) remains.
+    split = plan_memory_split(profile, 6_000, items)
+    assert (split.num_esft_slots, split.esft_bytes, split.kv_cache_bytes) == (1, 3000, 1000)
+    # e does not fit either, but a kind with adapters gets one slot: what is left is KV for 2 requests.
+    split = plan_memory_split(profile, 5_200, items[:2] + items[3:])
+    assert (split.num_esft_slots, split.kv_cache_bytes, split.max_num_seqs) == (1, 200, 2)
+    with pytest.raises(ValueError, match="one ESFT slot"):
+        plan_memory_split(profile, 2_600, items[:2] + items[3:])
 
 
 def test_budget_errors_and_the_one_slot_minimum():

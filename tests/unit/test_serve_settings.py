@@ -155,19 +155,31 @@ def test_a_profile_fills_the_memory_split_unless_given(tiny_model_dir, tmp_path)
     from elasticmoe.adapter_policy.profile import KindProfile, MemorySplit, Profile
 
     split = MemorySplit(budget_bytes=1 << 30, kv_cache_bytes=256 << 20, num_lora_slots=6, lora_slot_bytes=1 << 20,
-                        max_num_seqs=24)
+                        max_num_seqs=24, esft_bytes=3 << 20, num_esft_slots=3)
     profile = Profile("m", "cpu", {"base": KindProfile(16, 0.01, 0.1), "lora": KindProfile(16, 0.012, 0.1, 0.05)},
                       kv_bytes_per_token=4096, tokens_per_request=256, usage_probability={"law": 0.6},
                       memory_split=split)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile.to_json()))
-    options = ServeSettings(model_dir=tiny_model_dir, profile=str(path), adapter_eviction="lru").engine_options()
-    assert (options.kv_cache_bytes, options.max_num_seqs, options.max_loras) == (256 << 20, 24, 6)
+    settings = ServeSettings(model_dir=tiny_model_dir, profile=str(path), adapter_eviction="lru")
+    # In the settings themselves, so every reader sees the split, not only the engines.
+    assert (settings.kv_bytes_per_device, settings.max_num_seqs, settings.max_loras, settings.max_esft_adapters) == (
+        256 << 20, 24, 6, 3)
+    options = settings.engine_options()
+    assert (options.kv_cache_bytes, options.max_num_seqs, options.max_loras, options.max_esft_adapters) == (
+        256 << 20, 24, 6, 3)
     assert options.adapter_eviction == "lru" and options.adapter_profile == str(path)
-    given = ServeSettings(model_dir=tiny_model_dir, profile=str(path), max_num_seqs=8).engine_options()
-    assert given.max_num_seqs == 8 and given.max_loras == 6  # a given value wins
+    given = ServeSettings(model_dir=tiny_model_dir, profile=str(path), max_num_seqs=8, max_esft_adapters=1)
+    assert (given.max_num_seqs, given.max_esft_adapters, given.max_loras) == (8, 1, 6)  # a given value wins
+    # The elastic server: the split's KV is each device's HMM pool, its slots what /admin/status counts.
+    elastic = CoordinatorConfig(model_dir=tiny_model_dir, profile=str(path), device_memory_bytes=1 << 31)
+    assert (elastic.hmm_kv_bytes, elastic.max_loras, elastic.max_esft_adapters) == (256 << 20, 6, 3)
+    assert CoordinatorConfig(model_dir=tiny_model_dir, device_memory_bytes=1 << 31).hmm_kv_bytes == GIB // 4
     with pytest.raises(ValueError, match="--profile: .* is not a file"):
         ServeSettings(model_dir=tiny_model_dir, profile=str(tmp_path / "nope.json"))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="--profile: .*bad.json: .*version"):
+        ServeSettings(model_dir=tiny_model_dir, profile=str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="adapter_eviction"):
         ServeSettings(model_dir=tiny_model_dir, adapter_eviction="random")
 
