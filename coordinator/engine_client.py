@@ -177,8 +177,8 @@ class RouterEngineClient:
             while True:
                 rank, key = None, None
                 try:
-                    if adapter is not None:
-                        await self._wait_resident(adapter)
+                    if adapter is not None and await self._wait_resident(adapter):
+                        progress.waited_for_adapter = True
                     async with self.router.route(adapter, prompt, request.params.cache_salt) as route:
                         rank, key = route.rank, route.key
                         resumed = request.resumed(progress.output_token_ids, progress.num_chars)
@@ -233,11 +233,12 @@ class RouterEngineClient:
         finally:
             self.num_queued -= 1
 
-    async def _wait_resident(self, adapter: str) -> None:
-        """Return once `adapter` is resident (at once unless the state lists it as swapped out)."""
+    async def _wait_resident(self, adapter: str) -> bool:
+        """Return once `adapter` is resident (at once unless the state lists it as swapped out);
+        whether it waited."""
         state = self.router.state
         if self.make_resident is None or state is None or adapter not in state.swapped_out:
-            return
+            return False
         self.num_swap_waits += 1
         swap = self._swaps.get(adapter)
         if swap is None:
@@ -255,6 +256,7 @@ class RouterEngineClient:
                 del self._swap_waiters[adapter]
         if not is_resident:
             raise _not_swapped_in(adapter, self.swap_wait_s)
+        return True
 
     def _swap_done(self, adapter: str, swap: asyncio.Future[None]) -> None:
         """The swap-in of `adapter` ended. Its waiters resume after this callback: if none is left

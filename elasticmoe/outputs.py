@@ -38,6 +38,9 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended the request
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
+    # The request waited for its adapter's swap-in (at the rank, or at the elastic server's ingress
+    # for a swapped-out ESFT adapter): False for the base model and for an adapter resident on arrival.
+    waited_for_adapter: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,11 +64,13 @@ class OutputDelta:
     stop_reason: str | int | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # sent with the last delta only (the usage is reported at the end)
+    waited_for_adapter: bool = False  # in every delta once true (one bool: the receiver keeps it)
 
     @classmethod
     def of(cls, out: RequestOutput) -> OutputDelta:
         return cls(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
-                   out.finish_reason, out.stop_reason, out.error, out.num_cached_tokens if out.finished else 0)
+                   out.finish_reason, out.stop_reason, out.error, out.num_cached_tokens if out.finished else 0,
+                   out.waited_for_adapter)
 
 
 class OutputAccumulator:
@@ -79,6 +84,9 @@ class OutputAccumulator:
         self.output_token_ids = list(output_token_ids)
         self._text = [text] if text else []
         self.num_chars = len(text)  # characters of text received so far
+        # Whether the request waited for its adapter's swap-in anywhere (a rank's delta says so, or
+        # the receiver saw it wait before routing it): kept once true, in every output rebuilt.
+        self.waited_for_adapter = False
 
     def add(self, delta: OutputDelta) -> RequestOutput:
         self.output_token_ids += delta.new_token_ids
@@ -87,6 +95,8 @@ class OutputAccumulator:
             self.num_chars += len(delta.new_text)
         # NOTE: the cumulative text is joined only when the request ends (a stream reads deltas).
         text = "".join(self._text) if delta.finished else ""
+        self.waited_for_adapter |= delta.waited_for_adapter
         return RequestOutput(delta.request_id, self.prompt_token_ids, delta.new_token_ids, delta.new_text,
                              self.output_token_ids, text, delta.new_logprobs, delta.finished,
-                             delta.finish_reason, delta.stop_reason, delta.error, delta.num_cached_tokens)
+                             delta.finish_reason, delta.stop_reason, delta.error, delta.num_cached_tokens,
+                             self.waited_for_adapter)

@@ -26,7 +26,9 @@ swaps-in per rank-group + ESFT swaps-in, server counters), hit rate (a LoRA requ
 its adapter in a slot, an ESFT request that did not wait for a swap-in; server counters), the
 p99 TTFT of requests for "hot" adapters (base model and the `--max-loras` / `--max-esft-adapters`
 most popular adapters of each kind) against the resident run (what others' swaps cost them) and
-the reference run, and the Fig. 15 breakdown: time in adapter management (LoRA slot copies, per
+the reference run, the p99 TTFT of the requests whose adapter was resident on arrival (the server's
+x-elasticmoe-adapter-state header) against the same requests in the resident run, and the Fig. 15
+breakdown: time in adapter management (LoRA slot copies, per
 rank, and ESFT swaps from start to resident), arranging (the ranks' schedulers) and assigning
 (the ingress's router), all server-side timers.
 The JSON document goes to stdout (--json) and/or --out, the tables to stderr, a figure to --plot.
@@ -130,6 +132,13 @@ def summarize(records: list[RequestRecord], span_s: float, hot: set[str | None],
         "ttft_s": latency_summary([r.ttft_s for r in ok]), "tpot_s": latency_summary([r.tpot_s for r in ok]),
         "hot_ttft_s": latency_summary([r.ttft_s for r in hot_ok]), "num_hot_requests": len(hot_ok),
         "cold_ttft_s": latency_summary([r.ttft_s for r in ok if r.model not in hot]),
+        # By the server's x-elasticmoe-adapter-state header: requests whose adapter was resident on
+        # arrival, and those that waited for a swap-in (`arrived_resident_vs_resident` pairs the first
+        # with the same requests in the resident run, in `main`).
+        "arrived_resident_ttft_s": latency_summary([r.ttft_s for r in ok if r.adapter_state == "resident"]),
+        "num_arrived_resident": sum(r.adapter_state == "resident" for r in ok),
+        "swapped_ttft_s": latency_summary([r.ttft_s for r in ok if r.adapter_state == "swapped"]),
+        "num_swapped": sum(r.adapter_state == "swapped" for r in ok),
     }
     if counters is not None:
         num_esft = sum(kind_of.get(r.model or "") == "esft" for r in records)
@@ -179,6 +188,8 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
         kind_of = {a.name: a.kind for a in adapters}
         # NOTE: the reference run's hot requests are the ones that are hot in the adapter runs.
         row.update(summarize(records, span, hot if to_register else {None}, kind_of, counters))
+        row["_ttft_by_id"] = {r.request_id: r.ttft_s for r in records if r.is_ok}  # for `pair_arrived_resident`
+        row["_arrived_resident_ids"] = [r.request_id for r in records if r.is_ok and r.adapter_state == "resident"]
         if not to_register:
             hot_ids = {i for i, a in enumerate(arrivals) if a.model in hot}
             row["hot_ttft_s"] = latency_summary([r.ttft_s for r in records if r.request_id in hot_ids and r.is_ok])
@@ -187,6 +198,25 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
     progress(f"{config} dp {dp}: {row.get('failed')} failed, switches {row.get('switches')}, "
              f"hit rate {row.get('hit_rate')}, {row.get('throughput_tok_s') or 0:.1f} tok/s")
     return row
+
+
+def pair_arrived_resident(rows: list[dict[str, Any]]) -> None:
+    """Each run's requests whose adapter was resident on arrival against the same requests in the
+    resident run at its dp (every adapter resident there, so no switch delays them): the ratio of
+    their p99 TTFTs is what others' swaps cost them (`arrived_resident_vs_resident`; None without a
+    resident run). Drops the rows' per-request scratch fields."""
+    for row in rows:
+        base = next((r for r in rows if r["dp"] == row["dp"] and r["config"] == RESIDENT), None)
+        ids = row.get("_arrived_resident_ids") or []
+        ratio = None
+        if base is not None and ids and row["config"] != RESIDENT:
+            mine = latency_summary([row["_ttft_by_id"].get(i) for i in ids])["p99"]
+            theirs = latency_summary([base["_ttft_by_id"].get(i) for i in ids])["p99"]
+            ratio = mine / theirs if mine is not None and theirs else None
+        row["arrived_resident_vs_resident"] = ratio
+    for row in rows:
+        row.pop("_ttft_by_id", None)
+        row.pop("_arrived_resident_ids", None)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -270,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         end_children()
+    pair_arrived_resident(rows)
     doc = {"benchmark": "coordinator.bench.coserve",
            "config": {k: v for k, v in vars(args).items() if k not in ("json", "out", "plot")},
            "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},

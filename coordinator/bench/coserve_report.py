@@ -40,12 +40,15 @@ def format_tables(doc: dict[str, Any]) -> str:
             _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p99"]), _f(r.get("switches"), ".0f"),
             _f((r.get("counters") or {}).get("lora_preloads"), ".0f"), _f(r.get("hit_rate"), ".3f"),
             _ms(hot), _ratio(hot, _hot_p99(doc, r["dp"], "resident")), _ratio(hot, _hot_p99(doc, r["dp"], "reference")),
-            str(r["failed"]), _f(r.get("register_s"), ".1f")])
+            _ms(r["arrived_resident_ttft_s"]["p99"]), _ratio(r.get("arrived_resident_vs_resident"), 1.0),
+            _ms(r["swapped_ttft_s"]["p99"]), str(r["failed"]), _f(r.get("register_s"), ".1f")])
     title = (f"CoServe Fig. 13 on the elastic server: {doc['num_adapters']['lora']} LoRA + {doc['num_adapters']['esft']} "
              f"ESFT adapters, {cfg['max_loras']} LoRA / {cfg['max_esft_adapters']} ESFT slots, power law alpha "
              f"{cfg['alpha']}, {cfg['rps']} req/s Poisson for {cfg['duration_s']:.0f} s ({doc['num_requests']} requests)")
     header = ["dp", "config", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "switches",
-              "of them preloads", "hit rate", "hot TTFT p99 ms", "hot vs resident", "hot vs reference", "failed", "register s"]
+              "of them preloads", "hit rate", "hot TTFT p99 ms", "hot vs resident", "hot vs reference",
+              "resident-on-arrival TTFT p99 ms", "same requests vs resident run", "swapped TTFT p99 ms", "failed",
+              "register s"]
     fig15 = []
     for r in doc["runs"]:
         b = r.get("breakdown_s")

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from elasticmoe.entrypoints.openai.serving import ADAPTER_STATE_HEADER
+
 logger = logging.getLogger(__name__)
 
 RateFn = Callable[[float], float]  # requests/s at time t (seconds since the load started)
@@ -47,6 +49,7 @@ class RequestRecord:
     error: str | None = None
     model: str | None = None  # the request's `model`: the base model or an adapter
     text: str = ""  # what was streamed (chaos runs compare it with an undisturbed run)
+    adapter_state: str | None = None  # the server's x-elasticmoe-adapter-state header: resident / swapped
 
     @property
     def is_ok(self) -> bool:
@@ -222,6 +225,7 @@ async def stream_completion(
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             record.status = response.status_code
+            record.adapter_state = response.headers.get(ADAPTER_STATE_HEADER)
             if response.status_code != 200:
                 record.error = (await response.aread()).decode(errors="replace")[:200]
                 return

@@ -127,6 +127,7 @@ class OutputProcessor:
             finish_reason=reason if finished else None,
             stop_reason=state.stop_reason if finished else None,
             num_cached_tokens=request.num_cached_tokens or 0,
+            waited_for_adapter=request.binding.waited,
         )
         state.num_emitted_chars, state.num_emitted_tokens = emit_upto, len(output_ids)
         state.pending_logprobs = []

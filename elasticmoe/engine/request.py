@@ -36,6 +36,9 @@ class AdapterBinding:
     routing: Any = None  # a `VocabRouting` or `LearnedRouting`, or None
     range_slots: torch.Tensor | None = None  # with `routing`, once all of its adapters are resident
     is_waiting: bool = False
+    # It waited for an adapter's swap-in at least once (`wait`): its TTFT includes a switch. Reported
+    # with its outputs (`RequestOutput.waited_for_adapter`), never cleared.
+    waited: bool = False
     is_esft: bool = False  # `name` is an ESFT adapter (resident or not)
     # What the request's KV depends on besides its tokens, for the prefix cache
     # (`engine.prefix_hash`): b"" for the base model, the adapter's name and load for an adapter,
@@ -52,6 +55,7 @@ class AdapterBinding:
     def wait(self) -> None:
         """An adapter it needs is not (or no longer) resident."""
         self.esft_slot, self.lora_slot, self.range_slots, self.is_waiting = -1, -1, None, True
+        self.waited = True
 
     def esft_resident(self, slot: int) -> None:
         self.esft_slot, self.is_waiting = slot, False

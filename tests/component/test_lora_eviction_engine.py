@@ -232,3 +232,33 @@ def test_a_profile_outranks_the_declaration_and_declarations_are_checked(tiny_mo
     assert not bad.adapters.lora.is_loaded("x")
     with pytest.raises(ValueError, match="adapter_eviction"):
         EngineConfig(model=tiny_model_dir, adapter_eviction="random")
+
+
+def test_outputs_say_whether_the_request_waited_for_its_adapter(tiny_model_dir, adapters):
+    """A request for a resident adapter (or the base model) never waited; one whose adapter had to
+    be swapped in says so in every output, and the flag survives the rank stream's deltas."""
+    from elasticmoe.outputs import OutputAccumulator, OutputDelta
+
+    engine = make_engine(tiny_model_dir, adapters, {}, adapter_eviction="lru")
+    assert resident(engine) == {"x", "y"}
+
+    def outputs(request_id: str, adapter: str | None) -> list:
+        engine.add_request(request_id, [5, 6, 7], PARAMS, adapter)
+        got = []
+        while engine.has_unfinished_requests():
+            got += engine.step()
+        engine.adapters.swapper.lora.finish_swaps(block=True)
+        return got
+
+    for request_id, adapter, waited in (("x-0", "x", False), ("base-0", None, False), ("z-0", "z", True)):
+        outs = outputs(request_id, adapter)
+        assert outs and outs[-1].finished
+        assert {o.waited_for_adapter for o in outs} == {waited}, request_id
+        receiver = OutputAccumulator([5, 6, 7])
+        rebuilt = [receiver.add(OutputDelta.of(o)) for o in outs]
+        assert rebuilt[-1].waited_for_adapter is waited and rebuilt[-1].output_token_ids == outs[-1].output_token_ids
+    assert engine.adapters.stats()["misses"] == 1
+    # The receiver keeps the flag once set (an ingress that saw the request wait before routing it).
+    receiver = OutputAccumulator([5])
+    receiver.waited_for_adapter = True
+    assert receiver.add(OutputDelta("r", [1], "a")).waited_for_adapter

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 RUN_FIELDS = {
     "config", "dp", "eviction", "arranging", "assigning", "register_s", "num_registered", "num_requests", "failed",
     "throughput_tok_s", "ttft_s", "tpot_s", "hot_ttft_s", "switches", "hit_rate", "counters", "breakdown_s",
+    "arrived_resident_ttft_s", "num_arrived_resident", "swapped_ttft_s", "num_swapped", "arrived_resident_vs_resident",
 }
 
 
@@ -57,6 +58,12 @@ def test_coserve_bench_on_tiny_model(tiny_model_dir, tmp_path):
     used = resident["num_registered"]
     assert 2 < used <= 9 and resident["max_loras"] + resident["max_esft_adapters"] >= used
     assert resident["switches"] == 0 and resident["hit_rate"] == 1.0, resident["counters"]
+    # The server's adapter-state header: in the resident run every adapter request found its adapter
+    # resident; CoServe's swaps made some wait (a LoRA miss at the rank, or an ESFT swap at the ingress).
+    assert resident["num_swapped"] == 0 and resident["num_arrived_resident"] > 0
+    assert coserve["num_swapped"] > 0 and coserve["swapped_ttft_s"]["p99"] > 0
+    assert coserve["num_arrived_resident"] + coserve["num_swapped"] == resident["num_arrived_resident"]
+    assert coserve["arrived_resident_vs_resident"] is None or coserve["arrived_resident_vs_resident"] > 0
     assert "Fig. 13" in proc.stderr and "Fig. 15" in proc.stderr and "hot vs resident" in proc.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _bench_segments() <= before, "the bench left shared-memory files behind"

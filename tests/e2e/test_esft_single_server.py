@@ -26,6 +26,7 @@ from elasticmoe.config import EngineConfig
 from elasticmoe.engine.async_llm import AsyncLLM
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.entrypoints.openai.api_server import build_app
+from elasticmoe.entrypoints.openai.serving import ADAPTER_STATE_HEADER
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 
@@ -99,8 +100,11 @@ def test_load_select_list_and_errors(server, adapters, tiny_model_dir):
         got = _complete(c, "alpha")
         assert got.status_code == 200, got.text
         assert got.json()["model"] == "alpha"
+        assert got.headers[ADAPTER_STATE_HEADER] == "resident"  # in its slot on arrival
         assert got.json()["choices"][0]["text"] == _reference_text(adapters["alpha"][1], 8)
-        assert _complete(c, MODEL).json()["choices"][0]["text"] == _reference_text(tiny_model_dir, 8)
+        base = _complete(c, MODEL)
+        assert base.json()["choices"][0]["text"] == _reference_text(tiny_model_dir, 8)
+        assert ADAPTER_STATE_HEADER not in base.headers  # no adapter, no state
 
         cases = [
             ({"name": "bad name!", "path": adapters["beta"][0]}, 400, "name"),
@@ -122,6 +126,15 @@ def test_load_select_list_and_errors(server, adapters, tiny_model_dir):
         assert [listed[n]["resident"] for n in ("alpha", "beta", "gamma")] == [True, True, False]
         got = _complete(c, "gamma")
         assert got.status_code == 200 and got.json()["choices"][0]["text"] == _reference_text(adapters["gamma"][1], 8)
+        assert got.headers[ADAPTER_STATE_HEADER] == "swapped"  # it waited for gamma's swap-in
+        with c.stream("POST", "/v1/completions", json={"model": "gamma", "prompt": PROMPT, "max_tokens": 2,
+                                                       "stream": True}) as streamed:
+            assert streamed.headers[ADAPTER_STATE_HEADER] == "resident"  # a stream says it before its events
+            streamed.read()
+        metrics = c.get("/metrics").text
+        ttft = "elasticmoe_adapter_time_to_first_token_seconds_count"
+        assert f'{ttft}{{endpoint="completions",state="swapped"}} 1.0' in metrics
+        assert f'{ttft}{{endpoint="completions",state="resident"}} 2.0' in metrics
         assert _complete(c, "alpha").json()["choices"][0]["text"] == _reference_text(adapters["alpha"][1], 8)
         listed = {a["name"]: a for a in c.get("/admin/adapters").json()["adapters"]}
         assert sum(a["resident"] for a in listed.values()) == 2  # swapped, never over the slots

@@ -96,14 +96,36 @@ def test_args_and_tables():
     run = {"dp": 1, "config": "coserve", "throughput_tok_s": 10.0, "ttft_s": lat, "tpot_s": lat, "hot_ttft_s": lat,
            "switches": 3.0, "counters": {"lora_preloads": 1.0}, "hit_rate": 0.5, "failed": 0, "register_s": 1.0,
            "breakdown_s": {"management": 1.0, "management_lora": 0.1, "management_esft": 0.9, "arranging": 0.001,
-                           "assigning": 0.002}}
-    ref = {**run, "config": "reference", "hot_ttft_s": {**lat, "p99": 0.01}, "breakdown_s": None}
-    resident = {**run, "config": "resident", "hot_ttft_s": {**lat, "p99": 0.016}, "switches": 0.0, "counters": None}
+                           "assigning": 0.002},
+           "arrived_resident_ttft_s": {**lat, "p99": 0.018}, "arrived_resident_vs_resident": 1.125,
+           "swapped_ttft_s": {**lat, "p99": 0.5}}
+    none = {"p50": None, "p99": None, "mean": None}
+    ref = {**run, "config": "reference", "hot_ttft_s": {**lat, "p99": 0.01}, "breakdown_s": None,
+           "arrived_resident_ttft_s": none, "arrived_resident_vs_resident": None, "swapped_ttft_s": none}
+    resident = {**run, "config": "resident", "hot_ttft_s": {**lat, "p99": 0.016}, "switches": 0.0, "counters": None,
+                "arrived_resident_ttft_s": {**lat, "p99": 0.016}, "arrived_resident_vs_resident": None,
+                "swapped_ttft_s": none}
     doc = {"config": {"max_loras": 2, "max_esft_adapters": 1, "alpha": 0.3, "rps": 2.0, "duration_s": 5.0},
            "num_adapters": {"lora": 6, "esft": 3}, "num_requests": 10, "runs": [run, resident, ref]}
     text = format_tables(doc)
-    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 1 | 0.500 | 20 | 1.25x | 2.00x | 0 | 1.0 |" in text
-    assert "| 1 | resident | 10.0 | 10 | 20 | 10 | 20 | 0 | - | 0.500 | 16 | 1.00x | 1.60x | 0 | 1.0 |" in text
+    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 1 | 0.500 | 20 | 1.25x | 2.00x | 18 | 1.12x | 500 | 0 | 1.0 |" in text
+    assert "| 1 | resident | 10.0 | 10 | 20 | 10 | 20 | 0 | - | 0.500 | 16 | 1.00x | 1.60x | 16 | - | - | 0 | 1.0 |" in text
     doc["runs"] = [run]  # neither baseline ran
-    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 1 | 0.500 | 20 | - | - | 0 | 1.0 |" in format_tables(doc)
+    assert "| 1 | coserve | 10.0 | 10 | 20 | 10 | 20 | 3 | 1 | 0.500 | 20 | - | - | 18 | 1.12x | 500 | 0 | 1.0 |" in (
+        format_tables(doc))
     assert "Fig. 15" in text and "| 1 | coserve | 0.100 | 0.90 | 1.0 | 2.0 |" in text
+
+
+def test_requests_resident_on_arrival_are_paired_with_the_same_requests_of_the_resident_run():
+    from coordinator.bench.coserve import pair_arrived_resident
+
+    # Request 2 was resident on arrival in the CoServe run; 3 waited for a swap; 1 is the base model.
+    coserve = {"dp": 1, "config": "coserve", "_ttft_by_id": {1: 0.1, 2: 0.3, 3: 2.0}, "_arrived_resident_ids": [2]}
+    resident = {"dp": 1, "config": "resident", "_ttft_by_id": {1: 0.1, 2: 0.2, 3: 0.2},
+                "_arrived_resident_ids": [2, 3]}
+    other_dp = {"dp": 2, "config": "coserve", "_ttft_by_id": {2: 0.3}, "_arrived_resident_ids": [2]}
+    rows = [coserve, resident, other_dp]
+    pair_arrived_resident(rows)
+    assert coserve["arrived_resident_vs_resident"] == pytest.approx(1.5)  # 0.3 against the same request's 0.2
+    assert resident["arrived_resident_vs_resident"] is None and other_dp["arrived_resident_vs_resident"] is None
+    assert all(not k.startswith("_") for row in rows for k in row)  # nothing per-request left in the JSON

@@ -47,6 +47,7 @@ class Started:
     first: RequestOutput
     ttft_s: float
     source: AsyncGenerator[RequestOutput, None]
+    adapter: str | None = None  # the adapter it asked for (None: the base model, or adapters per token)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         yield self.first
@@ -79,7 +80,7 @@ async def start_choices(engine: Generates, request_id: str, prompt_ids: list[int
             await source.aclose()
         raise
     created = now()
-    return [Started(rid, created, start, first, arrived - start, source)
+    return [Started(rid, created, start, first, arrived - start, source, adapter.name)
             for rid, (first, arrived), source in zip(ids, firsts, sources, strict=True)]
 
 

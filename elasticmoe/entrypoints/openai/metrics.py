@@ -44,6 +44,14 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.adapter_ttft = Histogram(
+            "elasticmoe_adapter_time_to_first_token_seconds",
+            "Time to first token of requests that named an adapter, by whether it was resident on arrival "
+            "(state=resident) or the request waited for its swap-in (state=swapped): what switching costs.",
+            ["endpoint", "state"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.e2e = Histogram(
             "elasticmoe_e2e_request_latency_seconds",
             "Time from request arrival to its last token.",
@@ -69,6 +77,8 @@ class ServerMetrics:
     def on_request_finished(self, stats: RequestStats) -> None:
         if stats.ttft_s is not None:
             self.ttft.labels(stats.endpoint).observe(stats.ttft_s)
+            if stats.adapter_state is not None:
+                self.adapter_ttft.labels(stats.endpoint, stats.adapter_state).observe(stats.ttft_s)
         self.e2e.labels(stats.endpoint).observe(stats.e2e_s)
         self.prompt_tokens.labels(stats.endpoint).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(stats.endpoint).inc(stats.num_output_tokens)

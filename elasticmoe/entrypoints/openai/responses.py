@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, PrivateAttr, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -69,6 +69,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    _adapter_state: str | None = PrivateAttr(None)  # the ADAPTER_STATE_HEADER's value; not in the body
 
 
 class CompletionStreamChoice(BaseModel):
@@ -186,6 +187,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    _adapter_state: str | None = PrivateAttr(None)  # the ADAPTER_STATE_HEADER's value; not in the body
 
 
 class DeltaMessage(_OmitsNone):

@@ -25,7 +25,7 @@ from elasticmoe.entrypoints.openai.access import AccessMiddleware, AccessPolicy
 from elasticmoe.entrypoints.openai.drain import Drainer, DrainMiddleware
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware, ServerMetrics
 from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
+from elasticmoe.entrypoints.openai.serving import ADAPTER_STATE_HEADER, OpenAIServing, SSEStream
 
 _CLIENT_CLOSED = 499  # nginx's "client closed request"; only ever seen in metrics
 
@@ -39,7 +39,7 @@ class _SSEResponse(StreamingResponse):
         super().__init__(
             stream,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **_adapter_header(stream.adapter_state)},
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -52,7 +52,11 @@ class _SSEResponse(StreamingResponse):
 def _to_response(result: BaseModel | SSEStream) -> Response:
     if isinstance(result, SSEStream):
         return _SSEResponse(result)
-    return JSONResponse(result.model_dump(mode="json"))
+    return JSONResponse(result.model_dump(mode="json"), headers=_adapter_header(getattr(result, "_adapter_state", None)))
+
+
+def _adapter_header(state: str | None) -> dict[str, str]:
+    return {ADAPTER_STATE_HEADER: state} if state is not None else {}
 
 
 async def _wait_for_disconnect(request: Request) -> None:

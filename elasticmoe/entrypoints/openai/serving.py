@@ -92,6 +92,9 @@ class RequestStats:
     ttft_s: float | None
     e2e_s: float
     finish_reason: str | None
+    # For a request that named an adapter: "resident" (there on arrival) or "swapped" (it waited for
+    # the adapter's swap-in); None for the base model.
+    adapter_state: str | None = None
 
 
 class ServingObserver(Protocol):
@@ -104,6 +107,7 @@ class SSEStream:
     def __init__(self, events: AsyncGenerator[str, None], started: Sequence[Started]) -> None:
         self._events = events
         self._sources = [choice.source for choice in started]
+        self.adapter_state = choices_adapter_state(started)  # known at the first token, before the headers
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._events
@@ -175,13 +179,15 @@ class OpenAIServing:
             )
             for index, (last, logprobs) in enumerate(results)
         ]
-        return CompletionResponse(
+        response = CompletionResponse(
             id=response_id,
             created=started[0].created,
             model=request.model,
             choices=choices,
             usage=_usage([last for last, _ in results]),
         )
+        response._adapter_state = choices_adapter_state(started)
+        return response
 
     def _echo(self, request: CompletionRequest, prompt_ids: list[int]) -> str:
         """The text `echo` puts before each choice's: the prompt as sent, or its token ids decoded."""
@@ -279,13 +285,15 @@ class OpenAIServing:
                 finish_reason=reason,
                 stop_reason=last.stop_reason,
             ))
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             id=response_id,
             created=started[0].created,
             model=request.model,
             choices=choices,
             usage=_usage([last for last, _ in results]),
         )
+        response._adapter_state = choices_adapter_state(started)
+        return response
 
     async def _chat_events(
         self, request: ChatCompletionRequest, response_id: str, started: list[Started]
@@ -430,11 +438,32 @@ class OpenAIServing:
             ttft_s=ttft,
             e2e_s=time.perf_counter() - started.start,
             finish_reason=last.finish_reason,
+            adapter_state=adapter_state(started, last),
         )
         try:
             self.observer.on_request_finished(stats)
         except Exception:  # metrics must never fail a request
             logger.exception("observer failed")
+
+
+# A response header naming whether the request's adapter was resident on arrival ("resident") or
+# the request waited for its swap-in ("swapped"); absent for the base model. Known at the first
+# token, so streams carry it too (docs/adapters.md).
+ADAPTER_STATE_HEADER = "x-elasticmoe-adapter-state"
+
+
+def adapter_state(started: Started, out: RequestOutput) -> str | None:
+    """"resident" / "swapped" for a request that named an adapter (see `RequestStats`), else None."""
+    if started.adapter is None:
+        return None
+    return "swapped" if out.waited_for_adapter or started.first.waited_for_adapter else "resident"
+
+
+def choices_adapter_state(started: Sequence[Started]) -> str | None:
+    """A response's `ADAPTER_STATE_HEADER` value: "swapped" if any of its choices waited, as of their
+    first outputs."""
+    states = {adapter_state(choice, choice.first) for choice in started}
+    return "swapped" if "swapped" in states else states.pop() if len(states) == 1 else None
 
 
 def _usage(lasts: list[RequestOutput]) -> UsageInfo:
