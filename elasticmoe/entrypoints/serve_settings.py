@@ -273,8 +273,9 @@ def fill_from_profile(values: Any) -> Any:
     """Settings `values` (a dict of field values, before validation) with a `profile` whose memory
     split (CoServe §4.4) covers the KV cache, --max-num-seqs, --max-loras and --max-esft-adapters:
     those not given (absent or None) take the split's values, once, so every reader of the settings
-    (the engines, the HMM's KV pool, the slot counts on /admin/status) sees the same. A profile that
-    cannot be read is left to the `--profile` check; one without a split changes nothing."""
+    (the engines, the HMM's KV pool, the slot counts on /admin/status) sees the same. A profile file
+    that does not exist is left to the `--profile` check, one that does not parse is refused naming
+    the flag, one without a split changes nothing."""
     if not isinstance(values, dict) or not values.get("profile") or not Path(values["profile"]).is_file():
         return values
     from elasticmoe.adapter_policy.profile import load_profile
