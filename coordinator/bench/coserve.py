@@ -170,7 +170,8 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
         max_queued=4096, max_loras=max_loras, max_lora_rank=args.lora_rank,
         max_cpu_loras=max(num_lora, max_loras), max_esft_adapters=max_esft,
         max_esft_experts=args.esft_experts, adapter_eviction=eviction, request_arranging=arranging,
-        request_assigning=assigning, num_threads=args.num_threads))
+        request_assigning=assigning, num_threads=args.num_threads,
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {})))
     progress(f"{config} dp {dp}: starting the server")
     t = time.monotonic()
     server = start_elastic(cfg, port=free_port())
@@ -242,6 +243,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=1, help="PyTorch threads per rank")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the ranks' token budget per step (default: the engine's)")
     p.add_argument("--device-memory-gb", type=float, default=None)
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -256,6 +259,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--configs: unknown {bad}; want some of {', '.join(ALL_CONFIGS)}")
     if min(args.dps) < 1 or args.num_lora < 0 or args.num_esft < 0 or args.num_lora + args.num_esft < 1:
         p.error("--dps entries >= 1; --num-lora, --num-esft >= 0 with at least one adapter")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        p.error(f"--max-num-batched-tokens: must be >= 1, got {args.max_num_batched_tokens}")
     preset = PRESETS[args.preset]
     args.model = args.model or preset[0]
     args.device_memory_gb = args.device_memory_gb or preset[1]

@@ -89,6 +89,10 @@ def test_server_counters_switches_and_hit_rate():
 def test_args_and_tables():
     args = parse_args(["--preset", "tiny", "--dps", "1", "--configs", "coserve,reference"])
     assert args.dps == [1] and args.configs == ["coserve", "reference"] and args.model.endswith("tiny-qwen3-moe")
+    assert args.max_num_batched_tokens is None  # the engine's budget unless given
+    assert parse_args(["--max-num-batched-tokens", "96"]).max_num_batched_tokens == 96
+    with pytest.raises(SystemExit):
+        parse_args(["--max-num-batched-tokens", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--configs", "nope"])
     assert set(CONFIGS) == {"coserve", "lru_fcfs", "fifo", "parallel"}
