@@ -271,9 +271,10 @@ class LoraSlots:
         self.swap_s += time.perf_counter() - start  # NOTE: a float add; a background copy races only with readers
 
     def evict(self, name: str) -> int:
-        """Free the adapter's slot (it stays loaded in host memory); returns the slot."""
+        """Free the adapter's slot (it stays loaded in host memory); returns the slot.
+        NOTE: not zeroed here: no token reads a free slot, and every write into one clears it first
+        (`_write`). Zeroing the small model's 24 MB slot took ~1.4 ms of the step thread per swap."""
         slot = self.slot_of.pop(name)
-        self._clear(slot)
         self.num_evictions += 1
         return slot
 
@@ -291,6 +292,5 @@ class LoraSlots:
         for site in {id(site): site for sites in self.attention.values() for site, _, _ in sites.values()}.values():
             site.clear(slot)
         for lora in self.experts.values():
-            for key in range(slot * lora.num_local, (slot + 1) * lora.num_local):
-                lora.w13.clear(key)
-                lora.w2.clear(key)
+            lora.w13.clear(slot * lora.num_local, lora.num_local)
+            lora.w2.clear(slot * lora.num_local, lora.num_local)

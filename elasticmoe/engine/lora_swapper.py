@@ -93,6 +93,9 @@ class LoraSwapper:
         self._no_preload: tuple[Any, ...] | None = None  # the situation the last `preload` declined
         self._finished_early: set[str] = set()  # copies `preload` found complete, for the next pass
         self._copy_failed: set[str] = set()  # adapters whose last copy into a slot raised
+        # The dependency graph of the loaded adapters and routers, and what it was built from: built
+        # again only when those change (`_graph`), not for every eviction decision.
+        self._graph_of: tuple[Any, DependencyGraph] | None = None
 
     # ---- what the adapter manager tells it -----------------------------------------------------
 
@@ -342,17 +345,26 @@ class LoraSwapper:
         adapters; the needed probability of each (see the module docstring).
         `residency` (default: this swapper's clock) and `observed_rates=False` (profiled and
         declared probabilities only) are for a plan that every EP rank must make alike."""
-        lora = self.lora
         resident = self._residency() if residency is None else dict(residency)
         routers = {router_node(k): r for k, r in self.routers().items()}
-        nodes = [Node(n, "lora", 1) for n in lora.names] + [Node(k, "router", 0) for k in routers]
-        edges = [(k, a) for k, r in routers.items() for a in r.adapters if lora.is_loaded(a)]
-        graph = DependencyGraph.build(nodes, edges)
+        graph = self._graph(routers)
         resident.update(dict.fromkeys(routers, Residency(0, 0)))
         usage = usage_probabilities(graph.nodes, self.profiled, self.declared,
                                     self.rates.rate if observed_rates else {})
         return TierView(graph, resident, needed_probability(graph, usage),
                         frozenset(n for n in pinned if n in graph), frozenset(n for n in queued if n in graph))
+
+    def _graph(self, routers: Mapping[str, Any]) -> DependencyGraph:
+        """Every loaded adapter a node of one slot, every learned router (`routers`, by node name) a
+        resident node with edges to its loaded adapters. Kept until the adapters or the routers
+        change: building it over 1,000 adapters took ~3 ms of the step thread, at every eviction."""
+        lora = self.lora
+        key = (tuple(lora.names), tuple((k, tuple(r.adapters)) for k, r in routers.items()))
+        if self._graph_of is None or self._graph_of[0] != key:
+            nodes = [Node(n, "lora", 1) for n in lora.names] + [Node(k, "router", 0) for k in routers]
+            edges = [(k, a) for k, r in routers.items() for a in r.adapters if lora.is_loaded(a)]
+            self._graph_of = (key, DependencyGraph.build(nodes, edges))
+        return self._graph_of[1]
 
     def _victim(self, pinned: set[str], queued: set[str]) -> str | None:
         victims = select_victims(self.policy, self.tier_view(pinned, queued), need=1)

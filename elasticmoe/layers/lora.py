@@ -97,6 +97,7 @@ class LoraSite:
         self.a[key, rank0 : rank0 + r].copy_(a)
         self.b[key, row0 : row0 + b.shape[0], rank0 : rank0 + r].copy_(b)
 
-    def clear(self, key: int) -> None:
-        self.a[key].zero_()
-        self.b[key].zero_()
+    def clear(self, key: int, num_keys: int = 1) -> None:
+        """Zero keys [key, key + num_keys) (one op per factor: a slot's experts are consecutive keys)."""
+        self.a[key : key + num_keys].zero_()
+        self.b[key : key + num_keys].zero_()

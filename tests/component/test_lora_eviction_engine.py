@@ -262,3 +262,39 @@ def test_outputs_say_whether_the_request_waited_for_its_adapter(tiny_model_dir, 
     receiver = OutputAccumulator([5])
     receiver.waited_for_adapter = True
     assert receiver.add(OutputDelta("r", [1], "a")).waited_for_adapter
+
+
+def test_a_slot_reused_by_an_adapter_of_fewer_modules_holds_nothing_of_the_last(tiny_model_dir, adapters, tmp_path):
+    """Eviction no longer zeroes the slot (the next write clears it first): an adapter that
+    targets only q_proj, written where x (q and v) was, computes as it does alone."""
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    only_q = LoraAdapter.open("q", make_lora_adapter(tiny_model_dir, str(tmp_path / "q"), rank=2,
+                                                     target_modules=("q_proj",), seed=9), cfg)
+
+    def logprobs(engine: LLMEngine, adapter: str) -> list[float]:
+        engine.add_request(f"{adapter}-lp", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                                      logprobs=0), adapter)
+        out = []
+        while engine.has_unfinished_requests():
+            out += [lp.logprob for o in engine.step() for lp in o.new_logprobs or []]
+        engine.adapters.swapper.lora.finish_swaps(block=True)
+        return out
+
+    engine = make_engine(tiny_model_dir, {"x": adapters["x"], "q": only_q}, {}, max_loras=1, adapter_eviction="lru")
+    assert resident(engine) == {"x"}
+    logprobs(engine, "x")
+    swapped_in = logprobs(engine, "q")  # evicts x, writes q into its slot
+    assert resident(engine) == {"q"}
+    alone = make_engine(tiny_model_dir, {"q": only_q}, {}, max_loras=1)
+    assert swapped_in == pytest.approx(logprobs(alone, "q"), abs=1e-6)
+
+
+def test_the_dependency_graph_is_built_again_only_when_the_adapters_change(tiny_model_dir, adapters):
+    engine = make_engine(tiny_model_dir, {n: adapters[n] for n in ("x", "y")}, {})
+    swapper = engine.adapters.swapper
+    graph = swapper.tier_view().graph
+    assert swapper.tier_view().graph is graph  # eviction decisions reuse it
+    a = adapters["z"]
+    engine.adapters.load_lora("z", a.modules, a.weights, a.config.scaling)
+    rebuilt = swapper.tier_view().graph
+    assert rebuilt is not graph and set(rebuilt.nodes) == {"x", "y", "z"}
