@@ -216,8 +216,14 @@ class LoraSlots:
         return sorted(set(range(self.max_loras)) - set(self.slot_of.values()) - set(self.filling))
 
     def swap_in(self, name: str, slot: int) -> None:
-        """Write a loaded adapter's factors into a free slot (now, on the caller's thread)."""
-        self._write(name, slot)
+        """Write a loaded adapter's factors into a free slot (now, on the caller's thread). If the
+        copy raises, the slot stays free and is cleared (a half-written slot must not serve the next
+        adapter's tokens), and the error propagates."""
+        try:
+            self._write(name, slot)
+        except BaseException:
+            self._clear(slot)
+            raise
         self.slot_of[name] = slot
         self.num_swaps_in += 1
 

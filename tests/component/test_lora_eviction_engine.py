@@ -121,8 +121,12 @@ def _break_copies_of(monkeypatch, engine: LLMEngine, broken: str) -> list[int]:
     return tried
 
 
-def test_a_failed_copy_fails_only_the_requests_waiting_for_that_adapter(tiny_model_dir, adapters, monkeypatch):
+@pytest.mark.parametrize("background_copies", [True, False])
+def test_a_failed_copy_fails_only_the_requests_waiting_for_that_adapter(tiny_model_dir, adapters, monkeypatch,
+                                                                        background_copies):
+    """On the copy thread or the step thread alike (the host's cores choose: `copier_has_a_core`)."""
     engine = make_engine(tiny_model_dir, adapters, {})  # x and y in the slots, z in host memory
+    engine.adapters.swapper.async_swaps = background_copies
     _break_copies_of(monkeypatch, engine, "z")
     engine.add_request("z-0", [5, 6, 7], PARAMS, "z")
     engine.add_request("x-0", [5, 6, 7], PARAMS, "x")
@@ -138,8 +142,11 @@ def test_a_failed_copy_fails_only_the_requests_waiting_for_that_adapter(tiny_mod
     assert "z" in lora.slot_of
 
 
-def test_a_failed_preload_is_logged_and_not_tried_again(tiny_model_dir, adapters, monkeypatch, caplog):
+@pytest.mark.parametrize("background_copies", [True, False])
+def test_a_failed_preload_is_logged_and_not_tried_again(tiny_model_dir, adapters, monkeypatch, caplog,
+                                                        background_copies):
     engine = make_engine(tiny_model_dir, {n: adapters[n] for n in ("x", "y")}, {"x": 0.1, "y": 0.2})
+    engine.adapters.swapper.async_swaps = background_copies
     tried = _break_copies_of(monkeypatch, engine, "z")
     z = adapters["z"]
     engine.adapters.load_lora("z", z.modules, z.weights, z.config.scaling, usage_probability=0.6)

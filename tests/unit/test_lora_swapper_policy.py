@@ -106,6 +106,7 @@ def make_swapper(eviction: str = "coserve", names: str = "abc", slots: int = 2, 
     lora = FakeSlots(slots, list(names)) if background is None else BackgroundFakeSlots(slots, list(names), background)
     swapper = LoraSwapper(lora, sched, can_swap_async=background is not None, eviction=eviction,
                           routers=lambda: routers or {}, profiled=profiled)
+    swapper.async_swaps = background is not None  # whatever this host's cores would choose
     for name, p in (declared or {}).items():
         swapper.declare(name, p)
     return swapper
@@ -492,3 +493,19 @@ def test_the_group_counts_an_adapter_used_between_two_plans_as_used():
     rows = [rank.row(rank.wants([])[0]) for rank in ranks]
     assert all(rank.apply_gathered(rows, set()) == ["c"] for rank in ranks)
     assert all(rank.swapper.lora.slot_of == {"b": 1, "c": 0} for rank in ranks)
+
+
+def test_slot_copies_go_to_a_thread_only_where_it_has_a_core(monkeypatch):
+    import os
+
+    import torch
+
+    from elasticmoe.engine.lora_swapper import copier_has_a_core
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert not copier_has_a_core()  # 2 vCPUs, one compute thread per rank: the step thread copies
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)))
+    assert copier_has_a_core()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not copier_has_a_core()
