@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from elasticmoe.entrypoints.openai.serving import ADAPTER_STATE_HEADER
+from elasticmoe.entrypoints.openai.choices import ADAPTER_STATE_HEADER
 
 logger = logging.getLogger(__name__)
 

@@ -45,6 +45,17 @@ def serve(engine: LLMEngine, request_id: str, adapter: str) -> None:
     engine.adapters.swapper.lora.finish_swaps(block=True)
 
 
+def logprobs(engine: LLMEngine, adapter: str | None) -> list[float]:
+    """The greedy tokens' logprobs of one request for `adapter`, run alone to its end (its swap done)."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+    engine.add_request(f"{adapter}-0", [5, 6, 7], params, adapter)
+    out = []
+    while engine.has_unfinished_requests():
+        out += [lp.logprob for o in engine.step() for lp in o.new_logprobs or []]
+    engine.adapters.swapper.lora.finish_swaps(block=True)
+    return out
+
+
 def resident(engine: LLMEngine) -> set[str]:
     return set(engine.adapters.lora.slot_of)
 
@@ -71,14 +82,6 @@ def test_declared_probabilities_decide_the_victim_where_lru_uses_recency(tiny_mo
 
 
 def test_a_preloaded_adapter_serves_its_request_as_a_hit_with_its_own_weights(tiny_model_dir, adapters):
-    def logprobs(engine: LLMEngine, adapter: str) -> list[float]:
-        engine.add_request(f"{adapter}-0", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
-                                                                     logprobs=0), adapter)
-        out = []
-        while engine.has_unfinished_requests():
-            out += [lp.logprob for o in engine.step() for lp in o.new_logprobs or []]
-        return out
-
     engine = make_engine(tiny_model_dir, adapters, {"x": 0.6, "y": 0.1, "z": 0.3})
     engine.adapters.lora.finish_swaps(block=True)  # z preloaded in y's slot (slot 1) at its load
     assert engine.adapters.lora.slot_of == {"x": 0, "z": 1}
@@ -277,15 +280,6 @@ def test_a_slot_reused_by_an_adapter_of_fewer_modules_holds_nothing_of_the_last(
     cfg = ModelConfig.from_pretrained(tiny_model_dir)
     only_q = LoraAdapter.open("q", make_lora_adapter(tiny_model_dir, str(tmp_path / "q"), rank=2,
                                                      target_modules=("q_proj",), seed=9), cfg)
-
-    def logprobs(engine: LLMEngine, adapter: str) -> list[float]:
-        engine.add_request(f"{adapter}-lp", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
-                                                                      logprobs=0), adapter)
-        out = []
-        while engine.has_unfinished_requests():
-            out += [lp.logprob for o in engine.step() for lp in o.new_logprobs or []]
-        engine.adapters.swapper.lora.finish_swaps(block=True)
-        return out
 
     engine = make_engine(tiny_model_dir, {"x": adapters["x"], "q": only_q}, {}, max_loras=1, adapter_eviction="lru")
     assert resident(engine) == {"x"}

@@ -26,7 +26,7 @@ from elasticmoe.config import EngineConfig
 from elasticmoe.engine.async_llm import AsyncLLM
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.entrypoints.openai.api_server import build_app
-from elasticmoe.entrypoints.openai.serving import ADAPTER_STATE_HEADER
+from elasticmoe.entrypoints.openai.choices import ADAPTER_STATE_HEADER
 from elasticmoe.sampling_params import SamplingParams
 from elasticmoe.tools.make_esft_adapter import make_esft_adapter, write_merged_model
 

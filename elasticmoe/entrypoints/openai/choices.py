@@ -49,11 +49,30 @@ class Started:
     source: AsyncGenerator[RequestOutput, None]
     adapter: str | None = None  # the adapter it asked for (None: the base model, or adapters per token)
 
+    def adapter_state(self, out: RequestOutput) -> str | None:
+        """"resident" (its adapter was in a slot on arrival) or "swapped" (it waited for the swap-in)
+        as of `out` (the flag is kept once set), for a request that named an adapter; else None."""
+        if self.adapter is None:
+            return None
+        return "swapped" if out.waited_for_adapter else "resident"
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         yield self.first
         if not self.first.finished:
             async for out in self.source:
                 yield out
+
+
+# A response header naming a request's `Started.adapter_state`; absent for the base model. Known at
+# the first token, so streams carry it too (docs/adapters.md).
+ADAPTER_STATE_HEADER = "x-elasticmoe-adapter-state"
+
+
+def choices_adapter_state(started: Sequence[Started]) -> str | None:
+    """A response's `ADAPTER_STATE_HEADER` value: "swapped" if any of its choices waited, as of their
+    first outputs."""
+    states = {choice.adapter_state(choice.first) for choice in started}
+    return "swapped" if "swapped" in states else states.pop() if len(states) == 1 else None
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

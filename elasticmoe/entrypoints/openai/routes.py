@@ -22,10 +22,11 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from elasticmoe.entrypoints.openai.access import AccessMiddleware, AccessPolicy
+from elasticmoe.entrypoints.openai.choices import ADAPTER_STATE_HEADER
 from elasticmoe.entrypoints.openai.drain import Drainer, DrainMiddleware
 from elasticmoe.entrypoints.openai.metrics import RequestCountMiddleware, ServerMetrics
 from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from elasticmoe.entrypoints.openai.serving import ADAPTER_STATE_HEADER, OpenAIServing, SSEStream
+from elasticmoe.entrypoints.openai.serving import OpenAIServing, SSEStream
 
 _CLIENT_CLOSED = 499  # nginx's "client closed request"; only ever seen in metrics
 

@@ -29,7 +29,13 @@ from pydantic import BaseModel
 
 from elasticmoe.engine.engine_request import AdapterRef, EngineRequest
 from elasticmoe.entrypoints.openai import reasoning, tools
-from elasticmoe.entrypoints.openai.choices import Started, all_or_none, merged, start_choices
+from elasticmoe.entrypoints.openai.choices import (
+    Started,
+    all_or_none,
+    choices_adapter_state,
+    merged,
+    start_choices,
+)
 from elasticmoe.entrypoints.openai.errors import OpenAIError, internal_error, model_not_found, to_openai_error
 from elasticmoe.entrypoints.openai.prompts import PromptRenderer
 from elasticmoe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -438,32 +444,12 @@ class OpenAIServing:
             ttft_s=ttft,
             e2e_s=time.perf_counter() - started.start,
             finish_reason=last.finish_reason,
-            adapter_state=adapter_state(started, last),
+            adapter_state=started.adapter_state(last),
         )
         try:
             self.observer.on_request_finished(stats)
         except Exception:  # metrics must never fail a request
             logger.exception("observer failed")
-
-
-# A response header naming whether the request's adapter was resident on arrival ("resident") or
-# the request waited for its swap-in ("swapped"); absent for the base model. Known at the first
-# token, so streams carry it too (docs/adapters.md).
-ADAPTER_STATE_HEADER = "x-elasticmoe-adapter-state"
-
-
-def adapter_state(started: Started, out: RequestOutput) -> str | None:
-    """"resident" / "swapped" for a request that named an adapter (see `RequestStats`), else None."""
-    if started.adapter is None:
-        return None
-    return "swapped" if out.waited_for_adapter or started.first.waited_for_adapter else "resident"
-
-
-def choices_adapter_state(started: Sequence[Started]) -> str | None:
-    """A response's `ADAPTER_STATE_HEADER` value: "swapped" if any of its choices waited, as of their
-    first outputs."""
-    states = {adapter_state(choice, choice.first) for choice in started}
-    return "swapped" if "swapped" in states else states.pop() if len(states) == 1 else None
 
 
 def _usage(lasts: list[RequestOutput]) -> UsageInfo:
