@@ -118,17 +118,28 @@ def test_refuses_segments_outside_a_row_and_copies_out_of_range():
 
 
 def test_close_waits_for_the_copy_in_progress_and_drops_the_queue():
-    src = torch.ones(16 << 20, dtype=torch.uint8).float()  # 64 MiB per copy: still copying at close
-    pool = torch.zeros(3, src.numel())
-    engine = make_engine([src], pool)
-    first = engine.submit([(0, 0), (0, 1), (0, 2)])
-    deadline = time.monotonic() + 10
-    while engine.running() != first and time.monotonic() < deadline:
-        time.sleep(0.0005)
-    engine.close()  # the first copy is in progress
-    engine.close()  # idempotent
-    assert pool[0].eq(1).all()  # completed, not cut off
-    assert not pool[1:].any()  # the queue was dropped
+    """Close never cuts a copy off (every row is whole or untouched, the written ones in submission
+    order) and drops what had not started. Whether close lands mid-queue depends on the scheduler (a
+    loaded host may run the whole queue before the test thread wakes): an attempt that saw the queue
+    run out proves nothing about dropping, so up to five attempts run until one closed mid-queue."""
+    src = torch.ones(8 << 20, dtype=torch.uint8).float()  # 32 MiB per copy: still copying at close
+    rows = 4
+    for _attempt in range(5):
+        pool = torch.zeros(rows, src.numel())
+        engine = make_engine([src], pool)
+        first = engine.submit([(0, row) for row in range(rows)])
+        deadline = time.monotonic() + 10
+        while engine.running() < 0 and engine.finished() == first and time.monotonic() < deadline:
+            time.sleep(0.0005)  # until the thread has started
+        engine.close()  # a copy is in progress (the first, unless the thread outran this one)
+        engine.close()  # idempotent
+        written = [bool(pool[row].eq(1).all()) for row in range(rows)]
+        untouched = [not pool[row].any() for row in range(rows)]
+        assert all(w or u for w, u in zip(written, untouched, strict=True)), "a copy was cut off"
+        assert written[0] and written == sorted(written, reverse=True)  # the first completed; then in order
+        if not all(written):
+            return  # closed mid-queue: the rest was dropped
+    pytest.fail("the queue ran out before close in every attempt")
 
 
 @pytest.mark.parametrize("sizes", [(300, 5), (5, 300), (1, 1)])  # elements of two segments: a split inside either, or none
