@@ -67,11 +67,11 @@ def test_bf16_without_bf16_gemm_runs_in_float32(arch, tiny_model_dirs, monkeypat
 
 def test_bf16_checkpoint_in_float32_keeps_its_experts_in_bf16(tiny_model_dirs, tmp_path):
     """Lossless: the experts of a bf16 checkpoint stay bf16 (half the bytes a decode step reads),
-    on AMX hosts every other weight too (the projections run on AMX tiles), and the engine
-    generates what an engine over fp32 copies of the same weights generates."""
+    every other weight too where the kernel computes fp32 x bf16 (the projections and the LM
+    head), and the engine generates what an engine over fp32 copies of the same weights generates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from elasticmoe.kernels.grouped_gemm import computes_on_amx
+    from elasticmoe.kernels.grouped_gemm import computes_fp32_with_bf16_weights
 
     src = tiny_model_dirs["qwen3_moe"]
     bf16_dir = str(tmp_path / "bf16")
@@ -80,7 +80,7 @@ def test_bf16_checkpoint_in_float32_keeps_its_experts_in_bf16(tiny_model_dirs, t
     engine = LLMEngine(EngineConfig(model=bf16_dir, dtype=torch.float32))
     block = engine.model.moe_blocks()[0]
     assert block.w13.dtype == torch.bfloat16
-    dense = torch.bfloat16 if computes_on_amx() else torch.float32
+    dense = torch.bfloat16 if computes_fp32_with_bf16_weights() else torch.float32
     assert engine.weights["embed"].dtype == dense and engine.weights["layers.0.attn.qkv"].dtype == dense
     reference = LLMEngine(EngineConfig(model=bf16_dir, dtype=torch.float32),
                           weight_provider=RoundedProvider(bf16_dir, torch.float32))
