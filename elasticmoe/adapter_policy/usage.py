@@ -79,15 +79,40 @@ def needed_probability(graph: DependencyGraph, probabilities: Mapping[str, float
 
 class RateEstimator:
     """Observed request rate per name: an exponential moving average of requests per pass (the
-    fallback usage source, and what the engine used alone before CoServe's policies)."""
+    fallback usage source, and what the engine used alone before CoServe's policies).
+
+    Kept lazily: each name's rate as of the pass it last changed, decayed when read. A pass then
+    costs the names that had arrivals, not every name tracked (the engine runs one per step, with
+    up to thousands of adapters registered); the values equal the eager average's up to float
+    rounding."""
 
     def __init__(self, decay: float = 0.9) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay: must be in [0, 1), got {decay}")
         self.decay = decay
-        self.rate: dict[str, float] = {}
+        self._passes = 0
+        self._kept: dict[str, tuple[float, int]] = {}  # name -> (its rate, the pass that set it)
 
-    def update(self, counts: Mapping[str, int], names: Iterable[str]) -> None:
-        """One pass: `counts` requests arrived per name; `names` are the ones tracked (others drop)."""
+    def update(self, counts: Mapping[str, int]) -> None:
+        """One pass: `counts` requests arrived per name; every other name's rate decays."""
+        self._passes += 1
         d = self.decay
-        self.rate = {n: d * self.rate.get(n, 0.0) + (1 - d) * counts.get(n, 0) for n in names}
+        for name, count in counts.items():
+            rate = self._rate(name)  # as of the pass before
+            self._kept[name] = (d * rate + (1 - d) * count, self._passes)
+
+    def forget(self, name: str) -> None:
+        """`name` is no longer tracked (unloaded): a later one of the same name starts at 0."""
+        self._kept.pop(name, None)
+
+    def rates(self, names: Iterable[str]) -> dict[str, float]:
+        """Each of `names`' rate after the last pass (0 for a name without arrivals)."""
+        return {name: self._rate(name, self._passes) for name in names}
+
+    def _rate(self, name: str, now: int | None = None) -> float:
+        """`name`'s rate after pass `now` (default: the pass before the current one)."""
+        kept = self._kept.get(name)
+        if kept is None:
+            return 0.0
+        rate, at = kept
+        return rate * self.decay ** ((self._passes - 1 if now is None else now) - at)

@@ -132,6 +132,7 @@ class LoraSwapper:
         """`key` was unloaded: drop what was known about it."""
         for table in (self.declared, self._arrivals, self._loaded_seq, self._used_seq):
             table.pop(key, None)
+        self.rates.forget(key)
         self._copy_failed.discard(key)
         self._preload_order = None
         self.registry_version += 1
@@ -167,7 +168,7 @@ class LoraSwapper:
         Returns the waiting requests whose adapter's copy failed, with the error: the engine fails
         them alone; the adapter stays in host memory (a later request tries it again)."""
         lora = self.lora
-        self.rates.update(self._arrivals, self._usage_keys())
+        self.rates.update(self._arrivals)
         self._arrivals = {}
         arrived = set(self._collect_copies()) | self._finished_early  # completed since the last step
         self._finished_early = set()
@@ -374,7 +375,7 @@ class LoraSwapper:
         graph = self._graph(routers)
         resident.update(dict.fromkeys(routers, Residency(0, 0)))
         usage = usage_probabilities(graph.nodes, self.profiled, self.declared,
-                                    self.rates.rate if observed_rates else {})
+                                    self.rates.rates(graph.nodes) if observed_rates else {})
         return TierView(graph, resident, needed_probability(graph, usage),
                         frozenset(n for n in pinned if n in graph), frozenset(n for n in queued if n in graph))
 
@@ -407,9 +408,6 @@ class LoraSwapper:
         for name in sorted(finished):
             self._mark_loaded(name)
         return finished
-
-    def _usage_keys(self) -> list[str]:
-        return self.lora.names + [router_node(k) for k in self.routers()]
 
     def _tick(self) -> int:
         self._seq += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from elasticmoe.adapter_policy.graph import DependencyGraph, Node
@@ -73,10 +75,26 @@ def test_needed_probability_adds_what_reaches_a_node_once():
 
 def test_rate_estimator_is_an_ema_over_tracked_names():
     rates = RateEstimator(decay=0.5)
-    rates.update({"a": 4}, ["a", "b"])
-    rates.update({"b": 2}, ["a", "b"])
-    assert rates.rate == pytest.approx({"a": 1.0, "b": 1.0})
-    rates.update({}, ["b"])  # a was unloaded: it is no longer tracked
-    assert rates.rate == pytest.approx({"b": 0.5})
+    rates.update({"a": 4})
+    rates.update({"b": 2})
+    assert rates.rates(["a", "b", "c"]) == pytest.approx({"a": 1.0, "b": 1.0, "c": 0.0})
+    rates.forget("a")  # unloaded: no longer tracked, and a later "a" starts at 0
+    rates.update({})
+    assert rates.rates(["a", "b"]) == pytest.approx({"a": 0.0, "b": 0.5})
+    rates.update({"a": 2})
+    assert rates.rates(["a"]) == pytest.approx({"a": 1.0})
     with pytest.raises(ValueError, match="decay"):
         RateEstimator(decay=1.0)
+
+
+def test_rate_estimator_equals_the_eager_average_pass_by_pass():
+    """Lazily decayed rates (a pass costs its arrivals only) equal the average updated over every
+    name at every pass."""
+    rng = random.Random(3)
+    names, decay = [f"n{i}" for i in range(6)], 0.9
+    lazy, eager = RateEstimator(decay), dict.fromkeys(names, 0.0)
+    for _ in range(200):
+        counts = {n: rng.randint(1, 3) for n in rng.sample(names, rng.randint(0, 2))}
+        lazy.update(counts)
+        eager = {n: decay * eager[n] + (1 - decay) * counts.get(n, 0) for n in names}
+        assert lazy.rates(names) == pytest.approx(eager, rel=1e-9, abs=1e-12)
