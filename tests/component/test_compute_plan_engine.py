@@ -86,3 +86,44 @@ def test_bf16_checkpoint_in_float32_keeps_its_experts_in_bf16(tiny_model_dirs, t
                           weight_provider=RoundedProvider(bf16_dir, torch.float32))
     assert reference.model.moe_blocks()[0].w13.dtype == torch.float32
     assert _generate(engine) == _generate(reference)
+
+
+def test_lora_over_bf16_dense_weights_computed_in_float32_equals_float32_weights(tiny_bf16_model_dirs, tmp_path):
+    """A bf16 checkpoint computed in fp32 keeps its projections in bf16 (where the kernel computes fp32
+    x bf16): LoRA deltas on those projections and on the experts give what they give over fp32 copies
+    of the same weights (greedy tokens, logprobs to 1e-4), base-model requests in the same batch too."""
+    from elasticmoe.adapters.lora import LoraAdapter
+    from elasticmoe.config import ModelConfig
+    from elasticmoe.kernels.grouped_gemm import computes_fp32_with_bf16_weights
+    from elasticmoe.tools.make_lora_adapter import make_lora_adapter
+
+    model_dir = tiny_bf16_model_dirs["qwen3_moe"]
+    path = make_lora_adapter(model_dir, str(tmp_path / "lora"), rank=4, seed=5,
+                             target_modules=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
+    adapter = LoraAdapter.open("a", path, ModelConfig.from_pretrained(model_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
+        engine.adapters.load_lora("a", adapter.modules, adapter.weights, adapter.config.scaling)
+        for rid, name in [("lora", "a"), ("base", None)]:  # one prompt: the adapter's effect shows
+            engine.add_request(rid, [5, 17, 99, 230, 11, *range(100, 110)], params, name)
+        logprobs: dict[str, list[float]] = {}
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                logprobs.setdefault(o.request_id, []).extend(lp.logprob for lp in o.new_logprobs or [])
+                if o.finished:
+                    out[o.request_id] = (o.output_token_ids, logprobs[o.request_id])
+        return out
+
+    config = EngineConfig(model=model_dir, dtype=torch.float32, max_loras=1, max_lora_rank=4)
+    engine = LLMEngine(config)
+    dense = torch.bfloat16 if computes_fp32_with_bf16_weights() else torch.float32
+    assert engine.weights["layers.0.attn.qkv"].dtype == dense
+    got = run(engine)
+    want = run(LLMEngine(config, weight_provider=RoundedProvider(model_dir, torch.float32)))
+    for rid in ("lora", "base"):
+        assert got[rid][0] == want[rid][0], rid
+        assert got[rid][1] == pytest.approx(want[rid][1], abs=1e-4), rid
+    # the adapter is on (else the comparison could not fail): other tokens, or other logprobs
+    assert got["lora"][0] != got["base"][0] or got["lora"][1] != pytest.approx(got["base"][1], abs=1e-3)
