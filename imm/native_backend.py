@@ -25,7 +25,6 @@ from elasticmoe.engine.handover import RequestSnapshot
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.tokenizer import Tokenizer
-from elasticmoe.utils.cpu_features import cpu_compute_info
 from elasticmoe.utils.passing_thread import in_passing_thread
 from hmm.memory import VirtualTensorHandle, map_slot_pages, unmap_slot_pages
 from hmm.memory.page_table import SlotPages
@@ -86,7 +85,7 @@ class NativeBackend(LoopBackend):
         if fence_kv:
             self.kv_fence = KVFence(self.engine.block_manager)
         report = check_zero_copy(self.engine.weights, loader.weights.opened, self.engine.kv_pool, seconds)
-        return dataclasses.replace(report, compute=cpu_compute_info(plan=self.engine.compute_plan))
+        return dataclasses.replace(report, compute=self.engine.compute_info())
 
     def _engine(self) -> LLMEngine:
         if self.engine is None:

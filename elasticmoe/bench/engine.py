@@ -37,7 +37,6 @@ from elasticmoe.bench.roofline import MachinePeaks, ModelCosts, StepWork, measur
 from elasticmoe.config import EngineConfig, parse_engine_dtype
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.sampling_params import SamplingParams
-from elasticmoe.utils.cpu_features import cpu_compute_info
 
 
 def make_prompt_token_ids(num_prompts: int, input_len: int, vocab_size: int, seed: int,
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = time.perf_counter()
     engine = LLMEngine(config)
     load_s = time.perf_counter() - t
-    cpu = cpu_compute_info(plan=engine.compute_plan)
+    cpu = engine.compute_info()
     _log(f"engine loaded in {load_s:.1f}s ({args.dtype}: computed in {cpu['compute_dtype']}, "
          f"{torch.get_num_threads()} threads, kernels {cpu['expert_kernel']}, bf16 GEMM {cpu['bf16_gemm']})")
     vocab_size = engine.model_config.vocab_size

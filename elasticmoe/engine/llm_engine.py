@@ -134,9 +134,12 @@ class LLMEngine:
         self.grammars = GrammarMatchers(self.tokenizer, self.model_config.vocab_size, eos_ids)
         self.sampler = Sampler(config.seed, eos_ids, self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids)
+        info = self.compute_info()
         logger.info(
-            "engine ready: %s, %s, %d KV blocks x %d tokens, max_model_len %d, ep %d/%d",
-            cfg.arch, config.dtype, num_blocks, config.block_size, self.max_model_len, config.ep_rank, config.ep_size,
+            "engine ready: %s, computed in %s (dense weights %s, experts %s), %d KV blocks x %d tokens, "
+            "max_model_len %d, ep %d/%d", cfg.arch, info["compute_dtype"], info["dense_weight_dtype"],
+            info["expert_weight_dtype"], num_blocks, config.block_size, self.max_model_len, config.ep_rank,
+            config.ep_size,
         )
 
     def _expert_dtype(self, specs: list[ParamSpec], provider: WeightProvider) -> torch.dtype | None:
@@ -168,6 +171,15 @@ class LLMEngine:
             logger.info("dense weights kept in bf16 (a bf16 checkpoint, computed in fp32: exact)")
             return torch.bfloat16
         return plan.weight_dtype
+
+    def compute_info(self) -> dict[str, Any]:
+        """`cpu_compute_info` of this engine's plan (the startup log, `/admin/status`), with the
+        dtypes its weights are held in: a bf16 checkpoint computed in fp32 keeps bf16 weights where
+        the kernel computes with them, and a provider's weights keep the provider's dtype."""
+        blocks = self.model.moe_blocks()
+        return {**cpu_compute_info(plan=self.compute_plan),
+                "dense_weight_dtype": str(self.model.embed.dtype).removeprefix("torch."),
+                "expert_weight_dtype": str(blocks[0].w13.dtype).removeprefix("torch.") if blocks else None}
 
     def _max_model_len(self, num_blocks: int) -> int:
         limit = self.config.max_model_len or self.model_config.max_position_embeddings

@@ -82,6 +82,9 @@ def test_bf16_checkpoint_in_float32_keeps_its_experts_in_bf16(tiny_model_dirs, t
     assert block.w13.dtype == torch.bfloat16
     dense = torch.bfloat16 if computes_fp32_with_bf16_weights() else torch.float32
     assert engine.weights["embed"].dtype == dense and engine.weights["layers.0.attn.qkv"].dtype == dense
+    info = engine.compute_info()  # what the startup log and /admin/status report
+    assert (info["compute_dtype"], info["expert_weight_dtype"]) == ("float32", "bfloat16")
+    assert info["dense_weight_dtype"] == str(dense).removeprefix("torch.")
     reference = LLMEngine(EngineConfig(model=bf16_dir, dtype=torch.float32),
                           weight_provider=RoundedProvider(bf16_dir, torch.float32))
     assert reference.model.moe_blocks()[0].w13.dtype == torch.float32

@@ -32,7 +32,9 @@ def test_a_shared_system_prompt_is_reported_cached_and_counted(app):
     cached = second["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and cached % 16 == 0 and cached < second["prompt_tokens"]  # whole blocks of the system prompt
 
-    status = get(app, "/admin/status").json()["kv_cache"]
+    body = get(app, "/admin/status").json()
+    assert body["compute"]["dense_weight_dtype"] == body["compute"]["expert_weight_dtype"] == "float32"  # as held
+    status = body["kv_cache"]
     assert status["prefix_caching"] and status["cached_blocks"] > 0
     assert status["prefix_cache_hits"] == cached
     assert status["prefix_cache_queries"] == first["prompt_tokens"] + second["prompt_tokens"]

@@ -197,6 +197,8 @@ def test_models_health_ready_status_metrics(server):
         assert status["scale_event"] is None and status["requests"]["max_queued"] == MAX_QUEUED
         for compute in (a["compute"] for a in status["instance"]["attach"]):  # what each rank's CPU chose
             assert compute["kernel_isa"] in ("amx", "avx512_bf16", "avx512", "avx2", "none") and compute["compute_dtype"]
+            # the weights as held (the tiny checkpoint is fp32: the HMM's shared memory holds fp32)
+            assert compute["dense_weight_dtype"] == compute["expert_weight_dtype"] == "float32"
         text = c.get("/metrics").text
     assert 'elasticmoe_http_requests_total{endpoint="/v1/completions",status="200"}' in text
     for name in (

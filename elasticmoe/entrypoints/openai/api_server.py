@@ -34,7 +34,6 @@ from elasticmoe.entrypoints.openai.metrics import ExpertCacheCollector, KVCacheC
 from elasticmoe.entrypoints.openai.routes import add_openai_routes, install_guards
 from elasticmoe.entrypoints.openai.serving import OpenAIServing
 from elasticmoe.entrypoints.serve_settings import ServeSettings
-from elasticmoe.utils.cpu_features import cpu_compute_info
 
 if TYPE_CHECKING:
     from elasticmoe.config import EngineConfig
@@ -82,9 +81,9 @@ def build_app(
         """What the engine runs with and what its queue and caches hold now."""
         body: dict[str, Any] = {"model": served_model_name, "running": async_llm.num_running,
                                 "waiting": async_llm.num_waiting}
-        compute = getattr(engine, "compute_plan", None)
-        if compute is not None:
-            body["compute"] = cpu_compute_info(plan=compute)
+        compute_info = getattr(engine, "compute_info", None)
+        if compute_info is not None:
+            body["compute"] = compute_info()
         if blocks is not None:
             body["kv_cache"] = blocks.stats()
         if offload is not None:
