@@ -98,8 +98,7 @@ class RateEstimator:
         self._passes += 1
         d = self.decay
         for name, count in counts.items():
-            rate = self._rate(name)  # as of the pass before
-            self._kept[name] = (d * rate + (1 - d) * count, self._passes)
+            self._kept[name] = (d * self._rate(name, self._passes - 1) + (1 - d) * count, self._passes)
 
     def forget(self, name: str) -> None:
         """`name` is no longer tracked (unloaded): a later one of the same name starts at 0."""
@@ -109,10 +108,7 @@ class RateEstimator:
         """Each of `names`' rate after the last pass (0 for a name without arrivals)."""
         return {name: self._rate(name, self._passes) for name in names}
 
-    def _rate(self, name: str, now: int | None = None) -> float:
-        """`name`'s rate after pass `now` (default: the pass before the current one)."""
-        kept = self._kept.get(name)
-        if kept is None:
-            return 0.0
-        rate, at = kept
-        return rate * self.decay ** ((self._passes - 1 if now is None else now) - at)
+    def _rate(self, name: str, after_pass: int) -> float:
+        """`name`'s rate after pass `after_pass` (the one that set it, or a later one)."""
+        rate, at = self._kept.get(name, (0.0, after_pass))
+        return rate * self.decay ** (after_pass - at)

@@ -52,6 +52,7 @@ from elasticmoe.utils.cpu_features import (
     choose_compute_plan,
     cpu_compute_info,
     detect_cpu_features,
+    dtype_name,
 )
 from elasticmoe.utils.malloc import tune_malloc
 
@@ -178,8 +179,8 @@ class LLMEngine:
         the kernel computes with them, and a provider's weights keep the provider's dtype."""
         blocks = self.model.moe_blocks()
         return {**cpu_compute_info(plan=self.compute_plan),
-                "dense_weight_dtype": str(self.model.embed.dtype).removeprefix("torch."),
-                "expert_weight_dtype": str(blocks[0].w13.dtype).removeprefix("torch.") if blocks else None}
+                "dense_weight_dtype": dtype_name(self.model.embed.dtype),
+                "expert_weight_dtype": dtype_name(blocks[0].w13.dtype) if blocks else None}
 
     def _max_model_len(self, num_blocks: int) -> int:
         limit = self.config.max_model_len or self.model_config.max_position_embeddings

@@ -141,7 +141,8 @@ class ComputePlan:
         return "causal kernel (fp32 arithmetic)"
 
 
-def _name(dtype: torch.dtype | None) -> str:
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """`torch.bfloat16` -> "bfloat16" (None: "auto"), as logs and status pages name dtypes."""
     return "auto" if dtype is None else str(dtype).removeprefix("torch.")
 
 
@@ -162,17 +163,17 @@ def choose_compute_plan(
     kernel = features.kernel_isa if features.kernel_isa != "none" else "torch"
     target = requested if requested is not None else (checkpoint_dtype or torch.float32)
     if target == torch.float32:
-        return ComputePlan(_name(requested), torch.float32, torch.float32, kernel, "float32")
+        return ComputePlan(dtype_name(requested), torch.float32, torch.float32, kernel, "float32")
     if target == torch.bfloat16 and features.has_fast_bf16_gemm:
         why = f"bf16 GEMM: {features.bf16_gemm}"
-        return ComputePlan(_name(requested), torch.bfloat16, torch.bfloat16, kernel, why)
+        return ComputePlan(dtype_name(requested), torch.bfloat16, torch.bfloat16, kernel, why)
     # A 16-bit dtype without a fast GEMM here (fp16 never has one in PyTorch's CPU build).
     if requested is None:
-        why = f"checkpoint {_name(target)}: no fast {_name(target)} GEMM here (bf16 GEMM: {features.bf16_gemm})"
+        why = f"checkpoint {dtype_name(target)}: no fast {dtype_name(target)} GEMM here (bf16 GEMM: {features.bf16_gemm})"
         return ComputePlan("auto", torch.float32, torch.float32, kernel, why)
     storage = target if weights_from_provider else torch.float32
-    why = f"no fast {_name(target)} GEMM here (bf16 GEMM: {features.bf16_gemm}): computed in float32"
-    return ComputePlan(_name(requested), storage, torch.float32, kernel, why)
+    why = f"no fast {dtype_name(target)} GEMM here (bf16 GEMM: {features.bf16_gemm}): computed in float32"
+    return ComputePlan(dtype_name(requested), storage, torch.float32, kernel, why)
 
 
 def checkpoint_dtype(hf_config: dict[str, Any]) -> torch.dtype | None:
@@ -194,8 +195,8 @@ def cpu_compute_info(
         "kernel_isa": features.kernel_isa,
         "num_threads": torch.get_num_threads(),
         "requested_dtype": plan.requested,
-        "weight_dtype": _name(plan.weight_dtype),
-        "compute_dtype": _name(plan.compute_dtype),
+        "weight_dtype": dtype_name(plan.weight_dtype),
+        "compute_dtype": dtype_name(plan.compute_dtype),
         "expert_kernel": plan.expert_kernel,
         "prefill_attention": plan.prefill_attention,
         "reason": plan.reason,
