@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticmoe.adapter_policy.arranging import arranger
 from elasticmoe.adapter_policy.eviction import eviction_policy
+from elasticmoe.adapters.lora_targets import parse_target_modules
 
 if TYPE_CHECKING:
     import torch
@@ -218,6 +219,9 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in host memory (>= max_loras); None: max_loras
+    # The module names LoRA slots hold (PEFT's `target_modules` names); None: every module the model
+    # can serve. A slot costs only these modules' factors (the experts' are most of a full slot).
+    lora_target_modules: tuple[str, ...] | None = None
     max_lora_topk: int = 2  # adapters one token may combine (learned routing); fixed per step for EP
     # The first `scheduling_window` waiting requests are admitted grouped by LoRA adapter (CoServe §4.2).
     scheduling_window: int = 16
@@ -259,6 +263,7 @@ class EngineConfig:
             raise ValueError("max_loras: must be >= 0 and max_lora_rank >= 1")
         if self.max_esft_adapters and not self.max_esft_experts:
             raise ValueError("max_esft_experts: must be >= 1 when max_esft_adapters > 0")
+        parse_target_modules(self.lora_target_modules)
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -325,6 +330,7 @@ class EngineOptions:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None  # see EngineConfig
     adapter_eviction: str = "coserve"  # "coserve" (two-stage, CoServe §4.3), "lru", "fifo"
     request_arranging: str = "coserve"  # "coserve" (grouped by adapter in the window, §4.2), "fcfs"
     adapter_profile: str | None = None  # a profile JSON (`elasticmoe profile`): usage probabilities
@@ -340,6 +346,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         _check_offload(self)
         _check_policies(self.adapter_eviction, self.request_arranging)
+        parse_target_modules(self.lora_target_modules)
 
     def engine_config(self, model: str, **placement: Any) -> EngineConfig:
         """This engine's config; `placement` are the fields only its place knows (ep_rank, ...)."""

@@ -167,7 +167,7 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
         model_dir=args.model, num_devices=max(args.dps), dp=dp, dtype=args.dtype,
         device_memory_bytes=int(args.device_memory_gb * _GIB), kv_bytes_per_device=int(args.kv_cache_gb * _GIB),
         served_model_name="base", shm_prefix=f"emoecoserve{secrets.token_hex(4)}", standby_pool=False,
-        max_queued=4096, max_loras=max_loras, max_lora_rank=args.lora_rank,
+        max_queued=4096, max_loras=max_loras, max_lora_rank=args.lora_rank, lora_target_modules=args.lora_target_modules,
         max_cpu_loras=max(num_lora, max_loras), max_esft_adapters=max_esft,
         max_esft_experts=args.esft_experts, adapter_eviction=eviction, request_arranging=arranging,
         request_assigning=assigning, num_threads=args.num_threads,
@@ -231,6 +231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--esft-experts", type=int, default=1, help="tuned experts per MoE layer of each ESFT adapter")
     p.add_argument("--max-loras", type=int, default=8, help="LoRA slots per rank")
+    p.add_argument("--lora-target-modules", default=None, metavar="NAMES",
+                   help="the modules the LoRA slots hold (the bench's adapters adapt q_proj,v_proj; default: every "
+                        "module, whose expert sites are most of a slot's bytes)")
     p.add_argument("--max-esft-adapters", type=int, default=4, help="ESFT slots")
     p.add_argument("--dps", default="1,2", help="comma list of dp (= ep) sizes")
     p.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"comma list of {', '.join(ALL_CONFIGS)}")

@@ -43,7 +43,8 @@ def format_tables(doc: dict[str, Any]) -> str:
             _ms(r["arrived_resident_ttft_s"]["p99"]), _ratio(r.get("arrived_resident_vs_resident"), 1.0),
             _ms(r["swapped_ttft_s"]["p99"]), str(r["failed"]), _f(r.get("register_s"), ".1f")])
     title = (f"CoServe Fig. 13 on the elastic server: {doc['num_adapters']['lora']} LoRA + {doc['num_adapters']['esft']} "
-             f"ESFT adapters, {cfg['max_loras']} LoRA / {cfg['max_esft_adapters']} ESFT slots, power law alpha "
+             f"ESFT adapters, {cfg['max_loras']} LoRA slots (of {cfg.get('lora_target_modules') or 'every module'}) / "
+             f"{cfg['max_esft_adapters']} ESFT slots, power law alpha "
              f"{cfg['alpha']}, {cfg['rps']} req/s Poisson for {cfg['duration_s']:.0f} s ({doc['num_requests']} requests)")
     header = ["dp", "config", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "switches",
               "of them preloads", "hit rate", "hot TTFT p99 ms", "hot vs resident", "hot vs reference",

@@ -84,6 +84,8 @@ class MemorySplit:
     strategy: str = "decay_window"  # or "limited" (the max batch's KV is small, §4.4)
     window: tuple[int, int] | None = None  # the decay window the search stopped in (items loaded)
     num_esft_slots: int = 0  # ESFT adapters resident at once (--max-esft-adapters); 0: not set by the split
+    # The modules the LoRA slots hold, which `lora_slot_bytes` is the size of (None: every module)
+    lora_target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         parts = (self.kv_cache_bytes, self.num_lora_slots, self.lora_slot_bytes, self.num_expert_rows,
@@ -107,13 +109,15 @@ class MemorySplit:
     def used_bytes(self) -> int:
         return self.kv_cache_bytes + self.lora_bytes + self.expert_cache_bytes + self.esft_bytes
 
-    def engine_fields(self) -> dict[str, int]:
+    def engine_fields(self) -> dict[str, Any]:
         """The `EngineOptions` fields this split sets (`serve --profile`)."""
-        out = {"kv_cache_bytes": self.kv_cache_bytes, "max_num_seqs": self.max_num_seqs}
+        out: dict[str, Any] = {"kv_cache_bytes": self.kv_cache_bytes, "max_num_seqs": self.max_num_seqs}
         if self.num_lora_slots:
             out["max_loras"] = self.num_lora_slots
         if self.num_esft_slots:
             out["max_esft_adapters"] = self.num_esft_slots
+        if self.num_lora_slots and self.lora_target_modules is not None:
+            out["lora_target_modules"] = self.lora_target_modules
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -122,17 +126,19 @@ class MemorySplit:
                 "num_expert_rows": self.num_expert_rows, "expert_row_bytes": self.expert_row_bytes,
                 "esft_bytes": self.esft_bytes, "num_esft_slots": self.num_esft_slots,
                 "max_num_seqs": self.max_num_seqs, "strategy": self.strategy,
-                "window": list(self.window) if self.window is not None else None}
+                "window": list(self.window) if self.window is not None else None,
+                "lora_target_modules": list(self.lora_target_modules) if self.lora_target_modules is not None else None}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> MemorySplit:
-        window = obj.get("window")
+        window, targets = obj.get("window"), obj.get("lora_target_modules")
         return cls(int(obj["budget_bytes"]), int(obj["kv_cache_bytes"]), int(obj["num_lora_slots"]),
                    int(obj["lora_slot_bytes"]), int(obj.get("num_expert_rows", 0)),
                    int(obj.get("expert_row_bytes", 0)), int(obj.get("esft_bytes", 0)),
                    int(obj.get("max_num_seqs", 1)), str(obj.get("strategy", "decay_window")),
                    (int(window[0]), int(window[1])) if window is not None else None,
-                   int(obj.get("num_esft_slots", 0)))
+                   int(obj.get("num_esft_slots", 0)),
+                   tuple(str(name) for name in targets) if targets is not None else None)
 
 
 @dataclass(frozen=True, slots=True)

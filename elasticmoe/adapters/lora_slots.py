@@ -9,10 +9,11 @@ writes a slot no scheduled token reads): into a free slot, else in place of the 
 adapter the eviction policy picks (`elasticmoe.engine.lora_swapper`, CoServe §4.3), never one
 with running requests.
 
-Sites (see `elasticmoe.layers.lora`): per GQA attention layer a fused q|k|v site (the three
-modules at rank offsets 0, R, 2R and their own output rows) and an o site; per MLA attention
-layer (DeepSeek-V2) a fused site of the two projections of the hidden state (q_proj or
-q_a_proj at rank offset 0, kv_a_proj_with_mqa at R), a q_b site (with q_lora_rank) and an o
+Sites (see `elasticmoe.layers.lora`), for the modules the slots hold (`target_modules`, default
+all): per GQA attention layer a fused q|k|v site (the targeted ones among the three at rank
+offsets 0, R, 2R and their own output rows) and an o site; per MLA attention
+layer (DeepSeek-V2) a fused site of the two projections of the hidden state (of those targeted,
+q_proj or q_a_proj first, then kv_a_proj_with_mqa), a q_b site (with q_lora_rank) and an o
 site (kv_b_proj is rejected: `elasticmoe.adapters.lora.KV_B_PROJ_UNSUPPORTED`); per MoE layer
 an `ExpertLora` with a gate|up site and a down site keyed `slot * E_local + local expert`.
 All are allocated once, at engine start, so their addresses never change and (under EP)
@@ -36,6 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.adapters.lora import KV_B_PROJ_UNSUPPORTED
+from elasticmoe.adapters.lora_targets import (
+    EXPERT_MODULES,
+    EXPERT_PARTS,
+    TARGET_MODULES,
+    parse_target_modules,
+)
 from elasticmoe.errors import AdapterConflictError, AdapterError, AdapterLimitError
 from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_at_slot_rows, grouped_experts_sorted
 from elasticmoe.layers.lora import LoraGroups, LoraSite
@@ -47,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(\w+)$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
-_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 # weights(module path, dtype) -> (A [r, in], B [out, r]) of one targeted module
 LoraWeights = Callable[[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
@@ -55,26 +61,58 @@ LoraWeights = Callable[[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 AttentionSites = dict[str, tuple[LoraSite, int, int]]
 
 
-def attention_sites(attn: object, num_slots: int, max_rank: int, dtype: torch.dtype) -> AttentionSites:
-    """Give one attention layer its LoRA sites (fixed from now on) and say where each module goes."""
-    r = max_rank
+def served_modules(model: CausalLM) -> tuple[str, ...]:
+    """The module names this model's LoRA slots can hold, in `TARGET_MODULES` order."""
+    names: set[str] = set()
+    for layer in model.layers:
+        if isinstance(layer.attn, GQAAttention):
+            names.update(("q_proj", "k_proj", "v_proj", "o_proj"))
+        elif isinstance(layer.attn, MLAttention):
+            names.update(("q_a_proj", "q_b_proj") if layer.attn.q_lora else ("q_proj",))
+            names.update(("kv_a_proj_with_mqa", "o_proj"))
+        if isinstance(layer.mlp, MoEBlock):
+            names.update(EXPERT_MODULES)
+    return tuple(n for n in TARGET_MODULES if n in names)
+
+
+def attention_sites(attn: object, num_slots: int, max_rank: int, dtype: torch.dtype,
+                    targets: frozenset[str] | None = None) -> AttentionSites:
+    """Give one attention layer its LoRA sites (fixed from now on) and say where each module goes.
+    `targets`: the module names slots hold (None: all). A fused site holds only the targeted modules
+    of its input, at rank offsets 0, R, ... in the order below (its output rows stay the whole
+    projection's)."""
+    def fused(modules: tuple[tuple[str, int], ...]) -> list[tuple[str, int]]:
+        return [(name, row0) for name, row0 in modules if targets is None or name in targets]
+
+    def site(entries: list[tuple[str, int]], hidden: int, out: int) -> dict[str, tuple[LoraSite, int, int]]:
+        lora = LoraSite(num_slots, len(entries) * max_rank, hidden, out, dtype)
+        return {name: (lora, row0, i * max_rank) for i, (name, row0) in enumerate(entries)}
+
+    sites: AttentionSites = {}
     if isinstance(attn, GQAAttention):
         q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         hidden = attn.qkv.shape[1]
-        attn.lora_qkv = LoraSite(num_slots, 3 * r, hidden, q + 2 * kv, dtype)
-        attn.lora_o = LoraSite(num_slots, r, q, hidden, dtype)
-        return {"q_proj": (attn.lora_qkv, 0, 0), "k_proj": (attn.lora_qkv, q, r),
-                "v_proj": (attn.lora_qkv, q + kv, 2 * r), "o_proj": (attn.lora_o, 0, 0)}
+        qkv = fused((("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)))
+        if qkv:
+            sites.update(site(qkv, hidden, q + 2 * kv))
+            attn.lora_qkv = sites[qkv[0][0]][0]
+        if targets is None or "o_proj" in targets:
+            sites.update(site([("o_proj", 0)], q, hidden))
+            attn.lora_o = sites["o_proj"][0]
+        return sites
     if isinstance(attn, MLAttention):
         first, name = (attn.q_a, "q_a_proj") if attn.q_lora else (attn.q, "q_proj")  # [out, hidden]
         (q_out, hidden), kv_out = first.shape, attn.kv_a.shape[0]
-        attn.lora_x = LoraSite(num_slots, 2 * r, hidden, q_out + kv_out, dtype)
-        attn.lora_o = LoraSite(num_slots, r, attn.o.shape[1], hidden, dtype)
-        sites = {name: (attn.lora_x, 0, 0), "kv_a_proj_with_mqa": (attn.lora_x, q_out, r),
-                 "o_proj": (attn.lora_o, 0, 0)}
-        if attn.q_lora:
-            attn.lora_q_b = LoraSite(num_slots, r, attn.q_b.shape[1], attn.q_b.shape[0], dtype)
-            sites["q_b_proj"] = (attn.lora_q_b, 0, 0)
+        x = fused(((name, 0), ("kv_a_proj_with_mqa", q_out)))
+        if x:
+            sites.update(site(x, hidden, q_out + kv_out))
+            attn.lora_x = sites[x[0][0]][0]
+        if targets is None or "o_proj" in targets:
+            sites.update(site([("o_proj", 0)], attn.o.shape[1], hidden))
+            attn.lora_o = sites["o_proj"][0]
+        if attn.q_lora and (targets is None or "q_b_proj" in targets):
+            sites.update(site([("q_b_proj", 0)], attn.q_b.shape[1], attn.q_b.shape[0]))
+            attn.lora_q_b = sites["q_b_proj"][0]
         return sites
     return {}
 
@@ -112,18 +150,32 @@ class ExpertLora:
 
 class LoraSlots:
     def __init__(self, model: CausalLM, placement: ExpertPlacement, rank: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, max_cached: int | None = None, top_k: int = 1) -> None:
+                 dtype: torch.dtype, max_cached: int | None = None, top_k: int = 1,
+                 target_modules: tuple[str, ...] | None = None) -> None:
+        """`target_modules`: the module names the slots hold (None: every module this model can serve).
+        A slot costs only their sites: on the small Qwen3-MoE at rank 8 in float32, 24.3 MB with every
+        module (the experts' sites are 95% of it), 0.66 MB with q_proj and v_proj."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"lora: need max_loras >= 1 and max_lora_rank >= 1, got {max_loras}, {max_rank}")
+        parse_target_modules(target_modules)
+        if target_modules is not None:
+            served = served_modules(model)
+            missing = [name for name in target_modules if name not in served]
+            if missing:
+                raise ValueError(f"lora_target_modules: this model has no {', '.join(missing)} "
+                                 f"(its LoRA targets: {', '.join(served)})")
         self.placement, self.rank, self.max_loras, self.max_rank = placement, rank, max_loras, max_rank
+        self.target_modules = target_modules
+        targets = None if target_modules is None else frozenset(target_modules)
         self.attention: dict[int, AttentionSites] = {}  # layer -> its attention's modules
         self.experts: dict[int, ExpertLora] = {}
         num_local = len(placement.local_expert_ids(rank))
+        with_experts = targets is None or bool(targets & set(EXPERT_MODULES))
         for i, layer in enumerate(model.layers):
-            sites = attention_sites(layer.attn, max_loras, max_rank, dtype)
+            sites = attention_sites(layer.attn, max_loras, max_rank, dtype, targets)
             if sites:
                 self.attention[i] = sites
-            if isinstance(layer.mlp, MoEBlock) and num_local:
+            if isinstance(layer.mlp, MoEBlock) and num_local and with_experts:
                 block = layer.mlp
                 inter, hidden = block.w2.shape[2], block.w2.shape[1]
                 block.lora = self.experts[i] = ExpertLora(max_loras, num_local, max_rank, hidden, inter, dtype,
@@ -158,9 +210,9 @@ class LoraSlots:
             raise AdapterConflictError(f"adapter {name!r} is already loaded")
         # NOTE: what this server can never serve first; the host budget only says "not now"
         for path, (r, _, _) in modules.items():
+            self._site(path)  # raises for modules this model, or these slots, cannot serve
             if r > self.max_rank:
                 raise AdapterLimitError(f"{path} has rank {r}; slots hold at most {self.max_rank} (--max-lora-rank)")
-            self._site(path)  # raises for modules this model cannot serve
         if len(self.host) >= self.max_cached:  # the host budget: a 400 naming the field (CoServe issue, item 7)
             raise AdapterError("name", f"registering it would exceed the host budget: all {self.max_cached} LoRA "
                                f"adapters the host cache holds are registered (--max-cpu-loras; {self.max_loras} "
@@ -168,6 +220,10 @@ class LoraSlots:
 
     def _site(self, path: str) -> tuple[LoraSite, int, int, int | None]:
         """(site, output row offset, rank offset, global expert or None) of a module path."""
+        module = path.rsplit(".", 1)[-1]
+        if self.target_modules is not None and module not in self.target_modules:
+            raise AdapterError("target_modules", f"{path}: this server's LoRA slots hold only "
+                               f"{','.join(self.target_modules)} (--lora-target-modules)")
         m = _ATTN.match(path)
         if m is not None:
             sites = self.attention.get(int(m.group(1)), {})
@@ -178,8 +234,8 @@ class LoraSlots:
                 raise AdapterError("target_modules", f"{path}: {KV_B_PROJ_UNSUPPORTED}")
             raise ValueError(f"target_modules: {path}: not a LoRA target of this model's attention")
         m = _EXPERT.match(path)
-        if m is not None and m.group(3) in _EXPERT_PART and int(m.group(1)) in self.experts:
-            lora, part = self.experts[int(m.group(1))], _EXPERT_PART[m.group(3)]
+        if m is not None and m.group(3) in EXPERT_PARTS and int(m.group(1)) in self.experts:
+            lora, part = self.experts[int(m.group(1))], EXPERT_PARTS[m.group(3)]
             expert = int(m.group(2))
             if part == "down":
                 return lora.w2, 0, 0, expert
@@ -294,8 +350,18 @@ class LoraSlots:
             self._clear(self.slot_of.pop(name))
         self.host.pop(name)
 
+    @property
+    def slot_bytes(self) -> int:
+        """What one slot's factors take, every site's share of it."""
+        sites = [*self._attention_sites(), *(s for lora in self.experts.values() for s in (lora.w13, lora.w2))]
+        return sum(s.a.nbytes + s.b.nbytes for s in sites) // self.max_loras
+
+    def _attention_sites(self) -> list[LoraSite]:
+        """Each attention site once (a fused site serves several modules)."""
+        return list({id(site): site for sites in self.attention.values() for site, _, _ in sites.values()}.values())
+
     def _clear(self, slot: int) -> None:
-        for site in {id(site): site for sites in self.attention.values() for site, _, _ in sites.values()}.values():
+        for site in self._attention_sites():
             site.clear(slot)
         for lora in self.experts.values():
             lora.w13.clear(slot * lora.num_local, lora.num_local)

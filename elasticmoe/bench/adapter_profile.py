@@ -48,6 +48,7 @@ from elasticmoe.adapter_policy.profile import BASE_KIND, KindProfile, Profile, l
 from elasticmoe.adapter_policy.usage import check_probability
 from elasticmoe.adapters.esft import EsftAdapter
 from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.adapters.lora_targets import parse_target_modules
 from elasticmoe.bench.common import ints, logger
 from elasticmoe.config import EngineConfig, ModelConfig, parse_dtype
 from elasticmoe.engine.llm_engine import LLMEngine
@@ -88,10 +89,14 @@ def measure_profile(
     dtype: str = "float32",
     num_threads: int | None = None,
     seed: int = 0,
+    lora_target_modules: tuple[str, ...] | None = None,
 ) -> Profile:
     """The profile of `model_dir` (see the module docstring). `usage` (adapter -> probability) wins
     over the shares in `sample`; `adapter_kinds` names the kind of each adapter there ("lora" if
-    not given); `tokens_per_request` sizes one request's KV (default prompt + output)."""
+    not given); `tokens_per_request` sizes one request's KV (default prompt + output);
+    `lora_target_modules`: the modules the served LoRA slots will hold (`serve
+    --lora-target-modules`; None: every module), which size a slot: the memory split carries them
+    to `serve --profile`."""
     if not batch_sizes or min(batch_sizes) < 1 or min(prompt_len, output_len, repeats) < 1:
         raise ValueError("batch_sizes, prompt_len, output_len, repeats: must be >= 1")
     probabilities = _usage(usage, sample)
@@ -101,11 +106,13 @@ def measure_profile(
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="adapter-profile-") as tmp:
         lora_path = lora_dir or str(make_lora_adapter(model_dir, f"{tmp}/lora", rank=8,
-                                                       target_modules=LORA_TARGETS, seed=seed + 1))
+                                                       target_modules=lora_target_modules or LORA_TARGETS,
+                                                       seed=seed + 1))
         esft_path = esft_dir or str(make_esft_adapter(model_dir, f"{tmp}/esft", experts_per_layer=2, seed=seed + 2))
         lora = LoraAdapter.open("profile-lora", lora_path, model_config)
         esft = EsftAdapter.open("profile-esft", esft_path, model_config)
-        engine = _engine(model_dir, lora, esft, max(batch_sizes), prompt_len + output_len, dtype, num_threads, seed)
+        engine = _engine(model_dir, lora, esft, max(batch_sizes), prompt_len + output_len, dtype, num_threads, seed,
+                         lora_target_modules)
         points: dict[str, list[tuple[int, float]]] = {}
         kinds: dict[str, KindProfile] = {}
         for kind, adapter in ((BASE_KIND, None), ("lora", lora.name), ("esft", esft.name)):
@@ -132,7 +139,8 @@ def measure_profile(
               "seconds": round(time.perf_counter() - started, 3)},
     )
     if budget_bytes is not None:
-        profile = dataclasses.replace(profile, memory_split=plan_memory_split(profile, budget_bytes))
+        split = dataclasses.replace(plan_memory_split(profile, budget_bytes), lora_target_modules=lora_target_modules)
+        profile = dataclasses.replace(profile, memory_split=split)
     return profile
 
 
@@ -147,13 +155,14 @@ def _usage(usage: Mapping[str, float] | None, sample: Sequence[str] | None) -> d
 
 
 def _engine(model_dir: str, lora: LoraAdapter, esft: EsftAdapter, max_batch: int, tokens: int, dtype: str,
-            num_threads: int | None, seed: int) -> LLMEngine:
+            num_threads: int | None, seed: int, lora_target_modules: tuple[str, ...] | None) -> LLMEngine:
     block_size = 16
     engine = LLMEngine(EngineConfig(
         model=model_dir, dtype=parse_dtype(dtype), num_threads=num_threads, seed=seed, block_size=block_size,
         enable_prefix_caching=False,  # the latency model times whole prefills of repeated prompts
         num_kv_blocks=max_batch * -(-tokens // block_size) + 4, max_num_seqs=max_batch,
         max_num_batched_tokens=max(2048, max_batch * tokens), max_loras=1, max_lora_rank=lora.config.r,
+        lora_target_modules=lora_target_modules,
         max_esft_adapters=1, max_esft_experts=max(len(ids) for ids in esft.config.experts.values()),
     ))
     engine.adapters.load_lora(lora.name, lora.modules, lora.weights, lora.config.scaling)
@@ -212,14 +221,18 @@ def _loads(engine: LLMEngine, lora: LoraAdapter, esft: EsftAdapter, repeats: int
         row13.copy_(w13)
         row2.copy_(w2)
 
-    sites = {id(s): s for sites in slots.attention.values() for s, _, _ in sites.values()}
-    sites.update({id(s): s for e in slots.experts.values() for s in (e.w13, e.w2)})
-    slot_bytes = sum(s.a.nbytes + s.b.nbytes for s in sites.values()) // slots.max_loras
     load_s = {"lora": _timed(swap_lora, repeats), "esft": _timed(load_esft, repeats),
               "expert": _timed(load_expert, repeats)}
-    footprint = {"lora": slot_bytes, "esft": adapters.esft.nbytes_of[esft.name],
+    footprint = {"lora": slots.slot_bytes, "esft": adapters.esft.nbytes_of[esft.name],
                  "expert": row13.nbytes + row2.nbytes}
     return load_s, footprint
+
+
+def _target_modules(value: str) -> tuple[str, ...] | None:
+    try:
+        return parse_target_modules(value, "--lora-target-modules")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _parse_pairs(flag: str, items: Sequence[str], want: str) -> dict[str, str]:
@@ -267,6 +280,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--lora-target-modules", type=_target_modules, default=None, metavar="NAMES",
+                   help="the modules the served LoRA slots hold (serve --lora-target-modules; default: every module): "
+                        "they size a slot, and `serve --profile` takes them from the memory split")
 
 
 def run(args: argparse.Namespace) -> Profile:
@@ -277,7 +293,7 @@ def run(args: argparse.Namespace) -> Profile:
         adapter_kinds=_parse_kinds(args.kind),
         budget_bytes=int(args.budget_gb * (1 << 30)) if args.budget_gb is not None else None,
         batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
-        dtype=args.dtype, num_threads=args.num_threads)
+        dtype=args.dtype, num_threads=args.num_threads, lora_target_modules=args.lora_target_modules)
     print(json.dumps(profile.to_json(), indent=2))
     return profile
 

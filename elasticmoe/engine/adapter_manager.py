@@ -87,10 +87,9 @@ class AdapterManager:
         self.routers: dict[str, LoraRouter] = {}
         self.lockstep_lora: LockstepLora | None = None
         if config.max_loras:
-            # NOTE: offloaded experts live in cache rows that change under the MoE block, so LoRA
-            # serves the attention only there (an adapter on experts is a 400 at load).
             self.lora = LoraSlots(model, placement, config.ep_rank, config.max_loras, config.max_lora_rank,
-                                  model.compute_dtype, max_cached=config.max_cpu_loras, top_k=config.max_lora_topk)
+                                  model.compute_dtype, max_cached=config.max_cpu_loras, top_k=config.max_lora_topk,
+                                  target_modules=config.lora_target_modules)
             # NOTE: under EP a slot's expert factors serve every rank's tokens, so a rank cannot swap
             # on its own: the lockstep loop swaps every rank alike at a round boundary.
             self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank,

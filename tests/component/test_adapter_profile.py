@@ -39,12 +39,26 @@ def test_profile_of_the_tiny_model(tiny_model_dir, tmp_path):
     assert len(profile.meta["points"]["lora"]) == 3
 
 
+def test_a_profile_for_slots_of_some_modules_sizes_them_and_carries_them(tiny_model_dir, tmp_path):
+    """Slots of q_proj,v_proj are a fraction of full ones: the split fits more of them in the same
+    budget, and says which modules they hold (`serve --profile` takes them)."""
+    options = dict(batch_sizes=(1, 2), output_len=2, repeats=1, usage={"a": 0.5, "b": 0.3, "c": 0.2},
+                   budget_bytes=4 << 20, num_threads=1)
+    full = write_profile(tiny_model_dir, tmp_path / "full.json", **options)
+    qv = write_profile(tiny_model_dir, tmp_path / "qv.json", lora_target_modules=("q_proj", "v_proj"), **options)
+    assert qv.kinds["lora"].footprint_bytes * 5 < full.kinds["lora"].footprint_bytes
+    assert full.memory_split is not None and qv.memory_split is not None
+    assert full.memory_split.lora_target_modules is None
+    assert qv.memory_split.lora_target_modules == ("q_proj", "v_proj") == load_profile(tmp_path / "qv.json").memory_split.lora_target_modules
+    assert qv.memory_split.lora_slot_bytes == qv.kinds["lora"].footprint_bytes
+
+
 def test_the_cli_names_kinds_and_refuses_malformed_pairs():
     import argparse
 
     import pytest
 
-    from elasticmoe.bench.adapter_profile import _parse_kinds, _parse_usage
+    from elasticmoe.bench.adapter_profile import _parse_kinds, _parse_usage, _target_modules
 
     assert _parse_kinds(["law=esft", "style=lora"]) == {"law": "esft", "style": "lora"}
     assert _parse_usage(["law=0.5"]) == {"law": 0.5}
@@ -54,3 +68,6 @@ def test_the_cli_names_kinds_and_refuses_malformed_pairs():
                                 (["=0.5"], _parse_usage, "--usage: want NAME=P")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse(bad)
+    assert _target_modules("q_proj, v_proj") == ("q_proj", "v_proj")
+    with pytest.raises(argparse.ArgumentTypeError, match="--lora-target-modules: want distinct names"):
+        _target_modules("q_proj,query")

@@ -189,6 +189,40 @@ def test_limits_unsupported_targets_unload_and_reuse(setup):
         assert info.value.param == "target_modules"
 
 
+def test_slots_of_the_attention_modules_only_serve_their_adapters_and_refuse_the_others(setup):
+    """`lora_target_modules`: the slots hold the "attn" adapter's two modules only (no expert sites, the
+    fused site at two ranks' width), serve it equal to its merged model beside base requests, and
+    refuse adapters on other modules (400 naming target_modules, nothing loaded)."""
+    arch, base, adapters, merged, root = setup
+    attn = adapters["attn"]
+    targets = tuple(sorted({path.rsplit(".", 1)[-1] for path in attn.modules}))
+    full = _engine(base, max_loras=2, max_lora_rank=4)
+    engine = _engine(base, max_loras=2, max_lora_rank=4, lora_target_modules=targets)
+    slots = engine.adapters.lora
+    assert slots is not None and full.adapters.lora is not None
+    assert slots.experts == {} and all(b.lora is None for b in engine.model.moe_blocks())
+    assert {name for sites in slots.attention.values() for name in sites} == set(targets)
+    assert slots.slot_bytes * 5 < full.adapters.lora.slot_bytes  # the experts' sites were most of a slot
+    for other in ("experts", "both"):
+        with pytest.raises(AdapterError, match="--lora-target-modules") as info:
+            _load(engine, adapters[other])
+        assert info.value.param == "target_modules"
+    assert slots.names == []
+    assert _load(engine, attn) == 0
+    got = _run(engine, [("a", PROMPTS[0], "attn"), ("b", PROMPTS[1], None)])
+    _same(got["a"], _run(_engine(merged["attn"]), [("a", PROMPTS[0], None)])["a"])
+    _same(got["b"], _run(_engine(base), [("b", PROMPTS[1], None)])["b"])
+
+
+@pytest.mark.parametrize("targets, match", [(("q_a_proj",), "this model has no q_a_proj"),
+                                            (("q_proj", "bogus"), "want distinct names"),
+                                            ((), "want distinct names")])
+def test_target_modules_the_model_lacks_are_refused_at_start(tiny_model_dir, targets, match):
+    with pytest.raises(ValueError, match=match) as info:
+        _engine(tiny_model_dir, max_loras=1, lora_target_modules=targets)
+    assert "lora_target_modules" in str(info.value)
+
+
 def test_more_adapters_than_slots_swaps_and_never_blocks_resident_requests(setup):
     arch, base, adapters, merged, root = setup
     names = list(adapters)

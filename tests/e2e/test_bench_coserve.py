@@ -35,6 +35,7 @@ def test_coserve_bench_on_tiny_model(tiny_model_dir, tmp_path):
     plot, out = tmp_path / "coserve.png", tmp_path / "coserve.json"
     cmd = [sys.executable, "-m", "coordinator.bench.coserve", "--preset", "tiny", "--model", tiny_model_dir,
            "--num-lora", "6", "--num-esft", "3", "--max-loras", "2", "--max-esft-adapters", "1",
+           "--lora-target-modules", "q_proj,v_proj",
            "--esft-experts", "2", "--lora-rank", "4", "--configs", "coserve,resident", "--dps", "1", "--rps", "3",
            "--duration-s", "3", "--max-tokens", "8", "--prompt-len", "8", "--base-share", "0.05",
            "--cache-dir", str(tmp_path / "adapters"), "--json", "--out", str(out), "--plot", str(plot)]
@@ -43,6 +44,7 @@ def test_coserve_bench_on_tiny_model(tiny_model_dir, tmp_path):
     doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
     assert json.loads(out.read_text()) == doc
     assert doc["num_adapters"] == {"lora": 6, "esft": 3} and doc["num_requests"] > 0
+    assert doc["config"]["lora_target_modules"] == "q_proj,v_proj"  # the ranks' slots hold the adapters' modules only
 
     runs = doc["runs"]
     assert [(r["config"], r["dp"]) for r in runs] == [("coserve", 1), ("resident", 1)]

@@ -16,7 +16,8 @@ def make_profile(**overrides) -> Profile:
         kinds={"base": KindProfile(8, 0.01, 0.05), "lora": KindProfile(8, 0.012, 0.06, 0.002, 4096)},
         kv_bytes_per_token=128, tokens_per_request=32,
         usage_probability={"a": 0.6, "b": 0.3}, adapter_kind={"a": "lora", "b": "lora"},
-        memory_split=MemorySplit(1 << 20, 1 << 19, 4, 4096, strategy="limited", max_num_seqs=8),
+        memory_split=MemorySplit(1 << 20, 1 << 19, 4, 4096, strategy="limited", max_num_seqs=8,
+                                 lora_target_modules=("q_proj", "v_proj")),
         meta={"torch": "2.13"},
     )
     return Profile(**{**fields, **overrides})
@@ -69,6 +70,10 @@ def test_memory_split_parts_and_engine_fields():
     assert (split.lora_bytes, split.expert_cache_bytes, split.used_bytes) == (300, 100, 1000)
     assert split.engine_fields() == {"kv_cache_bytes": 500, "max_num_seqs": 6, "max_loras": 3}
     assert "max_loras" not in MemorySplit(1000, 500, 0, 100).engine_fields()
+    # The slots' modules go with their count (their bytes sized it), and only with it.
+    targeted = MemorySplit(1000, 500, 3, 100, lora_target_modules=("q_proj",))
+    assert targeted.engine_fields()["lora_target_modules"] == ("q_proj",)
+    assert "lora_target_modules" not in MemorySplit(1000, 500, 0, 100, lora_target_modules=("q_proj",)).engine_fields()
 
 
 def test_linear_fit_recovers_k_and_b():

@@ -21,7 +21,7 @@ CHART_SCHEMA = Path(__file__).resolve().parents[2] / "helm" / "elasticmoe" / "va
 # Non-default values of every kind of field, as a file or Serve args would give them.
 SAMPLE = {"dtype": "bfloat16", "served_model_name": "m", "max_model_len": 64, "kv_bytes_per_device": 8 << 20,
           "max_num_seqs": 4, "num_threads": 2, "max_esft_adapters": 2, "max_loras": 1, "max_lora_rank": 8,
-          "lora_adapters": {"a": "/adapters/a"}, "max_body_bytes": 65536, "shutdown_timeout_s": 5.0,
+          "lora_adapters": {"a": "/adapters/a"}, "lora_target_modules": ("q_proj", "v_proj"), "max_body_bytes": 65536, "shutdown_timeout_s": 5.0,
           "num_devices": 3, "dp": 2, "device_memory_bytes": 64 << 20, "max_queued": 9, "standby_pool": False,
           "standby_delay_s": 1.5, "shm_prefix": "emoeunit"}
 
@@ -43,6 +43,8 @@ def _as_flags(values: dict) -> list[str]:
         elif isinstance(value, dict):
             for key, path in value.items():
                 argv += [flag, f"{key}={path}"]
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(value)]
         elif name in ("kv_bytes_per_device", "device_memory_bytes"):
             argv += [flag, f"{value / GIB!r}"]
         else:
@@ -105,6 +107,9 @@ def test_a_flag_wins_over_the_file_and_the_file_over_the_default(tiny_model_dir,
         ({"dp": 3, "num_devices": 2}, "--dp: 3 ranks need 3 devices"),
         ({"api_key": "sk-0123456789abcdef"}, r"\[serve\] api_key: secrets go in a flag or \$ELASTICMOE_API_KEY"),
         ({"lora_adapters": ["nope"]}, "--lora-adapter: want NAME=DIR, got 'nope'"),
+        ({"max_loras": 1, "lora_target_modules": ["q_proj", "qv_proj"]},
+         "--lora-target-modules: want distinct names among q_proj, .* got q_proj, qv_proj"),
+        ({"lora_target_modules": ["q_proj"]}, "--lora-target-modules: the modules of LoRA slots; give --max-loras"),
     ],
 )
 def test_bad_file_values_name_the_file_and_key(tiny_model_dir, tmp_path, serve, message):
@@ -155,7 +160,7 @@ def test_a_profile_fills_the_memory_split_unless_given(tiny_model_dir, tmp_path)
     from elasticmoe.adapter_policy.profile import KindProfile, MemorySplit, Profile
 
     split = MemorySplit(budget_bytes=1 << 30, kv_cache_bytes=256 << 20, num_lora_slots=6, lora_slot_bytes=1 << 20,
-                        max_num_seqs=24, esft_bytes=3 << 20, num_esft_slots=3)
+                        max_num_seqs=24, esft_bytes=3 << 20, num_esft_slots=3, lora_target_modules=("q_proj", "v_proj"))
     profile = Profile("m", "cpu", {"base": KindProfile(16, 0.01, 0.1), "lora": KindProfile(16, 0.012, 0.1, 0.05)},
                       kv_bytes_per_token=4096, tokens_per_request=256, usage_probability={"law": 0.6},
                       memory_split=split)
@@ -169,8 +174,11 @@ def test_a_profile_fills_the_memory_split_unless_given(tiny_model_dir, tmp_path)
     assert (options.kv_cache_bytes, options.max_num_seqs, options.max_loras, options.max_esft_adapters) == (
         256 << 20, 24, 6, 3)
     assert options.adapter_eviction == "lru" and options.adapter_profile == str(path)
-    given = ServeSettings(model_dir=tiny_model_dir, profile=str(path), max_num_seqs=8, max_esft_adapters=1)
+    assert options.lora_target_modules == ("q_proj", "v_proj")  # the slots the split's slot bytes are of
+    given = ServeSettings(model_dir=tiny_model_dir, profile=str(path), max_num_seqs=8, max_esft_adapters=1,
+                          lora_target_modules="q_proj")
     assert (given.max_num_seqs, given.max_esft_adapters, given.max_loras) == (8, 1, 6)  # a given value wins
+    assert given.lora_target_modules == ("q_proj",)
     # The elastic server: the split's KV is each device's HMM pool, its slots what /admin/status counts.
     elastic = CoordinatorConfig(model_dir=tiny_model_dir, profile=str(path), device_memory_bytes=1 << 31)
     assert (elastic.hmm_kv_bytes, elastic.max_loras, elastic.max_esft_adapters) == (256 << 20, 6, 3)

@@ -1,0 +1,34 @@
+"""The module names LoRA slots may be restricted to (`--lora-target-modules`), importable without
+torch: the settings check them before anything starts.
+
+Names are PEFT's `target_modules` names. Which of them a model has depends on its attention (GQA:
+q/k/v/o; DeepSeek-V2's MLA: q or q_a and q_b, kv_a_proj_with_mqa, o) and on whether it has MoE
+blocks (the experts' gate/up/down, named w1/w3/w2 in Mixtral); `lora_slots.served_modules` says
+which, for a loaded model.
+"""
+
+from __future__ import annotations
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+# expert module name -> the part of the expert it adapts
+EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+EXPERT_MODULES = tuple(EXPERT_PARTS)
+TARGET_MODULES = ATTENTION_MODULES + EXPERT_MODULES
+
+
+def parse_target_modules(value: object, option: str = "lora_target_modules") -> tuple[str, ...] | None:
+    """"q_proj,v_proj" (a flag), a list of names (a file, Serve args) or None (every module) -> the
+    names; `ValueError` naming `option` unless they are known, at least one, each once."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        names = tuple(n.strip() for n in value.split(",") if n.strip())
+    elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+        names = tuple(value)
+    else:
+        raise ValueError(f"{option}: want module names, got {value!r}")
+    unknown = sorted(set(names) - set(TARGET_MODULES))
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(f"{option}: want distinct names among {', '.join(TARGET_MODULES)}; "
+                         f"got {', '.join(names) or 'none'}")
+    return names
