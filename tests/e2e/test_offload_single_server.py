@@ -99,6 +99,9 @@ def test_offloading_server_answers_like_the_resident_engine(tiny_model_dir, tmp_
             assert cache["policy"] == "lru" and cache["tier"] == "disk" and cache["page_cache"] == "keep"
             assert cache["on_demand_loads"] > 0
             assert cache["resident_experts"] <= cache["capacity_experts"] == 4  # 25% of 2 layers x 8 experts
+            lora = status["lora"]  # one slot of every module (attention and experts), emptied by the unloads
+            assert (lora["slots"], lora["target_modules"], lora["resident"], lora["loaded"]) == (1, None, 0, 0)
+            assert lora["slot_bytes"] > 0
             metrics = client.get("/metrics").text
             assert 'elasticmoe_expert_loads_total{kind="on_demand"}' in metrics
             assert "elasticmoe_expert_cache_hit_rate" in metrics
