@@ -32,7 +32,9 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with running(tiny_config(tiny_model_dir, dp=2, max_queued=MAX_QUEUED, served_model_name=MODEL)) as srv:
+    # One LoRA slot of q_proj only (under EP, dp=2): what an adapter on other modules meets.
+    with running(tiny_config(tiny_model_dir, dp=2, max_queued=MAX_QUEUED, served_model_name=MODEL, max_loras=1,
+                             max_lora_rank=4, lora_target_modules=("q_proj",))) as srv:
         yield srv
 
 
@@ -251,6 +253,30 @@ def test_adapter_files_the_base_cannot_take_are_400s_naming_the_field(server, tm
             assert error["param"] == param and "Traceback" not in error["message"], (name, error)
         assert c.get("/admin/adapters").json()["adapters"] == []
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL]
+
+
+def test_an_adapter_on_modules_the_slots_do_not_hold_is_a_400_on_every_rank_and_one_on_them_serves(
+        server, tiny_model_dir, tmp_path):
+    from elasticmoe.tools.make_lora_adapter import make_lora_adapter
+
+    qv = make_lora_adapter(tiny_model_dir, str(tmp_path / "qv"), rank=4, target_modules=("q_proj", "v_proj"), seed=1)
+    q = make_lora_adapter(tiny_model_dir, str(tmp_path / "q"), rank=4, target_modules=("q_proj",), seed=2)
+    greedy = {"prompt": "the expert model", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with _client(server) as c:
+        r = c.post("/admin/adapters", json={"name": "qv", "path": str(qv)})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "target_modules" and "--lora-target-modules" in error["message"], error
+        assert c.get("/admin/adapters").json()["adapters"] == []
+        assert c.post("/admin/adapters", json={"name": "q", "path": str(q)}).status_code == 201
+        try:
+            r = c.post("/v1/completions", json={**greedy, "model": "q"})
+            assert r.status_code == 200, r.text
+        finally:
+            assert c.delete("/admin/adapters/q").status_code in (200, 202)  # 202: once its requests ended
+            deadline = time.monotonic() + 30
+            while c.get("/admin/adapters").json()["adapters"] and time.monotonic() < deadline:
+                time.sleep(0.2)
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD_INPUTS)
