@@ -70,6 +70,7 @@ from coordinator.bench.coserve_workload import (
 from coordinator.bench.loadgen import RequestRecord, stream_completion
 from coordinator.bench.report_output import claim_stdout, emit
 from coordinator.bench.server_admin import PRESETS
+from elasticmoe.adapters.lora_targets import parse_target_modules
 from elasticmoe.utils.ports import free_port
 
 _GIB = 1 << 30
@@ -260,6 +261,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.configs = [c.strip() for c in args.configs.split(",")]
     if bad := sorted(set(args.configs) - set(ALL_CONFIGS)):
         p.error(f"--configs: unknown {bad}; want some of {', '.join(ALL_CONFIGS)}")
+    try:
+        parse_target_modules(args.lora_target_modules, "--lora-target-modules")
+    except ValueError as exc:
+        p.error(str(exc))
     if min(args.dps) < 1 or args.num_lora < 0 or args.num_esft < 0 or args.num_lora + args.num_esft < 1:
         p.error("--dps entries >= 1; --num-lora, --num-esft >= 0 with at least one adapter")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:

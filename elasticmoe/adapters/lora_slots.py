@@ -37,12 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.adapters.lora import KV_B_PROJ_UNSUPPORTED
-from elasticmoe.adapters.lora_targets import (
-    EXPERT_MODULES,
-    EXPERT_PARTS,
-    TARGET_MODULES,
-    parse_target_modules,
-)
+from elasticmoe.adapters.lora_targets import EXPERT_MODULES, EXPERT_PARTS, check_served, parse_target_modules
 from elasticmoe.errors import AdapterConflictError, AdapterError, AdapterLimitError
 from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_at_slot_rows, grouped_experts_sorted
 from elasticmoe.layers.lora import LoraGroups, LoraSite
@@ -59,20 +54,6 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\
 LoraWeights = Callable[[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 # attention module name (q_proj, ...) -> (its site, output row offset, rank offset in the site)
 AttentionSites = dict[str, tuple[LoraSite, int, int]]
-
-
-def served_modules(model: CausalLM) -> tuple[str, ...]:
-    """The module names this model's LoRA slots can hold, in `TARGET_MODULES` order."""
-    names: set[str] = set()
-    for layer in model.layers:
-        if isinstance(layer.attn, GQAAttention):
-            names.update(("q_proj", "k_proj", "v_proj", "o_proj"))
-        elif isinstance(layer.attn, MLAttention):
-            names.update(("q_a_proj", "q_b_proj") if layer.attn.q_lora else ("q_proj",))
-            names.update(("kv_a_proj_with_mqa", "o_proj"))
-        if isinstance(layer.mlp, MoEBlock):
-            names.update(EXPERT_MODULES)
-    return tuple(n for n in TARGET_MODULES if n in names)
 
 
 def attention_sites(attn: object, num_slots: int, max_rank: int, dtype: torch.dtype,
@@ -157,13 +138,7 @@ class LoraSlots:
         module (the experts' sites are 95% of it), 0.66 MB with q_proj and v_proj."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"lora: need max_loras >= 1 and max_lora_rank >= 1, got {max_loras}, {max_rank}")
-        parse_target_modules(target_modules)
-        if target_modules is not None:
-            served = served_modules(model)
-            missing = [name for name in target_modules if name not in served]
-            if missing:
-                raise ValueError(f"lora_target_modules: this model has no {', '.join(missing)} "
-                                 f"(its LoRA targets: {', '.join(served)})")
+        check_served(parse_target_modules(target_modules), model.cfg)
         self.placement, self.rank, self.max_loras, self.max_rank = placement, rank, max_loras, max_rank
         self.target_modules = target_modules
         targets = None if target_modules is None else frozenset(target_modules)

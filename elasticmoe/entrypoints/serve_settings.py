@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
 
-from elasticmoe.adapters.lora_targets import parse_target_modules
-from elasticmoe.config import EngineOptions, parse_dtype
+from elasticmoe.adapters.lora_targets import check_served, parse_target_modules
+from elasticmoe.config import EngineOptions, ModelConfig, parse_dtype
 from elasticmoe.entrypoints.openai.access import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
@@ -221,6 +221,8 @@ class ServeSettings(BaseModel):
         self.access  # noqa: B018 - validates the keys and limits
         if not (Path(self.model_dir) / "config.json").is_file():
             raise ValueError(f"--model: {self.model_dir} has no config.json (make one with `elasticmoe make-model`)")
+        if self.lora_target_modules is not None:  # before anything starts: a rank would fail on it at start
+            check_served(self.lora_target_modules, ModelConfig.from_pretrained(self.model_dir), "--lora-target-modules")
         return self
 
     @property
@@ -268,7 +270,8 @@ class ServeSettings(BaseModel):
             kv_cache_bytes=self.kv_bytes_per_device, max_esft_adapters=slots, max_esft_experts=experts,
             max_loras=self.max_loras, enable_prefix_caching=self.enable_prefix_caching,
             max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
-            lora_target_modules=self.lora_target_modules, adapter_eviction=self.adapter_eviction, request_arranging=self.request_arranging,
+            lora_target_modules=self.lora_target_modules, adapter_eviction=self.adapter_eviction,
+            request_arranging=self.request_arranging,
             adapter_profile=self.profile, expert_cache_bytes=self.expert_cache_bytes,
             expert_cache_fraction=self.expert_cache_fraction, offload_policy=self.offload_policy,
             offload_prefetch_distance=self.offload_prefetch_distance, expert_page_cache=self.expert_page_cache,

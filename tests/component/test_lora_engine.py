@@ -16,6 +16,7 @@ from engine_runs import fail_forward_copies
 
 from elasticmoe.adapters.esft import EsftAdapter
 from elasticmoe.adapters.lora import LoraAdapter
+from elasticmoe.adapters.lora_targets import EXPERT_MODULES, served_modules
 from elasticmoe.config import EngineConfig, ModelConfig
 from elasticmoe.engine.llm_engine import LLMEngine
 from elasticmoe.errors import AdapterConflictError, AdapterError, AdapterLimitError, InvalidRequestError
@@ -212,6 +213,17 @@ def test_slots_of_the_attention_modules_only_serve_their_adapters_and_refuse_the
     got = _run(engine, [("a", PROMPTS[0], "attn"), ("b", PROMPTS[1], None)])
     _same(got["a"], _run(_engine(merged["attn"]), [("a", PROMPTS[0], None)])["a"])
     _same(got["b"], _run(_engine(base), [("b", PROMPTS[1], None)])["b"])
+
+
+def test_the_modules_a_config_names_are_those_the_slots_of_every_module_have(tiny_model_dirs, qlora_base):
+    """`served_modules(config)` (what the settings check names against before anything starts) is what
+    the slots of the built model hold, for every family and for MLA with q_lora_rank."""
+    for base in (*tiny_model_dirs.values(), qlora_base):
+        slots = _engine(base, max_loras=1, max_lora_rank=4).adapters.lora
+        assert slots is not None
+        held = {name for sites in slots.attention.values() for name in sites}
+        held |= set(EXPERT_MODULES) if slots.experts else set()
+        assert set(served_modules(ModelConfig.from_pretrained(base))) == held, base
 
 
 @pytest.mark.parametrize("targets, match", [(("q_a_proj",), "this model has no q_a_proj"),

@@ -95,6 +95,9 @@ def test_args_and_tables():
         parse_args(["--max-num-batched-tokens", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--configs", "nope"])
+    assert parse_args(["--lora-target-modules", "q_proj,v_proj"]).lora_target_modules == "q_proj,v_proj"
+    with pytest.raises(SystemExit):
+        parse_args(["--lora-target-modules", "q_proj,qv"])
     assert set(CONFIGS) == {"coserve", "lru_fcfs", "fifo", "parallel"}
     lat = {"p50": 0.01, "p99": 0.02, "mean": 0.01}
     run = {"dp": 1, "config": "coserve", "throughput_tok_s": 10.0, "ttft_s": lat, "tpot_s": lat, "hot_ttft_s": lat,

@@ -110,6 +110,8 @@ def test_a_flag_wins_over_the_file_and_the_file_over_the_default(tiny_model_dir,
         ({"max_loras": 1, "lora_target_modules": ["q_proj", "qv_proj"]},
          "--lora-target-modules: want distinct names among q_proj, .* got q_proj, qv_proj"),
         ({"lora_target_modules": ["q_proj"]}, "--lora-target-modules: the modules of LoRA slots; give --max-loras"),
+        ({"max_loras": 1, "lora_target_modules": ["q_proj", "q_a_proj"]},
+         r"--lora-target-modules: this model has no q_a_proj \(its LoRA targets: q_proj, k_proj, v_proj, o_proj, "),
     ],
 )
 def test_bad_file_values_name_the_file_and_key(tiny_model_dir, tmp_path, serve, message):
