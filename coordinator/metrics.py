@@ -176,6 +176,13 @@ class ClusterMetrics:
             ["rank"],
             registry=registry,
         )
+        self.lora_slot_bytes = Gauge(
+            "elasticmoe_lora_slot_bytes",
+            "Bytes of one LoRA slot (its target modules' factors), per DP rank of the active instance: the "
+            "rank's own memory, outside the HMM's device budget.",
+            ["rank"],
+            registry=registry,
+        )
         self.expert_cache_resident = Gauge(
             "elasticmoe_expert_cache_resident_experts",
             "Experts resident in the expert cache, per DP rank of the active instance (offloading).",
@@ -213,11 +220,14 @@ class ClusterMetrics:
     def refresh(self, stats: Sequence[RankStats]) -> None:
         """Take a fresh snapshot of the active instance's rank counters."""
         self._stats = list(stats)
-        for gauge in (self.kv_usage, self.lora_slots_used, self.expert_cache_resident, self.expert_cache_capacity):
+        for gauge in (self.kv_usage, self.lora_slots_used, self.lora_slot_bytes, self.expert_cache_resident,
+                      self.expert_cache_capacity):
             gauge.clear()
         for s in self._stats:
             self.kv_usage.labels(str(s.rank)).set(s.kv_usage)
             self.lora_slots_used.labels(str(s.rank)).set(s.num_lora_resident)
+            if s.num_lora_slots:
+                self.lora_slot_bytes.labels(str(s.rank)).set(s.lora_slot_bytes)
             if s.expert_cache_capacity:
                 self.expert_cache_resident.labels(str(s.rank)).set(s.expert_cache_resident)
                 self.expert_cache_capacity.labels(str(s.rank)).set(s.expert_cache_capacity)

@@ -21,6 +21,7 @@ class RankStats:
     # across instances (`coordinator.metrics`).
     engine_id: str = ""
     num_lora_slots: int = 0  # LoRA slots of this rank (0: LoRA off)
+    lora_slot_bytes: int = 0  # what one of them takes: the rank's own memory, outside the HMM's budget
     num_lora_resident: int = 0  # LoRA adapters in a slot
     num_lora_swaps_in: int = 0  # LoRA adapters copied into a slot (host -> slot)
     num_lora_preloads: int = 0  # ... of them ahead of any request (by usage probability)
@@ -62,6 +63,7 @@ def rank_stats(rank: int, engine_id: str, c: EngineCounters) -> RankStats:
         num_steps=c.num_steps,
         engine_id=engine_id,
         num_lora_slots=c.lora.get("slots", 0),
+        lora_slot_bytes=c.lora.get("slot_bytes", 0),
         num_lora_resident=c.lora.get("resident", 0),
         num_lora_swaps_in=c.lora.get("swaps_in", 0),
         num_lora_preloads=c.lora.get("preloads", 0),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -269,6 +270,9 @@ def test_an_adapter_on_modules_the_slots_do_not_hold_is_a_400_on_every_rank_and_
         assert error["param"] == "target_modules" and "--lora-target-modules" in error["message"], error
         assert c.get("/admin/adapters").json()["adapters"] == []
         assert c.post("/admin/adapters", json={"name": "q", "path": str(q)}).status_code == 201
+        metrics = c.get("/metrics").text  # each rank's slot, its private memory: q_proj's factors only
+        slot_bytes = [float(v) for v in re.findall(r'^elasticmoe_lora_slot_bytes\{rank="\d+"\} (\S+)$', metrics, re.M)]
+        assert len(slot_bytes) == 2 and min(slot_bytes) > 0, metrics
         try:
             r = c.post("/v1/completions", json={**greedy, "model": "q"})
             assert r.status_code == 200, r.text

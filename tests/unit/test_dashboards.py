@@ -117,7 +117,7 @@ def test_lora_counters_add_growth_per_engine_and_ignore_stale_snapshots():
 
     def stats(engine: str, hits: int, rank: int = 0) -> RankStats:
         return RankStats(rank, 0, 0, 10, 5, 1, engine_id=engine, num_lora_slots=2, num_lora_resident=1,
-                         num_lora_hits=hits)
+                         num_lora_hits=hits, lora_slot_bytes=4096)
 
     metrics = ClusterMetrics(lambda: 1.0)
     registry = metrics.registry
@@ -133,6 +133,8 @@ def test_lora_counters_add_growth_per_engine_and_ignore_stale_snapshots():
     assert hits() == 8
     assert registry.get_sample_value("elasticmoe_lora_slots_used", {"rank": "0"}) == 1
     assert registry.get_sample_value("elasticmoe_lora_slots_used", {"rank": "1"}) is None  # rank 1 retired
+    assert registry.get_sample_value("elasticmoe_lora_slot_bytes", {"rank": "0"}) == 4096
+    assert registry.get_sample_value("elasticmoe_lora_slot_bytes", {"rank": "1"}) is None
     assert registry.get_sample_value("elasticmoe_kv_cache_usage_ratio", {"rank": "0"}) == 0.5
     metrics.refresh([RankStats(0, 0, 0, 10, 5, 1, engine_id="c", lora_swap_us=1_500_000, arrange_us=250)])
     value = registry.get_sample_value  # the timers count microseconds and export seconds
