@@ -166,6 +166,8 @@ class LoraSlots:
         self.filling: dict[int, tuple[str, Future[None]]] = {}  # slot -> adapter copied in the background
         self.failed_swaps: dict[str, BaseException] = {}  # background copies that raised, until taken
         self._copier: ThreadPoolExecutor | None = None
+        logger.info("lora: %d slots of %.2f MB each (%s), rank up to %d", max_loras, self.slot_bytes / 1e6,
+                    ",".join(target_modules) if target_modules else "every module", max_rank)
 
     @property
     def names(self) -> list[str]:
