@@ -65,37 +65,29 @@ def attention_sites(attn: object, num_slots: int, max_rank: int, dtype: torch.dt
     def fused(modules: tuple[tuple[str, int], ...]) -> list[tuple[str, int]]:
         return [(name, row0) for name, row0 in modules if targets is None or name in targets]
 
-    def site(entries: list[tuple[str, int]], hidden: int, out: int) -> dict[str, tuple[LoraSite, int, int]]:
-        lora = LoraSite(num_slots, len(entries) * max_rank, hidden, out, dtype)
-        return {name: (lora, row0, i * max_rank) for i, (name, row0) in enumerate(entries)}
-
     sites: AttentionSites = {}
+
+    def site(entries: list[tuple[str, int]], hidden: int, out: int) -> LoraSite | None:
+        """One site for `entries` (module, output row offset), recorded in `sites`; None without any."""
+        if not entries:
+            return None
+        lora = LoraSite(num_slots, len(entries) * max_rank, hidden, out, dtype)
+        sites.update({name: (lora, row0, i * max_rank) for i, (name, row0) in enumerate(entries)})
+        return lora
+
     if isinstance(attn, GQAAttention):
         q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         hidden = attn.qkv.shape[1]
-        qkv = fused((("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)))
-        if qkv:
-            sites.update(site(qkv, hidden, q + 2 * kv))
-            attn.lora_qkv = sites[qkv[0][0]][0]
-        if targets is None or "o_proj" in targets:
-            sites.update(site([("o_proj", 0)], q, hidden))
-            attn.lora_o = sites["o_proj"][0]
-        return sites
-    if isinstance(attn, MLAttention):
+        attn.lora_qkv = site(fused((("q_proj", 0), ("k_proj", q), ("v_proj", q + kv))), hidden, q + 2 * kv)
+        attn.lora_o = site(fused((("o_proj", 0),)), q, hidden)
+    elif isinstance(attn, MLAttention):
         first, name = (attn.q_a, "q_a_proj") if attn.q_lora else (attn.q, "q_proj")  # [out, hidden]
         (q_out, hidden), kv_out = first.shape, attn.kv_a.shape[0]
-        x = fused(((name, 0), ("kv_a_proj_with_mqa", q_out)))
-        if x:
-            sites.update(site(x, hidden, q_out + kv_out))
-            attn.lora_x = sites[x[0][0]][0]
-        if targets is None or "o_proj" in targets:
-            sites.update(site([("o_proj", 0)], attn.o.shape[1], hidden))
-            attn.lora_o = sites["o_proj"][0]
-        if attn.q_lora and (targets is None or "q_b_proj" in targets):
-            sites.update(site([("q_b_proj", 0)], attn.q_b.shape[1], attn.q_b.shape[0]))
-            attn.lora_q_b = sites["q_b_proj"][0]
-        return sites
-    return {}
+        attn.lora_x = site(fused(((name, 0), ("kv_a_proj_with_mqa", q_out))), hidden, q_out + kv_out)
+        attn.lora_o = site(fused((("o_proj", 0),)), attn.o.shape[1], hidden)
+        if attn.q_lora:
+            attn.lora_q_b = site(fused((("q_b_proj", 0),)), attn.q_b.shape[1], attn.q_b.shape[0])
+    return sites
 
 
 class ExpertLora:
@@ -166,6 +158,9 @@ class LoraSlots:
         self.filling: dict[int, tuple[str, Future[None]]] = {}  # slot -> adapter copied in the background
         self.failed_swaps: dict[str, BaseException] = {}  # background copies that raised, until taken
         self._copier: ThreadPoolExecutor | None = None
+        # What one slot's factors take, every site's share of it (the sites never change)
+        every_site = [*self._attention_sites(), *(s for lora in self.experts.values() for s in (lora.w13, lora.w2))]
+        self.slot_bytes = sum(s.a.nbytes + s.b.nbytes for s in every_site) // max_loras
         logger.info("lora: %d slots of %.2f MB each (%s), rank up to %d", max_loras, self.slot_bytes / 1e6,
                     ",".join(target_modules) if target_modules else "every module", max_rank)
 
@@ -327,11 +322,10 @@ class LoraSlots:
             self._clear(self.slot_of.pop(name))
         self.host.pop(name)
 
-    @property
-    def slot_bytes(self) -> int:
-        """What one slot's factors take, every site's share of it."""
-        sites = [*self._attention_sites(), *(s for lora in self.experts.values() for s in (lora.w13, lora.w2))]
-        return sum(s.a.nbytes + s.b.nbytes for s in sites) // self.max_loras
+    def occupancy(self) -> dict[str, int]:
+        """The slots: how many, what each takes, how many hold an adapter; the adapters loaded."""
+        return {"slots": self.max_loras, "slot_bytes": self.slot_bytes, "resident": len(self.slot_of),
+                "loaded": len(self.host)}
 
     def _attention_sites(self) -> list[LoraSite]:
         """Each attention site once (a fused site serves several modules)."""

@@ -325,8 +325,7 @@ class AdapterManager:
         lora = self.lora
         if lora is None:
             return out
-        return {**out, "slots": lora.max_loras, "slot_bytes": lora.slot_bytes, "resident": len(lora.slot_of),
-                "loaded": len(lora.host),
+        return {**out, **lora.occupancy(),
                 "swaps_in": lora.num_swaps_in, "preloads": lora.num_preloads, "evictions": lora.num_evictions,
                 "hits": lora.num_hits, "misses": lora.num_misses, "swap_us": int(lora.swap_s * 1e6)}
 

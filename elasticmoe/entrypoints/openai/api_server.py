@@ -90,8 +90,7 @@ def build_app(
             body["expert_cache"] = offload.stats()
         lora = getattr(getattr(engine, "adapters", None), "lora", None)
         if lora is not None:  # the slots: how many, what each takes and holds, how many are filled
-            body["lora"] = {"slots": lora.max_loras, "slot_bytes": lora.slot_bytes, "target_modules": lora.target_modules,
-                            "resident": len(lora.slot_of), "loaded": len(lora.host)}
+            body["lora"] = {**lora.occupancy(), "target_modules": lora.target_modules}
         return JSONResponse(body)
 
     @app.get("/health")
