@@ -295,13 +295,11 @@ class ClusterAdapterHost:
                 on_ranks([rank.finish_adapter_unload.remote(name, {}) for rank in inst.ranks],
                          f"undoing adapter {name!r}")
                 raise
-            if len(set(slots)) != 1:
-                raise RuntimeError(f"adapter {name!r}: ranks chose different slots {slots}")
             # A slot, or None: it waits in every rank's host memory until a request needs it.
-            self.adapters[name] = AdapterState(name, slots[0], path, {}, kind="lora",
+            self.adapters[name] = AdapterState(name, self._lora_slot(name, slots), path, {}, kind="lora",
                                                usage_probability=usage_probability)
             self.publish_registry()
-            return {"slot": slots[0]}
+            return {"slot": self.adapters[name].slot}
         finally:
             self.lock.release()
 
@@ -415,6 +413,16 @@ class ClusterAdapterHost:
 
     # ---- scaling --------------------------------------------------------------------------
 
+    def _lora_slot(self, name: str, slots: list[int | None]) -> int | None:
+        """The slot the ranks loaded LoRA adapter `name` into (None: host memory only). Ranks that
+        swap in lockstep choose the same; ranks that swap their own slots (`CoordinatorConfig.
+        rank_local_lora_slots`) may not, and then it has no one slot (None)."""
+        if len(set(slots)) == 1:
+            return slots[0]
+        if not self.cluster.config.rank_local_lora_slots:
+            raise RuntimeError(f"adapter {name!r}: ranks chose different slots {slots}")
+        return None
+
     def prepare_instance(self, inst: Instance) -> None:
         """Point a new instance's expert maps at the registered adapters' rows (which the HMM
         layout it attached to already holds). Before it takes any request."""
@@ -424,9 +432,7 @@ class ClusterAdapterHost:
             if a.kind == "lora":  # read from the adapter's files for this instance's placement
                 slots = on_ranks([rank.load_lora_adapter.remote(a.name, a.path, a.usage_probability)
                                   for rank in inst.ranks], f"loading adapter {a.name!r} on a new instance")
-                if len(set(slots)) != 1:
-                    raise RuntimeError(f"adapter {a.name!r}: the new instance's ranks chose different slots {slots}")
-                a.slot = slots[0]  # the slot it has in this instance (or None: host memory)
+                a.slot = self._lora_slot(a.name, slots)  # the slot it has in this instance (or None: host memory)
             elif a.slot is not None:  # resident ESFT: the HMM layout holds its rows
                 on_ranks([rank.load_esft_adapter.remote(a.name, a.slot, a.experts, None, a.usage_probability)
                           for rank in inst.ranks], f"loading adapter {a.name!r} on a new instance")

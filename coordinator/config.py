@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from coordinator.autoscaler import AutoscaleConfig
+from elasticmoe.adapters.lora_targets import holds_expert_modules
 from elasticmoe.config import EngineOptions, ModelConfig
 from elasticmoe.entrypoints.serve_settings import ServeSettings, fill_from_profile
 from elasticmoe.utils.settings import GIB, cli
@@ -174,6 +175,15 @@ class CoordinatorConfig(ServeSettings):
     def is_expert_parallel(self) -> bool:
         """ep = dp (experts spread over the ranks) rather than ep = 1 (a full replica per rank)."""
         return self.expert_parallel if self.expert_parallel is not None else self.backend == "native"
+
+    @property
+    def rank_local_lora_slots(self) -> int:
+        """The LoRA slots of each rank when the ranks swap their own (one rank's engine without EP, or
+        slots of attention modules only: `engine.adapter_manager`), so that they hold different
+        adapters; 0 when the ranks hold the same ones (slots on the experts, swapped in lockstep)."""
+        if not self.max_loras or (self.is_expert_parallel and holds_expert_modules(self.lora_target_modules)):
+            return 0
+        return self.max_loras
 
     @property
     def hmm_kv_bytes(self) -> int:

@@ -179,7 +179,8 @@ class Ingress:
         self.observations = ObservationBuffer()
         router: Router[Any] = Router(max_hold_s=config.max_hold_s, assign=config.request_assigning,
                                      kinds=await asyncio.to_thread(_profile_kinds, config.profile),
-                                     prefix_affinity=config.enable_prefix_caching and config.prefix_routing)
+                                     prefix_affinity=config.enable_prefix_caching and config.prefix_routing,
+                                     lora_slots_per_rank=config.rank_local_lora_slots)
         self.engine = RouterEngineClient(router, tokenizer, config.max_queued,
                                          on_rank_failure=lambda rank: self.coordinator.notify_rank_failure(),
                                          make_resident=self._make_resident, swap_unwanted=self.coordinator.swap_unwanted)

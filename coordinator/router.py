@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from coordinator.lora_residency import RecentLora
 from coordinator.prefix_affinity import PrefixAffinity
 from coordinator.routing_state import RoutingState
 from elasticmoe.adapter_policy.assigning import RankState, RouteRequest, assigner
@@ -40,6 +41,11 @@ class NoActiveInstance(RuntimeError):
 
 # Without a profile every request costs the same: the assignment balances requests, adapter-aware.
 UNIT_COST = KindProfile(max_batch=1 << 30, k_s=1.0, b_s=0.0)
+# ... and, where the ranks hold different LoRA adapters (`lora_slots_per_rank`), a switch costs what
+# one request does: a request goes to the rank holding its adapter while that rank's queue is at
+# most one request longer than the shortest. (A q/v slot's copy is ~0.2 ms, but at a saturating
+# rate a switch also waits for a slot no running request pins.)
+UNIT_SWITCH = KindProfile(max_batch=1 << 30, k_s=1.0, b_s=0.0, load_s=1.0)
 
 
 @dataclass
@@ -68,15 +74,26 @@ class Router(Generic[T]):
     """
 
     def __init__(self, max_hold_s: float = 30.0, assign: str = "coserve",
-                 kinds: Mapping[str, KindProfile] | None = None, prefix_affinity: bool = False) -> None:
+                 kinds: Mapping[str, KindProfile] | None = None, prefix_affinity: bool = False,
+                 lora_slots_per_rank: int = 0) -> None:
+        """`lora_slots_per_rank` > 0: each rank swaps its own LoRA slots (of attention modules only),
+        that many, so the ranks hold different adapters (`coordinator.lora_residency`); 0: every
+        rank holds the same ones (one rank, or slots on the experts, swapped in lockstep)."""
         self.max_hold_s = max_hold_s
         self.prefix_affinity = prefix_affinity
         self._affinity: PrefixAffinity | None = None  # of the published ranks (their caches start empty)
+        self.lora_slots_per_rank = lora_slots_per_rank
+        self._recent_lora: RecentLora | None = None  # of the published ranks (a new instance's slots differ)
         self.choose = assigner(assign)
         # NOTE: every kind gets a model (the profile's, else the unit cost): the assigner needs one.
         self.kinds: dict[str, KindProfile] = {k: UNIT_COST for k in (BASE_KIND, "lora", "esft")}
+        if lora_slots_per_rank:
+            self.kinds["lora"] = UNIT_SWITCH
         self.kinds.update(kinds or {})
         self.state: RoutingState | None = None  # the last state published
+        # Of the last state, for every request's assignment (a state lists every registered adapter)
+        self._kind_of: dict[str, str] = {}
+        self._resident: frozenset[str] = frozenset()
         self._routes: _Routes[T] | None = None
         self._changed = asyncio.Event()  # set (and replaced) whenever the state changes
         self.num_held = 0  # requests currently held (for metrics)
@@ -88,6 +105,12 @@ class Router(Generic[T]):
             self._routes = _Routes(list(state.ranks))
             # A new instance's engines start with empty prefix caches (a handover drops the names).
             self._affinity = PrefixAffinity(len(state.ranks)) if self.prefix_affinity else None
+            self._recent_lora = (RecentLora(len(state.ranks), self.lora_slots_per_rank)
+                                 if self.lora_slots_per_rank and len(state.ranks) > 1 else None)
+        if self.state is None or state.adapters != self.state.adapters or state.swapped_out != self.state.swapped_out:
+            self._resident = frozenset(state.adapters) - frozenset(state.swapped_out)
+        if self.state is None or state.adapter_kinds != self.state.adapter_kinds:
+            self._kind_of = dict(state.adapter_kinds)
         self.state = state
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
@@ -131,11 +154,15 @@ class Router(Generic[T]):
     def loads(self) -> list[int]:
         return [sum(c.values()) for c in self._routes.in_flight] if self._routes else []
 
-    def _choose(self, routes: _Routes[T], state: RoutingState, adapter: str | None) -> int:
-        kind_of = dict(state.adapter_kinds)
-        resident = frozenset(state.adapters) - frozenset(state.swapped_out)  # an EP instance's ranks share them
-        ranks = [RankState(counts, resident, self.kinds, kind_of) for counts in routes.in_flight]
-        return self.choose(ranks, RouteRequest(adapter, kind_of.get(adapter, "lora") if adapter else BASE_KIND))
+    def _choose(self, routes: _Routes[T], adapter: str | None) -> int:
+        kind_of, resident, recent = self._kind_of, self._resident, self._recent_lora
+        kind = kind_of.get(adapter, "lora") if adapter else BASE_KIND
+        if recent is None:  # the ranks hold the same adapters
+            ranks = [RankState(counts, resident, self.kinds, kind_of) for counts in routes.in_flight]
+            return self.choose(ranks, RouteRequest(adapter, kind))
+        ranks = [RankState(counts, recent.view(i, resident, kind_of), self.kinds, kind_of)
+                 for i, counts in enumerate(routes.in_flight)]
+        return self.choose(ranks, RouteRequest(adapter, kind))
 
     @contextlib.asynccontextmanager
     async def route(self, adapter: str | None = None, prompt: Sequence[int] = (),
@@ -154,12 +181,14 @@ class Router(Generic[T]):
         if routes is None or state is None or not routes.targets:
             raise NoActiveInstance("no active instance")
         start = time.perf_counter()
-        rank = self._choose(routes, state, adapter)
+        rank = self._choose(routes, adapter)
         affinity = self._affinity
         if affinity is not None and prompt:
             names = affinity.names(prompt, adapter, cache_salt)
             rank = affinity.choose(names, self.loads(), rank)
             affinity.record(rank, names)
+        if self._recent_lora is not None and adapter is not None and self._kind_of.get(adapter, "lora") == "lora":
+            self._recent_lora.record(rank, adapter)  # the rank swaps it in for this request
         self.assign_s += time.perf_counter() - start
         counts = routes.in_flight[rank]
         counts[adapter] += 1

@@ -112,20 +112,21 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def server_counters(metrics: Mapping[str, float], status: Mapping[str, Any], dp: int) -> dict[str, float]:
+def server_counters(metrics: Mapping[str, float], status: Mapping[str, Any], lockstep_ranks: int) -> dict[str, float]:
     """Switches, hits and the Fig. 15 timers from `/metrics` and `/admin/status`.
 
-    LoRA counters are summed over the ranks; under expert parallelism every rank copies its share
-    of the same adapter in lockstep, so one switch counts `dp` times there (divided out here, as
-    the copy time, which the ranks spend side by side)."""
+    LoRA counters are summed over the ranks. Where `lockstep_ranks` > 1 ranks swap in lockstep
+    (slots on the experts under expert parallelism), every rank copies its share of the same
+    adapter, so one switch counts that many times (divided out here, as the copy time, which the
+    ranks spend side by side); ranks that swap their own slots each count their own switches."""
     swaps, requests = status["adapter_swaps"], status["requests"]
-    m = metrics.get
+    m, n = metrics.get, lockstep_ranks
     return {
-        "lora_swaps_in": m("elasticmoe_lora_swaps_in_total", 0.0) / dp,
-        "lora_preloads": m("elasticmoe_lora_preloads_total", 0.0) / dp,  # swaps-in no request waited for
+        "lora_swaps_in": m("elasticmoe_lora_swaps_in_total", 0.0) / n,
+        "lora_preloads": m("elasticmoe_lora_preloads_total", 0.0) / n,  # swaps-in no request waited for
         "lora_hits": m("elasticmoe_lora_hits_total", 0.0),
         "lora_misses": m("elasticmoe_lora_misses_total", 0.0),
-        "lora_swap_s": m("elasticmoe_lora_swap_seconds_total", 0.0) / dp,
+        "lora_swap_s": m("elasticmoe_lora_swap_seconds_total", 0.0) / n,
         "esft_swaps_in": float(swaps["esft_swaps_in"]),
         "esft_swap_s": float(swaps.get("esft_swap_s", 0.0)),
         "esft_swap_waits": float(requests.get("swap_waits", 0)),

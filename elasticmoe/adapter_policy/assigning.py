@@ -30,7 +30,7 @@ is what our coordinator's router does.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticmoe.adapter_policy.profile import BASE_KIND, KindProfile
@@ -61,7 +61,7 @@ class RankState:
     """
 
     queued: Mapping[str | None, int]
-    resident: frozenset[str]
+    resident: Container[str]
     kinds: Mapping[str, KindProfile]
     kind_of: Mapping[str, str] = field(default_factory=dict)
 

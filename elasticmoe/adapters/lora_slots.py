@@ -37,7 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from elasticmoe.adapters.lora import KV_B_PROJ_UNSUPPORTED
-from elasticmoe.adapters.lora_targets import EXPERT_MODULES, EXPERT_PARTS, check_served, parse_target_modules
+from elasticmoe.adapters.lora_targets import (
+    EXPERT_PARTS,
+    check_served,
+    holds_expert_modules,
+    parse_target_modules,
+)
 from elasticmoe.errors import AdapterConflictError, AdapterError, AdapterLimitError
 from elasticmoe.layers.experts import expert_rows_linear, grouped_experts_at_slot_rows, grouped_experts_sorted
 from elasticmoe.layers.lora import LoraGroups, LoraSite
@@ -137,7 +142,11 @@ class LoraSlots:
         self.attention: dict[int, AttentionSites] = {}  # layer -> its attention's modules
         self.experts: dict[int, ExpertLora] = {}
         num_local = len(placement.local_expert_ids(rank))
-        with_experts = targets is None or bool(targets & set(EXPERT_MODULES))
+        with_experts = holds_expert_modules(targets)
+        # Under EP a slot's expert factors serve every rank's tokens, so its ranks must swap it
+        # together; attention sites serve only this rank's own tokens (the same on every rank: the
+        # targets and layers are the deployment's, whatever experts this rank holds).
+        self.spans_ranks = with_experts and any(isinstance(layer.mlp, MoEBlock) for layer in model.layers)
         for i, layer in enumerate(model.layers):
             sites = attention_sites(layer.attn, max_loras, max_rank, dtype, targets)
             if sites:

@@ -20,6 +20,13 @@ EXPERT_MODULES = tuple(EXPERT_PARTS)
 TARGET_MODULES = ATTENTION_MODULES + EXPERT_MODULES
 
 
+def holds_expert_modules(targets: tuple[str, ...] | frozenset[str] | None) -> bool:
+    """Whether slots of `targets` (None: every module) hold sites on the experts. Under expert
+    parallelism such a slot serves every rank's tokens, so the ranks swap it together; slots of
+    attention modules only serve their own rank's tokens, and each rank swaps its own."""
+    return targets is None or any(t in EXPERT_PARTS for t in targets)
+
+
 def parse_target_modules(value: object, option: str = "lora_target_modules") -> tuple[str, ...] | None:
     """"q_proj,v_proj" (a flag), a list of names (a file, Serve args) or None (every module) -> the
     names; `ValueError` naming `option` unless they are known, at least one, each once."""

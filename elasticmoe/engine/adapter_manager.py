@@ -16,7 +16,8 @@ The engine calls, on its thread:
 - `wait_for_swap()`: nothing could be scheduled; wait for a copy in flight (one rank only);
 - `after_step()`: release the adapters whose unload was asked once no live request uses them
   (one rank only; under EP the coordinator does it for every rank at once), and preload the most
-  probable LoRA adapter out of the slots where that displaces a less probable idle one (one rank;
+  probable LoRA adapter out of the slots where that displaces a less probable idle one (one rank,
+  or slots of attention modules only, which each rank swaps on its own; with slots on the experts
   under EP the lockstep loop does it for every rank alike).
 
 The server calls `load_esft` / `load_lora` / `load_router` / `unload` / `discard` /
@@ -86,17 +87,22 @@ class AdapterManager:
         self.swapper: LoraSwapper | None = None
         self.routers: dict[str, LoraRouter] = {}
         self.lockstep_lora: LockstepLora | None = None
+        self.lora_in_lockstep = False  # the ranks swap LoRA adapters together (`engine.lora_lockstep`)
         if config.max_loras:
             self.lora = LoraSlots(model, placement, config.ep_rank, config.max_loras, config.max_lora_rank,
                                   model.compute_dtype, max_cached=config.max_cpu_loras, top_k=config.max_lora_topk,
                                   target_modules=config.lora_target_modules)
             # NOTE: under EP a slot's expert factors serve every rank's tokens, so a rank cannot swap
-            # on its own: the lockstep loop swaps every rank alike at a round boundary.
+            # on its own: the lockstep loop swaps every rank alike at a round boundary. Slots of
+            # attention modules only serve this rank's tokens: each rank swaps its own (on the step
+            # thread: a background copy would not overlap the other ranks' collectives anyway), and
+            # the ranks of an instance together hold dp times the distinct adapters.
+            self.lora_in_lockstep = not self.is_single_rank and self.lora.spans_ranks
             self.swapper = LoraSwapper(self.lora, scheduler, can_swap_async=self.is_single_rank,
                                        eviction=config.adapter_eviction, routers=lambda: self.routers,
-                                       profiled=profiled, lockstep=not self.is_single_rank,
+                                       profiled=profiled, lockstep=self.lora_in_lockstep,
                                        unloading=lambda: self.unloading)
-            if not self.is_single_rank:
+            if self.lora_in_lockstep:
                 self.lockstep_lora = LockstepLora(self.swapper)
         self.unloading: set[str] = set()
         self._swap_failures: list[tuple[Request, BaseException]] = []  # from `wait_for_swap`, for `before_step`

@@ -1,8 +1,9 @@
 """LoRA swaps under expert parallelism: every rank changes the same slots at the same round.
 
-Under EP a token's experts live on other ranks, so a LoRA adapter must sit in the same slot on
-every rank of the instance whenever a token of it is in flight; a rank cannot swap on its own
-(`LoraSwapper` swaps per engine only with one rank). Instead, at a round boundary of the lockstep
+Under EP a token's experts live on other ranks, so a LoRA adapter with factors on the experts must
+sit in the same slot on every rank of the instance whenever a token of it is in flight; a rank
+cannot swap on its own (`LoraSwapper` swaps per engine only with one rank, or when the slots hold
+attention modules only: `AdapterManager.lora_in_lockstep`). Instead, at a round boundary of the lockstep
 loop (`imm.lockstep_loop`), each rank says what it wants (`wants`: the adapters of waiting
 requests in its scheduling window that are in host memory only, and the slots its live requests
 use); the loop gathers them over the instance's group; and every rank applies the same plan

@@ -33,9 +33,10 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    # One LoRA slot of q_proj only (under EP, dp=2): what an adapter on other modules meets.
+    # One LoRA slot of q_proj only per rank (under EP, dp=2; each rank swaps its own) and three
+    # adapters in host memory: what an adapter on other modules meets, and swaps per rank.
     with running(tiny_config(tiny_model_dir, dp=2, max_queued=MAX_QUEUED, served_model_name=MODEL, max_loras=1,
-                             max_lora_rank=4, lora_target_modules=("q_proj",))) as srv:
+                             max_cpu_loras=3, max_lora_rank=4, lora_target_modules=("q_proj",))) as srv:
         yield srv
 
 
@@ -281,6 +282,62 @@ def test_an_adapter_on_modules_the_slots_do_not_hold_is_a_400_on_every_rank_and_
             deadline = time.monotonic() + 30
             while c.get("/admin/adapters").json()["adapters"] and time.monotonic() < deadline:
                 time.sleep(0.2)
+
+
+def test_more_adapters_than_each_ranks_slot_swap_per_rank_and_serve_their_merged_models(
+        server, tiny_model_dir, tmp_path):
+    """Slots of attention modules only (q_proj here) serve their own rank's tokens: each rank swaps its
+    one slot on its own (no lockstep), three adapters through it, and every response equals its
+    merged model's greedy text; deleting adapters resident on one rank only returns them all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from elasticmoe.config import EngineConfig
+    from elasticmoe.engine.llm_engine import LLMEngine
+    from elasticmoe.sampling_params import SamplingParams
+    from elasticmoe.tools.make_lora_adapter import make_lora_adapter, write_lora_merged_model
+
+    prompt, names = [5, 6, 7, 8, 9, 10], ("qa", "qb", "qc")
+    paths = {n: make_lora_adapter(tiny_model_dir, str(tmp_path / n), rank=4, target_modules=("q_proj",), seed=20 + i)
+             for i, n in enumerate(names)}
+
+    def greedy(model_dir: str) -> str:
+        engine = LLMEngine(EngineConfig(model=model_dir, dtype=torch.float32, num_kv_blocks=64, num_threads=1))
+        engine.add_request("ref", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            done = [o for o in engine.step() if o.finished]
+        return done[0].text
+
+    want = {n: greedy(str(write_lora_merged_model(tiny_model_dir, str(p), str(tmp_path / f"{n}-m"))))
+            for n, p in paths.items()}
+    assert len(set(want.values())) == len(names)  # every adapter changes the text
+
+    def complete(model: str) -> tuple[str, int, str]:
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        with _client(server, timeout=120) as c:
+            r = c.post("/v1/completions", json=body)
+        return model, r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+
+    with _client(server) as c:
+        swaps_before = sum(metric_values(c.get("/metrics").text, "elasticmoe_lora_swaps_in_total") or [0.0])
+        for n in names:
+            assert c.post("/admin/adapters", json={"name": n, "path": str(paths[n])}).status_code == 201
+        try:
+            models = [names[i % 3] for i in range(9)]
+            with ThreadPoolExecutor(2) as pool:
+                results = list(pool.map(complete, models))
+            wrong = [(m, status, out) for m, status, out in results if status != 200 or out != want[m]]
+            assert not wrong, wrong
+            swaps = sum(metric_values(c.get("/metrics").text, "elasticmoe_lora_swaps_in_total") or [0.0])
+            assert swaps - swaps_before >= 2  # two adapters beyond the slot came in, on some rank
+        finally:
+            for n in names:
+                assert c.delete(f"/admin/adapters/{n}").status_code in (200, 202)
+            deadline = time.monotonic() + 30
+            while c.get("/admin/adapters").json()["adapters"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert c.get("/admin/adapters").json()["adapters"] == []
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD_INPUTS)

@@ -224,3 +224,45 @@ def test_coserve_assignment_groups_an_adapter_and_balances_the_latency_model():
     assert run(main("parallel")) == ["r0", "r1", "r0", "r1"]
     with pytest.raises(ValueError, match="request_assigning"):
         Router(assign="magic")
+
+
+def test_ranks_with_their_own_lora_slots_keep_an_adapter_where_it_was_sent():
+    """Ranks that swap their own LoRA slots (`lora_slots_per_rank`) hold different adapters: CoServe's
+    assignment sends a request where its adapter went before (no switch) while that rank's queue is
+    at most one request longer than the other's, else to the shorter queue; the least-loaded
+    baseline alternates."""
+
+    async def main(assign: str) -> list[str]:
+        router: Router[str] = Router(assign=assign, lora_slots_per_rank=2)
+        names = ("law", "med", "code")
+        router.update(dataclasses.replace(serving("r0", "r1", adapters=(*names, "esft0")),
+                                          adapter_kinds=(*((n, "lora") for n in names), ("esft0", "esft"))))
+        chosen: list[str] = []
+        async with contextlib.AsyncExitStack() as stack:
+            for adapter in ("law", "med", "law", "med", "law", "law", "law", None, "code", "esft0"):
+                chosen.append((await stack.enter_async_context(router.route(adapter))).rank)
+        assert router.loads() == [0, 0]
+        async with router.route("med") as again:  # idle ranks: med goes back to the rank holding it
+            chosen.append(again.rank)
+        return chosen
+
+    # law stays on r0 and med on r1; the fourth law finds r0 two requests ahead and goes to r1 (which
+    # swaps it in); the base model and the ESFT adapter (the instance's) only balance.
+    assert run(main("coserve")) == ["r0", "r1", "r0", "r1", "r0", "r0", "r1", "r1", "r0", "r1", "r1"]
+    assert run(main("parallel")) == ["r0", "r1", "r0", "r1", "r0", "r1", "r0", "r1", "r0", "r1", "r0"]
+
+
+def test_lora_slots_per_rank_estimate_is_the_last_adapters_sent():
+    from coordinator.lora_residency import RecentLora
+
+    recent = RecentLora(num_ranks=2, slots=2)
+    for adapter in ("a", "b", "a", "c"):  # rank 0 holds the two sent last: a, c (b was swapped out)
+        recent.record(0, adapter)
+    kinds = {"a": "lora", "b": "lora", "c": "lora", "e": "esft"}
+    view = recent.view(0, frozenset({"a", "b", "c", "e"}), kinds)
+    assert "a" in view and "c" in view and "b" not in view
+    assert "e" in view  # other kinds: what the instance holds
+    assert "a" not in recent.view(1, frozenset({"a", "e"}), kinds)
+    assert "c" not in recent.view(0, frozenset({"a", "e"}), kinds)  # no longer accepted
+    with pytest.raises(ValueError):
+        RecentLora(num_ranks=2, slots=0)
