@@ -157,13 +157,22 @@ class ClusterAdapterHost:
         return tuple(n for n, a in self.adapters.items() if a.state == "loaded" and not a.is_resident)
 
     def swap_stats(self) -> dict[str, Any]:
-        """ESFT residency: in a slot / on disk, and the swaps so far."""
+        """ESFT residency: in a slot / on disk, and the swaps so far; how the ranks swap LoRA adapters."""
         esft = [a for a in list(self.adapters.values()) if a.kind == "esft" and a.state == "loaded"]
         r = self.residency
         return {"eviction": r.policy.name, "esft_resident": sum(a.is_resident for a in esft),
                 "esft_on_disk": sum(not a.is_resident for a in esft), "esft_swaps_in": r.num_swaps_in,
                 "esft_evictions": r.num_evictions, "esft_swap_s": r.swap_s,
-                "esft_unwanted": r.num_unwanted}
+                "esft_unwanted": r.num_unwanted, "lora_swaps": self.lora_swap_mode()}
+
+    def lora_swap_mode(self) -> str | None:
+        """"lockstep": the ranks of the active instance swap LoRA adapters together (slots on the
+        experts under EP, `engine.lora_lockstep`); "per rank": each its own slots (one rank, or slots
+        of attention modules only); None: no LoRA slots."""
+        config, inst = self.cluster.config, self.cluster.active
+        if not config.max_loras:
+            return None
+        return "per rank" if config.rank_local_lora_slots or inst is None or inst.dp == 1 else "lockstep"
 
     def busy_reason(self) -> str | None:
         """Why a scale may not start now (None: it may)."""

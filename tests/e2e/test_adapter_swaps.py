@@ -120,6 +120,7 @@ def test_adapters_beyond_the_slots_serve_their_merged_models_across_scaling(serv
         status = c.get("/admin/status").json()
         swaps = status["adapter_swaps"]
         assert swaps["esft_swaps_in"] >= 2 and swaps["esft_evictions"] >= 2, swaps
+        assert swaps["lora_swaps"] == "lockstep"  # slots on the experts, dp 2 after the scales
         listed = {a["name"]: a for a in c.get("/admin/adapters").json()["adapters"]}
         assert sum(listed[n]["resident"] for n in ESFT) == 1  # one slot
         # The host cache holds --max-cpu-loras 4 LoRA adapters: a fifth is refused naming the field.

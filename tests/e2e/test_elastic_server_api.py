@@ -331,6 +331,7 @@ def test_more_adapters_than_each_ranks_slot_swap_per_rank_and_serve_their_merged
             assert not wrong, wrong
             swaps = sum(metric_values(c.get("/metrics").text, "elasticmoe_lora_swaps_in_total") or [0.0])
             assert swaps - swaps_before >= 2  # two adapters beyond the slot came in, on some rank
+            assert c.get("/admin/status").json()["adapter_swaps"]["lora_swaps"] == "per rank"
         finally:
             for n in names:
                 assert c.delete(f"/admin/adapters/{n}").status_code in (200, 202)
