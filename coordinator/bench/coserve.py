@@ -21,6 +21,8 @@ stops the server. Configurations (CoServe, ASPLOS '25, Fig. 13):
              registered, all resident from the start): the adapters' compute, no swap
   reference  the same arrivals, every request on the base model (nothing registered, no swap)
 
+`--rounds N` repeats every configuration N times in rotated orders and adds the medians.
+
 Reported per run: output throughput, TTFT/TPOT p50/p99, failed requests, switches (LoRA
 swaps-in per rank-group + ESFT swaps-in, server counters), hit rate (a LoRA request admitted with
 its adapter in a slot, an ESFT request that did not wait for a swap-in; server counters), the
@@ -205,13 +207,21 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
     return row
 
 
+def rotated(configs: list[str], round_index: int) -> list[str]:
+    """The configurations in the order of round `round_index`: each round starts one further on, so
+    that no configuration always runs first (or right after the same one)."""
+    k = round_index % len(configs)
+    return configs[k:] + configs[:k]
+
+
 def pair_arrived_resident(rows: list[dict[str, Any]]) -> None:
     """Each run's requests whose adapter was resident on arrival against the same requests in the
-    resident run at its dp (every adapter resident there, so no switch delays them): the ratio of
+    resident run at its dp and round (every adapter resident there, so no switch delays them): the ratio of
     their p99 TTFTs is what others' swaps cost them (`arrived_resident_vs_resident`; None without a
     resident run). Drops the rows' per-request scratch fields."""
     for row in rows:
-        base = next((r for r in rows if r["dp"] == row["dp"] and r["config"] == RESIDENT), None)
+        base = next((r for r in rows if r["dp"] == row["dp"] and r["config"] == RESIDENT
+                     and r.get("round", 0) == row.get("round", 0)), None)
         ids = row.get("_arrived_resident_ids") or []
         ratio = None
         if base is not None and ids and row["config"] != RESIDENT:
@@ -243,6 +253,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"comma list of {', '.join(ALL_CONFIGS)}")
     p.add_argument("--rps", type=float, default=2.5, help="Poisson arrival rate")
     p.add_argument("--duration-s", type=float, default=40.0, help="seconds of arrivals per run")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, round r starting with the r-th (saturated runs "
+                        "vary from run to run by more than the configurations differ: the tables add medians)")
     p.add_argument("--alpha", type=float, default=0.1,
                    help="power-law skew of adapter popularity (smaller: more skewed; S-LoRA uses 0.3 and 0.1)")
     p.add_argument("--base-share", type=float, default=0.1, help="share of requests for the base model")
@@ -270,6 +283,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if min(args.dps) < 1 or args.num_lora < 0 or args.num_esft < 0 or args.num_lora + args.num_esft < 1:
         p.error("--dps entries >= 1; --num-lora, --num-esft >= 0 with at least one adapter")
+    if args.rounds < 1:
+        p.error(f"--rounds: must be >= 1, got {args.rounds}")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         p.error(f"--max-num-batched-tokens: must be >= 1, got {args.max_num_batched_tokens}")
     preset = PRESETS[args.preset]
@@ -311,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for dp in args.dps:
-            for config in args.configs:
-                rows.append(run_one(args, config, dp, adapters, arrivals, hot))
+            for round_index in range(args.rounds):
+                for config in rotated(args.configs, round_index):
+                    rows.append({**run_one(args, config, dp, adapters, arrivals, hot), "round": round_index})
     finally:
         ray.shutdown()
         end_children()

@@ -138,3 +138,38 @@ def test_requests_resident_on_arrival_are_paired_with_the_same_requests_of_the_r
     assert coserve["arrived_resident_vs_resident"] == pytest.approx(1.5)  # 0.3 against the same request's 0.2
     assert resident["arrived_resident_vs_resident"] is None and other_dp["arrived_resident_vs_resident"] is None
     assert all(not k.startswith("_") for row in rows for k in row)  # nothing per-request left in the JSON
+
+
+def test_rounds_rotate_the_order_and_the_tables_add_medians():
+    from coordinator.bench.coserve import pair_arrived_resident, rotated
+
+    configs = ["coserve", "parallel", "fifo"]
+    assert [rotated(configs, k) for k in range(4)] == [configs, ["parallel", "fifo", "coserve"],
+                                                        ["fifo", "coserve", "parallel"], configs]
+    assert parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
+    lat = {"p50": 0.01, "p99": 0.02, "mean": 0.01}
+
+    def run(config: str, k: int, tok: float, switches: float, hot_p99: float) -> dict:
+        return {"dp": 2, "round": k, "config": config, "throughput_tok_s": tok, "ttft_s": lat, "tpot_s": lat,
+                "hot_ttft_s": {**lat, "p99": hot_p99}, "switches": switches, "counters": None, "hit_rate": 0.5,
+                "failed": 0, "register_s": 1.0, "breakdown_s": None, "arrived_resident_ttft_s": lat,
+                "arrived_resident_vs_resident": None, "swapped_ttft_s": lat}
+
+    runs = [run("coserve", 0, 100.0, 10, 0.02), run("resident", 0, 90.0, 0, 0.01),
+            run("resident", 1, 95.0, 0, 0.04), run("coserve", 1, 120.0, 12, 0.02),
+            run("coserve", 2, 110.0, 11, 0.02), run("resident", 2, 99.0, 0, 0.01)]
+    doc = {"config": {"max_loras": 2, "max_esft_adapters": 1, "alpha": 0.3, "rps": 2.0, "duration_s": 5.0,
+                      "rounds": 3}, "num_adapters": {"lora": 6, "esft": 3}, "num_requests": 10, "runs": runs}
+    text = format_tables(doc)
+    # each run's hot requests against the resident run of its own round (round 1's was slower)
+    assert "| 2 | 0 | coserve | 100.0 | 10 | 20 | 10 | 20 | 10 | - | 0.500 | 20 | 2.00x |" in text
+    assert "| 2 | 1 | coserve | 120.0 | 10 | 20 | 10 | 20 | 12 | - | 0.500 | 20 | 0.50x |" in text
+    assert "| 2 | coserve | 3 | 110.0 | 1.00x | 20 | 20 | 11 | 0.500 | 100 / 120 / 110 |" in text
+    assert "| 2 | resident | 3 | 95.0 | 0.86x | 20 | 10 | 0 | 0.500 | 90 / 95 / 99 |" in text
+    rows = [{"dp": 1, "config": "coserve", "round": 1, "_ttft_by_id": {2: 0.3}, "_arrived_resident_ids": [2]},
+            {"dp": 1, "config": "resident", "round": 0, "_ttft_by_id": {2: 0.1}, "_arrived_resident_ids": [2]},
+            {"dp": 1, "config": "resident", "round": 1, "_ttft_by_id": {2: 0.2}, "_arrived_resident_ids": [2]}]
+    pair_arrived_resident(rows)
+    assert rows[0]["arrived_resident_vs_resident"] == pytest.approx(1.5)  # against its own round's 0.2
