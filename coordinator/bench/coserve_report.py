@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 
@@ -28,11 +29,8 @@ def _hot_p99(doc: dict[str, Any], dp: int, config: str, round_index: int = 0) ->
 
 
 def _median(values: list[float | None]) -> float | None:
-    present = sorted(v for v in values if v is not None)
-    if not present:
-        return None
-    mid = len(present) // 2
-    return present[mid] if len(present) % 2 else (present[mid - 1] + present[mid]) / 2
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def _medians(doc: dict[str, Any]) -> str:
