@@ -288,7 +288,8 @@ def test_more_adapters_than_each_ranks_slot_swap_per_rank_and_serve_their_merged
         server, tiny_model_dir, tmp_path):
     """Slots of attention modules only (q_proj here) serve their own rank's tokens: each rank swaps its
     one slot on its own (no lockstep), three adapters through it, and every response equals its
-    merged model's greedy text; deleting adapters resident on one rank only returns them all."""
+    merged model's greedy text, also across a scale 2 -> 1 -> 2 beneath them; deleting adapters
+    resident on one rank only returns them all."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -324,9 +325,20 @@ def test_more_adapters_than_each_ranks_slot_swap_per_rank_and_serve_their_merged
         for n in names:
             assert c.post("/admin/adapters", json={"name": n, "path": str(paths[n])}).status_code == 201
         try:
-            models = [names[i % 3] for i in range(9)]
+            models = [names[i % 3] for i in range(24)]
             with ThreadPoolExecutor(2) as pool:
-                results = list(pool.map(complete, models))
+                during = pool.map(complete, models)
+                time.sleep(0.2)  # swaps under way, then the instance scales 2 -> 1 -> 2 beneath them
+                for dp in (1, 2):
+                    r = c.post("/admin/scale", json={"dp": dp})
+                    assert r.status_code == 202, r.text
+                    deadline = time.monotonic() + 120
+                    while (event := c.get(f"/admin/scale/{r.json()['event_id']}").json())["state"] in ("pending",
+                                                                                                       "running"):
+                        assert time.monotonic() < deadline, event
+                        time.sleep(0.1)
+                    assert event["state"] == "succeeded", event
+                results = [*during, *pool.map(complete, names * 2)]  # and on the new instance's slots
             wrong = [(m, status, out) for m, status, out in results if status != 200 or out != want[m]]
             assert not wrong, wrong
             swaps = sum(metric_values(c.get("/metrics").text, "elasticmoe_lora_swaps_in_total") or [0.0])
