@@ -246,7 +246,7 @@ def test_ranks_with_their_own_lora_slots_keep_an_adapter_where_it_was_sent():
             chosen.append(again.rank)
         return chosen
 
-    # law stays on r0 and med on r1; the fourth law finds r0 two requests ahead and goes to r1 (which
+    # law stays on r0 and med on r1; the fifth law finds r0 two requests ahead and goes to r1 (which
     # swaps it in); the base model and the ESFT adapter (the instance's) only balance.
     assert run(main("coserve")) == ["r0", "r1", "r0", "r1", "r0", "r0", "r1", "r1", "r0", "r1", "r1"]
     assert run(main("parallel")) == ["r0", "r1", "r0", "r1", "r0", "r1", "r0", "r1", "r0", "r1", "r0"]
