@@ -154,9 +154,8 @@ class Router(Generic[T]):
     def loads(self) -> list[int]:
         return [sum(c.values()) for c in self._routes.in_flight] if self._routes else []
 
-    def _choose(self, routes: _Routes[T], adapter: str | None) -> int:
+    def _choose(self, routes: _Routes[T], adapter: str | None, kind: str) -> int:
         kind_of, resident, recent = self._kind_of, self._resident, self._recent_lora
-        kind = kind_of.get(adapter, "lora") if adapter else BASE_KIND
         if recent is None:  # the ranks hold the same adapters
             ranks = [RankState(counts, resident, self.kinds, kind_of) for counts in routes.in_flight]
             return self.choose(ranks, RouteRequest(adapter, kind))
@@ -181,13 +180,14 @@ class Router(Generic[T]):
         if routes is None or state is None or not routes.targets:
             raise NoActiveInstance("no active instance")
         start = time.perf_counter()
-        rank = self._choose(routes, adapter)
+        kind = self._kind_of.get(adapter, "lora") if adapter else BASE_KIND
+        rank = self._choose(routes, adapter, kind)
         affinity = self._affinity
         if affinity is not None and prompt:
             names = affinity.names(prompt, adapter, cache_salt)
             rank = affinity.choose(names, self.loads(), rank)
             affinity.record(rank, names)
-        if self._recent_lora is not None and adapter is not None and self._kind_of.get(adapter, "lora") == "lora":
+        if self._recent_lora is not None and adapter is not None and kind == "lora":
             self._recent_lora.record(rank, adapter)  # the rank swaps it in for this request
         self.assign_s += time.perf_counter() - start
         counts = routes.in_flight[rank]
