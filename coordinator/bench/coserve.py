@@ -118,9 +118,11 @@ async def send_all(url: str, served: str, arrivals: list[Arrival], timeout_s: fl
         return sorted(records, key=lambda r: r.request_id), now()
 
 
-def _counters(url: str, lockstep_ranks: int) -> dict[str, float]:
+def _counters(url: str) -> tuple[dict[str, float], str | None]:
+    """The server's counters, and how its ranks swap LoRA adapters (`adapter_swaps.lora_swaps`)."""
     with httpx.Client(base_url=url, timeout=30) as c:
-        return server_counters(parse_metrics(c.get("/metrics").text), c.get("/admin/status").json(), lockstep_ranks)
+        status = c.get("/admin/status").json()
+        return server_counters(parse_metrics(c.get("/metrics").text), status), status["adapter_swaps"]["lora_swaps"]
 
 
 def summarize(records: list[RequestRecord], span_s: float, hot: set[str | None], kind_of: dict[str, str],
@@ -184,14 +186,14 @@ def run_one(args: argparse.Namespace, config: str, dp: int, adapters: list[Adapt
     try:
         row["register_s"] = register(server.url, to_register) if to_register else 0.0
         row["num_registered"] = len(to_register)
-        # Ranks swap LoRA adapters in lockstep only with slots on the experts (`rank_local_lora_slots`)
-        lockstep_ranks = 1 if cfg.rank_local_lora_slots else dp
-        row["lora_swaps"] = "per rank" if cfg.rank_local_lora_slots else "lockstep"
-        before = _counters(server.url, lockstep_ranks) if to_register else None
+        before = _counters(server.url)[0] if to_register else None
         sent = arrivals if to_register else [Arrival(a.arrival_s, None, a.prompt, a.max_tokens) for a in arrivals]
         progress(f"{config} dp {dp}: {len(sent)} requests over {args.duration_s:.0f} s")
         records, span = asyncio.run(send_all(server.url, "base", sent, args.request_timeout_s))
-        counters = counter_delta(_counters(server.url, lockstep_ranks), before) if before is not None else None
+        counters = None
+        if before is not None:
+            after, row["lora_swaps"] = _counters(server.url)
+            counters = counter_delta(after, before)
         kind_of = {a.name: a.kind for a in adapters}
         # NOTE: the reference run's hot requests are the ones that are hot in the adapter runs.
         row.update(summarize(records, span, hot if to_register else {None}, kind_of, counters))

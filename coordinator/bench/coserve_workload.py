@@ -112,15 +112,17 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def server_counters(metrics: Mapping[str, float], status: Mapping[str, Any], lockstep_ranks: int) -> dict[str, float]:
+def server_counters(metrics: Mapping[str, float], status: Mapping[str, Any]) -> dict[str, float]:
     """Switches, hits and the Fig. 15 timers from `/metrics` and `/admin/status`.
 
-    LoRA counters are summed over the ranks. Where `lockstep_ranks` > 1 ranks swap in lockstep
-    (slots on the experts under expert parallelism), every rank copies its share of the same
-    adapter, so one switch counts that many times (divided out here, as the copy time, which the
-    ranks spend side by side); ranks that swap their own slots each count their own switches."""
+    LoRA counters are summed over the ranks. Where the status says the ranks swap in lockstep
+    (`adapter_swaps.lora_swaps`: slots on the experts under expert parallelism), every rank of the
+    active instance copies its share of the same adapter, so one switch counts dp times (divided
+    out here, as the copy time, which the ranks spend side by side); ranks that swap their own
+    slots each count their own switches."""
     swaps, requests = status["adapter_swaps"], status["requests"]
-    m, n = metrics.get, lockstep_ranks
+    m = metrics.get
+    n = status["active_config"]["dp"] if swaps.get("lora_swaps") == "lockstep" else 1
     return {
         "lora_swaps_in": m("elasticmoe_lora_swaps_in_total", 0.0) / n,
         "lora_preloads": m("elasticmoe_lora_preloads_total", 0.0) / n,  # swaps-in no request waited for

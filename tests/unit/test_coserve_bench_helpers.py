@@ -72,11 +72,12 @@ def test_server_counters_switches_and_hit_rate():
                             'elasticmoe_kv_cache_usage_ratio{rank="0"} 0.1\n'
                             "elasticmoe_request_arranging_seconds_total 0.002\n")
     assert "elasticmoe_kv_cache_usage_ratio" not in metrics
-    status = {"adapter_swaps": {"esft_swaps_in": 3, "esft_swap_s": 1.5},
-              "requests": {"swap_waits": 4, "assigning_s": 0.01}}
-    after = server_counters(metrics, status, lockstep_ranks=2)
+    status = {"adapter_swaps": {"esft_swaps_in": 3, "esft_swap_s": 1.5, "lora_swaps": "lockstep"},
+              "requests": {"swap_waits": 4, "assigning_s": 0.01}, "active_config": {"dp": 2}}
+    after = server_counters(metrics, status)
     assert after["lora_swaps_in"] == 5 and after["lora_swap_s"] == 0.25  # lockstep: each switch on both ranks
-    alone = server_counters(metrics, status, lockstep_ranks=1)  # ranks swapping their own slots
+    per_rank = {**status, "adapter_swaps": {**status["adapter_swaps"], "lora_swaps": "per rank"}}
+    alone = server_counters(metrics, per_rank)  # ranks swapping their own slots
     assert alone["lora_swaps_in"] == 10 and alone["lora_swap_s"] == 0.5 and alone["lora_preloads"] == 4
     assert after["lora_preloads"] == 2
     assert after["esft_swaps_in"] == 3 and after["assigning_s"] == 0.01 and after["arranging_s"] == 0.002
