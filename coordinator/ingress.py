@@ -53,6 +53,7 @@ from elasticmoe.entrypoints.openai.routes import add_openai_routes, install_guar
 from elasticmoe.entrypoints.openai.serving import OpenAIServing, RequestStats, ServingObserver
 from elasticmoe.errors import describe_error
 from elasticmoe.tokenizer import Tokenizer
+from elasticmoe.utils.gc_heap import freeze_startup_heap
 from hmm.lifeline import in_ray_actor, watch_parent
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ class Ingress:
         self.fastapi_app = build_ingress_app(config, self.engine, self.coordinator, self.follower, self.metrics,
                                              self.observations, self.drainer)
         self.http = None if http is None else await DirectHttp.start(self.fastapi_app, http, config.access)
+        freeze_startup_heap("ingress")  # the tokenizer, router and app live as long as the replica
 
     def __del__(self) -> None:
         """Serve stops the replica: stop listening (the driver drained it first). NOTE: not async:

@@ -54,6 +54,7 @@ from elasticmoe.engine.engine_request import EngineRequest
 from elasticmoe.outputs import OutputDelta
 from elasticmoe.parallel.expert_placement import ExpertPlacement
 from elasticmoe.sampling_params import SamplingParams
+from elasticmoe.utils.gc_heap import freeze_startup_heap, thaw_heap
 from elasticmoe.utils.ports import free_port
 from hmm.lifeline import in_ray_actor, watch_parent
 from hmm.memory.page_table import SlotPages
@@ -173,6 +174,9 @@ class InstanceRank:
         t0 = time.perf_counter()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         await self.backend.warm_up(EngineRequest(f"warmup-{self.rank}-{time.monotonic_ns()}", [1, 2, 3], params))
+        # The engine and what its first step made live as long as it serves: out of the full passes
+        # of the garbage collector until `shutdown` (elasticmoe.utils.gc_heap)
+        freeze_startup_heap(f"rank {self.rank}")
         return time.perf_counter() - t0
 
     async def stop(self) -> None:
@@ -417,6 +421,7 @@ class InstanceRank:
     async def shutdown(self) -> None:
         """Stop the loop, drop the engine (unmaps the handles), leave the group and end the
         subscriptions (their subscribers learn at once). Idempotent."""
+        thaw_heap()  # the engine's cycles (and the device tensors they map) must be collectable now
         await self.backend.shutdown()
         if self.group is not None:
             import torch.distributed as dist

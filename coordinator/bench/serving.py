@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -57,11 +58,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize(records: list[RequestRecord], start_s: float, end_s: float) -> dict[str, Any]:
     """The figures of the window [start_s, end_s): throughput and counts as
-    `coordinator.bench.throughput.window_stats` reports them, latencies in ms at p50 and p99."""
+    `coordinator.bench.throughput.window_stats` reports them, latencies in ms at p50 and p99, and
+    the gaps between a stream's chunks (ITL) at p99 and their longest: a stall of the server (a
+    garbage collection, a swap) shows there, while TPOT averages it over the request's tokens."""
     stats = window_stats(records, start_s, end_s)
     inside = requests_inside(records, start_s, end_s)
     ttft_ms = [r.ttft_s * 1e3 for r in inside if r.ttft_s is not None]
     tpot_ms = [r.tpot_s * 1e3 for r in inside if r.tpot_s is not None]
+    itl_ms = [(b - a) * 1e3 for r in inside for a, b in itertools.pairwise(r.token_times_s)]
     return {
         "output_tok_s": stats["output_tok_s"],
         "completed": stats["completed"],
@@ -73,6 +77,8 @@ def summarize(records: list[RequestRecord], start_s: float, end_s: float) -> dic
         "ttft_ms_p99": percentile(ttft_ms, 99),
         "tpot_ms_p50": percentile(tpot_ms, 50),
         "tpot_ms_p99": percentile(tpot_ms, 99),
+        "itl_ms_p99": percentile(itl_ms, 99),
+        "itl_ms_max": max(itl_ms, default=None),
     }
 
 
@@ -110,7 +116,8 @@ def parse_ratios(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-FIGURES = ("output_tok_s", "completed", "failed", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
+FIGURES = ("output_tok_s", "completed", "failed", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+           "itl_ms_p99", "itl_ms_max")
 
 
 def group_runs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -151,8 +158,9 @@ def ratio_rows(docs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list
 def format_table(docs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
     """A Markdown table, a row per label (medians over its runs, each run's throughput in brackets
     when there are several), then the ratios table."""
-    lines = ["| server | output tok/s | completed | failed | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | load 1m |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| server | output tok/s | completed | failed | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+             "| ITL p99 / max (ms) | load 1m |",
+             "|---|---|---|---|---|---|---|---|"]
     for g in group_runs(docs):
         r = g["result"]
         load = g["loadavg_1m"] or [None, None]
@@ -162,6 +170,7 @@ def format_table(docs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> st
         lines.append(f"| {g['label']} | {tok_s} | {_fmt(r['completed'], 0)} | {_fmt(r['failed'], 0)} "
                      f"| {_fmt(r['ttft_ms_p50'], 0)} / {_fmt(r['ttft_ms_p99'], 0)} "
                      f"| {_fmt(r['tpot_ms_p50'])} / {_fmt(r['tpot_ms_p99'])} "
+                     f"| {_fmt(r.get('itl_ms_p99'))} / {_fmt(r.get('itl_ms_max'))} "
                      f"| {_fmt(load[0])}-{_fmt(load[1])} |")
     rows = ratio_rows(docs, pairs)
     if rows:

@@ -58,6 +58,17 @@ def test_summarize_counts_the_window_and_reports_ms() -> None:
     assert s["ttft_ms_p99"] == pytest.approx(200.0 + 0.99 * 200.0)
     assert s["tpot_ms_p50"] == pytest.approx(30.0)
     assert s["tpot_ms_p99"] == pytest.approx(20.0 + 0.99 * 20.0)
+    assert s["itl_ms_p99"] == pytest.approx(40.0) and s["itl_ms_max"] == pytest.approx(40.0)  # the timed two's gaps
+
+
+def test_a_stall_shows_in_the_gaps_between_chunks() -> None:
+    stalled = _ok(0, 1.0, ttft_s=0.1, tpot_s=0.01, num_tokens=5)
+    stalled.token_times_s[3:] = [t + 0.1 for t in stalled.token_times_s[3:]]  # 100 ms before the 4th token
+    stalled.finished_s = stalled.token_times_s[-1]
+    s = summarize([stalled] + [_ok(i, 1.0, ttft_s=0.1, tpot_s=0.01, num_tokens=5) for i in range(1, 4)], 1.0, 3.0)
+    assert s["tpot_ms_p50"] == pytest.approx(10.0)  # three of four requests never stalled
+    assert s["itl_ms_max"] == pytest.approx(110.0)
+    assert s["itl_ms_p99"] > 80.0
 
 
 def test_merged_chunks_count_their_own_tokens() -> None:
@@ -91,6 +102,7 @@ def _doc(label: str, tok_s: float, ttft: float | None, tpot: float) -> dict:
 
 def test_ratios_and_table() -> None:
     docs = [_doc("single", 1000.0, 500.0, 20.0), _doc("elastic", 900.0, 600.0, 25.0), _doc("vllm", 800.0, None, 30.0)]
+    docs[1]["result"].update(itl_ms_p99=45.0, itl_ms_max=120.0)  # runs before the ITL columns have none
     assert parse_ratios("elastic/single, elastic/vllm") == [("elastic", "single"), ("elastic", "vllm")]
     with pytest.raises(ValueError, match="LABEL/LABEL"):
         parse_ratios("elastic")
@@ -100,8 +112,9 @@ def test_ratios_and_table() -> None:
     assert rows[0]["ttft_ms_p50"] == pytest.approx(1.2)
     assert rows[1]["ttft_ms_p50"] is None  # vLLM's TTFT missing: no ratio
     table = format_table(docs, parse_ratios("elastic/single,elastic/vllm"))
-    assert "| single | 1000.0 | 10 | 0 | 500 / 1000 | 20.0 / 40.0 | 2.0-3.5 |" in table, table
-    assert "| vllm | 800.0 | 10 | 0 | - / - | 30.0 / 60.0 | 2.0-3.5 |" in table
+    assert "| single | 1000.0 | 10 | 0 | 500 / 1000 | 20.0 / 40.0 | - / - | 2.0-3.5 |" in table, table
+    assert "| vllm | 800.0 | 10 | 0 | - / - | 30.0 / 60.0 | - / - | 2.0-3.5 |" in table
+    assert "| elastic | 900.0 | 10 | 0 | 600 / 1200 | 25.0 / 50.0 | 45.0 / 120.0 | 2.0-3.5 |" in table
     assert "| elastic/single | 0.90 | 1.20 | 1.25 |" in table
     assert "| elastic/vllm | 1.12 | - | 0.83 |" in table
 
@@ -117,7 +130,7 @@ def test_repeated_labels_report_medians() -> None:
     assert medians["single"]["result"]["tpot_ms_p50"] == 20.0
     assert medians["elastic"]["loadavg_1m"] == [1.5, 6.0]
     table = format_table(docs, parse_ratios("elastic/single"))
-    assert "| single | 1000.0 (1000, 1200, 800) | 10 | 0 | 450 / 900 | 20.0 / 40.0 | 2.0-3.5 |" in table, table
+    assert "| single | 1000.0 (1000, 1200, 800) | 10 | 0 | 450 / 900 | 20.0 / 40.0 | - / - | 2.0-3.5 |" in table, table
     assert "| elastic/single | 0.95 | 1.44 | 1.20 |" in table, table
 
 

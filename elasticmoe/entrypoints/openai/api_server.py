@@ -34,6 +34,7 @@ from elasticmoe.entrypoints.openai.metrics import ExpertCacheCollector, KVCacheC
 from elasticmoe.entrypoints.openai.routes import add_openai_routes, install_guards
 from elasticmoe.entrypoints.openai.serving import OpenAIServing
 from elasticmoe.entrypoints.serve_settings import ServeSettings
+from elasticmoe.utils.gc_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from elasticmoe.config import EngineConfig
@@ -215,6 +216,7 @@ def _serve_on(sock: socket.socket, settings: ServeSettings, config: EngineConfig
                        h11_max_incomplete_event_size=access.max_header_bytes if access else None),
         drainer, shutdown_timeout_s,
     )
+    freeze_startup_heap("server")  # the engine, model and app live as long as the process
     # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal with the
     # previous handler; make SIGTERM an exception here so that the engine is still stopped below.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
