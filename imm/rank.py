@@ -404,6 +404,11 @@ class InstanceRank:
         """This rank's process and the Ray node it runs on."""
         return {"pid": os.getpid(), "ray_node_id": ray_node_id()}
 
+    def frozen_objects(self) -> int:
+        """The objects this process keeps out of the garbage collector's full passes: its startup
+        heap once warm, none once shut down (`elasticmoe.utils.gc_heap`)."""
+        return gc.get_freeze_count()
+
     def max_model_len(self) -> int:
         """The attached engine's context limit (the KV pool may lower the model's)."""
         return self.backend.max_model_len
