@@ -120,10 +120,10 @@ class ExpertLora:
                 return grouped_experts_at_slot_rows(xs, slots, slot_rows, w13, w2)
             return grouped_experts_sorted(xs, slots, w13, w2, self.num_local)
         gate_up = (expert_rows_linear(xs, slots, w13, self.num_local, slot_rows)
-                   + groups.delta(xs, self.w13.a, self.w13.b))
+                   + groups.delta(xs, self.w13.a, self.w13.bt))
         gate, up = gate_up.chunk(2, dim=-1)
         h = F.silu(gate) * up
-        return expert_rows_linear(h, slots, w2, self.num_local, slot_rows) + groups.delta(h, self.w2.a, self.w2.b)
+        return expert_rows_linear(h, slots, w2, self.num_local, slot_rows) + groups.delta(h, self.w2.a, self.w2.bt)
 
 
 class LoraSlots:
@@ -169,7 +169,7 @@ class LoraSlots:
         self._copier: ThreadPoolExecutor | None = None
         # What one slot's factors take, every site's share of it (the sites never change)
         every_site = [*self._attention_sites(), *(s for lora in self.experts.values() for s in (lora.w13, lora.w2))]
-        self.slot_bytes = sum(s.a.nbytes + s.b.nbytes for s in every_site) // max_loras
+        self.slot_bytes = sum(s.a.nbytes + s.bt.nbytes for s in every_site) // max_loras
         logger.info("lora: %d slots of %.2f MB each (%s), rank up to %d", max_loras, self.slot_bytes / 1e6,
                     ",".join(target_modules) if target_modules else "every module", max_rank)
 
@@ -234,7 +234,7 @@ class LoraSlots:
             if expert is not None and self.placement.expert_to_rank[expert] != self.rank:
                 continue  # its expert's rank holds it
             a, b = weights(path, site.a.dtype)
-            factors[path] = (a.clone(), (b * scaling).to(site.b.dtype))
+            factors[path] = (a.clone(), (b * scaling).to(site.bt.dtype))
         self.host[name] = factors
         free = self.free_slots()
         if slot is not None:

@@ -35,7 +35,7 @@ def _library() -> ctypes.CDLL | None:
     lib = load_kernel("grouped_gemm")
     if lib is None:
         return None
-    declare(lib, {"emoe_grouped_gemm": _ARGTYPES, "emoe_grouped_swiglu": _ARGTYPES,
+    declare(lib, {"emoe_grouped_gemm": _ARGTYPES, "emoe_grouped_swiglu": _ARGTYPES, "emoe_grouped_expand": _ARGTYPES,
                   "emoe_fuses_swiglu": [ctypes.c_int, ctypes.c_int]})
     granted = lib.emoe_amx_init()
     if granted == 0:
@@ -126,6 +126,28 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
                                      rows.data_ptr() if rows is not None else None, offsets.numel() - 1,
                                      w13.data_ptr(), w13.stride(0), w13.stride(1), _DTYPE_CODE[w13.dtype],
                                      out.data_ptr(), out.stride(0), inter, w13.shape[2])
+    return out if rc == 0 else None
+
+
+def grouped_expand(x: torch.Tensor, offsets: torch.Tensor, wt: torch.Tensor) -> torch.Tensor | None:
+    """x [N, K] with rows grouped by slot (`offsets` [S + 1]), wt [>= S, K, out] (each slot's weights
+    transposed, out contiguous) -> [N, out] in x's dtype: `x[r] @ wt[s]` per group. For a short K
+    (LoRA's second projection, K = the rank) each output row is K vector FMAs over its columns, where
+    `grouped_gemm`'s layout reduces every output over K (an expert site's decode call, 64 groups of 4
+    rows, K = 16: 23 against 137-145 us; docs/adapters.md). None where the kernel does not serve the
+    dtypes (the caller computes it otherwise)."""
+    lib = _library() if (x.dtype, wt.dtype) in _SUPPORTED else None
+    if lib is None or wt.stride(-1) != 1 or offsets.dtype != torch.int64:
+        return None
+    out = x.new_empty((x.shape[0], wt.shape[2]))
+    if x.shape[0] == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    offsets = offsets.contiguous()
+    with profiled("emoe::grouped_expand"):
+        rc = lib.emoe_grouped_expand(x.data_ptr(), x.stride(0), _DTYPE_CODE[x.dtype], offsets.data_ptr(), None,
+                                     offsets.numel() - 1, wt.data_ptr(), wt.stride(0), wt.stride(1),
+                                     _DTYPE_CODE[wt.dtype], out.data_ptr(), out.stride(0), wt.shape[2], wt.shape[1])
     return out if rc == 0 else None
 
 

@@ -133,13 +133,13 @@ class MLAttention:
         q_in = linear(x, self.q_a if self.q_lora else self.q)  # [T, q_lora_rank] or [T, H * (nope+rope)]
         kv_in = linear(x, self.kv_a)  # [T, C + R]
         if lora is not None and self.lora_x is not None:
-            delta = lora.delta(x, self.lora_x.a, self.lora_x.b)  # [T, q_in + C + R]
+            delta = lora.delta(x, self.lora_x.a, self.lora_x.bt)  # [T, q_in + C + R]
             q_in, kv_in = q_in + delta[:, : q_in.shape[1]], kv_in + delta[:, q_in.shape[1] :]
         if self.q_lora:
             q_a = rms_norm(q_in, self.q_a_norm, self.eps)
             q = linear(q_a, self.q_b)
             if lora is not None and self.lora_q_b is not None:
-                q = q + lora.delta(q_a, self.lora_q_b.a, self.lora_q_b.b)
+                q = q + lora.delta(q_a, self.lora_q_b.a, self.lora_q_b.bt)
         else:
             q = q_in
         q_nope, q_pe = q.view(num_tokens, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
@@ -151,7 +151,7 @@ class MLAttention:
         out = out.reshape(num_tokens, self.num_heads * self.v_dim)
         y = linear(out, self.o)
         if lora is not None and self.lora_o is not None:
-            y = y + lora.delta(out, self.lora_o.a, self.lora_o.b)
+            y = y + lora.delta(out, self.lora_o.a, self.lora_o.bt)
         return y
 
 

@@ -20,7 +20,7 @@ def test_pool_rows_give_the_stacked_experts_outputs(with_lora):
                       dtype=torch.float32, top_k=1)
     for site in (lora.w13, lora.w2):
         site.a.copy_(torch.randn(site.a.shape, generator=gen))
-        site.b.copy_(torch.randn(site.b.shape, generator=gen))
+        site.bt.copy_(torch.randn(site.bt.shape, generator=gen))
     slots = torch.tensor([0, 0, 2, 3, 3, 3])  # rows sorted by local expert; expert 1 has none
     xs = torch.randn(slots.numel(), HIDDEN, generator=gen)
     adapter = torch.tensor([0, -1, 1, 0, 1, -1]) if with_lora else torch.full((6,), -1)

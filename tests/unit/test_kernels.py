@@ -52,6 +52,26 @@ def test_grouped_gemm_equals_per_slot_matmul(isa, x_dtype, w_dtype, num_rows):
 
 
 @pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 300])
+@pytest.mark.parametrize(("k", "n_out"), [(8, 512), (16, 300), (3, 21)])
+def test_grouped_expand_equals_per_slot_matmul_with_transposed_weights(isa, x_dtype, w_dtype, num_rows, k, n_out):
+    """LoRA's second projection: x [N, r] times each slot's B stored transposed, [r, out] (columns in
+    vectors and a tail of single columns: 300 and 21 outputs)."""
+    torch.manual_seed(0)
+    num_slots = 6
+    wt = torch.randn(num_slots, k, n_out + 5).to(w_dtype)[:, :, 2 : n_out + 2]  # strided rows, as slices are
+    slots = torch.randint(0, num_slots, (num_rows,)).sort().values
+    slots[slots == 2] = 3  # a slot without rows is skipped
+    x = torch.randn(num_rows, k).to(x_dtype)
+    got = gg.grouped_expand(x, gg.slot_offsets(slots, num_slots), wt)
+    assert got is not None and got.dtype == x_dtype and got.shape == (num_rows, n_out)
+    if num_rows:
+        want = torch.stack([x[i].float() @ wt[s].float() for i, s in enumerate(slots.tolist())])
+        tol = 1e-5 if x_dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
 @pytest.mark.parametrize("num_rows", [1, 7, 40, 300])
 @pytest.mark.parametrize("inter", [32, 20])
 def test_grouped_swiglu_equals_silu_gate_times_up(isa, x_dtype, w_dtype, num_rows, inter):

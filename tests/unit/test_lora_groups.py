@@ -7,33 +7,36 @@ from elasticmoe.kernels.grouped_gemm import has_grouped_gemm
 from elasticmoe.layers.lora import LoraGroups
 
 
-def _reference(x: torch.Tensor, keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _reference(x: torch.Tensor, keys: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
     """Each row through its slot's factors alone, in x's dtype like the engine (h rounded to it)."""
-    out = torch.zeros(x.shape[0], b.shape[1], dtype=x.dtype)
+    out = torch.zeros(x.shape[0], bt.shape[2], dtype=x.dtype)
     for row, key in enumerate(keys.tolist()):
         if key >= 0:
             h = x[row : row + 1] @ a[key].T
-            out[row] = (h @ b[key].T)[0]
+            out[row] = (h @ bt[key])[0]
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sizes", [[128] + [1] * 40, [1] * 64, [200, 30, 20, 6]], ids=["prefill+decodes", "decodes", "uneven"])
-def test_a_mixed_batch_equals_each_row_through_its_own_adapter(dtype, sizes):
+@pytest.mark.parametrize("keyless", [True, False], ids=["some-rows-keyless", "every-row-keyed"])
+def test_a_mixed_batch_equals_each_row_through_its_own_adapter(dtype, sizes, keyless):
     g = torch.Generator().manual_seed(0)
     num_slots, rank, d_in, d_out = 128, 16, 96, 80
     a = (torch.randn(num_slots, rank, d_in, generator=g) * 0.1).to(dtype)
-    b = (torch.randn(num_slots, d_out, rank, generator=g) * 0.1).to(dtype)
+    bt = (torch.randn(num_slots, rank, d_out, generator=g) * 0.1).to(dtype)  # B transposed, as a site keeps it
     keys = torch.cat([torch.full((n,), 2 * k) for k, n in enumerate(sizes)])  # every other slot
-    keys[::7] = -1  # rows without an adapter
+    if keyless:
+        keys[::7] = -1  # rows without an adapter
     order = torch.randperm(keys.numel(), generator=g)
     keys = keys[order]  # the batch's rows come in any order
     x = torch.randn(keys.numel(), d_in, generator=g).to(dtype)
     groups = LoraGroups.build(keys)
     assert groups is not None
-    got = groups.delta(x, a, b)
-    padded = groups._padded_delta(x, a, b)  # the path without the kernel, per pair
-    want = _reference(x, keys, a, b)
+    assert groups.one_per_row is not keyless and not groups.in_order  # the rows came shuffled
+    got = groups.delta(x, a, bt)
+    padded = groups._padded_delta(x, a, bt)  # the path without the kernel, per pair
+    want = _reference(x, keys, a, bt)
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(x.new_zeros(want.shape).index_add_(0, groups.rows, padded), want, **tol)
@@ -46,3 +49,18 @@ def test_the_grouped_kernel_serves_both_compute_dtypes():
     if not has_grouped_gemm(torch.float32, torch.float32):
         pytest.skip("the grouped kernel is not built here")
     assert has_grouped_gemm(torch.bfloat16, torch.bfloat16)
+
+
+def test_one_adapter_in_row_order_returns_its_pairs_as_they_are():
+    """An expert site's rows of one adapter (keys [N, 1], weight 1): the pairs are the rows in order,
+    the LoRA output is the grouped product itself, and it equals each row through its factors."""
+    g = torch.Generator().manual_seed(1)
+    a, bt = torch.randn(8, 4, 16, generator=g), torch.randn(8, 4, 12, generator=g)
+    keys = torch.tensor([[1], [1], [3], [3], [3], [6]])  # sorted, as an expert site's rows are
+    x = torch.randn(6, 16, generator=g)
+    groups = LoraGroups.build(keys, torch.ones(6, 1))
+    assert groups is not None and groups.in_order and groups.one_per_row and groups.weights is None
+    torch.testing.assert_close(groups.delta(x, a, bt), _reference(x, keys[:, 0], a, bt))
+    scaled = LoraGroups.build(keys, torch.full((6, 1), 0.5))  # a router's weight stays applied
+    assert scaled is not None and scaled.weights is not None
+    torch.testing.assert_close(scaled.delta(x, a, bt), 0.5 * _reference(x, keys[:, 0], a, bt))

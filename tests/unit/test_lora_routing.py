@@ -48,7 +48,7 @@ def test_weighted_groups_are_equation_8():
     x = torch.randn(tokens, d_in, generator=g)
     keys = torch.tensor([[0, 2], [1, -1], [2, 0], [-1, -1], [1, 0]])
     weights = torch.tensor([[0.7, 0.3], [1.0, 0.0], [0.5, 0.5], [0.0, 0.0], [0.2, 0.8]])
-    got = LoraGroups.build(keys, weights).delta(x, a, b)
+    got = LoraGroups.build(keys, weights).delta(x, a, b.transpose(1, 2).contiguous())  # B as the sites keep it
     want = torch.zeros(tokens, d_out)
     for t in range(tokens):
         for key, w in zip(keys[t].tolist(), weights[t].tolist(), strict=True):
