@@ -15,7 +15,7 @@ where it is not built, two batched GEMMs over groups padded to the largest (`[G,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,20 +27,21 @@ class LoraGroups:
     """(row, adapter) pairs of a batch grouped by LoRA key (see the module docstring).
 
     A row may carry several keys with weights (learned top-k routing, MoLoRA eq. 8): its
-    LoRA output is the weighted sum over its keys.
+    LoRA output is the weighted sum over its keys. Built once per forward for the attention sites
+    and per MoE layer for the experts', so it holds only what the grouped kernel needs; the padded
+    fallback's layout is made when it runs.
     """
 
     num_rows: int
     rows: torch.Tensor  # [P] the row of each pair, pairs grouped by key
-    keys: torch.Tensor  # [G] the distinct keys, ascending
-    pad_index: torch.Tensor  # [P] where each pair sits in the padded [G * C] buffer
-    capacity: int  # C
-    weights: torch.Tensor | None  # [P] pair weights (None: all 1)
     pair_keys: torch.Tensor  # [P] the key of each pair (ascending)
+    weights: torch.Tensor | None  # [P] pair weights (None: all 1)
     # Every row has one pair: its output is its pair's (no sum over pairs, no row without one); and
     # the pairs are the rows in order (a batch of one adapter, an expert site's rows of one adapter)
     one_per_row: bool = False
     in_order: bool = False
+    # `slot_offsets` of the pairs per number of keys: the sites of one build share them
+    _offsets: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, keys: torch.Tensor, weights: torch.Tensor | None = None) -> LoraGroups | None:
@@ -54,11 +55,6 @@ class LoraGroups:
         pair_keys = flat.index_select(0, pairs)
         order = torch.argsort(pair_keys, stable=True)
         pairs, pair_keys = pairs.index_select(0, order), pair_keys.index_select(0, order)
-        used, counts = torch.unique_consecutive(pair_keys, return_counts=True)
-        capacity = int(counts.max())
-        starts = torch.cumsum(counts, 0) - counts
-        group = torch.repeat_interleave(torch.arange(used.numel()), counts)
-        rank_in_group = torch.arange(pairs.numel()) - starts.index_select(0, group)
         per_row = flat.numel() // max(num_rows, 1)
         rows = torch.div(pairs, per_row, rounding_mode="floor") if keys.dim() == 2 else pairs
         pair_weights = weights.reshape(-1).index_select(0, pairs) if weights is not None else None
@@ -66,8 +62,14 @@ class LoraGroups:
             pair_weights = None  # each row's one adapter at full weight: nothing to scale
         one_per_row = pairs.numel() == num_rows and (keys.dim() == 1 or keys.shape[1] == 1)
         in_order = one_per_row and bool(torch.equal(rows, torch.arange(num_rows)))
-        return cls(num_rows, rows, used, group * capacity + rank_in_group, capacity, pair_weights, pair_keys,
-                   one_per_row, in_order)
+        return cls(num_rows, rows, pair_keys, pair_weights, one_per_row, in_order)
+
+    def offsets(self, num_keys: int) -> torch.Tensor:
+        """The pairs' group bounds for `num_keys` keys ([num_keys + 1], see `slot_offsets`)."""
+        found = self._offsets.get(num_keys)
+        if found is None:
+            found = self._offsets[num_keys] = slot_offsets(self.pair_keys, num_keys)
+        return found
 
     def delta(self, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
         """x [N, in], a [K, r, in], bt [K, r, out] -> the rows' LoRA outputs [N, out] (0 without a key)."""
@@ -77,8 +79,9 @@ class LoraGroups:
         # and 0.13 ms grouped; 64 decodes of one row each 0.14 against 0.09 ms.
         pair_out = None
         if has_grouped_gemm(x.dtype, a.dtype):
-            offsets = slot_offsets(self.pair_keys, a.shape[0])
-            pair_out = grouped_expand(grouped_gemm(x.index_select(0, self.rows), offsets, a), offsets, bt)
+            offsets = self.offsets(a.shape[0])
+            xs = x if self.in_order else x.index_select(0, self.rows)
+            pair_out = grouped_expand(grouped_gemm(xs, offsets, a), offsets, bt)
         if pair_out is None:
             pair_out = self._padded_delta(x, a, bt)
         if self.weights is not None:
@@ -91,12 +94,16 @@ class LoraGroups:
 
     def _padded_delta(self, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
         """Each pair's LoRA output [P, out], by batched GEMMs over groups padded to the largest."""
-        num_groups, width = self.keys.numel(), x.shape[1]
-        padded = x.new_zeros((num_groups * self.capacity, width))
-        padded.index_copy_(0, self.pad_index, x.index_select(0, self.rows))
-        h = torch.bmm(padded.view(num_groups, self.capacity, width), a.index_select(0, self.keys).transpose(1, 2))
-        y = torch.bmm(h, bt.index_select(0, self.keys))  # [G, C, out]
-        return y.view(-1, y.shape[-1]).index_select(0, self.pad_index)
+        used, counts = torch.unique_consecutive(self.pair_keys, return_counts=True)  # [G] keys, their pairs
+        num_groups, capacity, width = used.numel(), int(counts.max()), x.shape[1]
+        group = torch.repeat_interleave(torch.arange(num_groups), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        pad_index = group * capacity + torch.arange(self.pair_keys.numel()) - starts.index_select(0, group)
+        padded = x.new_zeros((num_groups * capacity, width))
+        padded.index_copy_(0, pad_index, x.index_select(0, self.rows))
+        h = torch.bmm(padded.view(num_groups, capacity, width), a.index_select(0, used).transpose(1, 2))
+        y = torch.bmm(h, bt.index_select(0, used))  # [G, C, out]
+        return y.view(-1, y.shape[-1]).index_select(0, pad_index)
 
 
 class LoraSite:
