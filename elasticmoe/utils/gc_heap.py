@@ -1,10 +1,11 @@
 """Keep the garbage collector's full passes off the serving path: freeze the startup heap.
 
 CPython's collection of its oldest generation walks every object the collector tracks. A serving
-process holds 200-240 K of them once torch, transformers, the tokenizer and the model are loaded,
-and such a pass took 80-100 ms on the hosts measured. Under load one came every ~40 s (the small
-model, 64 requests in flight): that step, and the next token of every request in it, took 100 ms
-longer. The startup heap (modules, the model's layers, the tokenizer) lives as long as the process,
+process holds 200-240 K of them once torch, transformers, the tokenizer and the model are loaded.
+Under the serving bench's load (64 streaming clients, the small model) the single server made such
+a pass every 13-15 s, 137-148 ms each: that step, and the next token of every stream, waited for it
+(the engine alone, 64 requests in flight: one pass of ~100 ms in 40 s). The startup heap (modules,
+the model's layers, the tokenizer) lives as long as the process,
 so `freeze_startup_heap` takes it out of the collector's sight (`gc.freeze`, as vLLM and SGLang do
 once their engine is up). The passes then walk only what serving created since.
 
