@@ -60,7 +60,10 @@ class LoraGroups:
         pair_weights = weights.reshape(-1).index_select(0, pairs) if weights is not None else None
         if pair_weights is not None and bool((pair_weights == 1).all()):
             pair_weights = None  # each row's one adapter at full weight: nothing to scale
-        one_per_row = pairs.numel() == num_rows and (keys.dim() == 1 or keys.shape[1] == 1)
+        # One pair per row: as many pairs as rows, all in the first column (the engine's keys have K
+        # columns for learned routing, -1 beyond each row's own adapter when no router runs)
+        one_per_row = pairs.numel() == num_rows and (keys.dim() == 1 or keys.shape[1] == 1
+                                                     or not bool((keys[:, 1:] >= 0).any()))
         in_order = one_per_row and bool(torch.equal(rows, torch.arange(num_rows)))
         return cls(num_rows, rows, pair_keys, pair_weights, one_per_row, in_order)
 

@@ -64,3 +64,15 @@ def test_one_adapter_in_row_order_returns_its_pairs_as_they_are():
     scaled = LoraGroups.build(keys, torch.full((6, 1), 0.5))  # a router's weight stays applied
     assert scaled is not None and scaled.weights is not None
     torch.testing.assert_close(scaled.delta(x, a, bt), 0.5 * _reference(x, keys[:, 0], a, bt))
+
+
+def test_the_engines_keys_with_an_unused_routing_column_are_one_pair_per_row():
+    """The engine's keys carry K columns (learned routing's top-k), -1 beyond each row's adapter
+    when no router runs: still one pair per row, in order when the rows are, so the site writes
+    each row once (and `add_delta` takes its one kernel call); a second adapter in a row is not."""
+    keys = torch.tensor([[3, -1], [3, -1], [5, -1], [5, -1]])
+    groups = LoraGroups.build(keys, torch.tensor([[1.0, 0.0]] * 4))
+    assert groups is not None and groups.one_per_row and groups.in_order and groups.weights is None
+    keys[1, 1] = 7
+    routed = LoraGroups.build(keys, torch.tensor([[1.0, 0.0]] * 4))
+    assert routed is not None and not routed.one_per_row
