@@ -119,11 +119,11 @@ class ExpertLora:
             if slot_rows is not None:
                 return grouped_experts_at_slot_rows(xs, slots, slot_rows, w13, w2)
             return grouped_experts_sorted(xs, slots, w13, w2, self.num_local)
-        gate_up = (expert_rows_linear(xs, slots, w13, self.num_local, slot_rows)
-                   + groups.delta(xs, self.w13.a, self.w13.bt))
+        gate_up = groups.add_delta(expert_rows_linear(xs, slots, w13, self.num_local, slot_rows), xs, self.w13.a,
+                                   self.w13.bt)
         gate, up = gate_up.chunk(2, dim=-1)
         h = F.silu(gate) * up
-        return expert_rows_linear(h, slots, w2, self.num_local, slot_rows) + groups.delta(h, self.w2.a, self.w2.bt)
+        return groups.add_delta(expert_rows_linear(h, slots, w2, self.num_local, slot_rows), h, self.w2.a, self.w2.bt)
 
 
 class LoraSlots:

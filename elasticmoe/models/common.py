@@ -286,7 +286,7 @@ class GQAAttention:
         num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = linear(x, self.qkv)
         if lora is not None and self.lora_qkv is not None:
-            qkv = qkv + lora.delta(x, self.lora_qkv.a, self.lora_qkv.bt)
+            qkv = lora.add_delta(qkv, x, self.lora_qkv.a, self.lora_qkv.bt)
         qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         # One norm and one RoPE call for q and k together: at decode batch sizes per-op overhead dominates.
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [T, H + Hkv, D], [T, Hkv, D]
@@ -300,7 +300,7 @@ class GQAAttention:
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         y = linear(out, self.o)
         if lora is not None and self.lora_o is not None:
-            y = y + lora.delta(out, self.lora_o.a, self.lora_o.bt)
+            y = lora.add_delta(y, out, self.lora_o.a, self.lora_o.bt)
         return y
 
 

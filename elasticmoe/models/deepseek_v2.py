@@ -139,7 +139,7 @@ class MLAttention:
             q_a = rms_norm(q_in, self.q_a_norm, self.eps)
             q = linear(q_a, self.q_b)
             if lora is not None and self.lora_q_b is not None:
-                q = q + lora.delta(q_a, self.lora_q_b.a, self.lora_q_b.bt)
+                q = lora.add_delta(q, q_a, self.lora_q_b.a, self.lora_q_b.bt)
         else:
             q = q_in
         q_nope, q_pe = q.view(num_tokens, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
@@ -151,7 +151,7 @@ class MLAttention:
         out = out.reshape(num_tokens, self.num_heads * self.v_dim)
         y = linear(out, self.o)
         if lora is not None and self.lora_o is not None:
-            y = y + lora.delta(out, self.lora_o.a, self.lora_o.bt)
+            y = lora.add_delta(y, out, self.lora_o.a, self.lora_o.bt)
         return y
 
 

@@ -72,6 +72,37 @@ def test_grouped_expand_equals_per_slot_matmul_with_transposed_weights(isa, x_dt
 
 
 @pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+@pytest.mark.parametrize(("num_rows", "num_slots"), [(1, 1), (7, 3), (64, 16), (64, 64), (300, 2)])
+@pytest.mark.parametrize("permuted", [False, True], ids=["rows-in-order", "rows-permuted"])
+def test_grouped_lora_add_equals_both_kernels_and_the_add(isa, x_dtype, w_dtype, num_rows, num_slots, permuted):
+    """LoRA's whole product in one region, added into each pair's output row, gives the very values of
+    `grouped_gemm`, `grouped_expand` and PyTorch's add (rank 12: a partial shrink block; 300 outputs:
+    a column tail); where `grouped_gemm` would run on panels (300 rows in 2 groups) or AMX tiles it
+    declines and leaves the output as it was."""
+    torch.manual_seed(0)
+    rank, n_in, n_out, num_keys = 12, 70, 300, 64
+    a = (torch.randn(num_keys, rank, n_in + 2) * 0.1).to(w_dtype)[:, :, 1 : n_in + 1]  # strided view
+    bt = (torch.randn(num_keys, rank, n_out) * 0.1).to(w_dtype)
+    keys = (torch.arange(num_rows) % num_slots).sort().values  # pairs grouped by key
+    offsets = gg.slot_offsets(keys, num_keys)
+    x = torch.randn(num_rows, n_in).to(x_dtype)
+    rows = torch.randperm(num_rows) if permuted else None
+    y = torch.randn(num_rows, n_out).to(x_dtype)
+    delta = gg.grouped_expand(gg.grouped_gemm(x, offsets, a), offsets, bt)
+    want = y.clone()
+    if rows is None:
+        want = want + delta
+    else:
+        want[rows] = want[rows] + delta
+    got = y.clone()
+    if gg.grouped_lora_add(got, x, rows, offsets, a, bt):
+        assert torch.equal(got, want)
+    else:
+        assert num_rows / num_slots >= 16 or isa == "amx"  # panels, or AMX tiles
+        assert torch.equal(got, y)
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
 @pytest.mark.parametrize("num_rows", [1, 7, 40, 300])
 @pytest.mark.parametrize("inter", [32, 20])
 def test_grouped_swiglu_equals_silu_gate_times_up(isa, x_dtype, w_dtype, num_rows, inter):

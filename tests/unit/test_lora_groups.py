@@ -1,4 +1,4 @@
-"""`LoraGroups.delta` on a continuous batch's mix of group sizes, in both compute dtypes."""
+"""`LoraGroups.delta` and `add_delta` on a continuous batch's mix of group sizes, in both compute dtypes."""
 
 import pytest
 import torch
@@ -64,6 +64,32 @@ def test_one_adapter_in_row_order_returns_its_pairs_as_they_are():
     scaled = LoraGroups.build(keys, torch.full((6, 1), 0.5))  # a router's weight stays applied
     assert scaled is not None and scaled.weights is not None
     torch.testing.assert_close(scaled.delta(x, a, bt), 0.5 * _reference(x, keys[:, 0], a, bt))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sizes", [[1] * 64, [3] * 20, [128], [128] + [1] * 40], ids=["decodes", "small-groups", "one-prefill", "prefill+decodes"])
+def test_add_delta_gives_the_values_of_the_output_plus_delta(dtype, sizes):
+    """`add_delta` (one kernel call for a batch whose rows have one adapter each, the two kernels
+    where their groups run on panels) equals `y + delta`, bit for bit; rows of several weighted
+    adapters take `y + delta` as it is."""
+    g = torch.Generator().manual_seed(2)
+    num_slots, rank, d_in, d_out = 64, 16, 96, 80
+    a = (torch.randn(num_slots, rank, d_in, generator=g) * 0.1).to(dtype)
+    bt = (torch.randn(num_slots, rank, d_out, generator=g) * 0.1).to(dtype)
+    keys = torch.cat([torch.full((n,), k % num_slots) for k, n in enumerate(sizes)])
+    keys = keys[torch.randperm(keys.numel(), generator=g)]
+    x = torch.randn(keys.numel(), d_in, generator=g).to(dtype)
+    y = torch.randn(keys.numel(), d_out, generator=g).to(dtype)
+    groups = LoraGroups.build(keys)
+    assert groups is not None and groups.one_per_row
+    want = y + groups.delta(x, a, bt)
+    assert torch.equal(groups.add_delta(y.clone(), x, a, bt), want)
+    assert torch.equal(groups.add_delta(y.clone(), x, a, bt), want)  # a second site of the same build
+    routed = torch.stack([keys, (keys + 1) % num_slots], dim=1)  # two adapters per row, weighted
+    weights = torch.full(routed.shape, 0.5)
+    mixed = LoraGroups.build(routed, weights)
+    assert mixed is not None and not mixed.one_per_row
+    assert torch.equal(mixed.add_delta(y.clone(), x, a, bt), y + mixed.delta(x, a, bt))
 
 
 def test_the_engines_keys_with_an_unused_routing_column_are_one_pair_per_row():

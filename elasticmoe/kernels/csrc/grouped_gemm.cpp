@@ -89,11 +89,17 @@ constexpr int EXPAND_NB = 256;  // output columns per task, or fewer when that l
 constexpr int EXPAND_MIN_NB = 64;  // a call of one or two large groups (a prefill of one adapter)
 constexpr int EXPAND_VECS = 4;  // vectors of columns per block: one broadcast of x[r, k] feeds them all
 
-// Rows [r, r + R) of x (R = 1 or 2) times wt's [K, nb] block (leading dimension ldk) into out: the
-// columns in blocks of EXPAND_VECS vectors (each weight vector loaded once for both rows), then
-// single vectors, then single columns; every output sums its K products in k order.
-template <int R, typename X, typename W>
-inline void expand_rows(const X* x, int64_t ldx, const W* ws, int64_t ldk, int nb, int64_t K, X* out, int64_t ldo) {
+// Rows [r, r + R) of x (R = 1 or 2) times wt's [K, nb] block (leading dimension ldk) into the
+// output rows outs[0..R): the columns in blocks of EXPAND_VECS vectors (each weight vector loaded
+// once for both rows), then single vectors, then single columns; every output sums its K products
+// in k order. Add: each sum, rounded to X, is added to what the row holds (as PyTorch's `y + d` of
+// two X tensors: in fp32, rounded once), instead of stored.
+template <int R, bool Add, typename X, typename W>
+inline void expand_rows(const X* x, int64_t ldx, const W* ws, int64_t ldk, int nb, int64_t K, X* const* outs) {
+  const auto put = [&](int i, int c, vec acc) {
+    if constexpr (Add) acc = vadd(vload(outs[i] + c), round_vec(outs[i], acc));
+    vstore_as(outs[i] + c, acc);  // rounds once more to X: the sum's rounding
+  };
   int c = 0;
   for (; c + EXPAND_VECS * L <= nb; c += EXPAND_VECS * L) {
     vec acc[R][EXPAND_VECS];
@@ -108,20 +114,48 @@ inline void expand_rows(const X* x, int64_t ldx, const W* ws, int64_t ldk, int n
       }
     }
     for (int i = 0; i < R; ++i)
-      for (int v = 0; v < EXPAND_VECS; ++v) vstore_as(out + i * ldo + c + v * L, acc[i][v]);
+      for (int v = 0; v < EXPAND_VECS; ++v) put(i, c + v * L, acc[i][v]);
   }
   for (; c + L <= nb; c += L)
     for (int i = 0; i < R; ++i) {
       vec acc = vzero();
       for (int64_t k = 0; k < K; ++k) acc = vfma(vset(scalar(x + i * ldx, k)), vload(ws + k * ldk + c), acc);
-      vstore_as(out + i * ldo + c, acc);
+      put(i, c, acc);
     }
   for (; c < nb; ++c)
     for (int i = 0; i < R; ++i) {
       float acc = 0.0f;
       for (int64_t k = 0; k < K; ++k) acc = std::fma(scalar(x + i * ldx, k), scalar(ws + k * ldk, c), acc);
-      store(out + i * ldo, c, acc);
+      if constexpr (Add) acc = scalar(outs[i], c) + round_as(outs[i], acc);
+      store(outs[i], c, acc);
     }
+}
+
+// Output columns per expand task for `busy` slots: EXPAND_NB, or EXPAND_MIN_NB when that would
+// leave threads without tasks.
+inline int64_t expand_cols(const std::vector<int>& busy, int64_t n_out, int nth) {
+  return static_cast<int64_t>(busy.size()) * ((n_out + EXPAND_NB - 1) / EXPAND_NB) >= 4 * nth ? EXPAND_NB
+                                                                                             : EXPAND_MIN_NB;
+}
+
+// Expand task (slot, j): the slot's rows of x times its wt block of columns [j * cols, ...),
+// stored (Add false) or added (Add true) into out's row `rows[p]` for x's row p (rows null: p).
+template <bool Add, typename X, typename W>
+inline void expand_task(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* rows, const W* ws,
+                        int64_t ldk, int64_t cols, int64_t j, int64_t n_out, int64_t K, X* out, int64_t ldo,
+                        int slot) {
+  const int64_t n0 = j * cols;
+  const int nb = static_cast<int>(n_out - n0 < cols ? n_out - n0 : cols);
+  const auto row_out = [&](int64_t p) { return out + (rows != nullptr ? rows[p] : p) * ldo + n0; };
+  int64_t p = offsets[slot];
+  for (; p + 2 <= offsets[slot + 1]; p += 2) {
+    X* const outs[2] = {row_out(p), row_out(p + 1)};
+    expand_rows<2, Add>(x + p * ldx, ldx, ws + n0, ldk, nb, K, outs);
+  }
+  if (p < offsets[slot + 1]) {
+    X* const outs[1] = {row_out(p)};
+    expand_rows<1, Add>(x + p * ldx, ldx, ws + n0, ldk, nb, K, outs);
+  }
 }
 
 template <typename X, typename W>
@@ -129,16 +163,10 @@ void grouped_expand(const X* x, int64_t ldx, const int64_t* offsets, const int64
                     const W* wt, int64_t wt_stride_e, int64_t wt_stride_k, X* out, int64_t ldo, int64_t n_out,
                     int64_t K) {
   const std::vector<int> busy = busy_slots(offsets, num_slots);
-  const int nth = num_threads() > 0 ? num_threads() : 1;
-  const int64_t cols = static_cast<int64_t>(busy.size()) * ((n_out + EXPAND_NB - 1) / EXPAND_NB) >= 4 * nth
-                           ? EXPAND_NB : EXPAND_MIN_NB;
+  const int64_t cols = expand_cols(busy, n_out, num_threads() > 0 ? num_threads() : 1);
   for_slot_tasks(offsets, busy, (n_out + cols - 1) / cols, TASK_COST_ROWS, [&](int slot, int64_t j) {
-    const int64_t n0 = j * cols;
-    const int nb = static_cast<int>(n_out - n0 < cols ? n_out - n0 : cols);
-    const W* ws = wt + weight_row(slot_rows, slot) * wt_stride_e + n0;
-    int64_t r = offsets[slot];
-    for (; r + 2 <= offsets[slot + 1]; r += 2) expand_rows<2>(x + r * ldx, ldx, ws, wt_stride_k, nb, K, out + r * ldo + n0, ldo);
-    if (r < offsets[slot + 1]) expand_rows<1>(x + r * ldx, ldx, ws, wt_stride_k, nb, K, out + r * ldo + n0, ldo);
+    expand_task<false>(x, ldx, offsets, nullptr, wt + weight_row(slot_rows, slot) * wt_stride_e, wt_stride_k, cols, j,
+                       n_out, K, out, ldo, slot);
   });
 }
 
@@ -478,6 +506,57 @@ bool amx_grouped_swiglu(const X* x, int64_t ldx, const int64_t* offsets, const i
 }
 #endif
 
+// A LoRA site's whole product, added into its rows' outputs, in one parallel region:
+//
+//   out[rows[p], :] += round_X(round_X(x[p, :] @ a[slot(p)]^T) @ bt[slot(p)])   for each pair p
+//
+// x: the pairs' inputs in pair order (grouped by slot as in grouped_gemm), rows: each pair's output
+// row (null: p; no row twice), a [S, R, n_in], bt [S, R, n_out] (B transposed), h: scratch [P, R].
+// Its two phases are grouped_gemm's dot tasks (h = x @ a^T, rounded to X as that kernel stores it)
+// and grouped_expand's tasks, a barrier of the team between them: the sums of the two kernels and
+// of PyTorch's add, without a second region, an output tensor, a scatter and an add (a decode's
+// LoRA site: ~20 us of products, ~35 us as those separate calls; docs/adapters.md). Returns false,
+// having done nothing, where grouped_gemm would compute h otherwise (packed panels, bf16 pair
+// panels, AMX tiles): the caller runs the two kernels.
+template <typename X, typename W>
+bool grouped_lora_add(const X* x, int64_t ldx, const int64_t* rows, const int64_t* offsets, int num_slots,
+                      const W* a, int64_t a_stride_e, int64_t a_stride_r, const W* bt, int64_t bt_stride_e,
+                      int64_t bt_stride_k, X* out, int64_t ldo, int64_t n_in, int64_t n_out, int64_t rank, X* h) {
+  const std::vector<int> busy = busy_slots(offsets, num_slots);
+  if (busy.empty()) return true;
+#if defined(EMOE_AMX)
+  if (g_amx && std::is_same_v<W, uint16_t>) return false;
+#endif
+#if defined(EMOE_BF16DOT)
+  if constexpr (std::is_same_v<X, uint16_t> && std::is_same_v<W, uint16_t>) {
+    if (uses_pair_panels(offsets, num_slots, busy, n_in)) return false;
+  }
+#endif
+  if (uses_panels(offsets, num_slots, busy)) return false;
+  const int nth = num_threads() > 0 ? num_threads() : 1;
+  const int64_t cols = expand_cols(busy, n_out, nth);
+  const int64_t shrink_tasks = (rank + NB - 1) / NB, expand_tasks = (n_out + cols - 1) / cols;
+  TaskRuns shrink = slot_task_runs(offsets, busy, shrink_tasks, TASK_COST_ROWS, nth);
+  TaskRuns expand = slot_task_runs(offsets, busy, expand_tasks, TASK_COST_ROWS, nth);
+#pragma omp parallel num_threads(nth)
+  {
+    const int me = omp_get_thread_num();
+    shrink.work(me, [&](int64_t t) {
+      const int slot = busy[t / shrink_tasks];
+      const int64_t n0 = (t % shrink_tasks) * NB;
+      dot_cols(x, ldx, offsets[slot], offsets[slot + 1], a + slot * a_stride_e + n0 * a_stride_r, a_stride_r,
+               rank - n0 < NB ? rank - n0 : NB, rank - n0, n_in, h + n0, rank);
+    });
+#pragma omp barrier
+    expand.work(me, [&](int64_t t) {
+      const int slot = busy[t / expand_tasks];
+      expand_task<true>(h, rank, offsets, rows, bt + slot * bt_stride_e, bt_stride_k, cols, t % expand_tasks, n_out,
+                        rank, out, ldo, slot);
+    });
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -595,6 +674,28 @@ int emoe_grouped_expand(const void* x, int64_t ldx, int x_dtype, const int64_t* 
     return -1;
   }
   return 0;
+}
+
+// grouped_lora_add (above): returns 0 done, 1 left to the caller's two kernels, -1 for an
+// unsupported dtype pair (as emoe_grouped_gemm).
+int emoe_grouped_lora_add(const void* x, int64_t ldx, int x_dtype, const int64_t* rows, const int64_t* offsets,
+                          int num_slots, const void* a, int64_t a_stride_e, int64_t a_stride_r, const void* bt,
+                          int64_t bt_stride_e, int64_t bt_stride_k, int w_dtype, void* out, int64_t ldo, int64_t n_in,
+                          int64_t n_out, int64_t rank, void* h) {
+  const auto run = [&](auto* typed_out, auto* typed_w) {
+    using X = std::remove_pointer_t<decltype(typed_out)>;
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(typed_w)>>;
+    return grouped_lora_add(static_cast<const X*>(x), ldx, rows, offsets, num_slots, static_cast<const W*>(a),
+                            a_stride_e, a_stride_r, static_cast<const W*>(bt), bt_stride_e, bt_stride_k, typed_out,
+                            ldo, n_in, n_out, rank, static_cast<X*>(h))
+               ? 0
+               : 1;
+  };
+  if (x_dtype == kF32 && w_dtype == kF32) return run(static_cast<float*>(out), static_cast<const float*>(nullptr));
+  if (x_dtype == kF32 && w_dtype == kBF16) return run(static_cast<float*>(out), static_cast<const uint16_t*>(nullptr));
+  if (x_dtype == kBF16 && w_dtype == kBF16)
+    return run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(nullptr));
+  return -1;
 }
 
 }  // extern "C"

@@ -9,12 +9,6 @@
 
 namespace emoe {
 
-// v as the model dtype T holds it (T: float, or uint16_t for bf16), kept as fp32.
-inline float round_as(const float*, float v) { return v; }
-inline float round_as(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
-inline vec round_vec(const float*, vec v) { return v; }
-inline vec round_vec(const uint16_t*, vec v) { return vround_bf16(v); }
-
 // p[0:n] = softmax(p[0:n]) in fp32, then rounded to T's precision (as `.to(v.dtype)` does).
 template <typename T>
 inline void softmax_inplace(float* p, int64_t n, const T* as) {

@@ -234,6 +234,12 @@ inline void vstore_as(uint16_t* p, vec v) {
 #endif
 }
 
+// v as the dtype T holds it (T: float, or uint16_t for bf16), kept as fp32.
+inline float round_as(const float*, float v) { return v; }
+inline float round_as(const uint16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+inline vec round_vec(const float*, vec v) { return v; }
+inline vec round_vec(const uint16_t*, vec v) { return vround_bf16(v); }
+
 inline float scalar(const float* p, int64_t i) { return p[i]; }
 inline float scalar(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
