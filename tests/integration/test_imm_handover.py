@@ -31,16 +31,20 @@ pytestmark = pytest.mark.slow
 
 BUDGET, KV, PAGE = 32 << 20, 4 << 20, 4096
 OPTIONS = EngineOptions(dtype=torch.float32, num_threads=1)
-# Long enough to still run when the switch happens (about 50 tokens are out at the pause; 512 B of KV a token).
+# Long enough to still run when the switch happens, 512 B of KV a token. The ranks step at most 50
+# times a second (`paced_engines`): unpaced, ~216 tokens were out at the pause after a 0.44 s
+# staging, and a clean-clone run beside the other test worker once generated 628 while the new
+# instance was staged and warmed up (the 600-token request had finished before the pause); paced,
+# ~20 are out, and the staging would have to take 6.4 s to finish the shortest request.
 REQUESTS = {
-    "greedy-long": ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)),
-    "greedy-short": ([11, 12, 13], SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)),
-    "sampled": ([20, 21, 22, 23], SamplingParams(temperature=0.8, seed=7, max_tokens=700, ignore_eos=True)),
+    "greedy-long": ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)),
+    "greedy-short": ([11, 12, 13], SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True)),
+    "sampled": ([20, 21, 22, 23], SamplingParams(temperature=0.8, seed=7, max_tokens=360, ignore_eos=True)),
 }
 
 
 @pytest.fixture(scope="module")
-def hmm(tiny_model_dir):
+def hmm(tiny_model_dir, paced_engines):
     with ray_hmm(tiny_model_dir, dp=1, budget=BUDGET, kv_bytes=KV, page=PAGE) as ctl:
         yield ctl
 
