@@ -85,6 +85,28 @@ class LoraGroups:
 
     def delta(self, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
         """x [N, in], a [K, r, in], bt [K, r, out] -> the rows' LoRA outputs [N, out] (0 without a key)."""
+        return self._rows_out(x, self._pairs_out(x, self._pair_inputs(x), a, bt))
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        """`y + delta(x, a, bt)`, the same values; in place in y (a fresh output of the site's
+        linear) by one kernel call where each row has one adapter at full weight
+        (`grouped_lora_add`: a mixed decode batch's site 42-58 -> 22-39 us), else a new tensor."""
+        site = (a.shape[0], a.shape[2])
+        if not (self.one_per_row and self.weights is None and site not in self._unfused
+                and has_grouped_gemm(x.dtype, a.dtype)):
+            return y + self.delta(x, a, bt)
+        xs = self._pair_inputs(x)
+        if grouped_lora_add(y, xs, None if self.in_order else self.rows, self.offsets(a.shape[0]), a, bt):
+            return y
+        self._unfused.add(site)
+        return y + self._rows_out(x, self._pairs_out(x, xs, a, bt))
+
+    def _pair_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The pairs' input rows, in pair order."""
+        return x if self.in_order else x.index_select(0, self.rows)
+
+    def _pairs_out(self, x: torch.Tensor, xs: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        """Each pair's weighted LoRA output [P, out] (`xs`: `_pair_inputs(x)`)."""
         # The grouped kernel wherever it serves the dtypes. The padded bmm computes every group at the
         # largest group's size: a continuous batch's prefill of 128 rows beside 40 decodes of one row
         # (r 16, 512 -> 512, 2 threads, Zen 5) took 3.07 ms in bf16 and 7.82 ms in fp32 there, 0.11
@@ -92,30 +114,20 @@ class LoraGroups:
         pair_out = None
         if has_grouped_gemm(x.dtype, a.dtype):
             offsets = self.offsets(a.shape[0])
-            xs = x if self.in_order else x.index_select(0, self.rows)
             pair_out = grouped_expand(grouped_gemm(xs, offsets, a), offsets, bt)
         if pair_out is None:
             pair_out = self._padded_delta(x, a, bt)
         if self.weights is not None:
             pair_out = pair_out * self.weights.unsqueeze(1).to(pair_out.dtype)
+        return pair_out
+
+    def _rows_out(self, x: torch.Tensor, pair_out: torch.Tensor) -> torch.Tensor:
+        """The pairs' outputs summed into their rows [N, out] (0 without a key)."""
         if self.in_order:
             return pair_out
         if self.one_per_row:  # a permutation of the rows: each written once, nothing to zero or sum
             return x.new_empty((self.num_rows, pair_out.shape[-1])).index_copy_(0, self.rows, pair_out)
         return x.new_zeros((self.num_rows, pair_out.shape[-1])).index_add_(0, self.rows, pair_out)
-
-    def add_delta(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
-        """`y + delta(x, a, bt)`, the same values; in place in y (a fresh output of the site's
-        linear) by one kernel call where each row has one adapter at full weight
-        (`grouped_lora_add`: a mixed decode batch's site 42-58 -> 22-39 us), else a new tensor."""
-        site = (a.shape[0], a.shape[2])
-        if (self.one_per_row and self.weights is None and site not in self._unfused
-                and has_grouped_gemm(x.dtype, a.dtype)):
-            xs = x if self.in_order else x.index_select(0, self.rows)
-            if grouped_lora_add(y, xs, None if self.in_order else self.rows, self.offsets(a.shape[0]), a, bt):
-                return y
-            self._unfused.add(site)
-        return y + self.delta(x, a, bt)
 
     def _padded_delta(self, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
         """Each pair's LoRA output [P, out], by batched GEMMs over groups padded to the largest."""

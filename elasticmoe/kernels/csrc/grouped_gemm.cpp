@@ -386,28 +386,47 @@ void bf16_grouped_swiglu(const uint16_t* x, int64_t ldx, const int64_t* offsets,
 }
 #endif
 
+// Whether grouped_gemm computes a call on its dot tasks (`dot_task`): not on bf16 pair panels,
+// not on packed panels. The fused LoRA kernel asks it to keep grouped_gemm's sums.
+template <typename X, typename W>
+inline bool uses_dot_tasks(const int64_t* offsets, int num_slots, const std::vector<int>& busy, int64_t K) {
+#if defined(EMOE_BF16DOT)
+  if constexpr (std::is_same_v<X, uint16_t> && std::is_same_v<W, uint16_t>) {
+    if (uses_pair_panels(offsets, num_slots, busy, K)) return false;
+  }
+#endif
+  return busy.empty() || !uses_panels(offsets, num_slots, busy);
+}
+
+// Dot task (slot, j): the slot's rows of x times weight rows [j * NB, ...) of ws (the slot's
+// weights, row stride w_stride_n) into out's columns from j * NB.
+template <typename X, typename W>
+inline void dot_task(const X* x, int64_t ldx, const int64_t* offsets, int slot, const W* ws, int64_t w_stride_n,
+                     int64_t j, int64_t n_out, int64_t K, X* out, int64_t ldo) {
+  const int64_t n0 = j * NB;
+  dot_cols(x, ldx, offsets[slot], offsets[slot + 1], ws + n0 * w_stride_n, w_stride_n, n_out - n0 < NB ? n_out - n0 : NB,
+           n_out - n0, K, out + n0, ldo);
+}
+
 template <typename X, typename W>
 void grouped_gemm(const X* x, int64_t ldx, const int64_t* offsets, const int64_t* slot_rows, int num_slots,
                   const W* w, int64_t w_stride_e, int64_t w_stride_n, X* out, int64_t ldo, int64_t n_out, int64_t K) {
   const std::vector<int> busy = busy_slots(offsets, num_slots);
+  if (!uses_dot_tasks<X, W>(offsets, num_slots, busy, K)) {
 #if defined(EMOE_BF16DOT)
-  if constexpr (std::is_same_v<X, uint16_t> && std::is_same_v<W, uint16_t>) {
-    if (uses_pair_panels(offsets, num_slots, busy, K)) {
-      pair_panel_grouped_gemm(x, ldx, offsets, busy, slot_rows, w, w_stride_e, w_stride_n, out, ldo, n_out, K);
-      return;
+    if constexpr (std::is_same_v<X, uint16_t> && std::is_same_v<W, uint16_t>) {
+      if (uses_pair_panels(offsets, num_slots, busy, K)) {
+        pair_panel_grouped_gemm(x, ldx, offsets, busy, slot_rows, w, w_stride_e, w_stride_n, out, ldo, n_out, K);
+        return;
+      }
     }
-  }
 #endif
-  if (!busy.empty() && uses_panels(offsets, num_slots, busy)) {
     panel_grouped_gemm(x, ldx, offsets, busy, slot_rows, w, w_stride_e, w_stride_n, out, ldo, n_out, K);
     return;
   }
   // Tasks: (slot, block of NB weight rows), only for slots with rows.
   for_slot_tasks(offsets, busy, (n_out + NB - 1) / NB, TASK_COST_ROWS, [&](int slot, int64_t j) {
-    const int64_t n0 = j * NB;
-    const int64_t row = weight_row(slot_rows, slot);
-    dot_cols(x, ldx, offsets[slot], offsets[slot + 1], w + row * w_stride_e + n0 * w_stride_n, w_stride_n,
-             n_out - n0 < NB ? n_out - n0 : NB, n_out - n0, K, out + n0, ldo);
+    dot_task(x, ldx, offsets, slot, w + weight_row(slot_rows, slot) * w_stride_e, w_stride_n, j, n_out, K, out, ldo);
   });
 }
 
@@ -527,12 +546,7 @@ bool grouped_lora_add(const X* x, int64_t ldx, const int64_t* rows, const int64_
 #if defined(EMOE_AMX)
   if (g_amx && std::is_same_v<W, uint16_t>) return false;
 #endif
-#if defined(EMOE_BF16DOT)
-  if constexpr (std::is_same_v<X, uint16_t> && std::is_same_v<W, uint16_t>) {
-    if (uses_pair_panels(offsets, num_slots, busy, n_in)) return false;
-  }
-#endif
-  if (uses_panels(offsets, num_slots, busy)) return false;
+  if (!uses_dot_tasks<X, W>(offsets, num_slots, busy, n_in)) return false;
   const int nth = num_threads() > 0 ? num_threads() : 1;
   const int64_t cols = expand_cols(busy, n_out, nth);
   const int64_t shrink_tasks = (rank + NB - 1) / NB, expand_tasks = (n_out + cols - 1) / cols;
@@ -543,9 +557,7 @@ bool grouped_lora_add(const X* x, int64_t ldx, const int64_t* rows, const int64_
     const int me = omp_get_thread_num();
     shrink.work(me, [&](int64_t t) {
       const int slot = busy[t / shrink_tasks];
-      const int64_t n0 = (t % shrink_tasks) * NB;
-      dot_cols(x, ldx, offsets[slot], offsets[slot + 1], a + slot * a_stride_e + n0 * a_stride_r, a_stride_r,
-               rank - n0 < NB ? rank - n0 : NB, rank - n0, n_in, h + n0, rank);
+      dot_task(x, ldx, offsets, slot, a + slot * a_stride_e, a_stride_r, t % shrink_tasks, rank, n_in, h, rank);
     });
 #pragma omp barrier
     expand.work(me, [&](int64_t t) {
